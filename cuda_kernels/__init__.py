@@ -1,0 +1,1 @@
+"""spectrio.cuda_kernels: CUDA sources, the CuPy loader and NumPy references."""

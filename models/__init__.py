@@ -1,0 +1,1 @@
+"""spectrio.models (public names filled in below)."""

@@ -1,0 +1,110 @@
+"""Model configuration with Hugging Face field names."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "SpectrioMTPForCausalLM", "DeepseekV3ForCausalLM")
+
+
+class ModelConfigError(ValueError):
+    """A config.json that does not describe a model this package can build."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    num_nextn_predict_layers: int = 1
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    architectures: tuple[str, ...] = ("SpectrioMTPForCausalLM",)
+
+    def __post_init__(self) -> None:
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ModelConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ModelConfigError(
+                f"hidden_size ({self.hidden_size}) must be divisible by "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ModelConfigError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.num_nextn_predict_layers not in (0, 1):
+            raise ModelConfigError(
+                f"num_nextn_predict_layers must be 0 or 1, got {self.num_nextn_predict_layers}"
+            )
+        unknown = [a for a in self.architectures if a not in SUPPORTED_ARCHITECTURES]
+        if unknown:
+            raise ModelConfigError(
+                f"unknown architecture {unknown[0]!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.num_nextn_predict_layers > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["architectures"] = list(self.architectures)
+        out["model_type"] = "spectrio_mtp"
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        missing = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.name not in raw
+        ]
+        if missing:
+            raise ModelConfigError(f"config.json is missing required field(s): {', '.join(missing)}")
+        kwargs = {k: v for k, v in raw.items() if k in fields}
+        if "architectures" in kwargs:
+            kwargs["architectures"] = tuple(kwargs["architectures"])
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> ModelConfig:
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ModelConfigError(f"cannot read model config {path}: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ModelConfigError(f"{path}: expected a JSON object")
+        return cls.from_dict(raw)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")

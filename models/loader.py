@@ -1,0 +1,148 @@
+"""Checkpoint save/load in Hugging Face layout (``config.json`` + ``*.safetensors``).
+
+Paddle keeps Linear weights as ``[in, out]``; Hugging Face files hold ``[out, in]``.
+The MTP layer is stored as DeepSeek-V3 names it: ``model.layers.{num_hidden_layers}.*``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import numpy as np
+import paddle
+import structlog
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
+
+from spectrio.models.config import ModelConfig, ModelConfigError
+from spectrio.models.model import SpectrioForCausalLM, build_model
+from spectrio.models.tokenizer import TextTokenizer
+
+log = structlog.get_logger("spectrio.models")
+
+BUNDLED_DIR = Path(__file__).resolve().parent / "bundled"
+
+# DeepSeek-V3 stores copies of the shared embedding and head inside the MTP layer;
+# spectrio shares the target's, so those copies are shape-checked and not loaded.
+_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded completely and exactly."""
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    model: SpectrioForCausalLM
+    config: ModelConfig
+    tokenizer: TextTokenizer | None
+    path: Path
+    load_seconds: float
+
+
+def _hf_name(paddle_name: str, cfg: ModelConfig) -> str:
+    if paddle_name.startswith("mtp."):
+        return f"model.layers.{cfg.num_hidden_layers}." + paddle_name[len("mtp.") :]
+    return paddle_name
+
+
+def _is_linear(param: paddle.Tensor, name: str) -> bool:
+    return param.ndim == 2 and not name.endswith("embed_tokens.weight")
+
+
+def state_dict_hf(model: SpectrioForCausalLM) -> dict[str, np.ndarray]:
+    """The model's weights under Hugging Face names and layouts, as float32 arrays."""
+    out: dict[str, np.ndarray] = {}
+    for name, param in model.named_parameters():
+        arr = param.numpy().astype(np.float32)
+        out[_hf_name(name, model.config)] = np.ascontiguousarray(arr.T if _is_linear(param, name) else arr)
+    return out
+
+
+def save_checkpoint(model: SpectrioForCausalLM, out_dir: str | Path) -> None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.save(out / "config.json")
+    save_file(state_dict_hf(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _read_tensors(folder: Path) -> dict[str, np.ndarray]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no *.safetensors files")
+    tensors: dict[str, np.ndarray] = {}
+    for f in files:
+        try:
+            part = load_file(str(f))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{f}: corrupt or unreadable safetensors file ({exc})") from exc
+        for name, arr in part.items():
+            if name in tensors:
+                raise CheckpointError(f"{f}: tensor {name!r} appears in more than one file")
+            tensors[name] = arr
+    return tensors
+
+
+def resolve_path(path_or_name: str | Path) -> Path:
+    if str(path_or_name) == "bundled":
+        return BUNDLED_DIR
+    path = Path(path_or_name).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(f"model {str(path_or_name)!r} is neither 'bundled' nor a directory")
+    return path
+
+
+def load(path_or_name: str | Path = "bundled", dtype: str = "float32") -> LoadedModel:
+    """Load ``"bundled"`` or a folder with ``config.json`` and ``*.safetensors``.
+
+    Every parameter must be present with its exact shape; anything missing, misshapen,
+    unexpected or unreadable raises :class:`CheckpointError` naming it.
+    """
+    t0 = time.perf_counter()
+    folder = resolve_path(path_or_name)
+    try:
+        cfg = ModelConfig.from_json(folder / "config.json")
+    except ModelConfigError as exc:
+        raise CheckpointError(f"{folder / 'config.json'}: {exc}") from exc
+    tensors = _read_tensors(folder)
+    model = build_model(cfg, dtype)
+    mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
+    expected: set[str] = set()
+    with paddle.no_grad():
+        for name, param in model.named_parameters():
+            hf = _hf_name(name, cfg)
+            expected.add(hf)
+            if hf not in tensors:
+                raise CheckpointError(
+                    f"{folder}: missing tensor {hf!r} (expected shape {_hf_shape(param, name)})"
+                )
+            arr = tensors[hf]
+            want = _hf_shape(param, name)
+            if list(arr.shape) != want:
+                raise CheckpointError(
+                    f"{folder}: tensor {hf!r} has shape {list(arr.shape)}, expected {want}"
+                )
+            if not np.issubdtype(arr.dtype, np.floating):
+                raise CheckpointError(f"{folder}: tensor {hf!r} has non-float dtype {arr.dtype}")
+            value = arr.T if _is_linear(param, name) else arr
+            param.set_value(np.ascontiguousarray(value).astype(dtype))
+    for name in sorted(set(tensors) - expected):
+        suffix = name[len(mtp_prefix) :] if name.startswith(mtp_prefix) else None
+        if suffix in _SHARED_COPIES:
+            continue
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        raise CheckpointError(f"{folder}: unexpected tensor {name!r} (not part of this architecture)")
+    model.eval()
+    tok_path = folder / "tokenizer.json"
+    tokenizer = TextTokenizer.from_file(tok_path, eos_token_id=cfg.eos_token_id) if tok_path.exists() else None
+    seconds = time.perf_counter() - t0
+    log.info("model loaded", path=str(folder), dtype=dtype, seconds=round(seconds, 3))
+    return LoadedModel(model=model, config=cfg, tokenizer=tokenizer, path=folder, load_seconds=seconds)
+
+
+def _hf_shape(param: paddle.Tensor, name: str) -> list[int]:
+    shape = list(param.shape)
+    return shape[::-1] if _is_linear(param, name) else shape

@@ -1,0 +1,161 @@
+"""The target decoder and its DeepSeek-V3-style MTP draft layer, in one Paddle module."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import paddle
+from paddle import nn
+
+from spectrio.models.batch import AttentionPlan, PackedBatch
+from spectrio.models.config import ModelConfig
+from spectrio.models.kv_cache import PagedKVCache
+from spectrio.models.layers import DecoderLayer, RMSNorm, rope_cos_sin
+
+
+@dataclasses.dataclass
+class ForwardOutput:
+    logits: paddle.Tensor  # [M, V] for the requested rows
+    hidden: paddle.Tensor  # [N, d] for every row
+
+
+class DecoderModel(nn.Layer):
+    """Embedding, the decoder stack and the final norm (Hugging Face ``model.*``)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.LayerList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class SharedHead(nn.Layer):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MTPLayer(DecoderLayer):
+    """One transformer block fed ``eh_proj([enorm(emb(t+1)), hnorm(h_t)])``; predicts t+2."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias_attr=False)
+        self.shared_head = SharedHead(cfg)
+
+    def fuse(self, embeds: paddle.Tensor, prev_hidden: paddle.Tensor) -> paddle.Tensor:
+        return self.eh_proj(paddle.concat([self.enorm(embeds), self.hnorm(prev_hidden)], axis=-1))
+
+
+class SpectrioForCausalLM(nn.Layer):
+    """Target language model plus (optionally) its MTP layer.
+
+    Hidden states handed to the MTP layer are the target's final, normed hidden
+    states; the MTP layer's own output hidden state (before ``shared_head.norm``)
+    is what the next MTP substep consumes.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias_attr=False)
+        )
+        self.mtp = MTPLayer(cfg) if cfg.has_mtp else None
+
+    @property
+    def dtype(self) -> str:
+        return str(self.model.embed_tokens.weight.dtype).replace("paddle.", "")
+
+    def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        if self.lm_head is None:
+            return paddle.matmul(hidden, self.model.embed_tokens.weight, transpose_y=True)
+        return self.lm_head(hidden)
+
+    def _rope(self, positions: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        cfg = self.config
+        return rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.dtype)
+
+    def _select(self, hidden: paddle.Tensor, batch: PackedBatch) -> paddle.Tensor:
+        if batch.logits_indices is None:
+            return hidden
+        return paddle.gather(hidden, paddle.to_tensor(batch.logits_indices), axis=0)
+
+    # ---- serving: packed rows over a paged cache -------------------------------------
+
+    def forward(self, batch: PackedBatch, cache: PagedKVCache) -> ForwardOutput:
+        """Target pass: writes K/V of every row, returns logits and final hidden states."""
+        plan = AttentionPlan.build(batch, cache.block_size, self.dtype)
+        cos, sin = self._rope(paddle.to_tensor(batch.positions))
+        x = self.model.embed_tokens(paddle.to_tensor(batch.input_ids))
+        for i, layer in enumerate(self.model.layers):
+            x = layer.forward_paged(x, cos, sin, plan, cache, i)
+        hidden = self.model.norm(x)
+        return ForwardOutput(logits=self.compute_logits(self._select(hidden, batch)), hidden=hidden)
+
+    def mtp_forward(
+        self, batch: PackedBatch, prev_hidden: paddle.Tensor, cache: PagedKVCache
+    ) -> ForwardOutput:
+        """MTP pass. Row r pairs ``prev_hidden[r]`` (state at position p) with
+        ``batch.input_ids[r]`` (the token at p+1) and sits at MTP position p; its logits
+        predict the token at p+2. The returned hidden states feed the next substep."""
+        if self.mtp is None:
+            raise RuntimeError("this checkpoint has no MTP layer (num_nextn_predict_layers=0)")
+        plan = AttentionPlan.build(batch, cache.block_size, self.dtype)
+        cos, sin = self._rope(paddle.to_tensor(batch.positions))
+        x = self.mtp.fuse(self.model.embed_tokens(paddle.to_tensor(batch.input_ids)), prev_hidden)
+        x = self.mtp.forward_paged(x, cos, sin, plan, cache, 0)
+        logits = self.compute_logits(self.mtp.shared_head.norm(self._select(x, batch)))
+        return ForwardOutput(logits=logits, hidden=x)
+
+    # ---- dense: [B, T] causal, no cache (training and the oracle) --------------------
+
+    def forward_dense(self, input_ids: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """Return (logits ``[B, T, V]``, final hidden ``[B, T, d]``)."""
+        t = input_ids.shape[1]
+        cos, sin = self._rope(paddle.arange(t, dtype="int64"))
+        mask = _dense_mask(t, self.dtype)
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer.forward_dense(x, cos, sin, mask)
+        hidden = self.model.norm(x)
+        return self.compute_logits(hidden), hidden
+
+    def mtp_forward_dense(
+        self, next_ids: paddle.Tensor, prev_hidden: paddle.Tensor
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """Dense MTP: ``next_ids[:, p]`` is the token at p+1, ``prev_hidden[:, p]`` the state
+        at p; returns (logits for p+2, MTP hidden), both over all positions."""
+        assert self.mtp is not None
+        t = next_ids.shape[1]
+        cos, sin = self._rope(paddle.arange(t, dtype="int64"))
+        x = self.mtp.fuse(self.model.embed_tokens(next_ids), prev_hidden)
+        x = self.mtp.forward_dense(x, cos, sin, _dense_mask(t, self.dtype))
+        return self.compute_logits(self.mtp.shared_head.norm(x)), x
+
+
+def _dense_mask(t: int, dtype: str) -> paddle.Tensor:
+    return paddle.to_tensor(np.triu(np.full((t, t), -np.inf), k=1).astype(dtype))
+
+
+def build_model(cfg: ModelConfig, dtype: str = "float32", seed: int | None = None) -> SpectrioForCausalLM:
+    """A freshly initialised model (small-std normal init, as Llama uses)."""
+    if dtype not in ("float32", "float64"):
+        raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
+    if seed is not None:
+        paddle.seed(seed)
+    model = SpectrioForCausalLM(cfg)
+    init = nn.initializer.Normal(0.0, 0.02)
+    for name, p in model.named_parameters():
+        if p.ndim == 2:
+            init(p)
+    if dtype != "float32":
+        model.to(dtype=dtype)
+    model.eval()
+    return model

@@ -1,0 +1,1 @@
+"""spectrio.runtime: configuration, planning, channels, pipeline assembly and the public API."""

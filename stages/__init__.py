@@ -1,0 +1,1 @@
+"""spectrio.stages: one module per pipeline actor plus the pure logic each needs."""

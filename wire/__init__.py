@@ -1,0 +1,1 @@
+"""spectrio.wire: msgspec schema, codec, framing, ZeroMQ endpoints and the client."""
