@@ -18,6 +18,8 @@ from spectrio.models.batch import AttentionPlan
 from spectrio.models.config import ModelConfig
 from spectrio.models.kv_cache import PagedKVCache
 
+KV = tuple[paddle.Tensor, paddle.Tensor]
+
 
 class RMSNorm(nn.Layer):
     def __init__(self, dim: int, eps: float) -> None:
@@ -86,14 +88,23 @@ class Attention(nn.Layer):
         return t if rep == 1 else paddle.repeat_interleave(t, rep, axis=head_axis)
 
     def forward_dense(
-        self, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, mask: paddle.Tensor
-    ) -> paddle.Tensor:
-        """x ``[B, T, d]``; mask ``[T, T]`` additive causal."""
+        self,
+        x: paddle.Tensor,
+        cos: paddle.Tensor,
+        sin: paddle.Tensor,
+        mask: paddle.Tensor,
+        past: KV | None = None,
+    ) -> tuple[paddle.Tensor, KV]:
+        """x ``[B, T, d]``; ``past`` holds contiguous keys/values ``[B, P, kv_heads, D]`` of
+        the positions before these; mask ``[T, P+T]``. Returns the output and all K/V."""
         b, t, _ = x.shape
         q, k, v = self._qkv(x, cos, sin)
-        q, k, v = (y.transpose([0, 2, 1, 3]) for y in (q, k, v))
-        out = attend(q, self._expand_kv(k, 1), self._expand_kv(v, 1), mask, self.scale)
-        return self.o_proj(out.transpose([0, 2, 1, 3]).reshape([b, t, -1]))
+        if past is not None:
+            k = paddle.concat([past[0], k], axis=1)
+            v = paddle.concat([past[1], v], axis=1)
+        qh, kh, vh = (y.transpose([0, 2, 1, 3]) for y in (q, k, v))
+        out = attend(qh, self._expand_kv(kh, 1), self._expand_kv(vh, 1), mask, self.scale)
+        return self.o_proj(out.transpose([0, 2, 1, 3]).reshape([b, t, -1])), (k, v)
 
     def forward_paged(
         self,
@@ -139,10 +150,16 @@ class DecoderLayer(nn.Layer):
         self.mlp = MLP(cfg)
 
     def forward_dense(
-        self, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, mask: paddle.Tensor
-    ) -> paddle.Tensor:
-        x = x + self.self_attn.forward_dense(self.input_layernorm(x), cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: paddle.Tensor,
+        cos: paddle.Tensor,
+        sin: paddle.Tensor,
+        mask: paddle.Tensor,
+        past: KV | None = None,
+    ) -> tuple[paddle.Tensor, KV]:
+        attn, present = self.self_attn.forward_dense(self.input_layernorm(x), cos, sin, mask, past)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), present
 
     def forward_paged(
         self,

@@ -11,7 +11,7 @@ from paddle import nn
 from spectrio.models.batch import AttentionPlan, PackedBatch
 from spectrio.models.config import ModelConfig
 from spectrio.models.kv_cache import PagedKVCache
-from spectrio.models.layers import DecoderLayer, RMSNorm, rope_cos_sin
+from spectrio.models.layers import KV, DecoderLayer, RMSNorm, rope_cos_sin
 
 
 @dataclasses.dataclass
@@ -85,6 +85,8 @@ class SpectrioForCausalLM(nn.Layer):
     def _select(self, hidden: paddle.Tensor, batch: PackedBatch) -> paddle.Tensor:
         if batch.logits_indices is None:
             return hidden
+        if batch.logits_indices.size == 0:
+            return hidden[:0]
         return paddle.gather(hidden, paddle.to_tensor(batch.logits_indices), axis=0)
 
     # ---- serving: packed rows over a paged cache -------------------------------------
@@ -116,32 +118,42 @@ class SpectrioForCausalLM(nn.Layer):
 
     # ---- dense: [B, T] causal, no cache (training and the oracle) --------------------
 
-    def forward_dense(self, input_ids: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """Return (logits ``[B, T, V]``, final hidden ``[B, T, d]``)."""
+    def forward_dense(
+        self, input_ids: paddle.Tensor, past: list[KV] | None = None
+    ) -> tuple[paddle.Tensor, paddle.Tensor, list[KV]]:
+        """Causal pass over ``[B, T]`` tokens that follow ``past`` (contiguous per-layer K/V
+        of the earlier positions, or None). Returns logits ``[B, T, V]``, final hidden
+        ``[B, T, d]`` and the K/V of every position so far."""
+        start = 0 if past is None else int(past[0][0].shape[1])
         t = input_ids.shape[1]
-        cos, sin = self._rope(paddle.arange(t, dtype="int64"))
-        mask = _dense_mask(t, self.dtype)
+        cos, sin = self._rope(paddle.arange(start, start + t, dtype="int64"))
+        mask = _dense_mask(t, start, self.dtype)
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer.forward_dense(x, cos, sin, mask)
+        presents: list[KV] = []
+        for i, layer in enumerate(self.model.layers):
+            x, kv = layer.forward_dense(x, cos, sin, mask, None if past is None else past[i])
+            presents.append(kv)
         hidden = self.model.norm(x)
-        return self.compute_logits(hidden), hidden
+        return self.compute_logits(hidden), hidden, presents
 
     def mtp_forward_dense(
-        self, next_ids: paddle.Tensor, prev_hidden: paddle.Tensor
-    ) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """Dense MTP: ``next_ids[:, p]`` is the token at p+1, ``prev_hidden[:, p]`` the state
-        at p; returns (logits for p+2, MTP hidden), both over all positions."""
-        assert self.mtp is not None
+        self, next_ids: paddle.Tensor, prev_hidden: paddle.Tensor, past: KV | None = None
+    ) -> tuple[paddle.Tensor, paddle.Tensor, KV]:
+        """Dense MTP: ``next_ids[:, p]`` is the token at p+1 and ``prev_hidden[:, p]`` the
+        state at p; returns (logits for p+2, MTP hidden, MTP K/V so far)."""
+        if self.mtp is None:
+            raise RuntimeError("this checkpoint has no MTP layer (num_nextn_predict_layers=0)")
+        start = 0 if past is None else int(past[0].shape[1])
         t = next_ids.shape[1]
-        cos, sin = self._rope(paddle.arange(t, dtype="int64"))
+        cos, sin = self._rope(paddle.arange(start, start + t, dtype="int64"))
         x = self.mtp.fuse(self.model.embed_tokens(next_ids), prev_hidden)
-        x = self.mtp.forward_dense(x, cos, sin, _dense_mask(t, self.dtype))
-        return self.compute_logits(self.mtp.shared_head.norm(x)), x
+        x, kv = self.mtp.forward_dense(x, cos, sin, _dense_mask(t, start, self.dtype), past)
+        return self.compute_logits(self.mtp.shared_head.norm(x)), x, kv
 
 
-def _dense_mask(t: int, dtype: str) -> paddle.Tensor:
-    return paddle.to_tensor(np.triu(np.full((t, t), -np.inf), k=1).astype(dtype))
+def _dense_mask(t: int, start: int, dtype: str) -> paddle.Tensor:
+    """Rows are positions ``start..start+t-1``; columns are positions ``0..start+t-1``."""
+    return paddle.to_tensor(np.triu(np.full((t, start + t), -np.inf), k=start + 1).astype(dtype))
 
 
 def build_model(cfg: ModelConfig, dtype: str = "float32", seed: int | None = None) -> SpectrioForCausalLM:

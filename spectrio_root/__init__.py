@@ -1,9 +1,24 @@
 """spectrio: an async actor-pipeline runtime for speculative decoding with MTP draft heads.
 
-The top-level namespace is curated; each sub-package (``spectrio.models``,
-``spectrio.runtime`` ...) lives in its own folder of the repository.
+Public names: ``open_runtime``, ``Runtime``, ``Delta``, ``RuntimeConfig``,
+``SpeculativeConfig``, ``SamplingParams``, ``ConfigError``, ``InvalidRequest``.
+Each sub-package (``spectrio.models``, ``spectrio.runtime`` ...) lives in its own folder.
 """
+
+from spectrio.runtime.api import Delta, Runtime, open_runtime
+from spectrio.runtime.config import ConfigError, RuntimeConfig, SpeculativeConfig
+from spectrio.runtime.params import InvalidRequest, SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "ConfigError",
+    "Delta",
+    "InvalidRequest",
+    "Runtime",
+    "RuntimeConfig",
+    "SamplingParams",
+    "SpeculativeConfig",
+    "__version__",
+    "open_runtime",
+]

@@ -116,10 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         window = np.stack([data[s : s + args.seq_len + 1] for s in starts]).astype(np.int64)
         x = paddle.to_tensor(window[:, :-1])
         y = paddle.to_tensor(window[:, 1:])
-        logits, hidden = model.forward_dense(x)
+        logits, hidden, _ = model.forward_dense(x)
         main_loss = F.cross_entropy(logits, y.unsqueeze(-1)).mean()
         # MTP position p pairs h_p with token p+1 and predicts token p+2.
-        mtp_logits, _ = model.mtp_forward_dense(y[:, :-1], hidden[:, :-1])
+        mtp_logits, _, _ = model.mtp_forward_dense(y[:, :-1], hidden[:, :-1])
         mtp_loss = F.cross_entropy(mtp_logits, y[:, 1:].unsqueeze(-1)).mean()
         loss = main_loss + args.mtp_weight * mtp_loss
         opt.set_lr(lr_at(step, args.steps, args.lr, args.warmup))

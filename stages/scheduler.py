@@ -1,0 +1,61 @@
+"""The scheduler actor: admits requests, plans each step, folds results back in."""
+
+from __future__ import annotations
+
+import structlog
+import trio
+
+from spectrio.runtime.channels import ChannelReceiver, ChannelSender
+from spectrio.runtime.messages import AbortRequest, Control, NewRequest, StepPlan, StepResult
+from spectrio.stages.scheduling import Scheduler, Sequence
+
+log = structlog.get_logger("spectrio.stages.scheduler").bind(stage="scheduler", rank=0)
+
+
+def _handle(sched: Scheduler, msg: Control) -> None:
+    if isinstance(msg, NewRequest):
+        sched.add(
+            Sequence(
+                seq_id=msg.seq_id,
+                request_id=msg.request_id,
+                prompt_ids=list(msg.prompt_ids),
+                params=msg.params,
+                eos_token_ids=list(msg.eos_token_ids),
+                speculative=msg.speculative,
+            )
+        )
+        log.debug("request admitted to queue", request_id=msg.request_id)
+    elif isinstance(msg, AbortRequest):
+        seq = sched.abort(msg.seq_id)
+        if seq is not None:
+            log.info("request aborted", request_id=seq.request_id, reason=msg.reason)
+
+
+async def run_scheduler(
+    sched: Scheduler,
+    control: ChannelReceiver[Control],
+    plans: ChannelSender[StepPlan],
+    feedback: ChannelReceiver[StepResult],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run until the control channel closes. One step is in flight at a time; on
+    cancellation the in-flight step is abandoned and nothing else is sent."""
+    task_status.started()
+    while True:
+        if not sched.has_work():
+            try:
+                _handle(sched, await control.receive())
+            except trio.EndOfChannel:
+                return
+        while True:
+            try:
+                _handle(sched, control.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+        plan = sched.schedule()
+        if plan is None:
+            continue
+        await plans.send(plan)
+        result = await feedback.receive()
+        sched.update(result)

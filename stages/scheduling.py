@@ -1,0 +1,234 @@
+"""The scheduler's pure logic: continuous batching, chunked prefill, KV reservation and
+preemption. No Trio, no device: ``schedule()`` turns state into a StepPlan and
+``update()`` folds a StepResult back in.
+
+Per sequence, ``num_computed`` counts positions whose target KV is valid and
+``mtp_computed`` those whose MTP KV holds real (non-speculative) entries. In the decode
+phase ``num_computed == len(tokens) - 1``: the last token waits to be verified together
+with the drafts. The MTP cache shares the target's block table, so reserving positions
+for the k+1 verify rows reserves them for the MTP substeps as well.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections import deque
+
+from spectrio.runtime.config import RuntimeConfig
+from spectrio.runtime.messages import SeqWork, StepPlan, StepResult
+from spectrio.runtime.params import SamplingParams
+from spectrio.stages.block_manager import BlockManager
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int]
+    speculative: bool
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0
+    mtp_computed: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)
+
+
+class Scheduler:
+    def __init__(self, config: RuntimeConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order, oldest first
+        self._by_id: dict[int, Sequence] = {}
+        self._inflight: dict[int, SeqWork] = {}
+        self._aborted_inflight: set[int] = set()
+        self._released: list[int] = []
+        self._step = 0
+
+    # ---- requests ---------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self._by_id:
+            raise ValueError(f"sequence {seq.seq_id} is already scheduled")
+        self._by_id[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Drop a sequence; its blocks are freed now, or when its in-flight step returns."""
+        seq = self._by_id.pop(seq_id, None)
+        if seq is None:
+            return None
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = "abort"
+        if seq_id in self._inflight:
+            self._aborted_inflight.add(seq_id)
+        else:
+            self._release(seq)
+        return seq
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    # ---- planning ---------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan | None:
+        """Plan one step, or None when nothing can run."""
+        if self._inflight:
+            raise RuntimeError("schedule() called while a step is in flight")
+        budget = self.config.max_chunk_tokens()
+        planned: list[tuple[Sequence, int, int]] = []  # (seq, rows, drafts)
+        preempted: list[str] = []
+        for seq in list(self.running):
+            if seq not in self.running or budget <= 0:
+                continue
+            rows, drafts, cost = self._rows_for(seq, budget)
+            if rows == 0:
+                continue
+            need = seq.num_computed + rows + drafts
+            while not self.blocks.can_allocate(seq.seq_id, need):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            self.blocks.allocate(seq.seq_id, need)
+            budget -= cost
+            planned.append((seq, rows, drafts))
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            rows, drafts, cost = self._rows_for(seq, budget)
+            if rows == 0 or not self.blocks.can_allocate(seq.seq_id, seq.num_computed + rows + drafts):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq.seq_id, seq.num_computed + rows + drafts)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            budget -= cost
+            planned.append((seq, rows, drafts))
+        if not planned:
+            if self.running or self.waiting:
+                head = (self.running or list(self.waiting))[0]
+                raise RuntimeError(
+                    f"no progress possible: request {head.request_id} needs more KV blocks "
+                    f"than the pool holds ({self.blocks.num_blocks})"
+                )
+            return None
+        self._step += 1
+        works = [self._work(slot, seq, rows, drafts) for slot, (seq, rows, drafts) in enumerate(planned)]
+        released, self._released = self._released, []
+        for w in works:
+            self._inflight[w.seq_id] = w
+        return StepPlan(step=self._step, seqs=works, preempted=preempted, released=released)
+
+    def _rows_for(self, seq: Sequence, budget: int) -> tuple[int, int, int]:
+        """(target rows of real tokens, drafts, budget cost) for this step."""
+        pending = seq.length - seq.num_computed
+        if pending == 1:
+            if budget < self.config.tokens_per_seq:
+                return 0, 0, 0
+            return 1, self._num_drafts(seq), self.config.tokens_per_seq
+        rows = min(pending, budget)
+        return rows, 0, rows
+
+    def _num_drafts(self, seq: Sequence) -> int:
+        if not seq.speculative:
+            return 0
+        steps = self.config.speculative.effective_num_model_steps
+        return max(0, min(steps, seq.remaining_tokens - 1, self.config.max_model_len - seq.length))
+
+    def _work(self, slot: int, seq: Sequence, rows: int, drafts: int) -> SeqWork:
+        tokens = seq.tokens
+        start = seq.num_computed
+        if seq.speculative:
+            mtp_start, mtp_tokens = seq.mtp_computed, tokens[seq.mtp_computed + 1 : start + 1]
+            seq.mtp_computed = start
+        else:
+            mtp_start, mtp_tokens = start, []
+        return SeqWork(
+            slot=slot,
+            seq_id=seq.seq_id,
+            request_id=seq.request_id,
+            block_table=self.blocks.block_table(seq.seq_id),
+            start_pos=start,
+            token_ids=tokens[start : start + rows],
+            sample=start + rows == seq.length,
+            num_drafts=drafts,
+            mtp_start=mtp_start,
+            mtp_token_ids=mtp_tokens,
+            eos_token_ids=seq.eos_token_ids,
+            max_new_tokens=min(seq.remaining_tokens, self.config.max_model_len - seq.length),
+        )
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks and requeue it first; it recomputes later."""
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.num_computed = 0
+        seq.mtp_computed = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self._released.append(seq.seq_id)
+
+    # ---- results ----------------------------------------------------------------------
+
+    def update(self, result: StepResult) -> list[Sequence]:
+        """Fold a step's results in; returns the sequences that finished in it."""
+        finished: list[Sequence] = []
+        for r in result.results:
+            work = self._inflight.pop(r.seq_id)
+            if r.seq_id in self._aborted_inflight:
+                self._aborted_inflight.discard(r.seq_id)
+                self.blocks.free(r.seq_id)
+                self._released.append(r.seq_id)
+                continue
+            seq = self._by_id[r.seq_id]
+            verified = work.start_pos + len(work.token_ids)
+            seq.num_computed = verified + r.num_accepted if work.sample else verified
+            seq.output_ids.extend(r.token_ids)
+            if r.finish_reason is not None:
+                seq.finish_reason = r.finish_reason
+                self.running.remove(seq)
+                del self._by_id[seq.seq_id]
+                seq.status = SeqStatus.FINISHED
+                self._release(seq)
+                finished.append(seq)
+        for seq_id in list(self._inflight):
+            raise RuntimeError(f"step {result.step} returned no result for sequence {seq_id}")
+        return finished
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.free(seq.seq_id)
+        self._released.append(seq.seq_id)

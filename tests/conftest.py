@@ -1,0 +1,50 @@
+"""Shared fixtures: small random models for exactness tests, the bundled model once per session."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import pytest
+
+from spectrio.models import LoadedModel, ModelConfig, SpectrioForCausalLM, build_model, load
+
+TINY = ModelConfig(
+    vocab_size=97,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=256,
+    eos_token_id=0,
+)
+
+
+def tiny_model(dtype: str = "float32", seed: int = 7, tie: bool = True) -> SpectrioForCausalLM:
+    """A random model whose weights are large enough that logits are not near-uniform."""
+    cfg = TINY if tie else ModelConfig(**_untied())
+    model = build_model(cfg, dtype, seed=seed)
+    rng = np.random.default_rng(seed)
+    with paddle.no_grad():
+        for _, p in model.named_parameters():
+            if p.ndim == 2:
+                p.set_value(rng.normal(0.0, 0.2, size=p.shape).astype(dtype))
+    return model
+
+
+def _untied() -> dict[str, object]:
+    fields = TINY.to_dict()
+    fields.pop("model_type")
+    fields["tie_word_embeddings"] = False
+    fields["architectures"] = tuple(fields["architectures"])
+    return fields
+
+
+@pytest.fixture(scope="session")
+def bundled() -> LoadedModel:
+    return load("bundled")
+
+
+@pytest.fixture(scope="session")
+def bundled64() -> LoadedModel:
+    return load("bundled", dtype="float64")

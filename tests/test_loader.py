@@ -1,0 +1,147 @@
+"""Checkpoint loading: exact round trips and a clear error for every kind of bad checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import paddle
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from conftest import tiny_model
+from spectrio.models import CheckpointError, load, save_checkpoint
+
+IDS = paddle.to_tensor(np.array([[3, 14, 15, 92, 65, 35]], dtype=np.int64))
+
+
+def _logits(model: object) -> np.ndarray:
+    with paddle.no_grad():
+        return model.forward_dense(IDS)[0].numpy()  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    save_checkpoint(tiny_model(), tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_round_trip_gives_identical_logits(tmp_path: Path, tie: bool) -> None:
+    model = tiny_model(tie=tie)
+    save_checkpoint(model, tmp_path)
+    loaded = load(tmp_path)
+    np.testing.assert_array_equal(_logits(loaded.model), _logits(model))
+    assert loaded.config == model.config
+    assert loaded.tokenizer is None
+
+
+def test_hugging_face_names_and_layout(ckpt: Path) -> None:
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    assert tensors["model.embed_tokens.weight"].shape == (97, 32)
+    assert tensors["model.layers.0.self_attn.q_proj.weight"].shape == (32, 32)  # [out, in]
+    assert tensors["model.layers.0.self_attn.k_proj.weight"].shape == (16, 32)
+    assert tensors["model.layers.0.mlp.gate_proj.weight"].shape == (64, 32)
+    # The MTP layer sits after the target's layers, named as DeepSeek-V3 names it.
+    for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight", "self_attn.o_proj.weight"):
+        assert f"model.layers.2.{name}" in tensors
+    assert tensors["model.layers.2.eh_proj.weight"].shape == (32, 64)
+
+
+def _rewrite(ckpt: Path, edit: object) -> None:
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    edit(tensors)  # type: ignore[operator]
+    save_file(tensors, str(ckpt / "model.safetensors"))
+
+
+def test_missing_tensor_is_named(ckpt: Path) -> None:
+    _rewrite(ckpt, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.1.mlp.up_proj.weight' \(expected shape \[64, 32\]\)"):
+        load(ckpt)
+
+
+def test_missing_mtp_tensor_is_named(ckpt: Path) -> None:
+    _rewrite(ckpt, lambda t: t.pop("model.layers.2.hnorm.weight"))
+    with pytest.raises(CheckpointError, match="model.layers.2.hnorm.weight"):
+        load(ckpt)
+
+
+def test_wrong_shape_is_named(ckpt: Path) -> None:
+    def edit(t: dict[str, np.ndarray]) -> None:
+        t["model.layers.0.self_attn.v_proj.weight"] = np.zeros((32, 32), np.float32)
+
+    _rewrite(ckpt, edit)
+    with pytest.raises(CheckpointError, match=r"'model.layers.0.self_attn.v_proj.weight' has shape \[32, 32\], expected \[16, 32\]"):
+        load(ckpt)
+
+
+def test_unexpected_tensor_is_named(ckpt: Path) -> None:
+    def edit(t: dict[str, np.ndarray]) -> None:
+        t["model.layers.7.mlp.up_proj.weight"] = np.zeros((2, 2), np.float32)
+
+    _rewrite(ckpt, edit)
+    with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.7.mlp.up_proj.weight'"):
+        load(ckpt)
+
+
+def test_deepseek_shared_copies_are_accepted(ckpt: Path) -> None:
+    def edit(t: dict[str, np.ndarray]) -> None:
+        t["model.layers.2.embed_tokens.weight"] = t["model.embed_tokens.weight"].copy()
+        t["model.layers.2.shared_head.head.weight"] = t["model.embed_tokens.weight"].copy()
+
+    before = _logits(load(ckpt).model)
+    _rewrite(ckpt, edit)
+    np.testing.assert_array_equal(_logits(load(ckpt).model), before)
+
+
+def test_unknown_architecture(ckpt: Path) -> None:
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["architectures"] = ["MambaForCausalLM"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="unknown architecture 'MambaForCausalLM'"):
+        load(ckpt)
+
+
+def test_config_missing_field(ckpt: Path) -> None:
+    cfg = json.loads((ckpt / "config.json").read_text())
+    del cfg["hidden_size"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="missing required field.*hidden_size"):
+        load(ckpt)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_corrupt_file_is_named(ckpt: Path, damage: str) -> None:
+    path = ckpt / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x07" * 64)
+    with pytest.raises(CheckpointError, match="model.safetensors: corrupt or unreadable"):
+        load(ckpt)
+
+
+def test_no_weights_and_no_folder(tmp_path: Path, ckpt: Path) -> None:
+    (ckpt / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        load(ckpt)
+    with pytest.raises(CheckpointError, match="neither 'bundled' nor a directory"):
+        load(tmp_path / "nope")
+
+
+def test_sharded_checkpoint_loads_and_duplicates_fail(ckpt: Path) -> None:
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    names = sorted(tensors)
+    (ckpt / "model.safetensors").unlink()
+    save_file({n: tensors[n] for n in names[::2]}, str(ckpt / "model-00001-of-00002.safetensors"))
+    save_file({n: tensors[n] for n in names[1::2]}, str(ckpt / "model-00002-of-00002.safetensors"))
+    load(ckpt)
+    save_file({names[0]: tensors[names[0]]}, str(ckpt / "model-extra.safetensors"))
+    with pytest.raises(CheckpointError, match="more than one file"):
+        load(ckpt)
+
+
+def test_float64_load(ckpt: Path) -> None:
+    loaded = load(ckpt, dtype="float64")
+    assert loaded.model.dtype == "float64"
+    with pytest.raises(ValueError, match="dtype"):
+        load(ckpt, dtype="float16")

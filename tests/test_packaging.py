@@ -1,0 +1,48 @@
+"""The installed distribution exposes only the ``spectrio`` namespace."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import spectrio
+import spectrio.models
+
+SUBPACKAGES = ("runtime", "stages", "models", "cuda_kernels", "wire", "tools")
+
+
+def test_every_folder_is_a_spectrio_subpackage() -> None:
+    root = Path(__file__).resolve().parent.parent
+    for name in SUBPACKAGES:
+        module = __import__(f"spectrio.{name}", fromlist=["_"])
+        assert Path(module.__file__).resolve() == root / name / "__init__.py"
+        assert module.__doc__, f"spectrio.{name} needs a docstring stating its public names"
+
+
+def test_no_bare_top_level_packages(tmp_path: Path) -> None:
+    code = (
+        "import importlib.util, sys\n"
+        f"bad = [n for n in {SUBPACKAGES!r} if importlib.util.find_spec(n) is not None]\n"
+        "sys.exit(1 if bad else 0)\n"
+    )
+    # Run from an empty directory so the repository root is not on sys.path.
+    assert subprocess.run([sys.executable, "-c", code], cwd=tmp_path).returncode == 0
+
+
+def test_models_exports_are_pinned() -> None:
+    assert sorted(spectrio.models.__all__) == sorted([
+        "BUNDLED_DIR", "CheckpointError", "ForwardOutput", "IncrementalDetokenizer", "LoadedModel",
+        "ModelConfig", "ModelConfigError", "PackedBatch", "PagedKVCache", "SpectrioForCausalLM",
+        "TextTokenizer", "build_model", "load", "reference", "save_checkpoint", "slots_for_positions",
+    ])
+    for name in spectrio.models.__all__:
+        assert hasattr(spectrio.models, name)
+
+
+def test_console_script_is_declared() -> None:
+    from importlib.metadata import entry_points
+
+    scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts")}
+    assert scripts.get("spectrio") == "spectrio.tools.cli:main"
+    assert spectrio.__version__

@@ -1,0 +1,103 @@
+"""The paged forward pass equals the dense one for prefill, decode and verify rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import pytest
+
+from conftest import tiny_model
+from spectrio.models import PackedBatch, PagedKVCache, SpectrioForCausalLM
+
+BLOCK = 4
+
+
+def _cache(model: SpectrioForCausalLM, num_blocks: int = 64) -> PagedKVCache:
+    cfg = model.config
+    return PagedKVCache(
+        cfg.num_hidden_layers, num_blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim, model.dtype
+    )
+
+
+def _dense(model: SpectrioForCausalLM, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    with paddle.no_grad():
+        logits, hidden, _ = model.forward_dense(paddle.to_tensor(np.asarray([ids], dtype=np.int64)))
+    return logits.numpy()[0], hidden.numpy()[0]
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("float64", 1e-10)])
+def test_mixed_batch_matches_dense(dtype: str, tol: float) -> None:
+    model = tiny_model(dtype)
+    rng = np.random.default_rng(0)
+    seqs = {name: rng.integers(1, 97, size=n).tolist() for name, n in [("a", 21), ("b", 10), ("c", 17)]}
+    # Scattered, non-contiguous blocks so every lookup goes through the table.
+    tables = {"a": [40, 3, 17, 9, 22, 5], "b": [11, 30, 2], "c": [8, 61, 14, 27, 33]}
+    cache = _cache(model)
+    with paddle.no_grad():
+        # Earlier steps: b's first 9 tokens and c's first 13, in two chunks for c.
+        model.forward(PackedBatch.from_sequences([seqs["b"][:9], seqs["c"][:6]], [0, 0],
+                                                 [np.array(tables["b"]), np.array(tables["c"])]), cache)
+        model.forward(PackedBatch.from_sequences([seqs["c"][6:13]], [6], [np.array(tables["c"])]), cache)
+        # This step: a prefills 21 positions, b decodes 1, c verifies 4 across a block boundary.
+        batch = PackedBatch.from_sequences(
+            [seqs["a"], seqs["b"][9:], seqs["c"][13:]],
+            [0, 9, 13],
+            [np.array(tables[k]) for k in "abc"],
+        )
+        out = model.forward(batch, cache)
+    logits, hidden = out.logits.numpy(), out.hidden.numpy()
+    rows = {"a": slice(0, 21), "b": slice(21, 22), "c": slice(22, 26)}
+    tails = {"a": slice(0, 21), "b": slice(9, 10), "c": slice(13, 17)}
+    for name in "abc":
+        dl, dh = _dense(model, seqs[name])
+        assert np.abs(logits[rows[name]] - dl[tails[name]]).max() <= tol
+        assert np.abs(hidden[rows[name]] - dh[tails[name]]).max() <= tol
+
+
+def test_verify_rows_equal_one_token_at_a_time_in_float64() -> None:
+    """A (k+1)-row verify pass gives exactly the argmaxes of a token-by-token decode."""
+    model = tiny_model("float64", seed=3)
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(1, 97, size=11).tolist()
+    proposal = rng.integers(1, 97, size=4).tolist()  # last accepted token + 3 drafts
+    table = np.array([7, 1, 12, 4, 9])
+    with paddle.no_grad():
+        batched_cache = _cache(model)
+        model.forward(PackedBatch.from_sequences([prompt], [0], [table]), batched_cache)
+        verify = model.forward(PackedBatch.from_sequences([proposal], [11], [table]), batched_cache)
+        step_cache = _cache(model)
+        model.forward(PackedBatch.from_sequences([prompt], [0], [table]), step_cache)
+        single = [
+            model.forward(PackedBatch.from_sequences([[tok]], [11 + i], [table]), step_cache).logits
+            for i, tok in enumerate(proposal)
+        ]
+    one_by_one = np.concatenate([s.numpy() for s in single])
+    assert np.array_equal(verify.logits.numpy().argmax(-1), one_by_one.argmax(-1))
+    assert np.abs(verify.logits.numpy() - one_by_one).max() < 1e-10
+
+
+def test_logits_indices_select_rows() -> None:
+    model = tiny_model()
+    ids = [[5, 6, 7, 8], [9, 10]]
+    tables = [np.array([0, 1]), np.array([2])]
+    with paddle.no_grad():
+        full = model.forward(PackedBatch.from_sequences(ids, [0, 0], tables), _cache(model))
+        batch = PackedBatch.from_sequences(ids, [0, 0], tables)
+        batch.logits_indices = batch.last_rows()
+        last = model.forward(batch, _cache(model))
+    assert last.logits.shape == [2, 97]
+    np.testing.assert_array_equal(last.logits.numpy(), full.logits.numpy()[[3, 5]])
+    assert last.hidden.shape == [6, 32]
+
+
+def test_packed_batch_rejects_bad_layouts() -> None:
+    with pytest.raises(ValueError, match="consecutive"):
+        PackedBatch(np.array([1, 2]), np.array([0, 2]), np.array([0, 2]), [np.array([0])])
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        PackedBatch(np.array([1, 2]), np.array([0, 1]), np.array([0, 3]), [np.array([0])])
+    with pytest.raises(ValueError, match="block tables"):
+        PackedBatch(np.array([1, 2]), np.array([0, 1]), np.array([0, 2]), [])
+    model = tiny_model()
+    short = PackedBatch.from_sequences([[1] * 9], [0], [np.array([0, 1])])
+    with pytest.raises(ValueError, match="cannot hold position 8"):
+        model.forward(short, _cache(model))

@@ -1,0 +1,62 @@
+"""The corpus split and the bundled byte-level BPE tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from spectrio.models import BUNDLED_DIR, TextTokenizer
+from spectrio.tools.corpus import corpus_files, is_held_out, read_texts, stdlib_root
+from spectrio.tools.tokenizer_train import EOS_TOKEN
+
+
+@pytest.fixture(scope="module")
+def tok() -> TextTokenizer:
+    return TextTokenizer.from_file(BUNDLED_DIR / "tokenizer.json")
+
+
+def test_split_is_deterministic_disjoint_and_about_ten_percent() -> None:
+    train, held = corpus_files("train"), corpus_files("heldout")
+    assert train == corpus_files("train")
+    assert not set(train) & set(held)
+    share = len(held) / (len(train) + len(held))
+    assert 0.05 < share < 0.15, share
+    root = stdlib_root()
+    for path in train + held:
+        parts = path.relative_to(root).parts
+        assert "site-packages" not in parts and "test" not in parts
+    assert all(is_held_out(p.relative_to(root).as_posix()) for p in held)
+    with pytest.raises(ValueError):
+        corpus_files("validation")
+
+
+def test_round_trip_on_held_out_files(tok: TextTokenizer) -> None:
+    files = corpus_files("heldout")
+    texts = list(read_texts(files))
+    assert len(texts) >= 20
+    for text in texts:
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_vocabulary_and_eos(tok: TextTokenizer) -> None:
+    assert 4000 <= tok.vocab_size <= 8192
+    assert tok.encode(EOS_TOKEN) != []
+
+
+def test_incremental_detokenizer_never_splits_a_character(tok: TextTokenizer) -> None:
+    text = "s = 'héllo wörld — 世界 🚀 ok'\nprint(s)\n"
+    ids = tok.encode(text)
+    stream = tok.stream()
+    deltas = [stream.push([i]) for i in ids]
+    deltas.append(stream.flush())
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text
+    # Some token must have ended inside a multi-byte character for this test to mean anything.
+    assert any(d == "" for d in deltas[:-1])
+
+
+def test_bundled_readme_documents_the_split() -> None:
+    readme = Path(BUNDLED_DIR / "README.md")
+    assert readme.exists()
+    assert "held out" in readme.read_text().lower()
