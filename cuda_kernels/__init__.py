@@ -1,1 +1,57 @@
-"""spectrio.cuda_kernels: CUDA sources, the CuPy loader and NumPy references."""
+"""spectrio.cuda_kernels: CUDA sources, the CuPy loader and NumPy references.
+
+Two kernels build the publisher's per-step record (layout in
+:mod:`spectrio.wire.record`): ``speculate_save`` (header, accept_num, CSR
+token ids) and ``pack_topk`` (the logprob block, exactly ``width`` columns).
+Each has a byte-identical NumPy reference in :mod:`.reference`, which is the
+CPU path. The GPU entry points in :mod:`.loader` take any ``__dlpack__``
+array and an explicit ``stream=``; CuPy is imported only when they run.
+"""
+
+from .loader import (
+    KERNEL_SOURCES,
+    SPECULATE_SAVE_MAX_BSZ,
+    is_host_array,
+    kernel_source,
+    pack_topk,
+    pack_topk_any,
+    speculate_save,
+    speculate_save_any,
+)
+from .reference import (
+    HEADER_WORDS,
+    KIND_DRAFT,
+    KIND_TARGET,
+    MAX_WIDTH,
+    PREEMPTED,
+    RECORD_VERSION,
+    expand_per_token,
+    pack_header,
+    pack_topk_ref,
+    record_width,
+    speculate_save_ref,
+    unpack_header,
+)
+
+__all__ = [
+    "HEADER_WORDS",
+    "KERNEL_SOURCES",
+    "KIND_DRAFT",
+    "KIND_TARGET",
+    "MAX_WIDTH",
+    "PREEMPTED",
+    "RECORD_VERSION",
+    "SPECULATE_SAVE_MAX_BSZ",
+    "expand_per_token",
+    "is_host_array",
+    "kernel_source",
+    "pack_header",
+    "pack_topk",
+    "pack_topk_any",
+    "pack_topk_ref",
+    "record_width",
+    "speculate_save",
+    "speculate_save_any",
+    "speculate_save_ref",
+    "unpack_header",
+]

@@ -66,6 +66,7 @@ class Scheduler:
         self._aborted_inflight: set[int] = set()
         self._released: list[int] = []
         self._step = 0
+        self.num_preemptions = 0
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -199,6 +200,7 @@ class Scheduler:
         seq.mtp_computed = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
         self._released.append(seq.seq_id)
 

@@ -1,0 +1,174 @@
+"""The five-stage pipeline end to end: losslessness, batching, KV pressure, aborts.
+
+Every pipeline here runs with encoded channels (each stage message round-trips through
+msgpack) unless a test says otherwise, and under ``trio.fail_after``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import trio
+
+from pipeline_helpers import collect, oracle, prompts
+from spectrio import (
+    InvalidRequest,
+    RuntimeConfig,
+    SamplingParams,
+    SpeculativeConfig,
+    open_runtime,
+)
+
+MAX_TOKENS = 24
+
+
+def spec(k: int | None) -> SpeculativeConfig:
+    return SpeculativeConfig(method=None) if k is None else SpeculativeConfig(num_speculative_tokens=k)
+
+
+def config(k: int | None, **kw: object) -> RuntimeConfig:
+    fields: dict[str, object] = {"dtype": "float64", "max_model_len": 256, "max_num_seqs": 32,
+                                 "max_num_batched_tokens": 512, "speculative": spec(k)}
+    fields.update(kw)
+    return RuntimeConfig(**fields)  # type: ignore[arg-type]
+
+
+async def run_all(cfg: RuntimeConfig, batch: list[list[int]], max_tokens: int = MAX_TOKENS,
+                  encoded: bool = True) -> tuple[list[list[int]], object]:
+    results: list[list[int]] = [[] for _ in batch]
+    with trio.fail_after(300):
+        async with open_runtime(cfg, encoded_channels=encoded) as rt:
+
+            async def one(i: int) -> None:
+                results[i] = await collect(rt, batch[i], SamplingParams(max_tokens=max_tokens))
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(batch)):
+                    nursery.start_soon(one, i)
+            assert rt.blocks.num_used_blocks == 0
+            rt.blocks.check_invariants()
+            return results, rt
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, None], ids=["k1", "k2", "k3", "no-spec"])
+async def test_greedy_output_equals_reference_in_float64(k: int | None, bundled64: object) -> None:
+    batch = prompts(bundled64.tokenizer)  # type: ignore[attr-defined]
+    assert len(batch) >= 20
+    results, _ = await run_all(config(k), batch)
+    for prompt, got in zip(batch, results):
+        assert got == oracle("float64", prompt, MAX_TOKENS)
+
+
+async def test_batching_invariance_32_concurrent(bundled64: object) -> None:
+    base = prompts(bundled64.tokenizer)  # type: ignore[attr-defined]
+    batch = [base[i % len(base)][: 3 + (7 * i) % 37] for i in range(32)]
+    together, _ = await run_all(config(2), batch)
+    alone = []
+    with trio.fail_after(300):
+        async with open_runtime(config(2), encoded_channels=True) as rt:
+            for prompt in batch:
+                alone.append(await collect(rt, prompt, SamplingParams(max_tokens=MAX_TOKENS)))
+    assert together == alone
+
+
+async def test_kv_pressure_preempts_and_loses_nothing(bundled64: object) -> None:
+    batch = prompts(bundled64.tokenizer)[:12]  # type: ignore[attr-defined]
+    roomy, _ = await run_all(config(2), batch)
+    # 12 sequences of up to ~64 positions need ~60 blocks of 16; give them 14.
+    tight, rt = await run_all(config(2, num_kv_blocks=14, max_model_len=96), batch)
+    assert tight == roomy
+    assert rt.scheduler.num_preemptions > 0  # type: ignore[attr-defined]
+
+
+async def test_abort_and_cancellation_free_blocks(bundled64: object) -> None:
+    with trio.fail_after(120):
+        async with open_runtime(config(2), encoded_channels=True) as rt:
+            long = SamplingParams(max_tokens=200, ignore_eos=True)
+            # 1. explicit abort mid-stream
+            seen = 0
+            async for delta in rt.generate("def fib(n):", long, request_id="a1"):
+                seen += len(delta.token_ids)
+                if seen >= 5 and not delta.finished:
+                    assert await rt.abort("a1")
+                if delta.finished:
+                    assert delta.finish_reason == "abort"
+            # 2. the consumer stops iterating
+            agen = rt.generate("import os\n", long)
+            async for _ in agen:
+                break
+            await agen.aclose()
+            # 3. the consumer is cancelled
+            with trio.move_on_after(0.5):
+                await collect(rt, "class A:\n", long)
+            for _ in range(200):
+                if rt.blocks.num_used_blocks == 0 and not rt.scheduler.has_work():
+                    break
+                await trio.sleep(0.05)
+            assert rt.blocks.num_used_blocks == 0
+            assert not await rt.abort("never-submitted")
+
+
+async def test_bad_requests_get_their_own_errors_and_others_continue(bundled64: object) -> None:
+    good = prompts(bundled64.tokenizer)[:4]  # type: ignore[attr-defined]
+    errors: list[str] = []
+    results: dict[int, list[int]] = {}
+    with trio.fail_after(120):
+        async with open_runtime(config(2), encoded_channels=True) as rt:
+
+            async def bad(prompt: object, params: SamplingParams) -> None:
+                try:
+                    await collect(rt, prompt, params)  # type: ignore[arg-type]
+                except InvalidRequest as exc:
+                    errors.append(str(exc))
+
+            async def ok(i: int) -> None:
+                results[i] = await collect(rt, good[i], SamplingParams(max_tokens=MAX_TOKENS))
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(good)):
+                    nursery.start_soon(ok, i)
+                nursery.start_soon(bad, [1] * 300, SamplingParams())  # too long
+                nursery.start_soon(bad, "", SamplingParams())  # empty
+                nursery.start_soon(bad, [10**6], SamplingParams())  # outside the vocabulary
+                nursery.start_soon(bad, "x", SamplingParams(max_tokens=0))
+    assert sorted(e.split(":")[0] for e in errors) == ["max_tokens", "prompt", "prompt", "prompt"]
+    for i, prompt in enumerate(good):
+        assert results[i] == oracle("float64", prompt, MAX_TOKENS)
+
+
+async def test_plain_channels_give_the_same_tokens(bundled64: object) -> None:
+    batch = prompts(bundled64.tokenizer)[:6]  # type: ignore[attr-defined]
+    encoded, _ = await run_all(config(3), batch, encoded=True)
+    plain, _ = await run_all(config(3), batch, encoded=False)
+    assert encoded == plain
+
+
+async def test_text_streams_whole_characters(bundled: object) -> None:
+    with trio.fail_after(60):
+        async with open_runtime(RuntimeConfig(max_model_len=256)) as rt:
+            text, ids = "", []
+            async for delta in rt.generate("s = 'héllo 世界'\n", SamplingParams(max_tokens=16)):
+                assert "\ufffd" not in delta.text
+                text += delta.text
+                ids += delta.token_ids
+            assert text == rt.tokenizer.decode(ids)
+
+
+async def test_shutdown_aborts_in_flight_requests(bundled: object) -> None:
+    reasons: list[str | None] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            async with open_runtime(RuntimeConfig(max_model_len=256)) as rt:
+                started = trio.Event()
+
+                async def consume() -> None:
+                    async for delta in rt.generate("def f():", SamplingParams(max_tokens=200, ignore_eos=True)):
+                        started.set()
+                        if delta.finished:
+                            reasons.append(delta.abort_reason)
+
+                nursery.start_soon(consume)
+                await started.wait()
+    assert reasons == ["shutdown"]
+    assert math.isfinite(len(reasons))
