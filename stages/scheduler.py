@@ -9,10 +9,10 @@ from spectrio.runtime.channels import ChannelReceiver, ChannelSender
 from spectrio.runtime.messages import AbortRequest, Control, NewRequest, StepPlan, StepResult
 from spectrio.stages.scheduling import Scheduler, Sequence
 
-log = structlog.get_logger("spectrio.stages.scheduler").bind(stage="scheduler", rank=0)
+_log = structlog.get_logger("spectrio.stages.scheduler")
 
 
-def _handle(sched: Scheduler, msg: Control) -> None:
+def _handle(sched: Scheduler, msg: Control, log: structlog.typing.FilteringBoundLogger) -> None:
     if isinstance(msg, NewRequest):
         sched.add(
             Sequence(
@@ -41,16 +41,17 @@ async def run_scheduler(
 ) -> None:
     """Run until the control channel closes. One step is in flight at a time; on
     cancellation the in-flight step is abandoned and nothing else is sent."""
+    log = _log.bind(stage="scheduler", rank=0)
     task_status.started()
     while True:
         if not sched.has_work():
             try:
-                _handle(sched, await control.receive())
+                _handle(sched, await control.receive(), log)
             except trio.EndOfChannel:
                 return
         while True:
             try:
-                _handle(sched, control.receive_nowait())
+                _handle(sched, control.receive_nowait(), log)
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
         plan = sched.schedule()

@@ -7,51 +7,74 @@ import json
 import sys
 import time
 
+import trio
+
 from spectrio.tools.logging_setup import configure_logging
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from spectrio.models import load, reference
+def _runtime_config(args: argparse.Namespace) -> object:
+    from spectrio import RuntimeConfig, SpeculativeConfig
 
-    loaded = load(args.model, dtype=args.dtype)
-    tok = loaded.tokenizer
-    if tok is None:
-        print(f"error: {loaded.path} has no tokenizer.json", file=sys.stderr)
-        return 2
-    prompt_ids = tok.encode(args.prompt)
-    if not prompt_ids:
-        print("error: the prompt encodes to no tokens", file=sys.stderr)
-        return 2
-    t0 = time.perf_counter()
-    out = reference.greedy_generate(
-        loaded.model, prompt_ids, args.max_tokens, eos_token_id=loaded.config.eos_token_id
+    spec = (
+        SpeculativeConfig(method=None)
+        if args.no_spec
+        else SpeculativeConfig(num_speculative_tokens=args.k, num_model_steps=args.num_model_steps)
     )
-    seconds = time.perf_counter() - t0
-    text = tok.decode(out.token_ids)
+    return RuntimeConfig(model=args.model, dtype=args.dtype, speculative=spec, max_model_len=args.max_model_len)
+
+
+async def _generate_async(args: argparse.Namespace) -> dict[str, object]:
+    from spectrio import SamplingParams, open_runtime
+    from spectrio.tools.generation_stats import GenerationStats
+
+    async with open_runtime(_runtime_config(args)) as rt:  # type: ignore[arg-type]
+        stats = GenerationStats()
+        ids: list[int] = []
+        text = ""
+        reason = None
+        t0 = time.perf_counter()
+        if not args.json:
+            sys.stdout.write(args.prompt)
+        async for delta in rt.generate(args.prompt, SamplingParams(max_tokens=args.max_tokens)):
+            stats.add(delta)
+            ids += delta.token_ids
+            text += delta.text
+            reason = delta.finish_reason
+            if not args.json:
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+        seconds = time.perf_counter() - t0
+    return {
+        "text": text,
+        "token_ids": ids,
+        "finish_reason": reason,
+        "num_steps": stats.num_steps,
+        "mean_accept_len": round(stats.mean_accept_len, 4),
+        "accepted_per_position": [round(x, 4) for x in stats.accepted_per_position],
+        "seconds": round(seconds, 4),
+        "tokens_per_second": round(len(ids) / seconds, 2) if seconds > 0 else None,
+    }
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from spectrio import ConfigError, InvalidRequest
+
+    try:
+        result = trio.run(_generate_async, args)
+    except (ConfigError, InvalidRequest) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
-        payload = {
-            "text": text,
-            "token_ids": out.token_ids,
-            "finish_reason": out.finish_reason,
-            "num_prompt_tokens": len(prompt_ids),
-            "seconds": round(seconds, 4),
-            "tokens_per_second": round(len(out.token_ids) / seconds, 2),
-        }
-        print(json.dumps(payload))
+        print(json.dumps(result))
     else:
-        print(args.prompt + text)
+        print()
         print(
-            f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}, "
-            f"{len(out.token_ids) / seconds:.1f} tok/s]",
+            f"[{len(result['token_ids'])} tokens in {result['num_steps']} steps, "  # type: ignore[arg-type]
+            f"mean accepted length {result['mean_accept_len']}, finish_reason={result['finish_reason']}, "
+            f"{result['tokens_per_second']} tok/s]",
             file=sys.stderr,
         )
     return 0
-
-
-def _train(rest: list[str]) -> int:
-    from spectrio.tools import train
-
-    return train.main(rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,15 +82,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="warning", help="structlog level (default: warning)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="greedily continue a prompt")
+    gen = sub.add_parser("generate", help="stream a greedy continuation through the pipeline")
     gen.add_argument("prompt")
     gen.add_argument("--model", default="bundled", help="'bundled' or a checkpoint folder")
     gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--k", type=int, default=2, help="speculative tokens per step (1..5)")
+    gen.add_argument("--num-model-steps", type=int, default=None, help="MTP substeps (1..k; default k)")
+    gen.add_argument("--no-spec", action="store_true", help="turn speculation off")
     gen.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    gen.add_argument("--max-model-len", type=int, default=1024)
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=_generate)
 
     sub.add_parser("train", help="train the bundled model (see `spectrio train --help`)", add_help=False)
+    sub.add_parser("bench", help="throughput benchmark (see `spectrio bench --help`)", add_help=False)
     return parser
 
 
@@ -77,10 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     configure_logging(args.log_level)
     if args.command == "train":
-        return _train(rest)
+        from spectrio.tools import train
+
+        return train.main(rest)
+    if args.command == "bench":
+        from spectrio.tools import bench
+
+        return bench.main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.command == "generate" and args.max_tokens < 1:
+    if args.max_tokens < 1:
         parser.error("--max-tokens must be >= 1")
     return int(args.func(args))
 

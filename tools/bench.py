@@ -1,0 +1,133 @@
+"""Throughput benchmark of the pipeline on a model (default: the bundled one).
+
+For each batch size and speculation setting it runs ``batch`` concurrent requests of
+held-out stdlib prompts (``ignore_eos``, fixed ``max_tokens``) and reports output tokens
+per second, the mean accepted length (tokens emitted per verify step), and the share of
+wall time spent outside Paddle forward calls (the pipeline's own overhead: scheduling,
+channels, threads, sampling, detokenisation).
+
+``--agreement`` also reports the float32 pipeline's token agreement with the float32
+one-token-at-a-time reference (batched verification rounds differently in float32).
+
+Run: ``spectrio bench [--batch 1 16] [--k 0 1 2 3] [--max-tokens 64] [--json out.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import trio
+from tqdm import tqdm
+
+from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
+from spectrio.models import load, reference
+from spectrio.tools.corpus import corpus_files, read_texts
+from spectrio.tools.generation_stats import GenerationStats
+
+
+def bench_prompts(count: int, prompt_tokens: int, model: str) -> list[list[int]]:
+    tok = load(model).tokenizer
+    assert tok is not None
+    out: list[list[int]] = []
+    for text in read_texts(corpus_files("heldout")):
+        ids = tok.encode(text)
+        for start in range(0, len(ids) - prompt_tokens, 997):
+            out.append(ids[start : start + prompt_tokens])
+            if len(out) == count:
+                return out
+    raise RuntimeError("held-out split too small for the requested prompts")
+
+
+async def run_case(model: str, dtype: str, k: int, batch: int, prompts: list[list[int]], max_tokens: int) -> dict[str, object]:
+    spec = SpeculativeConfig(method=None) if k == 0 else SpeculativeConfig(num_speculative_tokens=k)
+    cfg = RuntimeConfig(model=model, dtype=dtype, speculative=spec, max_num_seqs=max(batch, 1),
+                        max_num_batched_tokens=max(2048, batch * (k + 1)), max_model_len=512)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    async with open_runtime(cfg) as rt:
+        async for _ in rt.generate(prompts[0][:8], SamplingParams(max_tokens=4)):  # warm-up
+            pass
+        stats = [GenerationStats() for _ in range(batch)]
+        outputs: list[list[int]] = [[] for _ in range(batch)]
+        fwd0, steps0 = rt.workspace.forward_seconds, rt.num_steps
+        t0 = time.perf_counter()
+
+        async def one(i: int) -> None:
+            async for delta in rt.generate(prompts[i], params):
+                stats[i].add(delta)
+                outputs[i] += delta.token_ids
+
+        async with trio.open_nursery() as nursery:
+            for i in range(batch):
+                nursery.start_soon(one, i)
+        wall = time.perf_counter() - t0
+        forward = rt.workspace.forward_seconds - fwd0
+        steps = rt.num_steps - steps0
+    tokens = sum(s.num_tokens for s in stats)
+    return {
+        "batch": batch,
+        "k": k,
+        "dtype": dtype,
+        "tokens": tokens,
+        "seconds": round(wall, 3),
+        "tokens_per_second": round(tokens / wall, 1),
+        "mean_accept_len": round(tokens / max(1, sum(s.num_steps for s in stats)), 3),
+        "pipeline_steps": steps,
+        "overhead_share": round(1.0 - forward / wall, 4),
+        "outputs": outputs,
+    }
+
+
+def agreement(model: str, prompts: list[list[int]], outputs: list[list[int]], max_tokens: int) -> float:
+    loaded = load(model, dtype="float32")
+    same = total = 0
+    for prompt, got in zip(prompts, outputs):
+        want = reference.greedy_generate(loaded.model, prompt, max_tokens).token_ids
+        n = min(len(want), len(got))
+        first_diff = next((i for i in range(n) if want[i] != got[i]), n)
+        same += first_diff
+        total += len(want)
+    return same / total if total else 1.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="spectrio bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="bundled")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--k", type=int, nargs="+", default=[0, 1, 2, 3], help="0 means --no-spec")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=48)
+    p.add_argument("--agreement", action="store_true", help="float32 agreement with the reference")
+    p.add_argument("--json", type=str, default=None, help="write results to this file")
+    args = p.parse_args(argv)
+
+    prompts = bench_prompts(max(args.batch), args.prompt_tokens, args.model)
+    cases = [(b, k) for b in args.batch for k in args.k]
+    rows = []
+    for b, k in tqdm(cases, desc="bench", unit="case"):
+        rows.append(trio.run(run_case, args.model, args.dtype, k, b, prompts, args.max_tokens))
+    machine = f"{platform.machine()} {platform.processor() or ''} cores={__import__('os').cpu_count()}".strip()
+    print(f"machine: {machine}; model={args.model} dtype={args.dtype} max_tokens={args.max_tokens}")
+    print(f"{'batch':>5} {'k':>3} {'tok/s':>8} {'accept_len':>10} {'overhead':>9} {'steps':>6}")
+    for r in rows:
+        k_label = "off" if r["k"] == 0 else r["k"]
+        print(f"{r['batch']:>5} {k_label:>3} {r['tokens_per_second']:>8} {r['mean_accept_len']:>10} "
+              f"{r['overhead_share']:>9.1%} {r['pipeline_steps']:>6}")
+    if args.agreement:
+        if args.dtype != "float32":
+            p.error("--agreement compares float32 runs")
+        for r in rows:
+            r["agreement"] = round(agreement(args.model, prompts, r["outputs"], args.max_tokens), 4)  # type: ignore[arg-type]
+            print(f"agreement batch={r['batch']} k={r['k']}: {r['agreement']:.2%}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"machine": machine, "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

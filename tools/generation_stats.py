@@ -1,0 +1,37 @@
+"""Per-request speculation statistics, accumulated from a request's deltas (pure)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from spectrio.runtime.api import Delta
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    num_steps: int = 0  # verify steps that emitted tokens for this request
+    num_tokens: int = 0
+    proposed: list[int] = dataclasses.field(default_factory=list)  # per draft position
+    accepted: list[int] = dataclasses.field(default_factory=list)
+
+    def add(self, delta: Delta) -> None:
+        if not delta.token_ids:
+            return
+        self.num_steps += 1
+        self.num_tokens += len(delta.token_ids)
+        while len(self.proposed) < delta.num_drafts:
+            self.proposed.append(0)
+            self.accepted.append(0)
+        for i in range(delta.num_drafts):
+            self.proposed[i] += 1
+            self.accepted[i] += int(i < delta.num_accepted)
+
+    @property
+    def mean_accept_len(self) -> float:
+        """Tokens emitted per verify step (1.0 without speculation)."""
+        return self.num_tokens / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def accepted_per_position(self) -> list[float]:
+        """Share of steps in which draft position i was accepted, of those that proposed it."""
+        return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
