@@ -1,8 +1,24 @@
-"""spectrio.runtime: configuration, planning, channels, pipeline assembly and the public API.
+"""spectrio.runtime: configuration and planning, typed channels, the rank's workspace,
+pipeline assembly and the public embedding API (Trio and asyncio)."""
 
-Configuration and capacity planning live in :mod:`spectrio.runtime.config`.
-"""
-
+from spectrio.runtime.aio import AsyncioRuntime, open_runtime_asyncio
+from spectrio.runtime.api import Delta, Runtime, open_runtime
+from spectrio.runtime.channels import ChannelReceiver, ChannelSender, open_channel
 from spectrio.runtime.config import ConfigError, RuntimeConfig, SpeculativeConfig
+from spectrio.runtime.params import InvalidRequest, SamplingParams
 
-__all__ = ["ConfigError", "RuntimeConfig", "SpeculativeConfig"]
+__all__ = [
+    "AsyncioRuntime",
+    "ChannelReceiver",
+    "ChannelSender",
+    "ConfigError",
+    "Delta",
+    "InvalidRequest",
+    "Runtime",
+    "RuntimeConfig",
+    "SamplingParams",
+    "SpeculativeConfig",
+    "open_channel",
+    "open_runtime",
+    "open_runtime_asyncio",
+]

@@ -70,7 +70,9 @@ class Runtime:
         self._seq_ids: dict[str, int] = {}
         self._ids = itertools.count(1)
         self._closed = False
-        self.num_steps = 0
+        self.num_steps = 0  # pipeline steps published
+        self.num_drafts_proposed = 0
+        self.num_drafts_accepted = 0
 
     # ---- assembly ---------------------------------------------------------------------
 
@@ -95,6 +97,8 @@ class Runtime:
     def _deliver(self, result: StepResult) -> None:
         self.num_steps += 1
         for r in result.results:
+            self.num_drafts_proposed += r.num_drafts
+            self.num_drafts_accepted += r.num_accepted
             stream = self._streams.get(r.request_id)
             if stream is not None and (r.token_ids or r.finish_reason):
                 stream.send_nowait(r)
@@ -200,9 +204,10 @@ class Runtime:
 
 @asynccontextmanager
 async def open_runtime(
-    config: RuntimeConfig | None = None, *, encoded_channels: bool = False
+    config: RuntimeConfig | None = None, *, encoded_channels: bool = False, warmup: bool = True
 ) -> AsyncIterator[Runtime]:
-    """Load the model, start the five stages, and yield the running :class:`Runtime`.
+    """Load the model, run the warm-up pass over ``config.warmup_num_tokens()`` tokens,
+    start the five stages, and yield the running :class:`Runtime`.
 
     On exit, requests still streaming end with ``finish_reason="abort"`` (reason
     ``"shutdown"``) and every stage task is cancelled and awaited.
@@ -210,6 +215,11 @@ async def open_runtime(
     config = config or RuntimeConfig()
     loaded = await trio.to_thread.run_sync(load, config.model, config.dtype)
     rt = Runtime(config, loaded, encoded_channels)
+    if warmup:
+        seconds = await trio.to_thread.run_sync(
+            rt.workspace.warmup, config.warmup_num_tokens(), config.max_model_len, limiter=rt._limiter
+        )
+        log.info("warm-up pass done", tokens=config.warmup_num_tokens(), seconds=round(seconds, 3))
     async with trio.open_nursery() as nursery:
         await rt._start(nursery)
         try:

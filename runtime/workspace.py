@@ -47,6 +47,28 @@ class Workspace:
         self._logits: dict[int, _StepLogits] = {}
         self.forward_seconds = 0.0  # wall time inside Paddle forward calls
 
+    def warmup(self, num_tokens: int, max_seq_len: int) -> float:
+        """Profile run: one target pass (and one MTP pass) over ``num_tokens`` rows, split
+        into sequences of at most ``max_seq_len``. Runs before any request holds a block,
+        and every later step writes a position before reading it, so the scratch K/V it
+        leaves behind is never read. Returns its wall time."""
+        cache = self.target_cache
+        num_tokens = min(num_tokens, cache.num_blocks * cache.block_size)
+        lens = [min(max_seq_len, num_tokens - s) for s in range(0, num_tokens, max_seq_len)]
+        tables, next_block = [], 0
+        for n in lens:
+            blocks = -(-n // self.block_size)
+            tables.append(np.arange(next_block, next_block + blocks))
+            next_block += blocks
+        batch = PackedBatch.from_sequences([[0] * n for n in lens], [0] * len(lens), tables)
+        batch.logits_indices = batch.last_rows()
+        t0 = time.perf_counter()
+        with paddle.no_grad():
+            out = self.model.forward(batch, cache)
+            if self.mtp_cache is not None:
+                self.model.mtp_forward(batch, out.hidden, self.mtp_cache)
+        return time.perf_counter() - t0
+
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self._hidden.pop(seq_id, None)

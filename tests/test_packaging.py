@@ -46,3 +46,12 @@ def test_console_script_is_declared() -> None:
     scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts")}
     assert scripts.get("spectrio") == "spectrio.tools.cli:main"
     assert spectrio.__version__
+
+
+def test_top_level_exports_are_pinned() -> None:
+    assert sorted(spectrio.__all__) == sorted([
+        "ConfigError", "Delta", "InvalidRequest", "Runtime", "RuntimeConfig", "SamplingParams",
+        "SpeculativeConfig", "__version__", "open_runtime",
+    ])
+    assert issubclass(spectrio.ConfigError, ValueError)
+    assert issubclass(spectrio.InvalidRequest, ValueError)

@@ -55,9 +55,14 @@ async def run_all(cfg: RuntimeConfig, batch: list[list[int]], max_tokens: int = 
 async def test_greedy_output_equals_reference_in_float64(k: int | None, bundled64: object) -> None:
     batch = prompts(bundled64.tokenizer)  # type: ignore[attr-defined]
     assert len(batch) >= 20
-    results, _ = await run_all(config(k), batch)
+    results, rt = await run_all(config(k), batch)
     for prompt, got in zip(batch, results):
         assert got == oracle("float64", prompt, MAX_TOKENS)
+    if k is None:
+        assert rt.num_drafts_proposed == 0  # type: ignore[attr-defined]
+    else:
+        # Speculation really ran: drafts were proposed and a fair share accepted.
+        assert rt.num_drafts_accepted > 0.2 * rt.num_drafts_proposed > 0  # type: ignore[attr-defined]
 
 
 async def test_batching_invariance_32_concurrent(bundled64: object) -> None:

@@ -1,0 +1,138 @@
+"""The scheduler's pure logic: budgets, chunked prefill, KV reservation, preemption."""
+
+from __future__ import annotations
+
+import pytest
+
+from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig
+from spectrio.runtime.messages import SeqResult, StepPlan, StepResult
+from spectrio.stages.block_manager import BlockManager
+from spectrio.stages.scheduling import Scheduler, Sequence
+
+
+def make(k: int = 2, blocks: int = 64, **kw: object) -> Scheduler:
+    fields: dict[str, object] = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "max_model_len": 64,
+                                 "block_size": 4, "num_kv_blocks": blocks,
+                                 "speculative": SpeculativeConfig(num_speculative_tokens=k)}
+    fields.update(kw)
+    cfg = RuntimeConfig(**fields)  # type: ignore[arg-type]
+    return Scheduler(cfg, BlockManager(blocks, 4))
+
+
+def seq(i: int, n: int, max_tokens: int = 16) -> Sequence:
+    return Sequence(seq_id=i, request_id=f"r{i}", prompt_ids=list(range(1, n + 1)),
+                    params=SamplingParams(max_tokens=max_tokens), eos_token_ids=[0], speculative=True)
+
+
+def finish_step(s: Scheduler, plan: StepPlan, emit: int = 1, accepted: int = 0) -> None:
+    results = [
+        SeqResult(slot=w.slot, seq_id=w.seq_id, request_id=w.request_id, num_drafts=w.num_drafts,
+                  num_accepted=accepted if w.sample else 0,
+                  token_ids=[7] * (accepted + emit) if w.sample else [])
+        for w in plan.seqs
+    ]
+    s.update(StepResult(step=plan.step, results=results))
+
+
+def test_chunked_prefill_splits_a_long_prompt_over_steps() -> None:
+    s = make()
+    s.add(seq(1, 50))
+    p1 = s.schedule()
+    assert p1 is not None and p1.seqs[0].token_ids == list(range(1, 33)) and not p1.seqs[0].sample
+    finish_step(s, p1)
+    p2 = s.schedule()
+    assert p2 is not None
+    w = p2.seqs[0]
+    assert (w.start_pos, len(w.token_ids), w.sample) == (32, 18, True)
+    # MTP catches up on the first chunk's 32 positions (token at p+1 for each p).
+    assert (w.mtp_start, w.mtp_token_ids) == (0, list(range(2, 34)))
+
+
+def test_decoding_sequence_costs_k_plus_one_and_gets_drafts() -> None:
+    s = make(k=3, max_num_seqs=5, max_num_batched_tokens=20)
+    s.add(seq(1, 5))
+    p = s.schedule()
+    assert p is not None
+    finish_step(s, p)  # prompt done, first token emitted
+    for i in range(2, 6):
+        s.add(seq(i, 4))
+    p = s.schedule()
+    assert p is not None
+    decode = p.seqs[0]
+    assert (decode.token_ids, decode.num_drafts, decode.sample) == ([7], 3, True)
+    # The decode row and its 3 drafts cost 4 of the 20-token budget; prompts of 4 fill the rest.
+    assert [len(w.token_ids) for w in p.seqs] == [1, 4, 4, 4, 4]
+
+
+def test_kv_reserved_for_verify_rows() -> None:
+    s = make(k=3)
+    s.add(seq(1, 8))
+    p = s.schedule()
+    assert p is not None
+    finish_step(s, p)
+    p = s.schedule()
+    assert p is not None
+    # 9 tokens, the last plus 3 drafts verified at positions 8..11: 12 slots, 3 blocks of 4.
+    assert len(p.seqs[0].block_table) == 3
+
+
+def test_num_drafts_never_exceed_what_the_request_may_emit() -> None:
+    s = make(k=3)
+    s.add(seq(1, 4, max_tokens=3))
+    p = s.schedule()
+    assert p is not None
+    finish_step(s, p)
+    p = s.schedule()
+    assert p is not None and p.seqs[0].num_drafts == 1  # 2 tokens left: 1 draft + 1 target token
+
+
+def test_preemption_frees_the_newest_and_recomputes_everything() -> None:
+    s = make(k=2, blocks=6, max_model_len=20)
+    s.add(seq(1, 10))
+    s.add(seq(2, 10))
+    p = s.schedule()
+    assert p is not None and len(p.seqs) == 2  # 3 blocks each: the pool is full
+    finish_step(s, p, emit=1)  # 11 tokens; verifying 2 drafts needs a 4th block each
+    p = s.schedule()
+    assert p is not None
+    assert p.preempted == ["r2"] and [w.request_id for w in p.seqs] == ["r1"]
+    assert s.num_preemptions == 1 and s.waiting[0].request_id == "r2"
+    finish_step(s, p, emit=1, accepted=2)
+    victim = s.waiting[0]
+    assert victim.num_computed == 0 and victim.output_ids == [7]
+    s.abort(1)
+    p = s.schedule()
+    assert p is not None
+    w = p.seqs[0]
+    # Recompute from prompt plus generated tokens, then sample the next token.
+    assert (w.request_id, w.start_pos, w.token_ids, w.sample) == ("r2", 0, list(range(1, 11)) + [7], True)
+    s.blocks.check_invariants()
+
+
+def test_abort_during_a_step_frees_blocks_when_it_returns() -> None:
+    s = make()
+    s.add(seq(1, 8))
+    p = s.schedule()
+    assert p is not None
+    s.abort(1)
+    assert s.blocks.num_used_blocks > 0  # the step may still write into them
+    finish_step(s, p)
+    assert s.blocks.num_used_blocks == 0 and not s.has_work()
+
+
+def test_finish_frees_blocks() -> None:
+    s = make()
+    s.add(seq(1, 8, max_tokens=1))
+    p = s.schedule()
+    assert p is not None
+    s.update(StepResult(step=p.step, results=[SeqResult(slot=0, seq_id=1, request_id="r1", num_drafts=0,
+                                                          num_accepted=0, token_ids=[5], finish_reason="length")]))
+    assert s.blocks.num_used_blocks == 0 and s.schedule() is None
+
+
+def test_schedule_refuses_to_run_twice_in_flight() -> None:
+    s = make()
+    s.add(seq(1, 4))
+    assert s.schedule() is not None
+    with pytest.raises(RuntimeError, match="in flight"):
+        s.schedule()
