@@ -52,6 +52,8 @@ class Runtime:
             raise ConfigError(f"model: {loaded.path} has no tokenizer.json")
         self.tokenizer = loaded.tokenizer
         cfg = loaded.config
+        if config.enable_overlap:
+            raise ConfigError("enable_overlap: overlap scheduling is not implemented yet; set it to False")
         if config.speculative.enabled and not cfg.has_mtp:
             raise ConfigError("speculative: the checkpoint has no MTP layer; use SpeculativeConfig(method=None)")
         if config.max_model_len + config.speculative.num_draft_tokens > cfg.max_position_embeddings:

@@ -53,13 +53,16 @@ class Workspace:
         and every later step writes a position before reading it, so the scratch K/V it
         leaves behind is never read. Returns its wall time."""
         cache = self.target_cache
-        num_tokens = min(num_tokens, cache.num_blocks * cache.block_size)
-        lens = [min(max_seq_len, num_tokens - s) for s in range(0, num_tokens, max_seq_len)]
-        tables, next_block = [], 0
-        for n in lens:
+        lens: list[int] = []
+        tables: list[np.ndarray] = []
+        next_block = 0
+        while num_tokens > 0 and next_block < cache.num_blocks:
+            n = min(max_seq_len, num_tokens, (cache.num_blocks - next_block) * self.block_size)
             blocks = -(-n // self.block_size)
+            lens.append(n)
             tables.append(np.arange(next_block, next_block + blocks))
             next_block += blocks
+            num_tokens -= n
         batch = PackedBatch.from_sequences([[0] * n for n in lens], [0] * len(lens), tables)
         batch.logits_indices = batch.last_rows()
         t0 = time.perf_counter()

@@ -164,7 +164,9 @@ class Scheduler:
         return rows, 0, rows
 
     def _num_drafts(self, seq: Sequence) -> int:
-        if not seq.speculative:
+        # Drafting needs the target hidden state before the last token: none exists yet
+        # when the whole sequence is a single uncomputed token.
+        if not seq.speculative or seq.num_computed == 0:
             return 0
         steps = self.config.speculative.effective_num_model_steps
         return max(0, min(steps, seq.remaining_tokens - 1, self.config.max_model_len - seq.length))

@@ -177,3 +177,15 @@ async def test_shutdown_aborts_in_flight_requests(bundled: object) -> None:
                 await started.wait()
     assert reasons == ["shutdown"]
     assert math.isfinite(len(reasons))
+
+
+async def test_runtime_refuses_settings_it_cannot_honour() -> None:
+    from spectrio import ConfigError
+
+    with trio.fail_after(30):
+        with pytest.raises(ConfigError, match="enable_overlap"):
+            async with open_runtime(RuntimeConfig(max_model_len=256, enable_overlap=True)):
+                pass
+        with pytest.raises(ConfigError, match="max_model_len"):
+            async with open_runtime(RuntimeConfig(max_model_len=4096)):
+                pass

@@ -136,3 +136,15 @@ def test_schedule_refuses_to_run_twice_in_flight() -> None:
     assert s.schedule() is not None
     with pytest.raises(RuntimeError, match="in flight"):
         s.schedule()
+
+
+def test_one_token_prompt_gets_no_drafts_until_the_mtp_has_a_hidden_state() -> None:
+    s = make(k=2)
+    s.add(seq(1, 1))
+    p = s.schedule()
+    assert p is not None and (p.seqs[0].num_drafts, p.seqs[0].sample) == (0, True)
+    finish_step(s, p)
+    p = s.schedule()
+    assert p is not None
+    w = p.seqs[0]
+    assert (w.num_drafts, w.mtp_start, w.mtp_token_ids) == (2, 0, [7])

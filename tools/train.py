@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--max-minutes", type=float, default=56.0, help="stop early past this budget")
     p.add_argument("--model-json", type=str, default=None, help="override model fields (JSON)")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="continue from this checkpoint (its tokenizer and weights)")
     args = p.parse_args(argv)
 
     import paddle
@@ -74,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from spectrio.models.config import ModelConfig
-    from spectrio.models.loader import save_checkpoint
     from spectrio.models.model import build_model
     from spectrio.tools.tokenizer_train import EOS_TOKEN, train_tokenizer
 
@@ -83,20 +84,31 @@ def main(argv: list[str] | None = None) -> int:
     np.random.seed(args.seed)
     paddle.seed(args.seed)
 
-    tokenizer = train_tokenizer(args.vocab_size)
+    if args.init_from is not None:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(args.init_from / "tokenizer.json"))
+    else:
+        tokenizer = train_tokenizer(args.vocab_size)
     tokenizer.save(str(args.out / "tokenizer.json"))
     eos = tokenizer.token_to_id(EOS_TOKEN)
     data = encode_split(tokenizer, "train")
     log.info("corpus encoded", train_tokens=int(data.size), seconds=round(time.perf_counter() - t_start, 1))
 
-    fields = dict(DEFAULT_MODEL)
-    if args.model_json:
-        fields.update(json.loads(args.model_json))
-    cfg = ModelConfig(vocab_size=tokenizer.get_vocab_size(), eos_token_id=eos, **fields)
-    model = build_model(cfg, "float32", seed=args.seed)
+    if args.init_from is not None:
+        from spectrio.models import load
+
+        loaded = load(args.init_from)
+        model, cfg = loaded.model, loaded.config
+    else:
+        fields = dict(DEFAULT_MODEL)
+        if args.model_json:
+            fields.update(json.loads(args.model_json))
+        cfg = ModelConfig(vocab_size=tokenizer.get_vocab_size(), eos_token_id=eos, **fields)
+        model = build_model(cfg, "float32", seed=args.seed)
     model.train()
     n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
-    log.info("model built", params=n_params, **fields)
+    log.info("model ready", params=n_params, init_from=str(args.init_from), **cfg.to_dict())
 
     decay = [p for n, p in model.named_parameters() if p.ndim == 2]
     opt = paddle.optimizer.AdamW(

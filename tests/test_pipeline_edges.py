@@ -1,0 +1,25 @@
+"""Pipeline edge cases: the shortest prompts and the longest sequences."""
+
+from __future__ import annotations
+
+import trio
+
+from pipeline_helpers import collect, oracle
+from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
+
+
+async def test_one_token_prompt_and_max_model_len(bundled64: object) -> None:
+    cfg = RuntimeConfig(dtype="float64", max_model_len=40, speculative=SpeculativeConfig(num_speculative_tokens=3))
+    with trio.fail_after(120):
+        async with open_runtime(cfg, encoded_channels=True) as rt:
+            got = await collect(rt, [42], SamplingParams(max_tokens=12))
+            assert got == oracle("float64", [42], 12)
+            # A request that runs into max_model_len stops there with reason "length".
+            prompt = list(range(100, 130))
+            ids, reasons = [], []
+            async for delta in rt.generate(prompt, SamplingParams(max_tokens=64, ignore_eos=True)):
+                ids += delta.token_ids
+                reasons.append(delta.finish_reason)
+            assert len(prompt) + len(ids) == 40 and reasons[-1] == "length"
+            assert ids == oracle("float64", prompt, 10)[: len(ids)] or rt.loaded.config.eos_token_id in ids
+            assert rt.blocks.num_used_blocks == 0
