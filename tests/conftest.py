@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import paddle
 import pytest
@@ -22,7 +24,7 @@ TINY = ModelConfig(
 
 def tiny_model(dtype: str = "float32", seed: int = 7, tie: bool = True) -> SpectrioForCausalLM:
     """A random model whose weights are large enough that logits are not near-uniform."""
-    cfg = TINY if tie else ModelConfig(**_untied())
+    cfg = TINY if tie else dataclasses.replace(TINY, tie_word_embeddings=False)
     model = build_model(cfg, dtype, seed=seed)
     rng = np.random.default_rng(seed)
     with paddle.no_grad():
@@ -30,14 +32,6 @@ def tiny_model(dtype: str = "float32", seed: int = 7, tie: bool = True) -> Spect
             if p.ndim == 2:
                 p.set_value(rng.normal(0.0, 0.2, size=p.shape).astype(dtype))
     return model
-
-
-def _untied() -> dict[str, object]:
-    fields = TINY.to_dict()
-    fields.pop("model_type")
-    fields["tie_word_embeddings"] = False
-    fields["architectures"] = tuple(fields["architectures"])
-    return fields
 
 
 @pytest.fixture(scope="session")

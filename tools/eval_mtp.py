@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from spectrio.models import load, reference
 from spectrio.tools.corpus import corpus_files, read_texts
+from spectrio.tools.logging_setup import configure_logging
 
 
 def held_out_contexts(tokenizer: object, count: int, length: int, seed: int) -> np.ndarray:
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    configure_logging("warning")
     result = evaluate(args.model, args.dtype, args.contexts, args.context_len, args.max_steps, args.batch, args.seed)
     print(json.dumps(result, indent=2))
     return 0

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import structlog
+from spectrio.tools.logging_setup import configure_logging
 
 log = structlog.get_logger("spectrio.train")
 
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--init-from", type=Path, default=None,
                    help="continue from this checkpoint (its tokenizer and weights)")
     args = p.parse_args(argv)
+    configure_logging("info")
 
     import paddle
     import paddle.nn.functional as F
