@@ -5,6 +5,7 @@ from spectrio.runtime.aio import AsyncioRuntime, open_runtime_asyncio
 from spectrio.runtime.api import Delta, Runtime, open_runtime
 from spectrio.runtime.channels import ChannelReceiver, ChannelSender, open_channel
 from spectrio.runtime.config import ConfigError, RuntimeConfig, SpeculativeConfig
+from spectrio.runtime.messages import PublishedStep, TokenLogprob
 from spectrio.runtime.params import InvalidRequest, SamplingParams
 
 __all__ = [
@@ -14,10 +15,12 @@ __all__ = [
     "ConfigError",
     "Delta",
     "InvalidRequest",
+    "PublishedStep",
     "Runtime",
     "RuntimeConfig",
     "SamplingParams",
     "SpeculativeConfig",
+    "TokenLogprob",
     "open_channel",
     "open_runtime",
     "open_runtime_asyncio",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
 import msgspec
@@ -15,13 +15,23 @@ import trio
 from spectrio.models import LoadedModel, load
 from spectrio.runtime.channels import ChannelSender, open_channel
 from spectrio.runtime.config import ConfigError, RuntimeConfig
-from spectrio.runtime.messages import AbortRequest, Control, NewRequest, SeqResult, StepPlan, StepResult
+from spectrio.runtime.messages import (
+    AbortRequest,
+    Control,
+    NewRequest,
+    PublishedStep,
+    SeqResult,
+    StepPlan,
+    StepResult,
+    TokenLogprob,
+)
 from spectrio.runtime.params import InvalidRequest, SamplingParams
 from spectrio.runtime.workspace import Workspace
 from spectrio.stages.block_manager import BlockManager
 from spectrio.stages.draft import run_draft
 from spectrio.stages.publisher import run_publisher
 from spectrio.stages.sampler import run_sampler
+from spectrio.stages.sampling import Sampler
 from spectrio.stages.scheduler import run_scheduler
 from spectrio.stages.scheduling import Scheduler
 from spectrio.stages.verify import run_verify
@@ -40,6 +50,7 @@ class Delta(msgspec.Struct, kw_only=True):
     num_drafts: int = 0  # drafts proposed for this request this step
     num_accepted: int = 0  # of which accepted
     abort_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
 
 
 class Runtime:
@@ -65,6 +76,8 @@ class Runtime:
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.workspace = Workspace(loaded.model, num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.blocks)
+        self.sampler = Sampler(cfg.vocab_size, self.tokenizer)
+        self._observers: list[Callable[[PublishedStep], None]] = []
         self._encoded = encoded_channels
         self._limiter = trio.CapacityLimiter(1)
         self._control: ChannelSender[Control] | None = None
@@ -88,8 +101,10 @@ class Runtime:
         feedback_tx, feedback_rx = open_channel(StepResult, 1, enc)
         self._control = control_tx
         # Downstream first, so every stage is ready before the scheduler plans anything.
-        await nursery.start(run_publisher, sampled_rx, self._deliver, feedback_tx)
-        await nursery.start(run_sampler, self.workspace, self._limiter, verified_rx, sampled_tx)
+        await nursery.start(run_publisher, sampled_rx, self._deliver, self._publish, feedback_tx)
+        await nursery.start(
+            run_sampler, self.workspace, self.sampler, self._limiter, verified_rx, sampled_tx
+        )
         await nursery.start(run_verify, self.workspace, self._limiter, draft_rx, verified_tx)
         await nursery.start(run_draft, self.workspace, self._limiter, plan_rx, draft_tx)
         await nursery.start(run_scheduler, self.scheduler, control_rx, plan_tx, feedback_rx)
@@ -104,6 +119,26 @@ class Runtime:
             stream = self._streams.get(r.request_id)
             if stream is not None and (r.token_ids or r.finish_reason):
                 stream.send_nowait(r)
+
+    def add_record_observer(self, observer: Callable[[PublishedStep], None]) -> Callable[[], None]:
+        """Call ``observer`` with every step's packed record (:class:`PublishedStep`, layout in
+        :mod:`spectrio.wire.record`) from now on. It runs in the publisher's task and must not
+        block; an exception it raises is logged and otherwise ignored. Returns a function that
+        removes the observer."""
+        self._observers.append(observer)
+
+        def remove() -> None:
+            if observer in self._observers:
+                self._observers.remove(observer)
+
+        return remove
+
+    def _publish(self, published: PublishedStep) -> None:
+        for observer in list(self._observers):
+            try:
+                observer(published)
+            except Exception:
+                log.exception("record observer failed", step=published.step)
 
     def _shutdown(self, reason: str) -> None:
         self._closed = True
@@ -139,6 +174,19 @@ class Runtime:
             except trio.ClosedResourceError:
                 pass
 
+    async def wait_idle(self) -> None:
+        """Wait until no request is queued or running and no step is in flight, so every
+        finished or aborted request's blocks are back in the pool. Cancellation is safe."""
+        while self.scheduler.has_work() or self.scheduler.num_inflight or self._control_pending():
+            await trio.sleep(0.002)
+
+    def _control_pending(self) -> bool:
+        return self._control is not None and self._control_backlog() > 0
+
+    def _control_backlog(self) -> int:
+        assert self._control is not None
+        return self._control.statistics().current_buffer_used
+
     async def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Abort a request: its stream ends with ``finish_reason="abort"`` and its KV
         blocks are freed. Returns False for an unknown or finished request."""
@@ -158,6 +206,11 @@ class Runtime:
         request_id: str | None = None,
     ) -> AsyncIterator[Delta]:
         """Stream a request's output, one :class:`Delta` per step that emitted tokens.
+
+        ``delta.text`` holds complete characters only. With ``params.stop`` strings, the
+        last ``max(len(stop)) - 1`` characters are held back until the next step (or the
+        finish), so text a stop string later cuts is never streamed. ``delta.logprobs``
+        has one entry per token when ``params.logprobs`` is set.
 
         Raises :class:`InvalidRequest` for a bad prompt or parameters. If the caller
         stops iterating or is cancelled, the request is aborted and its blocks freed.
@@ -181,6 +234,10 @@ class Runtime:
         self._control.send_nowait(NewRequest(seq_id=seq_id, request_id=request_id, prompt_ids=prompt_ids,
                                              params=params, eos_token_ids=stops, speculative=spec))
         detok = self.tokenizer.stream()
+        # With stop strings, hold back the text a stop string completed later could still
+        # cut: at most the longest stop string minus one character.
+        hold = max((len(s) for s in params.stop), default=1) - 1
+        pending, sent = "", 0
         done = False
         try:
             async for item in receive:
@@ -188,14 +245,19 @@ class Runtime:
                     done = True
                     yield item
                     return
-                text = detok.push(item.token_ids)
+                pending += detok.push(item.token_ids)
                 done = item.finish_reason is not None
                 if done:
-                    text += detok.flush()
+                    pending += detok.flush()
                     self._seq_ids.pop(request_id, None)
+                if item.text_len is not None:
+                    pending = pending[: max(0, item.text_len - sent)]
+                keep = 0 if done else min(hold, len(pending))
+                text, pending = pending[: len(pending) - keep], pending[len(pending) - keep :]
+                sent += len(text)
                 yield Delta(request_id=request_id, token_ids=item.token_ids, text=text, finished=done,
                             finish_reason=item.finish_reason, num_drafts=item.num_drafts,
-                            num_accepted=item.num_accepted)
+                            num_accepted=item.num_accepted, logprobs=item.logprobs)
                 if done:
                     return
         finally:

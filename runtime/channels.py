@@ -38,6 +38,9 @@ class ChannelSender(Generic[T]):
     def send_nowait(self, msg: T) -> None:
         self._inner.send_nowait(self._prepare(msg))
 
+    def statistics(self) -> trio.MemoryChannelStatistics:
+        return self._inner.statistics()
+
     async def aclose(self) -> None:
         await self._inner.aclose()
 

@@ -13,7 +13,7 @@ class SeqWork(msgspec.Struct, kw_only=True):
     """One sequence's share of a step. Written by the scheduler, drafts added by the draft stage."""
 
     slot: int  # row of this sequence in the step (index into StepPlan.seqs)
-    seq_id: int  # scheduler-internal id; keys the workspace's per-sequence state
+    seq_id: int  # scheduler-internal id; keys the workspace's and the sampler's per-sequence state
     request_id: str
     block_table: list[int]  # shared by the target cache and the MTP cache
     start_pos: int  # position of token_ids[0]
@@ -24,14 +24,32 @@ class SeqWork(msgspec.Struct, kw_only=True):
     mtp_token_ids: list[int]  # token at p+1 for each catch-up position p
     eos_token_ids: list[int]  # tokens that end the request (EOS unless ignored, stop ids)
     max_new_tokens: int  # tokens this request may still emit
+    params: SamplingParams  # the sampler's knobs; the publisher's logprob width
+    num_output: int = 0  # tokens emitted before this step (sampler: min_tokens, consistency)
+    context_len: int = 0  # positions to compute before sampling (prompt, or prompt + output
+    #                       when recomputing after preemption); the record's prefill test
+    prompt_ids: list[int] = []  # the prompt, sent once on the first sampling step when a
+    #                             repetition penalty needs it (the sampler keeps it)
     drafts: list[int] = []  # filled in by the draft stage
 
 
 class StepPlan(msgspec.Struct, kw_only=True):
     step: int
     seqs: list[SeqWork]
-    preempted: list[str] = []  # request ids preempted while planning this step
+    preempted: list[str] = []  # request ids preempted while planning this step (record: -9)
+    aborted: list[str] = []  # request ids aborted since the last plan (record: -9)
     released: list[int] = []  # seq ids whose workspace state can be dropped
+    retired: list[int] = []  # seq ids that ended outside the sampler (aborts): drop their state
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
+    """Logprob of one emitted token: its own, its rank (1 = most likely) and the top
+    alternatives its request asked for, best first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]] = []  # (token id, logprob)
 
 
 class SeqResult(msgspec.Struct, kw_only=True):
@@ -42,12 +60,19 @@ class SeqResult(msgspec.Struct, kw_only=True):
     num_accepted: int  # drafts accepted (before stop truncation)
     token_ids: list[int]  # tokens emitted this step (after truncation)
     finish_reason: str | None = None  # "stop" | "length" | None
+    text_len: int | None = None  # a stop string ended the request: keep this many characters
+    logprobs: list[TokenLogprob] | None = None  # one per emitted token when asked for
+    num_logprobs: int | None = None  # the request's ``logprobs`` (record width)
+    num_computed: int = 0  # positions with target KV after this step
+    context_len: int = 0  # positions to compute before sampling; num_computed < context_len
+    #                       means chunked prefill is still in progress
 
 
 class StepResult(msgspec.Struct, kw_only=True):
     step: int
     results: list[SeqResult]
     preempted: list[str] = []
+    aborted: list[str] = []
 
 
 class NewRequest(msgspec.Struct, tag=True, kw_only=True):
@@ -67,3 +92,17 @@ class AbortRequest(msgspec.Struct, tag=True, kw_only=True):
 
 
 Control = NewRequest | AbortRequest
+
+
+class PublishedStep(msgspec.Struct, kw_only=True):
+    """What the publisher hands record observers once per step (rank 0 only).
+
+    ``record`` is the packed step record (layout: :mod:`spectrio.wire.record`); its slot
+    ``i`` belongs to ``request_ids[i]``. Slots are the step's sequences in plan order,
+    then requests preempted while planning it, then requests aborted since the last step.
+    """
+
+    step: int
+    request_ids: list[str]
+    finish_reasons: list[str | None]
+    record: bytes

@@ -161,10 +161,11 @@ class Workspace:
 
     # ---- sampler access ---------------------------------------------------------------
 
-    def target_argmax(self, step: int) -> dict[int, list[int]]:
-        """Greedy target token at every sampled row, per slot; frees the step's logits."""
+    def take_logits(self, step: int) -> dict[int, np.ndarray]:
+        """Every sampling slot's verify logits as a host float64 array ``[m + 1, V]``
+        (rows ``[last token, d1..dm]``); frees the step's device logits."""
         stored = self._logits.pop(step)
         if not stored.offsets:
             return {}
-        argmax = paddle.argmax(stored.logits, axis=-1).numpy()
-        return {slot: argmax[lo : lo + count].tolist() for slot, (lo, count) in stored.offsets.items()}
+        host = stored.logits.numpy().astype(np.float64, copy=False)
+        return {slot: host[lo : lo + count] for slot, (lo, count) in stored.offsets.items()}

@@ -1,4 +1,4 @@
-"""The publisher actor: delivers each step's tokens (rank 0 only) and feeds the scheduler."""
+"""The publisher actor: packs and publishes each step (rank 0 only), feeds the scheduler."""
 
 from __future__ import annotations
 
@@ -7,18 +7,26 @@ from collections.abc import Callable
 import trio
 
 from spectrio.runtime.channels import ChannelReceiver, ChannelSender
-from spectrio.runtime.messages import StepResult
+from spectrio.runtime.messages import PublishedStep, StepResult
+from spectrio.stages.records import publish_step
 
 
 async def run_publisher(
     inbox: ChannelReceiver[StepResult],
     deliver: Callable[[StepResult], None],
+    publish: Callable[[PublishedStep], None],
     feedback: ChannelSender[StepResult],
     *,
+    rank: int = 0,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """``deliver`` must not block; it hands tokens to in-process subscribers."""
+    """``deliver`` hands tokens to in-process subscribers and ``publish`` the packed step
+    record to observers; neither may block. Only rank 0 delivers and publishes, every
+    rank feeds its scheduler. Cancellation while sending feedback drops that step's
+    feedback (the scheduler is being cancelled with it)."""
     task_status.started()
     async for result in inbox:
-        deliver(result)
+        if rank == 0:
+            deliver(result)
+            publish(publish_step(result))
         await feedback.send(result)

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["rejection_sample", "uniforms_per_row"]
+__all__ = ["rejection_sample", "sample_rows", "uniforms_per_row"]
 
 
 def uniforms_per_row(num_draft_tokens: np.ndarray, is_greedy: np.ndarray) -> np.ndarray:
@@ -99,7 +99,7 @@ def _draw_uniforms(
     has_own = np.fromiter((g is not None for g in generators), dtype=bool, count=len(generators))
     own_rows = np.flatnonzero(has_own & (counts > 0))
     for i in own_rows:
-        gen = generators[i]
+        gen = generators[int(i)]
         assert gen is not None
         out[starts[i] : starts[i] + counts[i]] = gen.random(int(counts[i]))
     shared_rows = np.flatnonzero(~has_own & (counts > 0))
@@ -114,7 +114,7 @@ def _draw_uniforms(
     return out
 
 
-def _sample_rows(weights: np.ndarray, u: np.ndarray) -> np.ndarray:
+def sample_rows(weights: np.ndarray, u: np.ndarray) -> np.ndarray:
     """Inverse-CDF sample one index per row of non-negative ``weights`` [R, V]
     using ``u`` [R] in [0, 1). Never returns a zero-weight index."""
     cdf = np.cumsum(weights, axis=1)
@@ -248,6 +248,6 @@ def rejection_sample(
                 resid = np.maximum(p - draft_probs[s_flat].astype(np.float64), 0.0)
             empty = ~(resid.sum(axis=1) > 0)
             resid[empty] = p[empty]
-            final[s_rows] = _sample_rows(resid, residual_u[s_rows])
+            final[s_rows] = sample_rows(resid, residual_u[s_rows])
     out[np.arange(b), first_rej] = final.astype(np.int32)
     return out

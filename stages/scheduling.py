@@ -65,6 +65,8 @@ class Scheduler:
         self._inflight: dict[int, SeqWork] = {}
         self._aborted_inflight: set[int] = set()
         self._released: list[int] = []
+        self._aborted: list[str] = []  # request ids aborted since the last plan
+        self._retired: list[int] = []  # their seq ids (the sampler drops their state)
         self._step = 0
         self.num_preemptions = 0
 
@@ -87,6 +89,8 @@ class Scheduler:
             self.running.remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = "abort"
+        self._aborted.append(seq.request_id)
+        self._retired.append(seq_id)
         if seq_id in self._inflight:
             self._aborted_inflight.add(seq_id)
         else:
@@ -149,9 +153,12 @@ class Scheduler:
         self._step += 1
         works = [self._work(slot, seq, rows, drafts) for slot, (seq, rows, drafts) in enumerate(planned)]
         released, self._released = self._released, []
+        aborted, self._aborted = self._aborted, []
+        retired, self._retired = self._retired, []
         for w in works:
             self._inflight[w.seq_id] = w
-        return StepPlan(step=self._step, seqs=works, preempted=preempted, released=released)
+        return StepPlan(step=self._step, seqs=works, preempted=preempted, aborted=aborted,
+                        released=released, retired=retired)
 
     def _rows_for(self, seq: Sequence, budget: int) -> tuple[int, int, int]:
         """(target rows of real tokens, drafts, budget cost) for this step."""
@@ -174,6 +181,7 @@ class Scheduler:
     def _work(self, slot: int, seq: Sequence, rows: int, drafts: int) -> SeqWork:
         tokens = seq.tokens
         start = seq.num_computed
+        sample = start + rows == seq.length
         if seq.speculative:
             mtp_start, mtp_tokens = seq.mtp_computed, tokens[seq.mtp_computed + 1 : start + 1]
             seq.mtp_computed = start
@@ -186,12 +194,17 @@ class Scheduler:
             block_table=self.blocks.block_table(seq.seq_id),
             start_pos=start,
             token_ids=tokens[start : start + rows],
-            sample=start + rows == seq.length,
+            sample=sample,
             num_drafts=drafts,
             mtp_start=mtp_start,
             mtp_token_ids=mtp_tokens,
             eos_token_ids=seq.eos_token_ids,
             max_new_tokens=min(seq.remaining_tokens, self.config.max_model_len - seq.length),
+            params=seq.params,
+            num_output=len(seq.output_ids),
+            context_len=seq.length,
+            prompt_ids=(seq.prompt_ids if sample and not seq.output_ids
+                        and seq.params.repetition_penalty != 1.0 else []),
         )
 
     def _preempt(self, seq: Sequence) -> None:

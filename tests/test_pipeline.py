@@ -46,6 +46,7 @@ async def run_all(cfg: RuntimeConfig, batch: list[list[int]], max_tokens: int = 
             async with trio.open_nursery() as nursery:
                 for i in range(len(batch)):
                     nursery.start_soon(one, i)
+            await rt.wait_idle()
             assert rt.blocks.num_used_blocks == 0
             rt.blocks.check_invariants()
             return results, rt
@@ -106,10 +107,7 @@ async def test_abort_and_cancellation_free_blocks(bundled64: object) -> None:
             # 3. the consumer is cancelled
             with trio.move_on_after(0.5):
                 await collect(rt, "class A:\n", long)
-            for _ in range(200):
-                if rt.blocks.num_used_blocks == 0 and not rt.scheduler.has_work():
-                    break
-                await trio.sleep(0.05)
+            await rt.wait_idle()
             assert rt.blocks.num_used_blocks == 0
             assert not await rt.abort("never-submitted")
 

@@ -148,3 +148,42 @@ def test_one_token_prompt_gets_no_drafts_until_the_mtp_has_a_hidden_state() -> N
     assert p is not None
     w = p.seqs[0]
     assert (w.num_drafts, w.mtp_start, w.mtp_token_ids) == (2, 0, [7])
+
+
+def test_plans_carry_what_the_sampler_and_record_need() -> None:
+    s = make(k=2, max_num_batched_tokens=12, max_num_seqs=4)
+    penalised = Sequence(seq_id=1, request_id="r1", prompt_ids=list(range(1, 21)),
+                         params=SamplingParams(max_tokens=8, repetition_penalty=1.2), eos_token_ids=[0],
+                         speculative=True)
+    s.add(penalised)
+    p = s.schedule()
+    assert p is not None
+    w = p.seqs[0]
+    # A prefill chunk: the record sees num_computed < context_len; no prompt sent yet.
+    assert (w.sample, w.context_len, w.num_output, w.prompt_ids) == (False, 20, 0, [])
+    assert w.params.repetition_penalty == 1.2
+    finish_step(s, p)
+    p = s.schedule()
+    assert p is not None
+    w = p.seqs[0]
+    # The first sampling step sends the prompt once, for the repetition penalty.
+    assert (w.sample, w.prompt_ids) == (True, list(range(1, 21)))
+    finish_step(s, p)
+    p = s.schedule()
+    assert p is not None and p.seqs[0].prompt_ids == [] and p.seqs[0].num_output == 1
+    finish_step(s, p)
+
+
+def test_aborts_are_reported_once_in_the_next_plan() -> None:
+    s = make()
+    s.add(seq(1, 4))
+    s.add(seq(2, 4))
+    p = s.schedule()
+    assert p is not None and p.aborted == [] and p.retired == []
+    finish_step(s, p)
+    s.abort(2)
+    p = s.schedule()
+    assert p is not None and (p.aborted, p.retired) == (["r2"], [2])
+    finish_step(s, p)
+    p = s.schedule()
+    assert p is not None and (p.aborted, p.retired) == ([], [])

@@ -6,10 +6,16 @@ per second, the mean accepted length (tokens emitted per verify step), and the s
 wall time spent outside Paddle forward calls (the pipeline's own overhead: scheduling,
 channels, threads, sampling, detokenisation).
 
+``--logprobs off 0 20`` repeats every case with each logprob setting (``off``: none; N: the
+sampled token plus N alternatives, in every request) and reports the step record's mean
+bytes per step next to FastDeploy's fixed 512 x 6 x 21 message (530,444 bytes) and a fixed
+``batch x 6 x 21`` layout of the same batch.
+
 ``--agreement`` also reports the float32 pipeline's token agreement with the float32
 one-token-at-a-time reference (batched verification rounds differently in float32).
 
-Run: ``spectrio bench [--batch 1 16] [--k 0 1 2 3] [--max-tokens 64] [--json out.json]``.
+Run: ``spectrio bench [--batch 1 16] [--k 0 1 2 3] [--logprobs off 0 20] [--max-tokens 64]
+[--json out.json]``.
 """
 
 from __future__ import annotations
@@ -24,8 +30,18 @@ from tqdm import tqdm
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
 from spectrio.models import load, reference
+from spectrio.runtime.messages import PublishedStep
 from spectrio.tools.corpus import corpus_files, read_texts
 from spectrio.tools.generation_stats import GenerationStats
+
+FIXED_512_BYTES = 4 * (3 + 512) + 512 * (6 * 21 * 4 * 2 + 6 * 4)
+"""FastDeploy's speculative top-k message: meta[3 + 512] plus 512 slots of
+int tokens[6*21], float scores[6*21], int ranks[6] (530,444 bytes)."""
+
+
+def fixed_layout_bytes(batch: int) -> int:
+    """The same fixed 6 x 21 per-slot layout sized to ``batch`` slots."""
+    return 4 * (3 + batch) + batch * (6 * 21 * 4 * 2 + 6 * 4)
 
 
 def bench_prompts(count: int, prompt_tokens: int, model: str) -> list[list[int]]:
@@ -41,17 +57,23 @@ def bench_prompts(count: int, prompt_tokens: int, model: str) -> list[list[int]]
     raise RuntimeError("held-out split too small for the requested prompts")
 
 
-async def run_case(model: str, dtype: str, k: int, batch: int, prompts: list[list[int]], max_tokens: int) -> dict[str, object]:
+async def run_case(model: str, dtype: str, k: int, batch: int, prompts: list[list[int]], max_tokens: int,
+                   logprobs: int | None = None) -> dict[str, object]:
     spec = SpeculativeConfig(method=None) if k == 0 else SpeculativeConfig(num_speculative_tokens=k)
     cfg = RuntimeConfig(model=model, dtype=dtype, speculative=spec, max_num_seqs=max(batch, 1),
                         max_num_batched_tokens=max(2048, batch * (k + 1)), max_model_len=512)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+    record_bytes: list[int] = []
+
+    def observe(pub: PublishedStep) -> None:
+        record_bytes.append(len(pub.record))
     async with open_runtime(cfg) as rt:
         async for _ in rt.generate(prompts[0][:8], SamplingParams(max_tokens=4)):  # warm-up
             pass
         stats = [GenerationStats() for _ in range(batch)]
         outputs: list[list[int]] = [[] for _ in range(batch)]
         fwd0, steps0 = rt.workspace.forward_seconds, rt.num_steps
+        rt.add_record_observer(observe)
         t0 = time.perf_counter()
 
         async def one(i: int) -> None:
@@ -69,6 +91,7 @@ async def run_case(model: str, dtype: str, k: int, batch: int, prompts: list[lis
     return {
         "batch": batch,
         "k": k,
+        "logprobs": "off" if logprobs is None else logprobs,
         "dtype": dtype,
         "tokens": tokens,
         "seconds": round(wall, 3),
@@ -76,6 +99,9 @@ async def run_case(model: str, dtype: str, k: int, batch: int, prompts: list[lis
         "mean_accept_len": round(tokens / max(1, sum(s.num_steps for s in stats)), 3),
         "pipeline_steps": steps,
         "overhead_share": round(1.0 - forward / wall, 4),
+        "record_bytes_per_step": round(sum(record_bytes) / max(1, len(record_bytes)), 1),
+        "fixed_bytes_same_batch": fixed_layout_bytes(batch),
+        "fixed_bytes_512": FIXED_512_BYTES,
         "outputs": outputs,
     }
 
@@ -99,24 +125,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--k", type=int, nargs="+", default=[0, 1, 2, 3], help="0 means --no-spec")
+    p.add_argument("--logprobs", nargs="+", default=["off"],
+                   help="logprob settings to run: 'off' or N in 0..20 (top alternatives)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=48)
     p.add_argument("--agreement", action="store_true", help="float32 agreement with the reference")
     p.add_argument("--json", type=str, default=None, help="write results to this file")
     args = p.parse_args(argv)
 
+    try:
+        settings = [None if v == "off" else int(v) for v in args.logprobs]
+    except ValueError:
+        p.error("--logprobs takes 'off' or integers")
+    if any(v is not None and not 0 <= v <= 20 for v in settings):
+        p.error("--logprobs values must be 'off' or in 0..20")
     prompts = bench_prompts(max(args.batch), args.prompt_tokens, args.model)
-    cases = [(b, k) for b in args.batch for k in args.k]
+    cases = [(b, k, lp) for b in args.batch for k in args.k for lp in settings]
     rows = []
-    for b, k in tqdm(cases, desc="bench", unit="case"):
-        rows.append(trio.run(run_case, args.model, args.dtype, k, b, prompts, args.max_tokens))
+    for b, k, lp in tqdm(cases, desc="bench", unit="case"):
+        rows.append(trio.run(run_case, args.model, args.dtype, k, b, prompts, args.max_tokens, lp))
     machine = f"{platform.machine()} {platform.processor() or ''} cores={__import__('os').cpu_count()}".strip()
     print(f"machine: {machine}; model={args.model} dtype={args.dtype} max_tokens={args.max_tokens}")
-    print(f"{'batch':>5} {'k':>3} {'tok/s':>8} {'accept_len':>10} {'overhead':>9} {'steps':>6}")
+    print(f"{'batch':>5} {'k':>3} {'logprobs':>8} {'tok/s':>8} {'accept_len':>10} {'overhead':>9} "
+          f"{'steps':>6} {'record B/step':>13} {'fixed B (batch)':>15} {'fixed B (512)':>13}")
     for r in rows:
         k_label = "off" if r["k"] == 0 else r["k"]
-        print(f"{r['batch']:>5} {k_label:>3} {r['tokens_per_second']:>8} {r['mean_accept_len']:>10} "
-              f"{r['overhead_share']:>9.1%} {r['pipeline_steps']:>6}")
+        print(f"{r['batch']:>5} {k_label:>3} {r['logprobs']:>8} {r['tokens_per_second']:>8} "
+              f"{r['mean_accept_len']:>10} {r['overhead_share']:>9.1%} {r['pipeline_steps']:>6} "
+              f"{r['record_bytes_per_step']:>13} {r['fixed_bytes_same_batch']:>15} {r['fixed_bytes_512']:>13}")
     if args.agreement:
         if args.dtype != "float32":
             p.error("--agreement compares float32 runs")

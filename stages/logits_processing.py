@@ -1,0 +1,220 @@
+"""From one sequence's verify logits to the distributions the sampler draws from (pure NumPy).
+
+A sampling sequence's verify pass yields rows ``[last token, d1, ..., dm]``; row ``i``
+scores the token after row ``i``. Row ``i`` is processed as if ``d1..di`` had already
+been emitted, so the result at a draft position is exactly what one-token-at-a-time
+decoding would have used there (issue 4: "penalties are exact at every draft position").
+
+Steps, in order (everything in float64):
+
+1. **Penalties** (:func:`apply_penalties`), vLLM semantics:
+   ``repetition_penalty`` over the prompt and the output so far (plus the drafts
+   before the row): a seen token's logit is divided by the penalty when positive and
+   multiplied by it otherwise. ``frequency_penalty * count`` and
+   ``presence_penalty * (count > 0)`` are subtracted, with ``count`` over the output
+   tokens (plus the drafts before the row) only.
+2. **min_tokens** (:func:`mask_stop_tokens`): while fewer than ``min_tokens`` tokens
+   precede the row's token, the stop tokens (EOS unless ignored, ``stop_token_ids``)
+   get ``-inf``.
+3. Greedy requests stop here: their token is the argmax of these logits.
+4. **temperature**, then **top-k** (every token whose logit ties the k-th largest
+   is kept), then **top-p** (the smallest prefix of tokens, sorted by probability
+   with ties broken by lower id, whose mass reaches ``top_p``; the top token is always
+   kept), then **min-p** (keep ``p >= min_p * max p``); the survivors are renormalised
+   by a softmax (:func:`sampling_probs`).
+
+Logprobs (:func:`token_logprobs`) are computed only for the rows of emitted tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from spectrio.runtime.params import SamplingParams
+
+__all__ = [
+    "History",
+    "LogprobRows",
+    "apply_penalties",
+    "log_softmax",
+    "mask_stop_tokens",
+    "process_rows",
+    "sampling_probs",
+    "token_logprobs",
+]
+
+
+@dataclasses.dataclass
+class History:
+    """What penalties need to know about a sequence before the current step.
+
+    ``seen`` marks tokens of the prompt and the output (only kept when
+    ``repetition_penalty != 1``); ``counts`` counts output tokens (only kept when
+    any penalty is on).
+    """
+
+    vocab_size: int
+    seen: np.ndarray | None = None  # bool [V]
+    counts: np.ndarray | None = None  # int64 [V]
+    num_output: int = 0
+
+    @classmethod
+    def start(cls, params: SamplingParams, vocab_size: int, prompt_ids: Sequence[int]) -> History:
+        hist = cls(vocab_size)
+        if params.repetition_penalty != 1.0:
+            hist.seen = np.zeros(vocab_size, dtype=bool)
+            hist.seen[np.asarray(prompt_ids, dtype=np.int64)] = True
+        if params.has_penalties:
+            hist.counts = np.zeros(vocab_size, dtype=np.int64)
+        return hist
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Record emitted tokens."""
+        self.num_output += len(token_ids)
+        if not token_ids:
+            return
+        ids = np.asarray(token_ids, dtype=np.int64)
+        if self.seen is not None:
+            self.seen[ids] = True
+        if self.counts is not None:
+            np.add.at(self.counts, ids, 1)
+
+
+def _draft_prefix_counts(drafts: Sequence[int], num_rows: int, vocab_size: int) -> np.ndarray:
+    """int64 [R, V]: row i counts ``drafts[:i]``."""
+    extra = np.zeros((num_rows, vocab_size), dtype=np.int64)
+    for i in range(1, num_rows):
+        extra[i] = extra[i - 1]
+        extra[i, drafts[i - 1]] += 1
+    return extra
+
+
+def apply_penalties(
+    logits: np.ndarray, params: SamplingParams, history: History, drafts: Sequence[int]
+) -> np.ndarray:
+    """Penalised ``logits`` [R, V] as float64; row i's history includes ``drafts[:i]``.
+    Without penalties this is ``logits`` itself when it already is float64 (never modified)."""
+    if not params.has_penalties:
+        return np.asarray(logits, dtype=np.float64)
+    out = np.array(logits, dtype=np.float64)
+    rows, vocab = out.shape
+    if len(drafts) < rows - 1:
+        raise ValueError(f"{rows} rows need {rows - 1} drafts, got {len(drafts)}")
+    assert history.counts is not None
+    counts = history.counts[None, :] + _draft_prefix_counts(drafts, rows, vocab)
+    if params.repetition_penalty != 1.0:
+        assert history.seen is not None
+        seen = history.seen[None, :] | (counts > 0)
+        pen = params.repetition_penalty
+        out = np.where(seen, np.where(out > 0, out / pen, out * pen), out)
+    if params.frequency_penalty != 0.0:
+        out -= params.frequency_penalty * counts
+    if params.presence_penalty != 0.0:
+        out -= params.presence_penalty * (counts > 0)
+    return out
+
+
+def mask_stop_tokens(
+    logits: np.ndarray, num_output: int, min_tokens: int, stop_token_ids: Sequence[int]
+) -> np.ndarray:
+    """``logits`` with the stop tokens set to ``-inf`` in every row ``i`` with
+    ``num_output + i < min_tokens`` (the token it scores would be emitted too early).
+    Returns a copy when it masks anything, else ``logits`` itself."""
+    early = min_tokens - num_output
+    if early <= 0 or not len(stop_token_ids):
+        return logits
+    out = np.array(logits, dtype=np.float64)
+    out[:early, np.asarray(stop_token_ids, dtype=np.int64)] = -np.inf
+    return out
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - np.max(logits, axis=-1, keepdims=True)
+    e = np.exp(shifted)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, dtype=np.float64)
+    shifted = x - np.max(x, axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def sampling_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Temperature, top-k, top-p and min-p over penalised logits [R, V] -> probabilities
+    [R, V] (float64, rows sum to 1). For random (temperature > 0) requests only."""
+    if params.is_greedy:
+        raise ValueError("sampling_probs is for temperature > 0; greedy takes the argmax")
+    x = np.asarray(logits, dtype=np.float64) / params.temperature
+    vocab = x.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = np.partition(x, vocab - params.top_k, axis=-1)[:, vocab - params.top_k]
+        x = np.where(x >= kth[:, None], x, -np.inf)
+    probs = _softmax(x)
+    if params.top_p < 1.0:
+        order = np.argsort(-probs, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(probs, order, axis=-1)
+        before = np.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly before each token
+        keep_sorted = before < params.top_p
+        keep_sorted[:, 0] = True
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        x = np.where(keep, x, -np.inf)
+        probs = _softmax(x)
+    if params.min_p > 0.0:
+        keep = probs >= params.min_p * probs.max(axis=-1, keepdims=True)
+        x = np.where(keep, x, -np.inf)
+        probs = _softmax(x)
+    return probs
+
+
+def process_rows(
+    logits: np.ndarray,
+    params: SamplingParams,
+    history: History,
+    drafts: Sequence[int],
+    stop_token_ids: Sequence[int],
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """One sequence's rows [R, V] -> ``(processed logits, probabilities)``.
+
+    The processed logits are penalised and min_tokens-masked (greedy requests take their
+    argmax); the probabilities are None for greedy requests.
+    """
+    processed = apply_penalties(logits, params, history, drafts)
+    processed = mask_stop_tokens(processed, history.num_output, params.min_tokens, stop_token_ids)
+    if params.is_greedy:
+        return processed, None
+    return processed, sampling_probs(processed, params)
+
+
+@dataclasses.dataclass
+class LogprobRows:
+    """Logprobs of emitted tokens, one row per token."""
+
+    token_logprobs: np.ndarray  # float64 [n]
+    ranks: np.ndarray  # int64 [n], 1 = the most likely token
+    top_ids: np.ndarray  # int64 [n, top]
+    top_logprobs: np.ndarray  # float64 [n, top]
+
+
+def token_logprobs(logprobs: np.ndarray, token_ids: Sequence[int], top: int) -> LogprobRows:
+    """For rows ``logprobs`` [n, V] and the token emitted from each row: its logprob,
+    its rank (1 + the number of strictly more likely tokens) and the ``top`` most likely
+    (id, logprob) pairs, best first (ties inside the top broken by lower id)."""
+    lp = np.asarray(logprobs, dtype=np.float64)
+    n, vocab = lp.shape
+    ids = np.asarray(token_ids, dtype=np.int64)
+    chosen = lp[np.arange(n), ids]
+    ranks = (lp > chosen[:, None]).sum(axis=1) + 1
+    top = min(top, vocab)
+    if top == 0:
+        top_ids = np.zeros((n, 0), dtype=np.int64)
+    else:
+        cand = np.argpartition(-lp, top - 1, axis=1)[:, :top]
+        order = np.lexsort((cand, -np.take_along_axis(lp, cand, axis=1)), axis=1)
+        top_ids = np.take_along_axis(cand, order, axis=1)
+    return LogprobRows(chosen, ranks, top_ids, np.take_along_axis(lp, top_ids, axis=1))

@@ -1,0 +1,241 @@
+"""The sampler's pure logic: from a step's verify logits to the tokens each request emits.
+
+For every sampling sequence of a step (rows ``[last token, d1..dm]``, see
+:mod:`.logits_processing`):
+
+1. process each row with the request's penalties, min_tokens mask and sampling knobs;
+2. draw the bonus token from the last row (random requests, with the request's own
+   generator), or take its argmax (greedy);
+3. accept drafts with :func:`.rejection.rejection_sample` in one batched call. Greedy
+   requests pass a point mass on the processed argmax, so greedy output is exactly the
+   argmax of the penalised logits; random requests pass the processed probabilities and
+   one-hot (deterministic, ``draft_probs=None``) MTP drafts, which is lossless;
+4. end the run at the first stop (:mod:`.stops`);
+5. compute logprobs for the emitted positions only.
+
+Random numbers: a seeded request owns an ``np.random.Generator`` that lives here from its
+first sampling step until it finishes or is aborted (``StepPlan.retired``), so it
+survives preemption. Per step it draws one uniform for the bonus token, then what
+:func:`.rejection.rejection_sample` documents. Unseeded requests share one generator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from spectrio.models import TextTokenizer
+from spectrio.runtime.messages import SeqResult, SeqWork, StepPlan, StepResult, TokenLogprob
+from spectrio.runtime.params import SamplingParams
+from spectrio.stages.logits_processing import History, log_softmax, process_rows, token_logprobs
+from spectrio.stages.rejection import rejection_sample, sample_rows
+from spectrio.stages.stops import StopStringMatcher, truncate_run
+
+__all__ = ["Sampler"]
+
+
+@dataclasses.dataclass
+class _SeqState:
+    params: SamplingParams
+    history: History
+    generator: np.random.Generator | None
+    matcher: StopStringMatcher | None
+
+
+@dataclasses.dataclass
+class _Prepared:
+    work: SeqWork
+    state: _SeqState
+    raw: np.ndarray  # [m + 1, V] target logits as computed
+    processed: np.ndarray  # [m + 1, V] penalised and masked
+    probs: np.ndarray | None  # [m + 1, V] what a random request draws from; None when greedy
+
+
+class Sampler:
+    """Per-request sampling state plus the step decision. No I/O, no Trio, no device."""
+
+    def __init__(
+        self, vocab_size: int, tokenizer: TextTokenizer | None = None, *, seed: int | None = None
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
+        self._shared = np.random.default_rng(seed)  # for requests without a seed
+        self._states: dict[int, _SeqState] = {}
+
+    @property
+    def num_states(self) -> int:
+        return len(self._states)
+
+    def drop(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self._states.pop(seq_id, None)
+
+    def _state(self, w: SeqWork) -> _SeqState:
+        state = self._states.get(w.seq_id)
+        if state is None:
+            if w.num_output:
+                raise RuntimeError(
+                    f"sequence {w.seq_id} has {w.num_output} outputs but no sampler state"
+                )
+            p = w.params
+            matcher = None
+            if p.stop:
+                if self.tokenizer is None:
+                    raise RuntimeError("stop strings need the sampler to have a tokenizer")
+                matcher = StopStringMatcher(self.tokenizer, p.stop)
+            state = _SeqState(
+                params=p,
+                history=History.start(p, self.vocab_size, w.prompt_ids),
+                generator=None if p.seed is None or p.is_greedy else np.random.default_rng(p.seed),
+                matcher=matcher,
+            )
+            self._states[w.seq_id] = state
+        elif state.history.num_output != w.num_output:
+            raise RuntimeError(
+                f"sequence {w.seq_id}: sampler saw {state.history.num_output} outputs, "
+                f"scheduler reports {w.num_output}"
+            )
+        return state
+
+    def _prepare(self, w: SeqWork, raw: np.ndarray) -> _Prepared:
+        if raw.shape != (len(w.drafts) + 1, self.vocab_size):
+            raise ValueError(f"slot {w.slot}: logits {raw.shape} for {len(w.drafts)} drafts")
+        state = self._state(w)
+        processed, probs = process_rows(raw, state.params, state.history, w.drafts, w.eos_token_ids)
+        return _Prepared(w, state, raw, processed, probs)
+
+    def step(self, plan: StepPlan, logits: dict[int, np.ndarray]) -> StepResult:
+        """Decide every sampling slot of ``plan`` from its logits (``Workspace.take_logits``)."""
+        self.drop(plan.retired)
+        prepared = [self._prepare(w, logits[w.slot]) for w in plan.seqs if w.sample]
+        emitted = self._accept(prepared)
+        finished = [self._finish(prep, run) for prep, run in zip(prepared, emitted, strict=True)]
+        pairs = zip(prepared, finished, strict=True)
+        _attach_logprobs([(p, r) for p, r in pairs if r.num_logprobs is not None and r.token_ids])
+        by_slot = {r.slot: r for r in finished}
+        results = [by_slot.get(w.slot) or _silent(w) for w in plan.seqs]
+        return StepResult(
+            step=plan.step, results=results, preempted=plan.preempted, aborted=plan.aborted
+        )
+
+    def _accept(self, prepared: list[_Prepared]) -> list[list[int]]:
+        """Accepted drafts plus the recovered or bonus token, per prepared sequence."""
+        if not prepared:
+            return []
+        num_drafts = np.array([len(p.work.drafts) for p in prepared], dtype=np.int64)
+        drafts = np.array([d for p in prepared for d in p.work.drafts], dtype=np.int64)
+        # Draft-position distributions, request after request. A greedy request's is a
+        # point mass on the argmax of its processed logits.
+        target = np.zeros((int(num_drafts.sum()), self.vocab_size))
+        bonus = np.empty(len(prepared), dtype=np.int64)
+        at = 0
+        for i, prep in enumerate(prepared):
+            m = len(prep.work.drafts)
+            if prep.probs is None:
+                best = np.argmax(prep.processed, axis=1)
+                target[at + np.arange(m), best[:m]] = 1.0
+                bonus[i] = best[m]
+            else:
+                target[at : at + m] = prep.probs[:m]
+                gen = prep.state.generator or self._shared
+                bonus[i] = sample_rows(prep.probs[m:], gen.random(1))[0]
+            at += m
+        out = rejection_sample(
+            drafts,
+            num_drafts,
+            target,
+            bonus,
+            np.array([p.state.params.is_greedy for p in prepared]),
+            None,
+            [p.state.generator for p in prepared],
+            shared_generator=self._shared,
+        )
+        return [[int(t) for t in row if t >= 0] for row in out]
+
+    def _finish(self, prep: _Prepared, run: list[int]) -> SeqResult:
+        w, state, params = prep.work, prep.state, prep.state.params
+        cut = truncate_run(
+            run,
+            stop_token_ids=w.eos_token_ids,
+            max_new_tokens=w.max_new_tokens,
+            num_output=w.num_output,
+            min_tokens=params.min_tokens,
+            matcher=state.matcher,
+        )
+        tokens = run[: cut.num_tokens]
+        state.history.extend(tokens)
+        if cut.finish_reason is not None:
+            self._states.pop(w.seq_id, None)
+        return SeqResult(
+            slot=w.slot,
+            seq_id=w.seq_id,
+            request_id=w.request_id,
+            num_drafts=len(w.drafts),
+            num_accepted=len(run) - 1,
+            token_ids=tokens,
+            finish_reason=cut.finish_reason,
+            text_len=cut.text_len,
+            num_logprobs=params.logprobs,
+            num_computed=w.start_pos + len(w.token_ids),
+            context_len=w.context_len,
+        )
+
+
+def _attach_logprobs(items: list[tuple[_Prepared, SeqResult]]) -> None:
+    """Fill ``logprobs`` of every result that asked for them, in one batched computation
+    over the emitted rows only: ``raw`` from the unmodified logits, ``processed`` from the
+    distribution drawn from (the penalised logits' log-softmax for greedy requests)."""
+    if not items:
+        return
+    logit_rows: list[np.ndarray] = []  # rows that still need a log-softmax
+    parts: list[tuple[int, np.ndarray | None]] = []  # per item: (rows, log-probs if known)
+    for prep, result in items:
+        n = len(result.token_ids)
+        if prep.state.params.logprobs_mode == "raw":
+            logit_rows.append(prep.raw[:n])
+            parts.append((n, None))
+        elif prep.probs is None:
+            logit_rows.append(prep.processed[:n])
+            parts.append((n, None))
+        else:
+            with np.errstate(divide="ignore"):
+                parts.append((n, np.log(prep.probs[:n])))
+    soft = log_softmax(np.concatenate(logit_rows)) if logit_rows else None
+    at, blocks = 0, []
+    for n, known in parts:
+        if known is None:
+            assert soft is not None
+            known, at = soft[at : at + n], at + n
+        blocks.append(known)
+    tokens = [t for _, r in items for t in r.token_ids]
+    top = max(p.state.params.logprobs or 0 for p, _ in items)
+    rows = token_logprobs(np.concatenate(blocks), tokens, top)
+    values, ranks = rows.token_logprobs.tolist(), rows.ranks.tolist()
+    top_ids, top_lps = rows.top_ids.tolist(), rows.top_logprobs.tolist()
+    row = 0
+    for prep, result in items:
+        want = prep.state.params.logprobs or 0
+        entries = []
+        for tok in result.token_ids:
+            pairs = list(zip(top_ids[row][:want], top_lps[row][:want], strict=True))
+            entries.append(
+                TokenLogprob(token_id=tok, logprob=values[row], rank=ranks[row], top=pairs)
+            )
+            row += 1
+        result.logprobs = entries
+
+
+def _silent(w: SeqWork) -> SeqResult:
+    """A slot that emits nothing this step (chunked prefill in progress)."""
+    return SeqResult(
+        slot=w.slot,
+        seq_id=w.seq_id,
+        request_id=w.request_id,
+        num_drafts=0,
+        num_accepted=0,
+        token_ids=[],
+        num_logprobs=w.params.logprobs,
+        num_computed=w.start_pos + len(w.token_ids),
+        context_len=w.context_len,
+    )
