@@ -50,8 +50,8 @@ def test_console_script_is_declared() -> None:
 
 def test_top_level_exports_are_pinned() -> None:
     assert sorted(spectrio.__all__) == sorted([
-        "ConfigError", "Delta", "InvalidRequest", "Runtime", "RuntimeConfig", "SamplingParams",
-        "SpeculativeConfig", "__version__", "open_runtime",
+        "ConfigError", "Delta", "InvalidRequest", "PublishedStep", "Runtime", "RuntimeConfig",
+        "SamplingParams", "SpeculativeConfig", "TokenLogprob", "__version__", "open_runtime",
     ])
     assert issubclass(spectrio.ConfigError, ValueError)
     assert issubclass(spectrio.InvalidRequest, ValueError)
