@@ -24,6 +24,7 @@ from .reference import (
     HEADER_WORDS,
     MAX_WIDTH,
     RECORD_VERSION,
+    check_slot_shapes,
     pack_topk_ref,
     speculate_save_ref,
 )
@@ -151,14 +152,9 @@ def speculate_save(
         pre = _device(preempted, cp.uint8)
         dec = _device(seq_lens_decoder, cp.int32)
         plen = _device(prompt_lens, cp.int32)
-        for name, arr in (
-            ("accept_counts", counts),
-            ("preempted", pre),
-            ("seq_lens_decoder", dec),
-            ("prompt_lens", plen),
-        ):
-            if arr.shape != (bsz,):
-                raise ValueError(f"{name} must have shape [{bsz}], got {arr.shape}")
+        check_slot_shapes(
+            bsz, accept_counts=counts, preempted=pre, seq_lens_decoder=dec, prompt_lens=plen
+        )
         out = cp.empty(HEADER_WORDS + bsz + bsz * cols, dtype=cp.int32)
         threads = max(32, 1 << max(bsz - 1, 0).bit_length())
         kernel = _kernel("speculate_save", cp.cuda.Device().id)

@@ -17,6 +17,8 @@ counts into range only so a bad input cannot write out of bounds).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 __all__ = [
@@ -87,6 +89,13 @@ def expand_per_token(per_slot: np.ndarray, accept_num: np.ndarray) -> np.ndarray
     return np.repeat(np.asarray(per_slot), np.maximum(np.asarray(accept_num), 0))
 
 
+def check_slot_shapes(bsz: int, **arrays: Any) -> None:
+    """Every per-slot input of ``speculate_save`` must have shape ``[bsz]``."""
+    for name, arr in arrays.items():
+        if tuple(arr.shape) != (bsz,):
+            raise ValueError(f"{name} must have shape [{bsz}], got {tuple(arr.shape)}")
+
+
 def speculate_save_ref(
     accepted_tokens: np.ndarray,
     accept_counts: np.ndarray,
@@ -121,14 +130,9 @@ def speculate_save_ref(
     if tokens.ndim != 2:
         raise ValueError(f"accepted_tokens must be [bsz, k+1], got shape {tokens.shape}")
     bsz, cols = tokens.shape
-    for name, arr in (
-        ("accept_counts", counts),
-        ("preempted", pre),
-        ("seq_lens_decoder", dec),
-        ("prompt_lens", plen),
-    ):
-        if arr.shape != (bsz,):
-            raise ValueError(f"{name} must have shape [{bsz}], got {arr.shape}")
+    check_slot_shapes(
+        bsz, accept_counts=counts, preempted=pre, seq_lens_decoder=dec, prompt_lens=plen
+    )
     if bsz and (counts.min() < 0 or counts.max() > cols):
         raise ValueError(f"accept_counts must lie in [0, {cols}]")
 
