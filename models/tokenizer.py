@@ -33,29 +33,40 @@ class TextTokenizer:
 class IncrementalDetokenizer:
     """Turns a growing id list into text deltas without ever splitting a UTF-8 character.
 
-    Byte-level BPE can end a token in the middle of a multi-byte character; such a
-    tail decodes to U+FFFD and is held back until the following tokens complete it.
+    Byte-level BPE can end a token in the middle of a multi-byte character; such a tail
+    decodes to U+FFFD and is held back until the following tokens complete it. Only the
+    ids since the last point where the text was complete are decoded again, so each
+    push costs O(1) in the length of the output.
     """
 
     def __init__(self, tokenizer: TextTokenizer) -> None:
         self._tok = tokenizer
         self._ids: list[int] = []
-        self._emitted = ""
+        self._window_start = 0  # ids before this decode to complete characters
+        self._window_emitted = 0  # characters of the window's text already returned
+        self._parts: list[str] = []
 
     def push(self, new_ids: list[int]) -> str:
         self._ids.extend(new_ids)
-        text = self._tok.decode(self._ids)
-        stable = text.rstrip("\ufffd") if text.endswith("\ufffd") else text
-        delta = stable[len(self._emitted) :]
-        self._emitted = stable
+        window = self._tok.decode(self._ids[self._window_start :])
+        complete = not window.endswith("\ufffd")
+        stable = window if complete else window.rstrip("\ufffd")
+        delta = stable[self._window_emitted :]
+        if complete:
+            self._window_start, self._window_emitted = len(self._ids), 0
+        else:
+            self._window_emitted = len(stable)
+        self._parts.append(delta)
         return delta
 
     def flush(self) -> str:
-        text = self._tok.decode(self._ids)
-        delta = text[len(self._emitted) :]
-        self._emitted = text
+        """Whatever is held back, replacement characters included (the output ended)."""
+        window = self._tok.decode(self._ids[self._window_start :])
+        delta = window[self._window_emitted :]
+        self._window_start, self._window_emitted = len(self._ids), 0
+        self._parts.append(delta)
         return delta
 
     @property
     def text(self) -> str:
-        return self._emitted
+        return "".join(self._parts)

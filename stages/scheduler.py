@@ -24,7 +24,6 @@ def _handle(sched: Scheduler, msg: Control, log: structlog.typing.FilteringBound
                 speculative=msg.speculative,
             )
         )
-        log.debug("request admitted to queue", request_id=msg.request_id)
     elif isinstance(msg, AbortRequest):
         seq = sched.abort(msg.seq_id)
         if seq is not None:

@@ -60,3 +60,19 @@ def test_bundled_readme_documents_the_split() -> None:
     readme = Path(BUNDLED_DIR / "README.md")
     assert readme.exists()
     assert "held out" in readme.read_text().lower()
+
+
+def test_incremental_detokenizer_equals_a_full_decode_on_held_out_files(tok: TextTokenizer) -> None:
+    import random
+
+    rng = random.Random(0)
+    for text in list(read_texts(corpus_files("heldout")))[:8]:
+        ids = tok.encode(text + " ünïcödé ✓ 😀")[:3000]
+        stream = tok.stream()
+        pos, out = 0, []
+        while pos < len(ids):
+            step = rng.randint(1, 4)
+            out.append(stream.push(ids[pos : pos + step]))
+            pos += step
+        out.append(stream.flush())
+        assert "".join(out) == tok.decode(ids) == stream.text
