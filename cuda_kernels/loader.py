@@ -252,7 +252,8 @@ def speculate_save_any(
     kernel (on ``stream``, then synchronised) for device inputs."""
     inputs = (accepted_tokens, accept_counts, preempted, seq_lens_decoder, prompt_lens)
     if all(is_host_array(x) for x in inputs):
-        return speculate_save_ref(*(_to_host(x) for x in inputs), kind, width)
+        tokens, counts, pre, dec, plen = (_to_host(x) for x in inputs)
+        return speculate_save_ref(tokens, counts, pre, dec, plen, kind, width)
     if stream is None:
         raise ValueError("device inputs need an explicit stream=")
     out = speculate_save(*inputs, kind=kind, width=width, stream=stream)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+DType = Literal["float32", "float64"]
+"""Compute dtypes a model runs in (float64 for exactness tests)."""
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "SpectrioMTPForCausalLM", "DeepseekV3ForCausalLM")
 

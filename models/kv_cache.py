@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
+from spectrio.models.config import DType
+
 
 class PagedKVCache:
     """Per-layer key and value pools of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
@@ -21,7 +23,7 @@ class PagedKVCache:
         block_size: int,
         num_kv_heads: int,
         head_dim: int,
-        dtype: str = "float32",
+        dtype: DType = "float32",
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")

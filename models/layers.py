@@ -15,7 +15,7 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from spectrio.models.batch import AttentionPlan
-from spectrio.models.config import ModelConfig
+from spectrio.models.config import DType, ModelConfig
 from spectrio.models.kv_cache import PagedKVCache
 
 KV = tuple[paddle.Tensor, paddle.Tensor]
@@ -35,7 +35,7 @@ class RMSNorm(nn.Layer):
 
 
 def rope_cos_sin(
-    positions: paddle.Tensor, head_dim: int, theta: float, dtype: str
+    positions: paddle.Tensor, head_dim: int, theta: float, dtype: DType
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """cos/sin tables ``[..., head_dim]`` for the given positions (rotate-half layout)."""
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))

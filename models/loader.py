@@ -16,7 +16,7 @@ import structlog
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from spectrio.models.config import ModelConfig, ModelConfigError
+from spectrio.models.config import DType, ModelConfig, ModelConfigError
 from spectrio.models.model import SpectrioForCausalLM, build_model
 from spectrio.models.tokenizer import TextTokenizer
 
@@ -94,7 +94,7 @@ def resolve_path(path_or_name: str | Path) -> Path:
     return path
 
 
-def load(path_or_name: str | Path = "bundled", dtype: str = "float32") -> LoadedModel:
+def load(path_or_name: str | Path = "bundled", dtype: DType = "float32") -> LoadedModel:
     """Load ``"bundled"`` or a folder with ``config.json`` and ``*.safetensors``.
 
     Every parameter must be present with its exact shape; anything missing, misshapen,

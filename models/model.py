@@ -9,7 +9,7 @@ import paddle
 from paddle import nn
 
 from spectrio.models.batch import AttentionPlan, PackedBatch
-from spectrio.models.config import ModelConfig
+from spectrio.models.config import DType, ModelConfig
 from spectrio.models.kv_cache import PagedKVCache
 from spectrio.models.layers import KV, DecoderLayer, RMSNorm, rope_cos_sin
 
@@ -70,8 +70,11 @@ class SpectrioForCausalLM(nn.Layer):
         self.mtp = MTPLayer(cfg) if cfg.has_mtp else None
 
     @property
-    def dtype(self) -> str:
-        return str(self.model.embed_tokens.weight.dtype).replace("paddle.", "")
+    def dtype(self) -> DType:
+        name = str(self.model.embed_tokens.weight.dtype).replace("paddle.", "")
+        if name not in ("float32", "float64"):
+            raise RuntimeError(f"model weights are {name}; only float32 and float64 run")
+        return name  # type: ignore[return-value]  # narrowed by the check above
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         if self.lm_head is None:
@@ -151,12 +154,12 @@ class SpectrioForCausalLM(nn.Layer):
         return self.compute_logits(self.mtp.shared_head.norm(x)), x, kv
 
 
-def _dense_mask(t: int, start: int, dtype: str) -> paddle.Tensor:
+def _dense_mask(t: int, start: int, dtype: DType) -> paddle.Tensor:
     """Rows are positions ``start..start+t-1``; columns are positions ``0..start+t-1``."""
     return paddle.to_tensor(np.triu(np.full((t, start + t), -np.inf), k=start + 1).astype(dtype))
 
 
-def build_model(cfg: ModelConfig, dtype: str = "float32", seed: int | None = None) -> SpectrioForCausalLM:
+def build_model(cfg: ModelConfig, dtype: DType = "float32", seed: int | None = None) -> SpectrioForCausalLM:
     """A freshly initialised model (small-std normal init, as Llama uses)."""
     if dtype not in ("float32", "float64"):
         raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")

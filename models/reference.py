@@ -41,7 +41,7 @@ def greedy_generate(
     with paddle.no_grad():
         logits, _, past = model.forward_dense(_ids([list(prompt_ids)]))
         while True:
-            token = int(paddle.argmax(logits[0, -1]).item())
+            token = int(paddle.argmax(logits[0, -1]).numpy())
             out.append(token)
             if token in stops:
                 return ReferenceOutput(out, "stop")
