@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import shutil
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ["spectrio_root", "models", "runtime", "stages", "cuda_kernels", "wire", "tools"]
 
 
-@pytest.mark.skipif(shutil.which("mypy") is None and sys.modules.get("mypy") is None,
-                    reason="mypy is part of the test extras")
+@pytest.mark.skipif(importlib.util.find_spec("mypy") is None, reason="mypy is part of the test extras")
 def test_mypy_is_clean() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), *PACKAGES],
