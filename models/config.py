@@ -10,7 +10,17 @@ from typing import Any, Literal
 DType = Literal["float32", "float64"]
 """Compute dtypes a model runs in (float64 for exactness tests)."""
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "SpectrioMTPForCausalLM", "DeepseekV3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "SpectrioMTPForCausalLM")
+
+# Hugging Face fields this implementation does not honour, with the only value it can
+# run with; any other value is refused rather than silently ignored.
+_UNSUPPORTED_UNLESS: dict[str, object] = {
+    "rope_scaling": None,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "hidden_act": "silu",
+    "sliding_window": None,
+}
 
 
 class ModelConfigError(ValueError):
@@ -94,7 +104,17 @@ class ModelConfig:
         ]
         if missing:
             raise ModelConfigError(f"config.json is missing required field(s): {', '.join(missing)}")
+        for name, allowed in _UNSUPPORTED_UNLESS.items():
+            if raw.get(name, allowed) != allowed:
+                raise ModelConfigError(f"{name}={raw[name]!r} is not supported (only {allowed!r})")
+        if "head_dim" in raw and raw["head_dim"] * raw["num_attention_heads"] != raw["hidden_size"]:
+            raise ModelConfigError(
+                f"head_dim={raw['head_dim']} is not supported: it must equal "
+                "hidden_size / num_attention_heads"
+            )
         kwargs = {k: v for k, v in raw.items() if k in fields}
+        # Hugging Face configs without the field have no MTP layer.
+        kwargs.setdefault("num_nextn_predict_layers", 0)
         if "architectures" in kwargs:
             kwargs["architectures"] = tuple(kwargs["architectures"])
         return cls(**kwargs)

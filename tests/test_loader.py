@@ -145,3 +145,35 @@ def test_float64_load(ckpt: Path) -> None:
     assert loaded.model.dtype == "float64"
     with pytest.raises(ValueError, match="dtype"):
         load(ckpt, dtype="float16")
+
+
+def _hf_llama_config(ckpt: Path, **extra: object) -> None:
+    cfg = json.loads((ckpt / "config.json").read_text())
+    for key in ("num_nextn_predict_layers", "model_type"):
+        cfg.pop(key)
+    cfg.update({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+                "attention_bias": False, "rope_scaling": None, "torch_dtype": "float32", **extra})
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+
+
+def test_plain_hugging_face_llama_checkpoint_loads_without_mtp(ckpt: Path) -> None:
+    _rewrite(ckpt, lambda t: [t.pop(n) for n in list(t) if n.startswith("model.layers.2.")])
+    _hf_llama_config(ckpt)
+    loaded = load(ckpt)
+    assert loaded.model.mtp is None and loaded.config.num_nextn_predict_layers == 0
+    assert loaded.config.architectures == ("LlamaForCausalLM",)
+
+
+@pytest.mark.parametrize(
+    "extra,field",
+    [
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"head_dim": 16}, "head_dim"),
+    ],
+)
+def test_features_we_do_not_implement_are_refused(ckpt: Path, extra: dict[str, object], field: str) -> None:
+    _hf_llama_config(ckpt, **extra)
+    with pytest.raises(CheckpointError, match=f"{field}=.* is not supported"):
+        load(ckpt)
