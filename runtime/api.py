@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import uuid
@@ -63,8 +64,6 @@ class Runtime:
             raise ConfigError(f"model: {loaded.path} has no tokenizer.json")
         self.tokenizer = loaded.tokenizer
         cfg = loaded.config
-        if config.enable_overlap:
-            raise ConfigError("enable_overlap: overlap scheduling is not implemented yet; set it to False")
         if config.speculative.enabled and not cfg.has_mtp:
             raise ConfigError("speculative: the checkpoint has no MTP layer; use SpeculativeConfig(method=None)")
         if config.max_model_len + config.speculative.num_draft_tokens > cfg.max_position_embeddings:
@@ -97,18 +96,23 @@ class Runtime:
         plan_tx, plan_rx = open_channel(StepPlan, 1, enc)
         draft_tx, draft_rx = open_channel(StepPlan, 1, enc)
         verified_tx, verified_rx = open_channel(StepPlan, 1, enc)
-        sampled_tx, sampled_rx = open_channel(StepResult, 1, enc)
+        overlap = self.config.enable_overlap
+        # With overlap the publisher may lag a step behind the sampler, hence the slack.
+        sampled_tx, sampled_rx = open_channel(StepResult, 2 if overlap else 1, enc)
         feedback_tx, feedback_rx = open_channel(StepResult, 1, enc)
         self._control = control_tx
         # Downstream first, so every stage is ready before the scheduler plans anything.
-        await nursery.start(run_publisher, sampled_rx, self._deliver, self._publish, feedback_tx)
         await nursery.start(
-            run_sampler, self.workspace, self.sampler, self._limiter, verified_rx, sampled_tx
+            run_publisher, sampled_rx, self._deliver, self._publish, None if overlap else feedback_tx
+        )
+        await nursery.start(
+            functools.partial(run_sampler, feedback=feedback_tx if overlap else None),
+            self.workspace, self.sampler, self._limiter, verified_rx, sampled_tx,
         )
         await nursery.start(run_verify, self.workspace, self._limiter, draft_rx, verified_tx)
         await nursery.start(run_draft, self.workspace, self._limiter, plan_rx, draft_tx)
         await nursery.start(run_scheduler, self.scheduler, control_rx, plan_tx, feedback_rx)
-        log.info("runtime started", num_kv_blocks=self.blocks.num_blocks, encoded=enc,
+        log.info("runtime started", num_kv_blocks=self.blocks.num_blocks, encoded=enc, overlap=overlap,
                  speculative=self.config.speculative.method, k=self.config.speculative.num_draft_tokens)
 
     def _deliver(self, result: StepResult) -> None:

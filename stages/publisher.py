@@ -15,18 +15,21 @@ async def run_publisher(
     inbox: ChannelReceiver[StepResult],
     deliver: Callable[[StepResult], None],
     publish: Callable[[PublishedStep], None],
-    feedback: ChannelSender[StepResult],
+    feedback: ChannelSender[StepResult] | None,
     *,
     rank: int = 0,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """``deliver`` hands tokens to in-process subscribers and ``publish`` the packed step
     record to observers; neither may block. Only rank 0 delivers and publishes, every
-    rank feeds its scheduler. Cancellation while sending feedback drops that step's
-    feedback (the scheduler is being cancelled with it)."""
+    rank feeds its scheduler, unless ``feedback`` is None: with overlap scheduling the
+    sampler feeds the scheduler and publishing lags behind the next step's compute.
+    Cancellation while sending feedback drops that step's feedback (the scheduler is
+    being cancelled with it)."""
     task_status.started()
     async for result in inbox:
         if rank == 0:
             deliver(result)
             publish(publish_step(result))
-        await feedback.send(result)
+        if feedback is not None:
+            await feedback.send(result)

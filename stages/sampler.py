@@ -17,6 +17,7 @@ async def run_sampler(
     inbox: ChannelReceiver[StepPlan],
     outbox: ChannelSender[StepResult],
     *,
+    feedback: ChannelSender[StepResult] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """One StepResult per plan. The logits copy and the NumPy decision share one worker
@@ -29,4 +30,7 @@ async def run_sampler(
 
     task_status.started()
     async for plan in inbox:
-        await outbox.send(await trio.to_thread.run_sync(decide, plan, limiter=limiter))
+        result = await trio.to_thread.run_sync(decide, plan, limiter=limiter)
+        if feedback is not None:  # overlap: the scheduler plans the next step right away
+            await feedback.send(result)
+        await outbox.send(result)

@@ -181,9 +181,29 @@ async def test_runtime_refuses_settings_it_cannot_honour() -> None:
     from spectrio import ConfigError
 
     with trio.fail_after(30):
-        with pytest.raises(ConfigError, match="enable_overlap"):
-            async with open_runtime(RuntimeConfig(max_model_len=256, enable_overlap=True)):
-                pass
         with pytest.raises(ConfigError, match="max_model_len"):
             async with open_runtime(RuntimeConfig(max_model_len=4096)):
                 pass
+
+
+async def test_overlap_scheduling_gives_identical_tokens_and_publishes_every_step(bundled64: object) -> None:
+    """With enable_overlap the scheduler plans step N+1 from the sampler's result while
+    the publisher still delivers step N; tokens and records must not change."""
+    batch = prompts(bundled64.tokenizer)[:8]  # type: ignore[attr-defined]
+    plain, _ = await run_all(config(2), batch)
+    published: list[int] = []
+    results: list[list[int]] = [[] for _ in batch]
+    with trio.fail_after(120):
+        async with open_runtime(config(2, enable_overlap=True), encoded_channels=True) as rt:
+            rt.add_record_observer(lambda pub: published.append(pub.step))
+
+            async def one(i: int) -> None:
+                results[i] = await collect(rt, batch[i], SamplingParams(max_tokens=MAX_TOKENS))
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(batch)):
+                    nursery.start_soon(one, i)
+            await rt.wait_idle()
+            assert rt.blocks.num_used_blocks == 0
+            assert published == list(range(1, rt.num_steps + 1))
+    assert results == plain

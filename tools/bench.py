@@ -58,10 +58,11 @@ def bench_prompts(count: int, prompt_tokens: int, model: str) -> list[list[int]]
 
 
 async def run_case(model: str, dtype: str, k: int, batch: int, prompts: list[list[int]], max_tokens: int,
-                   logprobs: int | None = None) -> dict[str, object]:
+                   logprobs: int | None = None, overlap: bool = False) -> dict[str, object]:
     spec = SpeculativeConfig(method=None) if k == 0 else SpeculativeConfig(num_speculative_tokens=k)
     cfg = RuntimeConfig(model=model, dtype=dtype, speculative=spec, max_num_seqs=max(batch, 1),
-                        max_num_batched_tokens=max(2048, batch * (k + 1)), max_model_len=512)
+                        max_num_batched_tokens=max(2048, batch * (k + 1)), max_model_len=512,
+                        enable_overlap=overlap)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
     record_bytes: list[int] = []
 
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=48)
     p.add_argument("--agreement", action="store_true", help="float32 agreement with the reference")
+    p.add_argument("--overlap", action="store_true", help="run with enable_overlap=True")
     p.add_argument("--json", type=str, default=None, help="write results to this file")
     args = p.parse_args(argv)
 
@@ -143,9 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     cases = [(b, k, lp) for b in args.batch for k in args.k for lp in settings]
     rows = []
     for b, k, lp in tqdm(cases, desc="bench", unit="case"):
-        rows.append(trio.run(run_case, args.model, args.dtype, k, b, prompts, args.max_tokens, lp))
+        rows.append(trio.run(run_case, args.model, args.dtype, k, b, prompts, args.max_tokens, lp, args.overlap))
     machine = f"{platform.machine()} {platform.processor() or ''} cores={__import__('os').cpu_count()}".strip()
-    print(f"machine: {machine}; model={args.model} dtype={args.dtype} max_tokens={args.max_tokens}")
+    print(f"machine: {machine}; model={args.model} dtype={args.dtype} max_tokens={args.max_tokens} "
+          f"overlap={args.overlap}")
     print(f"{'batch':>5} {'k':>3} {'logprobs':>8} {'tok/s':>8} {'accept_len':>10} {'overhead':>9} "
           f"{'steps':>6} {'record B/step':>13} {'fixed B (batch)':>15} {'fixed B (512)':>13}")
     for r in rows:
