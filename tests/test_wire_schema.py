@@ -1,0 +1,585 @@
+"""Issue 5, wire schema v1: round trips, the schema pin, classification of malformed request
+frames, a fuzz test, the worked example in docs/wire.md, and a consumer that reads a live
+runtime's step frames with the plain ``msgpack`` package, following docs/wire.md only."""
+
+from __future__ import annotations
+
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import msgspec
+import numpy as np
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from spectrio import Delta, RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
+from spectrio.runtime.messages import PublishedStep, SeqResult, StepResult, TokenLogprob
+from spectrio.stages.records import publish_step
+from spectrio.wire.codec import (
+    SequenceCounter,
+    WireError,
+    check_submit,
+    decode_envelope,
+    decode_reply,
+    decode_request,
+    decode_step,
+    encode,
+    encode_step,
+)
+from spectrio.wire.schema import (
+    SCHEMA_VERSION,
+    WIRE_TYPES,
+    Abort,
+    Ack,
+    Error,
+    ErrorCode,
+    Ping,
+    StepEnvelope,
+    Submit,
+    schema_fingerprint,
+)
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "wire.md"
+
+# The pin: one fingerprint per schema version. Changing any wire message changes the
+# fingerprint; then bump SCHEMA_VERSION and record the new fingerprint under it.
+PINNED_FINGERPRINTS = {
+    1: "232ac1639489e1b1a29ca79ba846247746bd7c011c76660572857918db980642",
+}
+
+
+def mp(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def submit_map(**over: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "type": "submit",
+        "v": SCHEMA_VERSION,
+        "request_id": "r1",
+        "prompt": [1, 2, 3],
+    }
+    base.update(over)
+    return base
+
+
+# ---- round trips and the pin --------------------------------------------------------------
+
+ALL_MESSAGES: list[msgspec.Struct] = [
+    Submit(v=1, request_id="a", prompt="def f():"),
+    Submit(
+        v=1,
+        request_id="b" * 128,
+        prompt=[0, 5, 2**31 - 1],
+        params=SamplingParams(max_tokens=3, temperature=0.7, seed=2**62, stop=["\n"], logprobs=5),
+    ),
+    Abort(v=1, request_id="a"),
+    Ping(v=1),
+    Ack(of="submit", request_id="a"),
+    Ack(of="ping"),
+    Error(code=ErrorCode.BAD_FRAME, reason="nope"),
+    Error(code=ErrorCode.DUPLICATE_REQUEST, reason="running", request_id="a"),
+    StepEnvelope(
+        step=3,
+        request_ids=["a", "b"],
+        seqnos=[0, 17],
+        finish_reasons=[None, "stop"],
+        errors=[Error(code=ErrorCode.UNAVAILABLE, reason="shutdown", request_id="c")],
+    ),
+]
+
+
+@pytest.mark.parametrize("msg", ALL_MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_struct_round_trips_through_its_typed_decoder(msg: msgspec.Struct) -> None:
+    frame = encode(msg)
+    if isinstance(msg, Submit | Abort | Ping):
+        assert decode_request(frame) == msg
+    elif isinstance(msg, Ack | Error):
+        assert decode_reply(frame) == msg
+    else:
+        assert decode_envelope(frame) == msg
+    # Every message is a self-describing msgpack map with "type" and "v".
+    plain = msgpack.unpackb(frame, raw=False)
+    assert plain["type"] == type(msg).__struct_config__.tag and plain["v"] == SCHEMA_VERSION
+
+
+def test_schema_is_pinned_to_its_version() -> None:
+    got = schema_fingerprint()
+    assert PINNED_FINGERPRINTS.get(SCHEMA_VERSION) == got, (
+        "the wire schema changed: bump SCHEMA_VERSION in wire/schema.py, update docs/wire.md, "
+        f"and pin {{{SCHEMA_VERSION}: {got!r}}} here"
+    )
+
+
+def test_the_pin_notices_a_changed_field_type_name_or_error_code() -> None:
+    base = schema_fingerprint()
+
+    class Ping(
+        msgspec.Struct,
+        frozen=True,
+        gc=False,
+        kw_only=True,
+        tag_field="type",
+        tag="ping",
+        forbid_unknown_fields=True,
+    ):
+        v: str  # was int
+
+    class Abort(
+        msgspec.Struct,
+        frozen=True,
+        gc=False,
+        kw_only=True,
+        tag_field="type",
+        tag="abort",
+        forbid_unknown_fields=True,
+    ):
+        v: int
+        rid: str  # was request_id
+
+    swap = {"Ping": Ping, "Abort": Abort}
+    for name, cls in swap.items():
+        types = tuple(cls if t.__name__ == name else t for t in WIRE_TYPES)
+        assert schema_fingerprint(types) != base, name
+    assert schema_fingerprint(WIRE_TYPES[:-1]) != base  # a message dropped
+
+
+def test_error_codes_are_documented_strings() -> None:
+    doc = DOC.read_text()
+    for code in ErrorCode:
+        assert isinstance(code.value, str) and code.value == code.value.lower()
+        assert f"`{code.value}`" in doc, f"docs/wire.md does not document {code.value}"
+    assert (
+        msgpack.unpackb(encode(Error(code=ErrorCode.TOO_LARGE, reason="x")))["code"] == "too_large"
+    )
+
+
+# ---- malformed requests: one code per class ----------------------------------------------
+
+VALID = mp(submit_map())
+
+MALFORMED: list[tuple[str, bytes, ErrorCode, str | None]] = [
+    ("random bytes", b"\xc1\x07\xff\x00garbage", ErrorCode.BAD_FRAME, None),
+    ("empty frame", b"", ErrorCode.BAD_FRAME, None),
+    ("truncated msgpack", VALID[:-3], ErrorCode.BAD_FRAME, None),
+    ("trailing bytes", VALID + b"\x00", ErrorCode.BAD_FRAME, None),
+    (
+        "invalid UTF-8 in a string",
+        VALID.replace(b"submit", b"\x80ubmit"),
+        ErrorCode.BAD_FRAME,
+        None,
+    ),
+    ("top level not a map", mp([1, 2, 3]), ErrorCode.WRONG_TYPE, None),
+    ("field of the wrong type", mp(submit_map(prompt=3.5)), ErrorCode.WRONG_TYPE, "r1"),
+    (
+        "param of the wrong type",
+        mp(submit_map(params={"max_tokens": "9"})),
+        ErrorCode.WRONG_TYPE,
+        "r1",
+    ),
+    ("version of the wrong type", mp({"type": "ping", "v": "1"}), ErrorCode.WRONG_TYPE, None),
+    ("unknown tag", mp({"type": "submitt", "v": 1}), ErrorCode.UNKNOWN_TYPE, None),
+    ("no tag", mp({"v": 1, "request_id": "r1"}), ErrorCode.UNKNOWN_TYPE, "r1"),
+    ("tag of the wrong type", mp({"type": 7, "v": 1}), ErrorCode.UNKNOWN_TYPE, None),
+    ("extra field", mp(submit_map(priority=1)), ErrorCode.UNKNOWN_FIELD, "r1"),
+    ("extra param", mp(submit_map(params={"beam_width": 4})), ErrorCode.UNKNOWN_FIELD, "r1"),
+    ("missing field", mp({"type": "abort", "v": 1}), ErrorCode.MISSING_FIELD, None),
+    ("missing version", mp({"type": "abort", "request_id": "x"}), ErrorCode.MISSING_FIELD, "x"),
+    ("newer schema", mp({"type": "ping", "v": 2}), ErrorCode.SCHEMA_VERSION, None),
+    (
+        "older schema, other fields",
+        mp({"type": "abort", "v": 0, "id": "q", "request_id": "q"}),
+        ErrorCode.SCHEMA_VERSION,
+        "q",
+    ),
+    ("empty request id", mp(submit_map(request_id="")), ErrorCode.INVALID_FIELD, None),
+    ("over-long request id", mp(submit_map(request_id="x" * 129)), ErrorCode.INVALID_FIELD, None),
+    ("negative token id", mp(submit_map(prompt=[4, -1])), ErrorCode.INVALID_FIELD, "r1"),
+    ("token id beyond int32", mp(submit_map(prompt=[2**31])), ErrorCode.INVALID_FIELD, "r1"),
+]
+
+
+@pytest.mark.parametrize(
+    ("frame", "code", "rid"), [m[1:] for m in MALFORMED], ids=[m[0] for m in MALFORMED]
+)
+def test_each_malformed_class_gets_its_code(frame: bytes, code: ErrorCode, rid: str | None) -> None:
+    with pytest.raises(WireError) as info:
+        decode_request(frame)
+    assert info.value.code is code, info.value.reason
+    assert info.value.request_id == rid
+    reply = decode_reply(encode(info.value.to_reply()))
+    assert isinstance(reply, Error) and reply.code is code and reply.request_id == rid
+
+
+def test_oversized_frames_are_refused_before_decoding() -> None:
+    frame = mp(submit_map(prompt=list(range(1000))))
+    assert isinstance(decode_request(frame, max_bytes=len(frame)), Submit)
+    with pytest.raises(WireError) as info:
+        decode_request(frame, max_bytes=len(frame) - 1)
+    assert info.value.code is ErrorCode.TOO_LARGE
+    with pytest.raises(WireError) as info:
+        decode_request(b"\xc1" * 100, max_bytes=10)  # size is checked first
+    assert info.value.code is ErrorCode.TOO_LARGE
+
+
+def test_requests_decode_from_any_buffer_and_accept_defaults() -> None:
+    sub = decode_request(memoryview(bytearray(VALID)))
+    assert isinstance(sub, Submit) and sub.prompt == [1, 2, 3] and sub.params == SamplingParams()
+    assert decode_request(np.frombuffer(mp({"type": "ping", "v": 1}), dtype=np.uint8)) == Ping(v=1)
+    assert decode_request(mp(submit_map(prompt="hi"))).prompt == "hi"  # type: ignore[union-attr]
+
+
+class _Tok:
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 50 for c in text if not c.isspace()]
+
+
+@pytest.mark.parametrize(
+    ("fields", "code", "reason"),
+    [
+        ({"params": {"temperature": -1.0}}, ErrorCode.INVALID_PARAMS, "temperature:"),
+        ({"params": {"logprobs": 21}}, ErrorCode.INVALID_PARAMS, "logprobs:"),
+        ({"params": {"stop_token_ids": [50]}}, ErrorCode.INVALID_PARAMS, "stop_token_ids:"),
+        ({"prompt": []}, ErrorCode.EMPTY_PROMPT, "prompt:"),
+        ({"prompt": ""}, ErrorCode.EMPTY_PROMPT, "prompt:"),
+        ({"prompt": "   "}, ErrorCode.EMPTY_PROMPT, "prompt:"),
+        ({"prompt": list(range(10))}, ErrorCode.PROMPT_TOO_LONG, "max_model_len=10"),
+        ({"prompt": "abcdefghij"}, ErrorCode.PROMPT_TOO_LONG, "max_model_len=10"),
+        ({"prompt": [1, 50]}, ErrorCode.INVALID_FIELD, "token id 50"),
+    ],
+)
+def test_server_side_submit_checks(fields: dict[str, Any], code: ErrorCode, reason: str) -> None:
+    sub = decode_request(mp(submit_map(**fields)))
+    assert isinstance(sub, Submit)
+    with pytest.raises(WireError) as info:
+        check_submit(sub, vocab_size=50, max_model_len=10, tokenize=_Tok().encode)
+    assert info.value.code is code and reason in info.value.reason
+    assert info.value.request_id == "r1"
+
+
+def test_server_side_submit_checks_pass_good_prompts() -> None:
+    for prompt, ids in (([3, 49], [3, 49]), ("a b", [97 % 50, 98 % 50])):
+        sub = decode_request(mp(submit_map(prompt=prompt, params={"max_tokens": 4})))
+        assert isinstance(sub, Submit)
+        assert check_submit(sub, vocab_size=50, max_model_len=10, tokenize=_Tok().encode) == ids
+
+
+# ---- fuzz ---------------------------------------------------------------------------------
+
+FIELD_NAMES = [
+    "type",
+    "v",
+    "request_id",
+    "prompt",
+    "params",
+    "max_tokens",
+    "temperature",
+    "seed",
+    "stop",
+    "logprobs",
+    "x",
+]
+LEAVES = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=8)
+    | st.sampled_from(["submit", "abort", "ping", "ack", 1, 0, 2])
+)
+VALUES = st.recursive(
+    LEAVES,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.sampled_from(FIELD_NAMES) | st.text(max_size=4), inner, max_size=5)
+    ),
+    max_leaves=12,
+)
+SEEDS = [
+    VALID,
+    mp({"type": "ping", "v": 1}),
+    mp({"type": "abort", "v": 1, "request_id": "z"}),
+    mp(submit_map(prompt="text", params={"max_tokens": 2, "stop": ["a"], "seed": 3})),
+]
+
+
+@st.composite
+def mutated(draw: st.DrawFn) -> bytes:
+    frame = bytearray(draw(st.sampled_from(SEEDS)))
+    for _ in range(draw(st.integers(1, 4))):
+        op = draw(st.sampled_from(["flip", "cut", "insert", "delete"]))
+        at = draw(st.integers(0, max(0, len(frame) - 1)))
+        if op == "flip" and frame:
+            frame[at] = draw(st.integers(0, 255))
+        elif op == "cut":
+            del frame[at:]
+        elif op == "insert":
+            frame[at:at] = draw(st.binary(min_size=1, max_size=4))
+        elif frame:
+            del frame[at]
+    return bytes(frame)
+
+
+FRAMES = (
+    st.binary(max_size=64)
+    | mutated()
+    | VALUES.map(mp)
+    | st.builds(
+        lambda extra: mp(submit_map(**extra)),
+        st.dictionaries(st.sampled_from(FIELD_NAMES), LEAVES, max_size=3),
+    )
+)
+
+
+def test_fuzz_decode_request_raises_only_wire_errors() -> None:
+    seen: list[int] = [0, 0]  # frames, frames refused
+
+    @settings(
+        max_examples=500,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(st.lists(FRAMES, min_size=20, max_size=30))
+    def run(frames: list[bytes]) -> None:
+        for frame in frames:
+            seen[0] += 1
+            try:
+                msg = decode_request(frame, max_bytes=512)
+            except WireError as exc:
+                seen[1] += 1
+                assert isinstance(exc.code, ErrorCode) and exc.reason
+                assert exc.request_id is None or isinstance(exc.request_id, str)
+            else:
+                assert isinstance(msg, Submit | Abort | Ping) and msg.v == SCHEMA_VERSION
+                assert decode_request(encode(msg)) == msg
+
+    run()
+    assert seen[0] >= 10_000
+    assert seen[1] > seen[0] // 2  # the generator really produces malformed frames
+
+
+# ---- output: envelope, sequence numbers, the documented example ---------------------------
+
+
+def example_step() -> tuple[PublishedStep, list[int]]:
+    """The worked example of docs/wire.md: four slots, a logprob block of width 2."""
+
+    def lp(tok: int, val: float, alt: int, alt_val: float, rank: int) -> TokenLogprob:
+        return TokenLogprob(token_id=tok, logprob=val, rank=rank, top=[(alt, alt_val)])
+
+    result = StepResult(
+        step=7,
+        results=[
+            SeqResult(
+                slot=0,
+                seq_id=1,
+                request_id="req-a",
+                num_drafts=2,
+                num_accepted=2,
+                token_ids=[17, 42, 5],
+                num_logprobs=1,
+                num_computed=30,
+                context_len=27,
+                logprobs=[
+                    lp(17, -0.5, 17, -0.5, 1),
+                    lp(42, -1.25, 9, -0.75, 2),
+                    lp(5, -0.125, 5, -0.125, 1),
+                ],
+            ),
+            SeqResult(
+                slot=1,
+                seq_id=2,
+                request_id="req-b",
+                num_drafts=0,
+                num_accepted=0,
+                token_ids=[],
+                num_computed=16,
+                context_len=40,
+            ),
+            SeqResult(
+                slot=2,
+                seq_id=3,
+                request_id="req-c",
+                num_drafts=2,
+                num_accepted=0,
+                token_ids=[7],
+                finish_reason="stop",
+                num_computed=20,
+                context_len=8,
+            ),
+        ],
+        preempted=["req-d"],
+    )
+    return publish_step(result), [3, 0, 12, 5]
+
+
+def hexdump(data: bytes) -> str:
+    return "\n".join(f"{i:04x}  {data[i : i + 16].hex(' ')}" for i in range(0, len(data), 16))
+
+
+def doc_block(name: str) -> str:
+    match = re.search(rf"<!-- {name} -->\n```text\n(.*?)\n```", DOC.read_text(), re.S)
+    assert match, f"docs/wire.md has no block marked <!-- {name} -->"
+    return match.group(1)
+
+
+def test_docs_worked_example_is_what_the_code_produces() -> None:
+    published, seqnos = example_step()
+    frame0, frame1 = encode_step(published, seqnos)
+    assert doc_block("frame0") == hexdump(frame0)
+    assert doc_block("frame1") == hexdump(frame1)
+    env, tokens = decode_step([frame0, frame1])
+    assert env.request_ids == ["req-a", "req-b", "req-c", "req-d"]
+    assert {k: v.tolist() for k, v in tokens.items()} == {"req-a": [17, 42, 5], "req-c": [7]}
+
+
+def test_encode_step_keeps_the_record_and_checks_lengths() -> None:
+    published, seqnos = example_step()
+    frames = encode_step(published, seqnos)
+    assert frames[1] == published.record
+    env = decode_envelope(frames[0])
+    assert env.seqnos == seqnos and env.finish_reasons == [None, None, "stop", None]
+    with pytest.raises(ValueError, match="seqnos"):
+        encode_step(published, seqnos[:-1])
+    with pytest.raises(ValueError, match="bad step message"):
+        decode_step([frames[0], frames[1][:-4]])
+
+
+def test_sequence_counter_counts_sent_tokens_and_forgets_finished_requests() -> None:
+    def step(n: int, results: list[SeqResult], preempted: list[str] = []) -> PublishedStep:  # noqa: B006
+        return publish_step(StepResult(step=n, results=results, preempted=preempted))
+
+    def res(slot: int, rid: str, toks: list[int], reason: str | None = None) -> SeqResult:
+        return SeqResult(
+            slot=slot,
+            seq_id=slot,
+            request_id=rid,
+            num_drafts=0,
+            num_accepted=0,
+            token_ids=toks,
+            finish_reason=reason,
+            num_computed=9,
+            context_len=9,
+        )
+
+    counter = SequenceCounter()
+    assert counter.advance(step(1, [res(0, "a", [1, 2]), res(1, "b", [3])])) == [0, 0]
+    assert counter.advance(step(2, [res(0, "a", [4])], preempted=["b"])) == [2, 1]
+    assert counter.advance(step(3, [res(0, "b", [5, 6]), res(1, "a", [7], "length")])) == [1, 3]
+    assert counter.sent("a") == 0 and counter.sent("b") == 3 and len(counter) == 1
+
+
+# ---- a plain-msgpack consumer of a live runtime, written from docs/wire.md ----------------
+
+
+def plain_consume(
+    frames: list[bytes],
+) -> tuple[dict[str, Any], dict[str, list[int]], dict[str, list[list[float]]]]:
+    """Decode one step message with ``msgpack``, ``struct`` and NumPy only. Returns the
+    envelope map, each slot's tokens and each token's logprob row (when sent)."""
+    env = msgpack.unpackb(frames[0], raw=False)
+    assert env["type"] == "step" and env["v"] == 1
+    rec = frames[1]
+    version, packed, bsz, n = struct.unpack_from("<4i", rec, 0)
+    kind, width = packed & 0xFF, packed >> 8
+    assert version == 1 and kind == 3 and bsz == len(env["request_ids"])
+    accept = np.frombuffer(rec, dtype="<i4", count=bsz, offset=16)
+    tokens = np.frombuffer(rec, dtype="<i4", count=n, offset=16 + 4 * bsz)
+    at = 16 + 4 * (bsz + n)
+    lp_vals = None
+    if width:
+        lp_ids = np.frombuffer(rec, dtype="<i4", count=n * width, offset=at).reshape(n, width)
+        lp_vals = np.frombuffer(rec, dtype="<f4", count=n * width, offset=at + 4 * n * width)
+        lp_vals = lp_vals.reshape(n, width)
+        at += 8 * n * width + 4 * n
+        sent = lp_ids[:, 0] >= 0
+        assert (lp_ids[sent, 0] == tokens[sent]).all()
+    assert at == len(rec)
+    ends = np.cumsum(np.maximum(accept, 0))
+    starts = ends - np.maximum(accept, 0)
+    out: dict[str, list[int]] = {}
+    lps: dict[str, list[list[float]]] = {}
+    for rid, a, b in zip(env["request_ids"], starts.tolist(), ends.tolist(), strict=True):
+        if b > a:
+            out[rid] = tokens[a:b].tolist()
+            if lp_vals is not None:
+                lps[rid] = lp_vals[a:b].tolist()
+    return env, out, lps
+
+
+async def test_plain_msgpack_consumer_reads_a_live_runtime_stream() -> None:
+    cfg = RuntimeConfig(
+        max_model_len=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        speculative=SpeculativeConfig(num_speculative_tokens=2),
+    )
+    prompts: list[str | list[int]] = ["def fib(n):", "import os\n", "class Stack:\n", [5, 6, 7, 8]]
+    params = [
+        SamplingParams(max_tokens=12),
+        SamplingParams(max_tokens=9, logprobs=2),
+        SamplingParams(max_tokens=14, temperature=0.8, seed=1),
+        SamplingParams(max_tokens=5),
+    ]
+    messages: list[list[bytes]] = []
+    counter = SequenceCounter()
+    deltas: dict[str, list[Delta]] = {f"q{i}": [] for i in range(len(prompts))}
+    with trio.fail_after(240):
+        async with open_runtime(cfg) as rt:
+            rt.add_record_observer(
+                lambda pub: messages.append(encode_step(pub, counter.advance(pub)))
+            )
+
+            async def one(i: int) -> None:
+                async for delta in rt.generate(prompts[i], params[i], request_id=f"q{i}"):
+                    deltas[f"q{i}"].append(delta)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(one, i)
+            await rt.wait_idle()
+
+    streams, logprobs, finished, steps = reassemble(messages)
+    assert steps == list(range(steps[0], steps[0] + len(steps)))
+    for rid, ds in deltas.items():
+        assert streams[rid] == [t for d in ds for t in d.token_ids] and streams[rid]
+        assert finished[rid] == ds[-1].finish_reason
+    assert len(logprobs["q1"]) == len(streams["q1"])
+    want = [[t.logprob, t.top[0][1]] for d in deltas["q1"] for t in d.logprobs or []]
+    np.testing.assert_allclose(np.array([row[:2] for row in logprobs["q1"]]), want, rtol=1e-6)
+    # The sequence numbers make a lost message visible.
+    lossy = [m for m in messages if m is not next(m for m in messages if plain_consume(m)[1])]
+    with pytest.raises(GapError):
+        reassemble(lossy)
+
+
+class GapError(Exception):
+    pass
+
+
+def reassemble(
+    messages: list[list[bytes]],
+) -> tuple[dict[str, list[int]], dict[str, list[list[float]]], dict[str, str], list[int]]:
+    streams: dict[str, list[int]] = {}
+    logprobs: dict[str, list[list[float]]] = {}
+    finished: dict[str, str] = {}
+    steps = []
+    for frames in messages:
+        env, tokens, lps = plain_consume(frames)
+        steps.append(env["step"])
+        for slot, rid in enumerate(env["request_ids"]):
+            got = streams.setdefault(rid, [])
+            if env["seqnos"][slot] != len(got):
+                raise GapError(f"{rid}: seqno {env['seqnos'][slot]}, have {len(got)} tokens")
+            got.extend(tokens.get(rid, []))
+            logprobs.setdefault(rid, []).extend(lps.get(rid, []))
+            if env["finish_reasons"][slot] is not None:
+                finished[rid] = env["finish_reasons"][slot]
+    return streams, logprobs, finished, steps

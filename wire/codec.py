@@ -1,0 +1,305 @@
+"""Encoding and decoding of wire messages (schema: :mod:`spectrio.wire.schema`).
+
+Request frames are untrusted. :func:`decode_request` either returns a typed request or
+raises :class:`WireError` with a specific :class:`~spectrio.wire.schema.ErrorCode`; it never
+raises anything else, whatever the bytes. Server-side checks that need the model
+(vocabulary, ``max_model_len``, the tokenizer) are in :func:`check_submit`.
+
+Output: :func:`encode_step` turns one published step into its multipart frames
+(frame 0 the :class:`~spectrio.wire.schema.StepEnvelope`, frame 1 the record bytes
+unchanged). :class:`SequenceCounter` keeps the per-request sequence numbers.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import msgspec
+import numpy as np
+
+from spectrio.runtime.messages import PublishedStep
+from spectrio.runtime.params import InvalidRequest
+from spectrio.wire.record import RecordError, unpack
+from spectrio.wire.schema import (
+    MAX_REQUEST_ID_LEN,
+    SCHEMA_VERSION,
+    Ack,
+    Error,
+    ErrorCode,
+    Reply,
+    Request,
+    StepEnvelope,
+    Submit,
+)
+
+__all__ = [
+    "DEFAULT_MAX_REQUEST_BYTES",
+    "SequenceCounter",
+    "WireError",
+    "check_submit",
+    "decode_envelope",
+    "decode_reply",
+    "decode_request",
+    "decode_step",
+    "encode",
+    "encode_step",
+]
+
+DEFAULT_MAX_REQUEST_BYTES: Final = 1 << 20
+"""Default cap on one request frame (1 MiB: a long prompt as token ids fits easily)."""
+
+_MAX_REASON_CHARS: Final = 300
+
+
+class WireError(Exception):
+    """A message the wire layer refuses: ``code`` is the machine-readable class, ``reason``
+    the human-readable detail, ``request_id`` the request it concerns when known."""
+
+    def __init__(self, code: ErrorCode, reason: str, request_id: str | None = None) -> None:
+        super().__init__(f"{code.value}: {reason}")
+        self.code = code
+        self.reason = reason
+        self.request_id = request_id
+
+    def to_reply(self) -> Error:
+        """The :class:`Error` reply a server sends for this error."""
+        return Error(code=self.code, reason=self.reason, request_id=self.request_id)
+
+
+class _Probe(msgspec.Struct, gc=False):
+    """Reads ``v`` and ``request_id`` from any map, ignoring every other key."""
+
+    v: Any = None
+    request_id: Any = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder: msgspec.msgpack.Decoder[Request] = msgspec.msgpack.Decoder(Request)
+_reply_decoder: msgspec.msgpack.Decoder[Reply] = msgspec.msgpack.Decoder(Reply)
+_envelope_decoder = msgspec.msgpack.Decoder(StepEnvelope)
+_probe_decoder = msgspec.msgpack.Decoder(_Probe)
+
+_TAG_PATH = "`$.type`"
+_MISSING = re.compile(r"^Object missing required field `([^`]*)`( - at `([^`]*)`)?$")
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """msgpack bytes of any wire message."""
+    return _encoder.encode(msg)
+
+
+def _probe(frame: bytes | memoryview) -> _Probe | None:
+    try:
+        return _probe_decoder.decode(frame)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        return None
+
+
+def _classify(message: str) -> ErrorCode:
+    """Map a msgspec ValidationError message onto an error code."""
+    missing = _MISSING.match(message)
+    if missing:
+        # A missing tag at the top level means the request type is unknown.
+        if missing.group(1) == "type" and missing.group(3) is None:
+            return ErrorCode.UNKNOWN_TYPE
+        return ErrorCode.MISSING_FIELD
+    if message.endswith(_TAG_PATH):
+        return ErrorCode.UNKNOWN_TYPE
+    if message.startswith("Object contains unknown field"):
+        return ErrorCode.UNKNOWN_FIELD
+    if message.startswith("Expected `") and ", got `" in message:
+        return ErrorCode.WRONG_TYPE
+    return ErrorCode.INVALID_FIELD
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= _MAX_REASON_CHARS else text[: _MAX_REASON_CHARS - 3] + "..."
+
+
+def decode_request(
+    frame: bytes | bytearray | memoryview, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+) -> Request:
+    """Decode one request frame. Raises :class:`WireError` (and nothing else) when the
+    frame is oversized (``too_large``), not msgpack (``bad_frame``), from another schema
+    version (``schema_version``), of an unknown type (``unknown_type``), or has missing,
+    unknown, wrongly typed or out-of-range fields (``missing_field``, ``unknown_field``,
+    ``wrong_type``, ``invalid_field``). ``WireError.request_id`` is set when the frame
+    had a readable one."""
+    try:
+        view = memoryview(frame)
+    except TypeError as exc:
+        raise WireError(
+            ErrorCode.BAD_FRAME, f"not a bytes-like frame: {type(frame).__name__}"
+        ) from exc
+    if view.nbytes > max_bytes:
+        raise WireError(
+            ErrorCode.TOO_LARGE, f"frame of {view.nbytes} bytes exceeds the cap of {max_bytes}"
+        )
+    if view.ndim != 1 or view.itemsize != 1 or not view.c_contiguous:
+        view = memoryview(view.tobytes())
+    try:
+        msg = _request_decoder.decode(view)
+    except msgspec.ValidationError as exc:  # before DecodeError: it is a subclass
+        probe = _probe(view)
+        rid = probe.request_id if probe is not None else None
+        if not (isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_LEN):
+            rid = None  # only a well-formed id is echoed back
+        version = probe.v if probe is not None else None
+        if isinstance(version, int) and not isinstance(version, bool) and version != SCHEMA_VERSION:
+            raise WireError(
+                ErrorCode.SCHEMA_VERSION,
+                f"schema version {_short(repr(version))} is not supported "
+                f"(this server speaks {SCHEMA_VERSION})",
+                rid,
+            ) from None
+        raise WireError(_classify(str(exc)), _short(str(exc)), rid) from None
+    except msgspec.DecodeError as exc:
+        raise WireError(ErrorCode.BAD_FRAME, _short(str(exc))) from None
+    except UnicodeDecodeError as exc:  # msgspec raises it as is for a bad UTF-8 string
+        raise WireError(ErrorCode.BAD_FRAME, f"invalid UTF-8 in a string: {exc.reason}") from None
+    except RecursionError:
+        raise WireError(ErrorCode.BAD_FRAME, "msgpack nesting too deep") from None
+    if msg.v != SCHEMA_VERSION:
+        rid = getattr(msg, "request_id", None)
+        raise WireError(
+            ErrorCode.SCHEMA_VERSION,
+            f"schema version {msg.v} is not supported (this server speaks {SCHEMA_VERSION})",
+            rid,
+        )
+    return msg
+
+
+def check_submit(
+    submit: Submit,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    tokenize: Callable[[str], list[int]],
+) -> list[int]:
+    """The server-side checks of a decoded :class:`Submit` that need the model. Returns
+    the prompt's token ids; raises :class:`WireError` with ``invalid_params`` (the
+    :class:`InvalidRequest` message), ``invalid_field`` (a token id outside the
+    vocabulary), ``empty_prompt`` or ``prompt_too_long``."""
+    rid = submit.request_id
+    try:
+        submit.params.validate(vocab_size)
+    except InvalidRequest as exc:
+        raise WireError(ErrorCode.INVALID_PARAMS, str(exc), rid) from None
+    if isinstance(submit.prompt, str):
+        ids = tokenize(submit.prompt) if submit.prompt else []
+    else:
+        ids = list(submit.prompt)
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise WireError(
+                ErrorCode.INVALID_FIELD,
+                f"prompt: token id {bad} is outside the vocabulary [0, {vocab_size})",
+                rid,
+            )
+    if not ids:
+        raise WireError(ErrorCode.EMPTY_PROMPT, "prompt: must not be empty", rid)
+    if len(ids) >= max_model_len:
+        raise WireError(
+            ErrorCode.PROMPT_TOO_LONG,
+            f"prompt: {len(ids)} tokens leave no room under max_model_len={max_model_len}",
+            rid,
+        )
+    return ids
+
+
+def decode_reply(frame: bytes | memoryview) -> Ack | Error:
+    """Decode a reply (client side). Raises ``msgspec.DecodeError`` on a malformed one."""
+    return _reply_decoder.decode(frame)
+
+
+# ---- output -------------------------------------------------------------------------------
+
+
+class SequenceCounter:
+    """Per-request count of tokens already sent, the ``seqnos`` of each envelope.
+
+    Call :meth:`advance` once per published step, in step order: it returns the
+    sequence numbers for the step's slots, then adds the step's tokens and forgets
+    requests that finished (a finish reason) in it.
+    """
+
+    def __init__(self) -> None:
+        self._sent: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._sent)
+
+    def sent(self, request_id: str) -> int:
+        """Tokens sent so far to a request that has not finished (0 if unknown)."""
+        return self._sent.get(request_id, 0)
+
+    def advance(self, published: PublishedStep) -> list[int]:
+        accept = unpack(published.record).accept_num
+        if accept.shape[0] != len(published.request_ids):
+            raise ValueError(
+                f"record has {accept.shape[0]} slots for {len(published.request_ids)} request ids"
+            )
+        seqnos = [self._sent.get(rid, 0) for rid in published.request_ids]
+        for rid, n, reason in zip(
+            published.request_ids, accept.tolist(), published.finish_reasons, strict=True
+        ):
+            if n > 0:
+                self._sent[rid] = self._sent.get(rid, 0) + n
+            if reason is not None:
+                self._sent.pop(rid, None)
+        return seqnos
+
+
+def encode_step(
+    published: PublishedStep,
+    seqnos: Sequence[int],
+    errors: Sequence[Error] = (),
+) -> list[bytes]:
+    """The multipart frames of one step: ``[envelope, record]``. Frame 1 is
+    ``published.record`` unchanged. ``seqnos[i]`` is the number of tokens already sent to
+    slot ``i``'s request before this step (see :class:`SequenceCounter`)."""
+    bsz = len(published.request_ids)
+    if len(seqnos) != bsz or len(published.finish_reasons) != bsz:
+        raise ValueError(
+            f"{bsz} slots but {len(seqnos)} seqnos "
+            f"and {len(published.finish_reasons)} finish reasons"
+        )
+    envelope = StepEnvelope(
+        step=published.step,
+        request_ids=list(published.request_ids),
+        seqnos=[int(s) for s in seqnos],
+        finish_reasons=list(published.finish_reasons),  # type: ignore[arg-type]
+        errors=list(errors),
+    )
+    return [_encoder.encode(envelope), bytes(published.record)]
+
+
+def decode_envelope(frame: bytes | memoryview) -> StepEnvelope:
+    """Decode frame 0 of a step message (raises ``msgspec.DecodeError`` on a bad one)."""
+    return _envelope_decoder.decode(frame)
+
+
+def decode_step(frames: Sequence[bytes | memoryview]) -> tuple[StepEnvelope, dict[str, np.ndarray]]:
+    """Decode a whole step message: the envelope, and each slot's emitted token ids keyed
+    by request id (slots that emitted nothing are left out). Raises ``ValueError`` when
+    the frames do not form a consistent step message."""
+    if len(frames) < 2:
+        raise ValueError(f"a step message has at least 2 frames, got {len(frames)}")
+    try:
+        env = decode_envelope(frames[0])
+        rec = unpack(frames[1])
+    except (msgspec.DecodeError, RecordError) as exc:
+        raise ValueError(f"bad step message: {exc}") from exc
+    if env.v != SCHEMA_VERSION:
+        raise ValueError(f"envelope schema version {env.v}, expected {SCHEMA_VERSION}")
+    if not len(env.request_ids) == len(env.seqnos) == len(env.finish_reasons) == rec.bsz:
+        raise ValueError("envelope lists and record bsz disagree")
+    off = rec.offsets
+    tokens = {
+        rid: rec.token_ids[off[i] : off[i + 1]]
+        for i, rid in enumerate(env.request_ids)
+        if off[i + 1] > off[i]
+    }
+    return env, tokens

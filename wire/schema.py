@@ -1,0 +1,200 @@
+"""The versioned wire schema (v1): every message a client or consumer exchanges with
+``spectrio serve``, as msgspec Structs.
+
+Field-by-field documentation, with sentinels and a worked hex example, is in
+``docs/wire.md``; this module is the single source of truth it describes.
+
+Design choices:
+
+* Every message is a msgpack **map** (not ``array_like``). Map keys make the
+  protocol readable from any msgpack library without a positional table, and
+  ``forbid_unknown_fields`` can then reject extra fields on the request side.
+  (msgspec ignores ``omit_defaults`` on ``array_like`` structs, so an array
+  layout would not have saved the bytes of default fields anyway.) The fixed
+  per-message cost of the keys is a few dozen bytes; the bulk of every step is
+  the raw record in frame 1.
+* Requests (client to runtime) are one tagged union on the ``"type"`` key and
+  forbid unknown fields: a client typo is an error, never silently ignored.
+  Every request carries ``"v"`` (the schema version) so a server can reject a
+  client built against another version with a specific error code.
+* Replies and step envelopes (runtime to client) are tagged the same way.
+* Structs are ``frozen`` and ``gc=False``: they are plain data without cycles.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from typing import Annotated, Any, Final, Literal
+
+import msgspec
+
+from spectrio.runtime.params import SamplingParams
+
+__all__ = [
+    "MAX_REQUEST_ID_LEN",
+    "SCHEMA_VERSION",
+    "Abort",
+    "Ack",
+    "Error",
+    "ErrorCode",
+    "FinishReason",
+    "Ping",
+    "Reply",
+    "Request",
+    "StepEnvelope",
+    "Submit",
+    "TokenId",
+    "WIRE_TYPES",
+    "schema_fingerprint",
+]
+
+SCHEMA_VERSION: Final = 1
+"""Version of this schema. Bump it with every change to any message below (the pin in
+``tests/test_wire_schema.py`` fails until you do)."""
+
+MAX_REQUEST_ID_LEN: Final = 128
+"""Longest request id, in characters."""
+
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+"""A token id: a non-negative int32 (the record stores ids as int32)."""
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class ErrorCode(enum.StrEnum):
+    """Why a request was refused: the ``code`` of an :class:`Error`, sent as its string
+    value. Decoding the frame (:func:`spectrio.wire.codec.decode_request`) raises the
+    codes up to ``too_large``. The server-side checks (:func:`spectrio.wire.codec.check_submit`
+    and the request endpoint) raise ``invalid_field`` for a token id outside the
+    vocabulary, and the codes after ``too_large``."""
+
+    BAD_FRAME = "bad_frame"
+    """Not one complete msgpack value: random bytes, truncated data, trailing bytes, bad UTF-8."""
+    WRONG_TYPE = "wrong_type"
+    """Valid msgpack, but the message or one of its fields has the wrong type
+    (e.g. the top level is not a map, ``max_tokens`` is a string)."""
+    MISSING_FIELD = "missing_field"
+    """A required field is absent."""
+    UNKNOWN_FIELD = "unknown_field"
+    """A field that this schema version does not define (also inside ``params``)."""
+    UNKNOWN_TYPE = "unknown_type"
+    """``"type"`` is missing or names no request type."""
+    SCHEMA_VERSION = "schema_version"
+    """``"v"`` is not this server's :data:`SCHEMA_VERSION`."""
+    INVALID_FIELD = "invalid_field"
+    """A field has the right type but breaks its constraint (an empty or over-long
+    request id, a negative token id)."""
+    TOO_LARGE = "too_large"
+    """The frame is longer than the server's request size cap."""
+    INVALID_PARAMS = "invalid_params"
+    """``params`` decoded but fails :meth:`SamplingParams.validate` (the reason names the field)."""
+    EMPTY_PROMPT = "empty_prompt"
+    """The prompt is empty (``""``, ``[]``, or text that tokenises to nothing)."""
+    PROMPT_TOO_LONG = "prompt_too_long"
+    """The prompt leaves no room under the server's ``max_model_len``."""
+    DUPLICATE_REQUEST = "duplicate_request"
+    """A ``Submit`` reused the id of a request that is still running."""
+    UNKNOWN_REQUEST = "unknown_request"
+    """An ``Abort`` named a request that is not running (unknown or already finished)."""
+    RATE_LIMITED = "rate_limited"
+    """The client exceeded its request-rate cap; retry later."""
+    UNAVAILABLE = "unavailable"
+    """The server is shutting down and takes no new requests."""
+
+
+class _Message(msgspec.Struct, frozen=True, gc=False, kw_only=True, tag_field="type"):
+    pass
+
+
+# ---- requests (client -> runtime) ---------------------------------------------------------
+
+
+class Submit(_Message, tag="submit", frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Start a request. Its output arrives in the step stream under ``request_id``."""
+
+    v: int
+    request_id: RequestId
+    prompt: str | list[TokenId]  # text (tokenised by the server) or token ids
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+
+
+class Abort(_Message, tag="abort", frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Abort a running request; its slot is stamped -9 with finish reason ``"abort"``."""
+
+    v: int
+    request_id: RequestId
+
+
+class Ping(_Message, tag="ping", frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Liveness check; answered with an ``Ack`` whose ``request_id`` is nil."""
+
+    v: int
+
+
+Request = Submit | Abort | Ping
+"""The request union: one typed decoder decodes all three."""
+
+
+# ---- replies (runtime -> that client) -----------------------------------------------------
+
+
+class Ack(_Message, tag="ack", frozen=True, kw_only=True):
+    """The request was accepted. ``of`` names its type."""
+
+    v: int = SCHEMA_VERSION
+    of: Literal["submit", "abort", "ping"]
+    request_id: str | None = None  # nil for a ping
+
+
+class Error(_Message, tag="error", frozen=True, kw_only=True):
+    """The request was refused (or, inside a :class:`StepEnvelope`, a running request
+    failed). ``request_id`` is nil when it could not be read from the frame."""
+
+    v: int = SCHEMA_VERSION
+    code: ErrorCode
+    reason: str  # human-readable; not part of the contract
+    request_id: str | None = None
+
+
+Reply = Ack | Error
+
+
+# ---- output (runtime -> consumer), frame 0 of every step message --------------------------
+
+
+class StepEnvelope(_Message, tag="step", frozen=True, kw_only=True):
+    """Frame 0 of a step message; frame 1 is the step record (``wire/record.py``).
+
+    The four per-slot lists have one entry per record slot (``bsz`` in the record
+    header), in slot order.
+    """
+
+    v: int = SCHEMA_VERSION
+    step: int  # pipeline step number, increasing by one per published step
+    request_ids: list[str]  # slot i -> request id
+    seqnos: list[int]  # slot i -> tokens already sent to that request before this step
+    finish_reasons: list[FinishReason | None]  # slot i -> why the request ended this step
+    errors: list[Error] = []  # requests that ended with an error this step
+
+
+# ---- schema pin ---------------------------------------------------------------------------
+
+WIRE_TYPES: Final[tuple[Any, ...]] = (Submit, Abort, Ping, Ack, Error, StepEnvelope)
+
+
+def _strip_docs(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _strip_docs(v) for k, v in node.items() if k not in ("title", "description")}
+    if isinstance(node, list):
+        return [_strip_docs(v) for v in node]
+    return node
+
+
+def schema_fingerprint(types: tuple[Any, ...] = WIRE_TYPES) -> str:
+    """SHA-256 of the JSON schema of ``types`` (field names, types, defaults, constraints,
+    tags and enum values; docstrings excluded). Any change to a wire message changes it."""
+    _, components = msgspec.json.schema_components(types)
+    canonical = msgspec.json.encode(_strip_docs(components), order="sorted")
+    return hashlib.sha256(canonical).hexdigest()
