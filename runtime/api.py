@@ -181,7 +181,7 @@ class Runtime:
     async def wait_idle(self) -> None:
         """Wait until no request is queued or running and no step is in flight, so every
         finished or aborted request's blocks are back in the pool. Cancellation is safe."""
-        while self.scheduler.has_work() or self.scheduler.num_inflight or self._control_pending():
+        while self.scheduler.has_work() or self.scheduler.step_in_flight or self._control_pending():
             await trio.sleep(0.002)
 
     def _control_pending(self) -> bool:

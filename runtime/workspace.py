@@ -135,6 +135,9 @@ class Workspace:
     # ---- verify: one target pass over prefill chunks and [last token, drafts...] -----
 
     def verify(self, plan: StepPlan) -> None:
+        if not plan.seqs:  # a step that only reports aborts: nothing to run
+            self._logits[plan.step] = _StepLogits(paddle.zeros([0]), {})
+            return
         rows = [w.token_ids + (w.drafts if w.sample else []) for w in plan.seqs]
         batch = PackedBatch.from_sequences(
             rows, [w.start_pos for w in plan.seqs], [np.asarray(w.block_table) for w in plan.seqs]

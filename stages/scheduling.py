@@ -63,6 +63,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order, oldest first
         self._by_id: dict[int, Sequence] = {}
         self._inflight: dict[int, SeqWork] = {}
+        self._step_in_flight = False
         self._aborted_inflight: set[int] = set()
         self._released: list[int] = []
         self._aborted: list[str] = []  # request ids aborted since the last plan
@@ -98,17 +99,19 @@ class Scheduler:
         return seq
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests to run, or aborts still to be reported in a step."""
+        return bool(self.waiting or self.running or self._aborted)
 
     @property
-    def num_inflight(self) -> int:
-        return len(self._inflight)
+    def step_in_flight(self) -> bool:
+        """A planned step has not returned its result yet."""
+        return self._step_in_flight
 
     # ---- planning ---------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
         """Plan one step, or None when nothing can run."""
-        if self._inflight:
+        if self._step_in_flight:
             raise RuntimeError("schedule() called while a step is in flight")
         budget = self.config.max_chunk_tokens()
         planned: list[tuple[Sequence, int, int]] = []  # (seq, rows, drafts)
@@ -149,7 +152,9 @@ class Scheduler:
                     f"no progress possible: request {head.request_id} needs more KV blocks "
                     f"than the pool holds ({self.blocks.num_blocks})"
                 )
-            return None
+            if not self._aborted:
+                return None
+            # Nothing to run, but aborts must still reach the record: an empty step.
         self._step += 1
         works = [self._work(slot, seq, rows, drafts) for slot, (seq, rows, drafts) in enumerate(planned)]
         released, self._released = self._released, []
@@ -157,6 +162,7 @@ class Scheduler:
         retired, self._retired = self._retired, []
         for w in works:
             self._inflight[w.seq_id] = w
+        self._step_in_flight = True
         return StepPlan(step=self._step, seqs=works, preempted=preempted, aborted=aborted,
                         released=released, retired=retired)
 
@@ -223,6 +229,7 @@ class Scheduler:
 
     def update(self, result: StepResult) -> list[Sequence]:
         """Fold a step's results in; returns the sequences that finished in it."""
+        self._step_in_flight = False
         finished: list[Sequence] = []
         for r in result.results:
             work = self._inflight.pop(r.seq_id)

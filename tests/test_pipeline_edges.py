@@ -26,3 +26,19 @@ async def test_one_token_prompt_and_max_model_len(bundled64: object) -> None:
             assert ids == expected.token_ids
             await rt.wait_idle()
             assert rt.blocks.num_used_blocks == 0
+
+
+async def test_abort_of_the_only_request_is_published(bundled64: object) -> None:
+    from spectrio.wire.record import unpack
+
+    cfg = RuntimeConfig(dtype="float64", max_model_len=128)
+    marks: list[tuple[list[str], list[int]]] = []
+    with trio.fail_after(60):
+        async with open_runtime(cfg, encoded_channels=True) as rt:
+            rt.add_record_observer(lambda pub: marks.append((pub.request_ids, unpack(pub.record).accept_num.tolist())))
+            async for delta in rt.generate("def f():", SamplingParams(max_tokens=100, ignore_eos=True), request_id="only"):
+                if not delta.finished:
+                    await rt.abort("only")
+            await rt.wait_idle()
+            assert rt.blocks.num_used_blocks == 0 and rt.sampler.num_states == 0
+    assert (["only"], [-9]) in marks

@@ -117,7 +117,12 @@ def test_abort_during_a_step_frees_blocks_when_it_returns() -> None:
     s.abort(1)
     assert s.blocks.num_used_blocks > 0  # the step may still write into them
     finish_step(s, p)
-    assert s.blocks.num_used_blocks == 0 and not s.has_work()
+    assert s.blocks.num_used_blocks == 0
+    # The abort is still reported, in a step of its own.
+    p = s.schedule()
+    assert p is not None and p.seqs == [] and p.aborted == ["r1"]
+    s.update(StepResult(step=p.step, results=[]))
+    assert not s.has_work()
 
 
 def test_finish_frees_blocks() -> None:
@@ -187,3 +192,17 @@ def test_aborts_are_reported_once_in_the_next_plan() -> None:
     finish_step(s, p)
     p = s.schedule()
     assert p is not None and (p.aborted, p.retired) == ([], [])
+
+
+def test_aborting_the_last_request_still_yields_a_step_that_reports_it() -> None:
+    s = make()
+    s.add(seq(1, 4))
+    p = s.schedule()
+    assert p is not None
+    finish_step(s, p)
+    s.abort(1)
+    assert s.has_work()
+    p = s.schedule()
+    assert p is not None and p.seqs == [] and p.aborted == ["r1"]
+    s.update(StepResult(step=p.step, results=[]))
+    assert not s.has_work() and s.schedule() is None and s.blocks.num_used_blocks == 0
