@@ -40,6 +40,8 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-spec", action="store_true", help="turn speculation off")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--config", type=str, default=None,
+                   help="RuntimeConfig as a TOML or JSON file (replaces the flags above)")
 
 
 def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -83,8 +85,13 @@ async def _serve_async(args: argparse.Namespace) -> None:
 
     spec = SpeculativeConfig(method=None) if args.no_spec else SpeculativeConfig(
         num_speculative_tokens=args.k)
-    config = RuntimeConfig(model=args.model, dtype=args.dtype, speculative=spec,
-                           max_model_len=args.max_model_len)
+    if getattr(args, "config", None):
+        from spectrio.runtime.config_file import load_config
+
+        config = load_config(args.config)
+    else:
+        config = RuntimeConfig(model=args.model, dtype=args.dtype, speculative=spec,
+                               max_model_len=args.max_model_len)
     defaults = default_endpoints(args.run_dir) if not (args.requests and args.outputs) else None
     requests = args.requests or (defaults.requests if defaults else None)
     outputs = args.outputs or (defaults.outputs if defaults else None)
