@@ -48,6 +48,7 @@ from spectrio.wire.codec import (
     encode_step,
 )
 from spectrio.wire.schema import Abort, Ack, Error, ErrorCode, Ping, Submit
+from spectrio.wire.curve import CurveServerKeys
 from spectrio.wire.zmq_transport import TrioSocket, open_socket
 
 __all__ = [
@@ -351,6 +352,7 @@ async def serve(
     reply_timeout_s: float = 5.0,
     max_requests_per_s: float | None = None,
     request_burst: int = 64,
+    curve: CurveServerKeys | None = None,
     task_status: trio.TaskStatus[WireServer | None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``runtime`` over ZeroMQ until cancelled. Use with ``nursery.start`` to get
@@ -388,13 +390,14 @@ async def serve(
     ctx = context if context is not None else zmq.Context.instance()
     socks: list[TrioSocket] = []
     try:
-        req = open_socket(ctx, zmq.ROUTER, bind=requests_endpoint, max_msg_size=cap)
+        configure = curve.apply if curve is not None else None  # encrypts every socket
+        req = open_socket(ctx, zmq.ROUTER, bind=requests_endpoint, max_msg_size=cap, configure=configure)
         socks.append(req)
-        out = open_socket(ctx, zmq.PUSH, bind=outputs_endpoint, max_msg_size=None)
+        out = open_socket(ctx, zmq.PUSH, bind=outputs_endpoint, max_msg_size=None, configure=configure)
         socks.append(out)
         tap: TrioSocket | None = None
         if tap_endpoint is not None:
-            tap = open_socket(ctx, zmq.PUB, bind=tap_endpoint, max_msg_size=None)
+            tap = open_socket(ctx, zmq.PUB, bind=tap_endpoint, max_msg_size=None, configure=configure)
             socks.append(tap)
             server._tap_enabled = True
         bound = ServerEndpoints(

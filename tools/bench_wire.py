@@ -40,7 +40,7 @@ def run_case(batch: int, k: int, logprobs: int | None, max_tokens: int, prompt_t
             assert server.stdout is not None
             endpoints = json.loads(server.stdout.readline())
             tok = load("bundled").tokenizer
-            ctx = zmq.Context.instance()
+            ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
             pull = ctx.socket(zmq.PULL)
             pull.setsockopt(zmq.RCVTIMEO, 120_000)
             pull.connect(endpoints["outputs"])

@@ -94,10 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=_generate)
 
-    from spectrio.tools.serve_cli import add_client_parser, add_serve_parser
+    from spectrio.tools.serve_cli import add_client_parser, add_keys_parser, add_serve_parser
 
     add_serve_parser(sub)
     add_client_parser(sub)
+    add_keys_parser(sub)
 
     sub.add_parser("train", help="train the bundled model (see `spectrio train --help`)", add_help=False)
     sub.add_parser("bench", help="throughput benchmark (see `spectrio bench --help`)", add_help=False)

@@ -59,6 +59,8 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                    help="seconds running requests get to finish on SIGINT/SIGTERM")
     p.add_argument("--max-requests-per-s", type=float, default=None,
                    help="per-client request-rate cap (token bucket, burst 64)")
+    p.add_argument("--curve-secret", default=None,
+                   help="CURVE: the server's NAME.key_secret (from `spectrio keys`); encrypts every socket")
     p.set_defaults(func=serve_main)
 
 
@@ -75,7 +77,24 @@ def add_client_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for any reply")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--curve-server-key", default=None,
+                   help="CURVE: the server's public NAME.key, for a server run with --curve-secret")
     p.set_defaults(func=client_main)
+
+
+def add_keys_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("keys", help="create a CURVE key pair for `serve --curve-secret`")
+    p.add_argument("directory", help="folder for NAME.key (public) and NAME.key_secret")
+    p.add_argument("--name", default="server")
+    p.set_defaults(func=keys_main)
+
+
+def keys_main(args: argparse.Namespace) -> int:
+    from spectrio.wire.curve import create_keys
+
+    public, secret = create_keys(args.directory, args.name)
+    print(json.dumps({"public": str(public), "secret": str(secret)}))
+    return 0
 
 
 async def _serve_async(args: argparse.Namespace) -> None:
@@ -97,12 +116,18 @@ async def _serve_async(args: argparse.Namespace) -> None:
     outputs = args.outputs or (defaults.outputs if defaults else None)
     assert requests is not None and outputs is not None
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        curve = None
+        if args.curve_secret:
+            from spectrio.wire.curve import load_server_keys
+
+            curve = load_server_keys(args.curve_secret)
         async with open_runtime(config) as rt, trio.open_nursery() as nursery:
             server = await nursery.start(
                 lambda task_status=trio.TASK_STATUS_IGNORED: serve(  # type: ignore[misc]
                     rt, requests, outputs, args.tap, allow_public=args.allow_public,
                     max_request_bytes=args.max_request_bytes,
-                    max_requests_per_s=args.max_requests_per_s, task_status=task_status,
+                    max_requests_per_s=args.max_requests_per_s, curve=curve,
+                    task_status=task_status,
                 )
             )
             assert isinstance(server, WireServer) and server.endpoints is not None
@@ -151,7 +176,12 @@ def client_main(args: argparse.Namespace) -> int:
     text = ""
     reason: str | None = None
     try:
-        with Client(args.requests, args.outputs, timeout_s=args.timeout) as client:
+        curve = None
+        if args.curve_server_key:
+            from spectrio.wire.curve import client_keys
+
+            curve = client_keys(args.curve_server_key)
+        with Client(args.requests, args.outputs, timeout_s=args.timeout, curve=curve) as client:
             if not args.json:
                 sys.stdout.write(args.prompt)
             for chunk in client.generate(args.prompt, params):

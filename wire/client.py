@@ -29,6 +29,7 @@ import zmq
 from spectrio.models import BUNDLED_DIR, TextTokenizer
 from spectrio.models.tokenizer import IncrementalDetokenizer
 from spectrio.runtime.params import SamplingParams
+from spectrio.wire.curve import CurveClientKeys
 from spectrio.wire.codec import decode_reply, decode_step, encode
 from spectrio.wire.schema import SCHEMA_VERSION, Abort, Ack, Error, Ping, Submit
 from spectrio.wire.zmq_transport import TrioSocket, open_socket
@@ -243,15 +244,23 @@ async def open_client(
     tap: bool = False,
     tokenizer: TextTokenizer | None = None,
     context: Context | None = None,
+    curve: CurveClientKeys | None = None,
 ) -> AsyncIterator[AsyncClient]:
     """Connect a Trio client. ``outputs`` is the server's PUSH endpoint, or its PUB tap
     endpoint with ``tap=True``. Without ``outputs`` the client only submits."""
     ctx = context if context is not None else zmq.Context.instance()
-    req = open_socket(ctx, zmq.DEALER, connect=requests, max_msg_size=None) if requests else None
+    configure = curve.apply if curve is not None else None
+    req = (
+        open_socket(ctx, zmq.DEALER, connect=requests, max_msg_size=None, configure=configure)
+        if requests
+        else None
+    )
     out: TrioSocket | None = None
     try:
         if outputs is not None:
-            out = open_socket(ctx, zmq.SUB if tap else zmq.PULL, connect=outputs, max_msg_size=None)
+            out = open_socket(
+                ctx, zmq.SUB if tap else zmq.PULL, connect=outputs, max_msg_size=None, configure=configure
+            )
             if tap:
                 out.socket.setsockopt(zmq.SUBSCRIBE, b"")
         client = AsyncClient(req, out, StreamAssembler(tokenizer, track=() if requests else None))
@@ -278,6 +287,7 @@ class Client:
         tokenizer: TextTokenizer | None = None,
         timeout_s: float = 60.0,
         context: Context | None = None,
+        curve: CurveClientKeys | None = None,
     ) -> None:
         ctx = context if context is not None else zmq.Context.instance()
         timeout_ms = int(timeout_s * 1000)
@@ -288,6 +298,8 @@ class Client:
             self._req.setsockopt(zmq.LINGER, 0)
             self._req.setsockopt(zmq.RCVTIMEO, timeout_ms)
             self._req.setsockopt(zmq.SNDTIMEO, timeout_ms)
+            if curve is not None:
+                curve.apply(self._req)
             self._req.connect(requests)
         if outputs is not None:
             self._out = ctx.socket(zmq.SUB if tap else zmq.PULL)
@@ -295,6 +307,8 @@ class Client:
             self._out.setsockopt(zmq.RCVTIMEO, timeout_ms)
             if tap:
                 self._out.setsockopt(zmq.SUBSCRIBE, b"")
+            if curve is not None:
+                curve.apply(self._out)
             self._out.connect(outputs)
         self.assembler = StreamAssembler(tokenizer, track=() if requests else None)
 

@@ -18,7 +18,7 @@ socket at the same time get :class:`trio.BusyResourceError`. The one exception i
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Final, Self
@@ -167,6 +167,7 @@ def open_socket(
     sndhwm: int | None = None,
     rcvhwm: int | None = None,
     linger: int = 0,
+    configure: Callable[[zmq.Socket[bytes]], None] | None = None,
 ) -> TrioSocket:
     """Create a socket of ``socket_type`` with its options set before ``bind``/``connect``.
 
@@ -197,6 +198,8 @@ def open_socket(
             sock.setsockopt(zmq.RCVHWM, rcvhwm)
         if socket_type == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if configure is not None:  # e.g. CURVE keys, which must precede bind/connect
+            configure(sock)
         if bind is not None:
             sock.bind(endpoint)
         else:

@@ -1,0 +1,64 @@
+"""CURVE: an encrypted, server-authenticated tcp endpoint, over real sockets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+import zmq
+
+from spectrio import RuntimeConfig, SamplingParams, open_runtime
+from spectrio.runtime.server import WireServer, serve
+from spectrio.wire.client import Client, open_client
+from spectrio.wire.curve import CurveError, client_keys, create_keys, load_server_keys
+
+
+def test_key_files(tmp_path: Path) -> None:
+    public, secret = create_keys(tmp_path / "keys")
+    assert (public.name, secret.name) == ("server.key", "server.key_secret")
+    assert secret.stat().st_mode & 0o077 == 0
+    server = load_server_keys(secret)
+    assert client_keys(public).server_public == server.public
+    with pytest.raises(CurveError, match="no secret key"):
+        load_server_keys(public)
+    with pytest.raises(CurveError, match="cannot read"):
+        client_keys(tmp_path / "missing.key")
+
+
+async def test_curve_client_is_served_and_a_plain_client_is_not(tmp_path: Path) -> None:
+    public, secret = create_keys(tmp_path / "keys")
+    ctx = zmq.Context()
+    with trio.fail_after(120):
+        async with open_runtime(RuntimeConfig(dtype="float64", max_model_len=128)) as rt:
+            want = []
+            async for delta in rt.generate("def fib(n):", SamplingParams(max_tokens=8)):
+                want += delta.token_ids
+            async with trio.open_nursery() as nursery:
+                server = await nursery.start(
+                    lambda task_status=trio.TASK_STATUS_IGNORED: serve(  # type: ignore[misc]
+                        rt, "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", context=ctx,
+                        curve=load_server_keys(secret), task_status=task_status,
+                    )
+                )
+                assert isinstance(server, WireServer)
+                eps = server.endpoints
+                async with open_client(eps.requests, eps.outputs, context=ctx,
+                                       curve=client_keys(public)) as client:
+                    rid = await client.submit("def fib(n):", SamplingParams(max_tokens=8))
+                    chunks = (await client.collect([rid]))[rid]
+                    assert [t for c in chunks for t in c.token_ids] == want
+                # Without the server's key the handshake never completes: no reply at all.
+                plain = await trio.to_thread.run_sync(_plain_ping, eps.requests)
+                assert plain == "no reply"
+                nursery.cancel_scope.cancel()
+    ctx.term()
+
+
+def _plain_ping(endpoint: str) -> str:
+    with Client(endpoint, None, timeout_s=1.0) as client:
+        try:
+            client.ping()
+        except zmq.Again:
+            return "no reply"
+    return "answered"
