@@ -10,24 +10,14 @@ import time
 import trio
 
 from spectrio.tools.logging_setup import configure_logging
-
-
-def _runtime_config(args: argparse.Namespace) -> object:
-    from spectrio import RuntimeConfig, SpeculativeConfig
-
-    spec = (
-        SpeculativeConfig(method=None)
-        if args.no_spec
-        else SpeculativeConfig(num_speculative_tokens=args.k, num_model_steps=args.num_model_steps)
-    )
-    return RuntimeConfig(model=args.model, dtype=args.dtype, speculative=spec, max_model_len=args.max_model_len)
+from spectrio.tools.runtime_flags import add_runtime_flags, runtime_config
 
 
 async def _generate_async(args: argparse.Namespace) -> dict[str, object]:
     from spectrio import SamplingParams, open_runtime
     from spectrio.tools.generation_stats import GenerationStats
 
-    async with open_runtime(_runtime_config(args)) as rt:  # type: ignore[arg-type]
+    async with open_runtime(runtime_config(args)) as rt:
         stats = GenerationStats()
         ids: list[int] = []
         text = ""
@@ -84,13 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="stream a greedy continuation through the pipeline")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default="bundled", help="'bundled' or a checkpoint folder")
+    add_runtime_flags(gen)
     gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--k", type=int, default=2, help="speculative tokens per step (1..5)")
-    gen.add_argument("--num-model-steps", type=int, default=None, help="MTP substeps (1..k; default k)")
-    gen.add_argument("--no-spec", action="store_true", help="turn speculation off")
-    gen.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    gen.add_argument("--max-model-len", type=int, default=1024)
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=_generate)
 

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 
 import structlog
 import trio
+from spectrio.tools.runtime_flags import add_runtime_flags, runtime_config
 from spectrio.tools.logging_setup import configure_logging
 
 log = structlog.get_logger("spectrio.serve")
@@ -34,19 +35,9 @@ __all__ = [
 ]
 
 
-def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="bundled", help="'bundled' or a checkpoint folder")
-    p.add_argument("--k", type=int, default=2, help="speculative tokens per step (1..5)")
-    p.add_argument("--no-spec", action="store_true", help="turn speculation off")
-    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--config", type=str, default=None,
-                   help="RuntimeConfig as a TOML or JSON file (replaces the flags above)")
-
-
 def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="serve the runtime over ZeroMQ (docs/wire.md)")
-    _add_runtime_flags(p)
+    add_runtime_flags(p)
     p.add_argument("--requests", help="ROUTER endpoint (default: ipc:// under --run-dir)")
     p.add_argument("--outputs", help="PUSH endpoint, lossless (default: ipc:// under --run-dir)")
     p.add_argument("--tap", help="optional PUB endpoint for observers (may drop)")
@@ -99,18 +90,9 @@ def keys_main(args: argparse.Namespace) -> int:
 
 async def _serve_async(args: argparse.Namespace) -> None:
     from spectrio.runtime.api import open_runtime
-    from spectrio.runtime.config import RuntimeConfig, SpeculativeConfig
     from spectrio.runtime.server import WireServer, default_endpoints, serve
 
-    spec = SpeculativeConfig(method=None) if args.no_spec else SpeculativeConfig(
-        num_speculative_tokens=args.k)
-    if getattr(args, "config", None):
-        from spectrio.runtime.config_file import load_config
-
-        config = load_config(args.config)
-    else:
-        config = RuntimeConfig(model=args.model, dtype=args.dtype, speculative=spec,
-                               max_model_len=args.max_model_len)
+    config = runtime_config(args)
     defaults = default_endpoints(args.run_dir) if not (args.requests and args.outputs) else None
     requests = args.requests or (defaults.requests if defaults else None)
     outputs = args.outputs or (defaults.outputs if defaults else None)
