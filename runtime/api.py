@@ -6,7 +6,7 @@ import functools
 import itertools
 import math
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
 import msgspec
@@ -77,6 +77,7 @@ class Runtime:
         self.scheduler = Scheduler(config, self.blocks)
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer)
         self._observers: list[Callable[[PublishedStep], None]] = []
+        self._sinks: list[Callable[[PublishedStep], Awaitable[None]]] = []
         self._encoded = encoded_channels
         self._limiter = trio.CapacityLimiter(1)
         self._control: ChannelSender[Control] | None = None
@@ -137,7 +138,22 @@ class Runtime:
 
         return remove
 
-    def _publish(self, published: PublishedStep) -> None:
+    def add_record_sink(self, sink: Callable[[PublishedStep], Awaitable[None]]) -> Callable[[], None]:
+        """Await ``sink`` with every step's record from now on. Unlike an observer, a sink
+        may take its time: the publisher waits for it, so a slow sink applies backpressure
+        to the whole pipeline (nothing is dropped). A sink must return promptly once
+        removed. Returns a function that removes it."""
+        self._sinks.append(sink)
+
+        def remove() -> None:
+            if sink in self._sinks:
+                self._sinks.remove(sink)
+
+        return remove
+
+    async def _publish(self, published: PublishedStep) -> None:
+        for sink in list(self._sinks):
+            await sink(published)
         for observer in list(self._observers):
             try:
                 observer(published)

@@ -14,11 +14,13 @@ Three sockets, each driven by exactly one owner task:
 * **tap** (PUB, optional): the same messages for observers. It drops when a subscriber
   is slow or when its bounded buffer is full; sequence numbers make the gap visible.
 
-Backpressure. Record observers run inside the publisher stage and must not block, so a
-step is encoded there and appended to the output backlog. While the backlog holds more
-than ``output_high_water`` steps the request task stops reading new requests, so no new
-work is admitted until the consumer catches up; the requests already running can add at
-most ``max_num_seqs * max_model_len`` tokens, which bounds the backlog.
+Backpressure. The server is a record sink of the runtime (``add_record_sink``): the
+publisher stage awaits it for every step. The sink appends the encoded step to the
+output backlog and, while the backlog holds more than ``output_high_water`` steps, waits
+for the PUSH owner task to hand steps to the consumer. A slow consumer therefore holds
+the publisher, and through it the whole pipeline, and the backlog stays bounded at
+``output_high_water + 1`` steps. Meanwhile the request task stops reading new requests,
+so the runtime's request queue does not grow either.
 
 Only rank 0 serves: on any other rank :func:`serve` binds nothing.
 """
@@ -157,8 +159,15 @@ class WireServer:
 
     # ---- output side ----------------------------------------------------------------
 
-    def on_step(self, published: PublishedStep) -> None:
-        """Record observer: encode the step and queue it for the output owner task."""
+    async def on_step(self, published: PublishedStep) -> None:
+        """Record sink: encode the step, queue it for the output owner task, then hold the
+        publisher (and with it the pipeline) while more than ``output_high_water`` steps
+        wait for the consumer. Returns at once after the server stops."""
+        self._queue_step(published)
+        while len(self._backlog) > self._high_water and not self._closing:
+            await self._backlog_changed.wait()
+
+    def _queue_step(self, published: PublishedStep) -> None:
         seqnos = self._counter.advance(published)
         frames = encode_step(published, seqnos)
         self._backlog.append(frames)
@@ -406,7 +415,7 @@ async def serve(
             tap=tap.socket.getsockopt_string(zmq.LAST_ENDPOINT) if tap is not None else None,
         )
         server.endpoints = bound
-        remove = runtime.add_record_observer(server.on_step)
+        remove = runtime.add_record_sink(server.on_step)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(server.run_outputs, out)
@@ -419,6 +428,7 @@ async def serve(
         finally:
             server._closing = True
             remove()
+            server._wake()  # a publisher held by on_step returns now
             log.info("server stopped", **msgspec.structs.asdict(server.stats))
     finally:
         for sock in socks:

@@ -343,7 +343,8 @@ async def test_slow_consumer_backpressure(ctx: Context, tmp_path: Path) -> None:
                 async with open_client(eps.requests, context=ctx) as client:
                     await client.ping()  # serving again
                 assert [t for c in out for t in c.token_ids] == want
-                assert server.stats.max_backlog <= 40
+                # The consumer's absence held the pipeline: the backlog never passed the mark.
+                assert server.stats.max_backlog == 3
                 nursery.cancel_scope.cancel()
 
 
