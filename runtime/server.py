@@ -204,19 +204,27 @@ class WireServer:
 
     async def drain(self, grace_s: float) -> bool:
         """Stop admitting requests (new submits get ``unavailable``), let the running ones
-        finish for up to ``grace_s`` seconds, then wait (as long again at most) for the
-        output backlog to reach the consumer. Returns True when everything finished and
-        was sent; cancel :func:`serve` afterwards, which aborts whatever still runs."""
+        finish for up to ``grace_s`` seconds, abort the rest with reason ``shutdown`` and
+        wait for the runtime to publish those aborts, then wait (as long again at most)
+        for the output backlog to reach the consumer. Returns True when every request
+        finished on its own and everything was sent; cancel :func:`serve` afterwards."""
         self._closing = True
         with trio.move_on_after(grace_s):
+            while self._active:
+                await self._finished.wait()
+        cut = sorted(self._active)
+        for request_id in cut:
+            await self.runtime.abort(request_id, "shutdown")
+        with trio.move_on_after(grace_s):
+            await self.runtime.wait_idle()  # the abort step carries -9 for each of them
             while self._active:
                 await self._finished.wait()
         with trio.move_on_after(grace_s):
             while self._backlog:
                 await self._backlog_changed.wait()
-        clean = not self._active and not self._backlog
-        log.info("drained" if clean else "drain timed out", running=len(self._active),
-                 backlog=len(self._backlog))
+        clean = not cut and not self._active and not self._backlog
+        log.info("drained" if clean else "drained with aborts", aborted=len(cut),
+                 running=len(self._active), backlog=len(self._backlog))
         return clean
 
     # ---- request side ---------------------------------------------------------------

@@ -573,3 +573,30 @@ async def test_consumer_reconnect_gets_no_duplicates(ctx: Context, tmp_path: Pat
                     else:
                         assert got == want
                 nursery.cancel_scope.cancel()
+
+
+async def test_drain_aborts_what_outlives_the_grace_and_consumers_see_it(
+    ctx: Context, tmp_path: Path
+) -> None:
+    """Shutdown: a request still running when the grace period ends is aborted with
+    reason ``shutdown``, and the wire consumer sees it end (no silent cut)."""
+    eps = default_endpoints(tmp_path / "rt")
+    with trio.fail_after(TIMEOUT):
+        async with open_runtime(RuntimeConfig(dtype="float64", max_model_len=256)) as rt:
+            async with trio.open_nursery() as nursery:
+                server = await nursery.start(
+                    lambda task_status=trio.TASK_STATUS_IGNORED: serve(  # type: ignore[misc]
+                        rt, eps.requests, eps.outputs, context=ctx, task_status=task_status,
+                    )
+                )
+                assert isinstance(server, WireServer)
+                async with open_client(eps.requests, eps.outputs, context=ctx) as client:
+                    rid = await client.submit("def f():", SamplingParams(max_tokens=200, ignore_eos=True))
+                    first = await client.next_chunks()
+                    assert first and first[0].request_id == rid
+                    clean = await server.drain(0.05)
+                    rest = (await client.collect([rid]))[rid]
+                assert not clean
+                assert rest[-1].finish_reason == "abort"
+                assert rt.blocks.num_used_blocks == 0
+                nursery.cancel_scope.cancel()
