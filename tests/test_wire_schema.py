@@ -551,6 +551,15 @@ async def test_plain_msgpack_consumer_reads_a_live_runtime_stream() -> None:
     for rid, ds in deltas.items():
         assert streams[rid] == [t for d in ds for t in d.token_ids] and streams[rid]
         assert finished[rid] == ds[-1].finish_reason
+    # ... and the client library, reading the same frames, agrees token for token.
+    from spectrio.wire.client import StreamAssembler
+
+    library: dict[str, list[int]] = {}
+    assembler = StreamAssembler()
+    for frames in messages:
+        for chunk in assembler.feed(frames):
+            library.setdefault(chunk.request_id, []).extend(chunk.token_ids)
+    assert library == {rid: toks for rid, toks in streams.items() if toks}
     assert len(logprobs["q1"]) == len(streams["q1"])
     want = [[t.logprob, t.top[0][1]] for d in deltas["q1"] for t in d.logprobs or []]
     np.testing.assert_allclose(np.array([row[:2] for row in logprobs["q1"]]), want, rtol=1e-6)
