@@ -201,11 +201,8 @@ class Runtime:
             await trio.sleep(0.002)
 
     def _control_pending(self) -> bool:
-        return self._control is not None and self._control_backlog() > 0
-
-    def _control_backlog(self) -> int:
-        assert self._control is not None
-        return self._control.statistics().current_buffer_used
+        """Requests or aborts sent to the scheduler that it has not read yet."""
+        return self._control is not None and self._control.statistics().current_buffer_used > 0
 
     async def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Abort a request: its stream ends with ``finish_reason="abort"`` and its KV

@@ -57,12 +57,17 @@ def ctx() -> Iterator[Context]:
     context.destroy(linger=0)
 
 
+def ipc_endpoints(tmp_path: Path) -> tuple[str, str, str]:
+    """Requests, outputs and tap endpoints under a fresh folder of ``tmp_path``."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    return (f"ipc://{run_dir}/req", f"ipc://{run_dir}/out", f"ipc://{run_dir}/tap")
+
+
 @pytest.fixture(params=["ipc", "tcp"])
 def endpoints(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str, str]:
     if request.param == "ipc":
-        run_dir = tmp_path / "run"
-        run_dir.mkdir()
-        return (f"ipc://{run_dir}/req", f"ipc://{run_dir}/out", f"ipc://{run_dir}/tap")
+        return ipc_endpoints(tmp_path)
     return ("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
 
 
@@ -219,9 +224,7 @@ async def test_duplicate_abort_and_tap(endpoints: tuple[str, str, str], ctx: Con
 
 
 async def test_sync_client(ctx: Context, tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    eps = (f"ipc://{run_dir}/req", f"ipc://{run_dir}/out", f"ipc://{run_dir}/tap")
+    eps = ipc_endpoints(tmp_path)
     with trio.fail_after(TIMEOUT):
         async with open_runtime(RuntimeConfig(dtype="float64", max_model_len=256)) as rt:
             want = [t async for d in rt.generate("hello", SamplingParams(max_tokens=8))
@@ -246,9 +249,7 @@ async def test_sync_client(ctx: Context, tmp_path: Path) -> None:
 
 async def test_sequence_gap_is_detected(ctx: Context, tmp_path: Path) -> None:
     """Drop one step message between server and assembler: the next one raises."""
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    eps = (f"ipc://{run_dir}/req", f"ipc://{run_dir}/out", f"ipc://{run_dir}/tap")
+    eps = ipc_endpoints(tmp_path)
     with trio.fail_after(TIMEOUT):
         async with open_runtime(RuntimeConfig(dtype="float64", max_model_len=256)) as rt:
             async with trio.open_nursery() as nursery:

@@ -57,22 +57,22 @@ def create_keys(directory: str | Path, name: str = "server") -> tuple[Path, Path
     return Path(public), Path(secret)
 
 
-def load_server_keys(secret_file: str | Path) -> CurveServerKeys:
+def _read_certificate(path: str | Path) -> tuple[bytes, bytes | None]:
     _require_curve()
     try:
-        public, secret = zmq.auth.load_certificate(str(secret_file))
+        return zmq.auth.load_certificate(str(path))
     except (OSError, ValueError) as exc:
-        raise CurveError(f"{secret_file}: cannot read CURVE certificate ({exc})") from exc
+        raise CurveError(f"{path}: cannot read CURVE certificate ({exc})") from exc
+
+
+def load_server_keys(secret_file: str | Path) -> CurveServerKeys:
+    public, secret = _read_certificate(secret_file)
     if secret is None:
         raise CurveError(f"{secret_file}: holds no secret key (pass NAME.key_secret)")
     return CurveServerKeys(public=public, secret=secret)
 
 
 def client_keys(server_public_file: str | Path) -> CurveClientKeys:
-    _require_curve()
-    try:
-        server_public, _ = zmq.auth.load_certificate(str(server_public_file))
-    except (OSError, ValueError) as exc:
-        raise CurveError(f"{server_public_file}: cannot read CURVE certificate ({exc})") from exc
+    server_public, _ = _read_certificate(server_public_file)
     public, secret = zmq.curve_keypair()
     return CurveClientKeys(server_public=server_public, public=public, secret=secret)
