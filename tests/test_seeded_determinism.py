@@ -1,5 +1,6 @@
-"""Issue 9, item 1: a seeded request's output is a function of (model, prompt, sampling
-params, seed) only: not of its neighbours, admission order, chunking or preemption.
+"""Issue 9, items 1 and 3: a seeded request's output is a function of (model, prompt,
+sampling params, seed) only: not of its neighbours, admission order, chunking or
+preemption; and its logprob alternatives do not depend on the batch either.
 
 Every scenario runs the real five-stage pipeline in float64 and compares the seeded
 request's tokens with the same request run alone. Each scenario also checks, from the
@@ -15,7 +16,7 @@ import trio
 import trio.testing
 
 from spectrio import Runtime, RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
-from spectrio.runtime.messages import StepPlan
+from spectrio.runtime.messages import StepPlan, TokenLogprob
 
 BUDGET = 16  # max_num_batched_tokens: max_num_seqs * (k + 1) for k = 3
 SEEDED_PROMPT = list(range(300, 311))  # 11 tokens: fits one step alone
@@ -142,3 +143,44 @@ async def test_seeded_output_is_independent_of_speculation_and_overlap() -> None
             async with open_runtime(config(k, enable_overlap=overlap), encoded_channels=True) as rt:
                 outputs.append(await run_in_order(rt, requests))
     assert all(out == outputs[0] for out in outputs[1:])
+
+
+async def test_logprobs_do_not_depend_on_the_batch() -> None:
+    """Issue 9, item 3, end to end: a request's top-N alternatives (here mostly -inf ties,
+    top_k=3 in processed mode) are the same alone and beside requests asking for 20.
+    Values agree to rounding (a batched forward pass rounds differently in the last bits)."""
+    params = SamplingParams(max_tokens=16, temperature=0.7, top_k=3, seed=3, logprobs=5,
+                            logprobs_mode="processed", ignore_eos=True)
+    wide = SamplingParams(max_tokens=16, logprobs=20, ignore_eos=True)
+
+    async def logprobs(
+        rt: Runtime, requests: list[tuple[str, list[int], SamplingParams]]
+    ) -> list[TokenLogprob]:
+        got: list[TokenLogprob] = []
+
+        async def one(rid: str, prompt: list[int], p: SamplingParams) -> None:
+            async for delta in rt.generate(prompt, p, request_id=rid):
+                if rid == "s":
+                    got.extend(delta.logprobs or [])
+
+        async with trio.open_nursery() as nursery:
+            for request in requests:
+                nursery.start_soon(one, *request)
+                await trio.testing.wait_all_tasks_blocked()
+        await rt.wait_idle()
+        return got
+
+    with trio.fail_after(120):
+        async with open_runtime(config(2), encoded_channels=True) as rt:
+            alone = await logprobs(rt, [("s", SEEDED_PROMPT, params)])
+            batched = await logprobs(
+                rt,
+                [("n", NEIGHBOUR_PROMPT, wide), ("s", SEEDED_PROMPT, params), ("m", LONG_PROMPT, wide)],
+            )
+    assert len(alone) == len(batched) == 16
+    for a, b in zip(alone, batched, strict=True):
+        assert (a.token_id, a.rank) == (b.token_id, b.rank)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-9)
+        assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-9)
+    assert any(v == float("-inf") for e in alone for _, v in e.top)
