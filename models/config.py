@@ -11,6 +11,22 @@ DType = Literal["float32", "float64"]
 """Compute dtypes a model runs in (float64 for exactness tests)."""
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "SpectrioMTPForCausalLM")
+"""``LlamaForCausalLM`` is what spectrio writes; ``SpectrioMTPForCausalLM`` (model_type
+``spectrio_mtp``) is the name of the first bundled checkpoint and still loads."""
+
+MODEL_TYPE = "llama"
+"""Checkpoints are written as Llamas, so any Llama loader (Hugging Face transformers among
+them) reads the target; the MTP layer rides along as ``model.layers.{num_hidden_layers}.*``
+with ``num_nextn_predict_layers: 1``, as DeepSeek-V3 stores its own, and such loaders skip
+it as unused weights."""
+
+# Fields written so a Llama loader builds exactly the model this package runs.
+_LLAMA_FIELDS: dict[str, object] = {
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "rope_scaling": None,
+}
 
 # Hugging Face fields this implementation does not honour, with the only value it can
 # run with; any other value is refused rather than silently ignored.
@@ -42,7 +58,7 @@ class ModelConfig:
     num_nextn_predict_layers: int = 1
     bos_token_id: int | None = None
     eos_token_id: int | None = None
-    architectures: tuple[str, ...] = ("SpectrioMTPForCausalLM",)
+    architectures: tuple[str, ...] = ("LlamaForCausalLM",)
 
     def __post_init__(self) -> None:
         positive = (
@@ -88,10 +104,16 @@ class ModelConfig:
     def has_mtp(self) -> bool:
         return self.num_nextn_predict_layers > 0
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, torch_dtype: str = "float32") -> dict[str, Any]:
+        """config.json content: Hugging Face Llama fields plus ``num_nextn_predict_layers``.
+
+        ``torch_dtype`` names the dtype the weights are stored in."""
         out = dataclasses.asdict(self)
-        out["architectures"] = list(self.architectures)
-        out["model_type"] = "spectrio_mtp"
+        out["architectures"] = ["LlamaForCausalLM"]
+        out["model_type"] = MODEL_TYPE
+        out["head_dim"] = self.head_dim
+        out.update(_LLAMA_FIELDS)
+        out["torch_dtype"] = torch_dtype
         return out
 
     @classmethod
@@ -129,5 +151,5 @@ class ModelConfig:
             raise ModelConfigError(f"{path}: expected a JSON object")
         return cls.from_dict(raw)
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+    def save(self, path: str | Path, torch_dtype: str = "float32") -> None:
+        Path(path).write_text(json.dumps(self.to_dict(torch_dtype), indent=2) + "\n")

@@ -52,20 +52,30 @@ def _is_linear(param: paddle.Tensor, name: str) -> bool:
     return param.ndim == 2 and not name.endswith("embed_tokens.weight")
 
 
-def state_dict_hf(model: SpectrioForCausalLM) -> dict[str, np.ndarray]:
-    """The model's weights under Hugging Face names and layouts, as float32 arrays."""
+STORAGE_DTYPES = ("float32", "float16")
+"""Dtypes a checkpoint may be written in. ``load`` widens stored weights to the model's
+dtype, so float16 halves the file at the cost of rounding each weight once."""
+
+
+def state_dict_hf(model: SpectrioForCausalLM, dtype: str = "float32") -> dict[str, np.ndarray]:
+    """The model's weights under Hugging Face names and layouts, as ``dtype`` arrays."""
+    if dtype not in STORAGE_DTYPES:
+        raise ValueError(f"storage dtype must be one of {STORAGE_DTYPES}, got {dtype!r}")
     out: dict[str, np.ndarray] = {}
     for name, param in model.named_parameters():
-        arr = param.numpy().astype(np.float32)
+        arr = param.numpy().astype(dtype)
         out[_hf_name(name, model.config)] = np.ascontiguousarray(arr.T if _is_linear(param, name) else arr)
     return out
 
 
-def save_checkpoint(model: SpectrioForCausalLM, out_dir: str | Path) -> None:
+def save_checkpoint(model: SpectrioForCausalLM, out_dir: str | Path, dtype: str = "float32") -> None:
+    """Write ``config.json`` (a Llama config with the MTP layer riding along) and
+    ``model.safetensors`` with weights stored in ``dtype`` (float32 or float16)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.config.save(out / "config.json")
-    save_file(state_dict_hf(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    tensors = state_dict_hf(model, dtype)
+    model.config.save(out / "config.json", torch_dtype=dtype)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _read_tensors(folder: Path) -> dict[str, np.ndarray]:
@@ -127,6 +137,7 @@ def load(path_or_name: str | Path = "bundled", dtype: DType = "float32") -> Load
             if not np.issubdtype(arr.dtype, np.floating):
                 raise CheckpointError(f"{folder}: tensor {hf!r} has non-float dtype {arr.dtype}")
             value = arr.T if _is_linear(param, name) else arr
+            # Widen (e.g. float16 storage) before the model sees it: compute runs in dtype.
             param.set_value(np.ascontiguousarray(value).astype(dtype))
     for name in sorted(set(tensors) - expected):
         suffix = name[len(mtp_prefix) :] if name.startswith(mtp_prefix) else None

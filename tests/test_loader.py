@@ -177,3 +177,52 @@ def test_features_we_do_not_implement_are_refused(ckpt: Path, extra: dict[str, o
     _hf_llama_config(ckpt, **extra)
     with pytest.raises(CheckpointError, match=f"{field}=.* is not supported"):
         load(ckpt)
+
+
+def test_checkpoint_is_written_as_a_llama_with_the_mtp_layer_riding_along(ckpt: Path) -> None:
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["num_nextn_predict_layers"] == 1
+    # What a Llama loader needs to build exactly this model.
+    assert cfg["hidden_act"] == "silu" and cfg["attention_bias"] is False and cfg["mlp_bias"] is False
+    assert cfg["rope_scaling"] is None and cfg["head_dim"] == 8 and cfg["torch_dtype"] == "float32"
+    loaded = load(ckpt)
+    assert loaded.model.mtp is not None and loaded.config.num_nextn_predict_layers == 1
+    ids = IDS[:, :-1]
+    with paddle.no_grad():
+        _, hidden, _ = loaded.model.forward_dense(ids)
+        got = loaded.model.mtp_forward_dense(IDS[:, 1:], hidden)[0].numpy()
+        _, hidden, _ = tiny_model().forward_dense(ids)
+        want = tiny_model().mtp_forward_dense(IDS[:, 1:], hidden)[0].numpy()
+    np.testing.assert_array_equal(got, want)
+
+
+def test_first_bundled_naming_still_loads(ckpt: Path) -> None:
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.update({"model_type": "spectrio_mtp", "architectures": ["SpectrioMTPForCausalLM"]})
+    for key in ("hidden_act", "attention_bias", "mlp_bias", "rope_scaling", "head_dim", "torch_dtype"):
+        cfg.pop(key)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    loaded = load(ckpt)
+    assert loaded.model.mtp is not None
+    np.testing.assert_array_equal(_logits(loaded.model), _logits(tiny_model()))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_float16_storage_is_widened_to_the_model_dtype(tmp_path: Path, dtype: str) -> None:
+    model = tiny_model()
+    save_checkpoint(model, tmp_path, dtype="float16")
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert {t.dtype for t in tensors.values()} == {np.dtype("float16")}
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "float16"
+    loaded = load(tmp_path, dtype=dtype)  # type: ignore[arg-type]
+    assert loaded.model.dtype == dtype
+    # Every weight is the float16 value, widened exactly.
+    for name, param in loaded.model.named_parameters():
+        original = dict(model.named_parameters())[name].numpy()
+        np.testing.assert_array_equal(param.numpy(), original.astype(np.float16).astype(dtype))
+
+
+def test_unknown_storage_dtype_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="storage dtype"):
+        save_checkpoint(tiny_model(), tmp_path, dtype="int8")

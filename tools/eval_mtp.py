@@ -10,19 +10,29 @@ hidden state and token into substep j+1). Reported per substep:
 ``num_model_steps = n`` uses substeps 1..n; ``mean_accept_len`` is the expected tokens
 emitted per verify step with n drafts (accepted drafts plus the target's own token).
 
-Run: ``python -m spectrio.tools.eval_mtp [--model bundled] [--contexts 512]``.
+``--cost`` measures instead what a draft substep costs next to a target forward: the
+paged serving forward at batch 1, one decode row after ``--cost-context`` tokens, median
+of interleaved repetitions. ``--model-json`` measures a randomly initialised model of that
+shape instead of a checkpoint (sizing a new target).
+
+Run: ``python -m spectrio.tools.eval_mtp [--model bundled] [--contexts 512]`` or
+``python -m spectrio.tools.eval_mtp --cost [--model bundled | --model-json '{...}']``.
+Set ``OMP_NUM_THREADS`` in the environment: Paddle pins it to 1 at import otherwise,
+and importing spectrio imports Paddle.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import time
 
 import numpy as np
 from tqdm import tqdm
 
-from spectrio.models import load, reference
+from spectrio.models import SpectrioForCausalLM, load, reference
 from spectrio.tools.corpus import corpus_files, read_texts
 from spectrio.tools.logging_setup import configure_logging
 
@@ -67,6 +77,52 @@ def evaluate(model_name: str, dtype: str, count: int, length: int, max_steps: in
     }
 
 
+def draft_cost(model: SpectrioForCausalLM, context: int = 64, reps: int = 300) -> dict[str, object]:
+    """Median seconds of a batch-1 target decode forward and of one MTP substep (paged)."""
+    import paddle
+
+    from spectrio.models import PackedBatch, PagedKVCache
+
+    cfg = model.config
+    block = 16
+    blocks = context // block + 2
+    target_cache = PagedKVCache(cfg.num_hidden_layers, blocks, block, cfg.num_key_value_heads, cfg.head_dim, model.dtype)
+    mtp_cache = PagedKVCache(1, blocks, block, cfg.num_key_value_heads, cfg.head_dim, model.dtype)
+    table = [np.arange(blocks)]
+
+    def row() -> PackedBatch:
+        b = PackedBatch.from_sequences([[5]], [context], table)
+        b.logits_indices = b.last_rows()
+        return b
+
+    with paddle.no_grad():
+        prefill = PackedBatch.from_sequences([list(range(1, context + 1))], [0], table)
+        hidden = model.forward(prefill, target_cache).hidden
+        model.mtp_forward(prefill, hidden, mtp_cache)
+        last = hidden[-1:]
+        target_s, mtp_s = [], []
+        for i in range(reps + 20):  # interleaved, so load on a shared machine hits both
+            t0 = time.perf_counter()
+            model.forward(row(), target_cache)
+            t1 = time.perf_counter()
+            model.mtp_forward(row(), last, mtp_cache)
+            t2 = time.perf_counter()
+            if i >= 20:
+                target_s.append(t1 - t0)
+                mtp_s.append(t2 - t1)
+    t, m = float(np.median(target_s)), float(np.median(mtp_s))
+    return {
+        "machine": f"{platform.machine()} cores={os.cpu_count()} OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}",
+        "layers": cfg.num_hidden_layers,
+        "hidden_size": cfg.hidden_size,
+        "context": context,
+        "reps": reps,
+        "target_forward_ms": round(t * 1e3, 3),
+        "mtp_substep_ms": round(m * 1e3, 3),
+        "substep_over_target": round(m / t, 3),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="bundled")
@@ -76,8 +132,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-steps", type=int, default=3)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cost", action="store_true", help="measure substep cost / target forward instead")
+    p.add_argument("--cost-context", type=int, default=64)
+    p.add_argument("--cost-reps", type=int, default=300)
+    p.add_argument("--model-json", default=None, help="with --cost: a random model with these fields")
     args = p.parse_args(argv)
     configure_logging("warning")
+    if args.cost:
+        if args.model_json:
+            from spectrio.models import ModelConfig, build_model
+
+            fields = {"vocab_size": 4096, "eos_token_id": 0, **json.loads(args.model_json)}
+            model = build_model(ModelConfig(**fields), args.dtype, seed=0)
+        else:
+            model = load(args.model, dtype=args.dtype).model
+        print(json.dumps(draft_cost(model, args.cost_context, args.cost_reps), indent=2))
+        return 0
     result = evaluate(args.model, args.dtype, args.contexts, args.context_len, args.max_steps, args.batch, args.seed)
     print(json.dumps(result, indent=2))
     return 0

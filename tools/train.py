@@ -1,8 +1,35 @@
-"""Train the bundled target model and its MTP layer on CPU with Paddle.
+"""Train the bundled checkpoint: a Llama target and the DeepSeek-V3-style MTP layer that
+drafts for it. Two phases, each with its own time budget:
 
-Objective (DeepSeek-V3): next-token cross-entropy plus ``mtp_weight`` times the MTP
-layer's cross-entropy for the token after next. Run as
-``python -m spectrio.tools.train --out models/bundled`` or ``spectrio train``.
+1. **Target.** Next-token cross-entropy plus ``mtp_weight`` times the MTP layer's
+   cross-entropy for the token after next (DeepSeek-V3's joint objective), on windows of
+   the training split. The joint term makes the target's hidden states carry what the
+   draft needs and warms the MTP layer up.
+2. **Draft.** The target is frozen (its weights, the shared embedding and head included,
+   never change again, so nothing the runtime verifies moves). The MTP layer is trained
+   over ``draft_steps`` UNROLLED substeps, exactly as the runtime drafts: substep 1 reads
+   the target's hidden state at p and the token at p+1; substep j+1 reads substep j's own
+   output hidden state and the token after it, attends to the real substep-1 entries up
+   to p plus its own chain, and sits at MTP position p+j. It is DISTILLED from the
+   target's own greedy continuation: the inputs of later substeps are the target's greedy
+   tokens (the runtime keeps a draft only when it equals that token, so only that path
+   matters), and each substep's label is the target's distribution for that position
+   after that greedy prefix. Gradients flow through the whole chain.
+
+Why two phases and not one joint run: the distillation labels are the target's own
+predictions, which mean nothing until the target is trained, and they cost two extra
+frozen target passes per step, which phase 1 does not pay.
+
+Each phase stops at its step count or its ``--pN-minutes`` budget, whichever comes first,
+and its cosine learning-rate schedule follows whichever of the two is further along, so a
+slow (shared) machine still ends each phase at the low learning rate. The steps actually
+run are in the log; pass them back as ``--p1-steps``/``--p2-steps`` with generous minutes
+to replay a run step for step (seeded).
+
+Run: ``OMP_NUM_THREADS=2 python -m spectrio.tools.train --out DIR`` (or ``spectrio train``);
+Paddle uses one thread unless ``OMP_NUM_THREADS`` is set before it is imported.
+Beside the checkpoint: ``training_log.json`` (arguments, per-step curves, held-out
+evaluations) and ``training_curves.png`` (needs the ``plots`` extra).
 """
 
 from __future__ import annotations
@@ -10,20 +37,31 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import structlog
+
 from spectrio.tools.logging_setup import configure_logging
+
+if TYPE_CHECKING:
+    import paddle
+
+    from spectrio.models.layers import KV, DecoderLayer
+    from spectrio.models.model import SpectrioForCausalLM
 
 log = structlog.get_logger("spectrio.train")
 
-DEFAULT_MODEL = {
-    "hidden_size": 256,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
+DEFAULT_MODEL: dict[str, Any] = {
+    # 16 narrow layers: per-op overhead dominates a forward at this size, so depth, not
+    # width, sets the target's cost; one MTP substep measures ~15% of a target forward.
+    "hidden_size": 192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
     "intermediate_size": 512,
     "max_position_embeddings": 2048,
     "rope_theta": 10000.0,
@@ -33,69 +71,500 @@ DEFAULT_MODEL = {
 }
 
 
-def encode_split(tokenizer: object, split: str) -> np.ndarray:
+# ---- data ------------------------------------------------------------------------------
+
+
+def encode_split(tokenizer: Any, split: str) -> np.ndarray:
     """All files of ``split`` tokenised and joined with EOS, as one uint16 stream."""
     from spectrio.tools.corpus import corpus_files, read_texts
     from spectrio.tools.tokenizer_train import EOS_TOKEN
 
-    eos = tokenizer.token_to_id(EOS_TOKEN)  # type: ignore[attr-defined]
+    eos = tokenizer.token_to_id(EOS_TOKEN)
     texts = list(read_texts(corpus_files(split)))
-    encodings = tokenizer.encode_batch(texts)  # type: ignore[attr-defined]
     parts: list[np.ndarray] = []
-    for enc in encodings:
+    for enc in tokenizer.encode_batch(texts):
         parts.append(np.asarray(enc.ids, dtype=np.uint16))
         parts.append(np.asarray([eos], dtype=np.uint16))
     return np.concatenate(parts)
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+def sample_windows(data: np.ndarray, rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
+    starts = rng.integers(0, data.size - length, size=batch)
+    return np.stack([data[s : s + length] for s in starts]).astype(np.int64)
+
+
+def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine from ``peak`` to 10% by progress 1."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
     return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
+# ---- the unrolled chain, as the runtime drafts --------------------------------------
+
+
+def chain_mask(rows: int, prefix: int, dtype: str) -> paddle.Tensor:
+    """Additive mask of chain r over the ``prefix`` real (prefix) entries: row r sees
+    columns ``c <= r + prefix - rows``, every real entry before its own first step."""
+    import paddle
+
+    real = np.arange(prefix)[None, :] <= np.arange(rows)[:, None] + (prefix - rows)
+    return paddle.to_tensor(np.where(real, 0.0, -np.inf).astype(dtype))
+
+
+def _rope(model: SpectrioForCausalLM, start: int, n: int) -> tuple[paddle.Tensor, paddle.Tensor]:
+    import paddle
+
+    from spectrio.models.layers import rope_cos_sin
+
+    cfg = model.config
+    return rope_cos_sin(paddle.arange(start, start + n, dtype="int64"), cfg.head_dim, cfg.rope_theta, model.dtype)
+
+
+def chain_layer(
+    layer: DecoderLayer,
+    x: paddle.Tensor,
+    cos: paddle.Tensor,
+    sin: paddle.Tensor,
+    real: KV,
+    mask: paddle.Tensor,
+    chain: list[KV],
+) -> tuple[paddle.Tensor, KV]:
+    """One decoder layer for ``[B, T]`` parallel chains, one new position per chain.
+
+    Row r attends to the real keys its ``mask`` row allows and to the keys chain r wrote at
+    its own earlier steps (``chain[i][:, r]``) and now. Equal to a causal pass with the
+    chain's entries appended, but each chain's own entries are a per-row dot product, so a
+    step costs one ``[T, P]`` attention instead of ``[T, P + steps * T]``.
+    """
+    import paddle
+    import paddle.nn.functional as F
+
+    attn = layer.self_attn
+    b, t, _ = x.shape
+    q, k, v = attn._qkv(layer.input_layernorm(x), cos, sin)
+    qh = q.transpose([0, 2, 1, 3])  # [B, H, T, D]
+
+    def heads(y: paddle.Tensor) -> paddle.Tensor:  # [B, T, kv, D] -> [B, H, T, D]
+        return attn._expand_kv(y.transpose([0, 2, 1, 3]), 1)
+
+    own = chain + [(k, v)]
+    scores = [paddle.matmul(qh, heads(real[0]), transpose_y=True) * attn.scale + mask]
+    scores += [(qh * heads(kk)).sum(axis=-1, keepdim=True) * attn.scale for kk, _ in own]
+    probs = F.softmax(paddle.concat(scores, axis=-1), axis=-1)
+    p = real[0].shape[1]
+    out = paddle.matmul(probs[..., :p], heads(real[1]))
+    for i, (_, vv) in enumerate(own):
+        out = out + probs[..., p + i : p + i + 1] * heads(vv)
+    x = x + attn.o_proj(out.transpose([0, 2, 1, 3]).reshape([b, t, -1]))
+    return x + layer.mlp(layer.post_attention_layernorm(x)), (k, v)
+
+
+def target_chain(
+    model: SpectrioForCausalLM, ids: paddle.Tensor, depth: int
+) -> tuple[list[paddle.Tensor], paddle.Tensor, list[paddle.Tensor]]:
+    """The target's greedy continuation after every prefix of ``ids`` ``[B, T]``, ``depth``
+    tokens deep, all prefixes in parallel.
+
+    Returns ``(logits, hidden, tokens)``: ``logits[0]`` is the teacher-forced pass (row s
+    follows ``ids[:, :s+1]``); ``logits[j]`` row s follows that prefix plus the target's
+    own greedy tokens ``tokens[0][:, s] .. tokens[j-1][:, s]``; ``tokens[j]`` is the
+    argmax of ``logits[j]``; ``hidden`` holds the teacher-forced pass's final normed
+    hidden states.
+    """
+    import paddle
+
+    logits, hidden, real = model.forward_dense(ids)
+    out, tokens = [logits], [paddle.argmax(logits, axis=-1)]
+    t = ids.shape[1]
+    mask = chain_mask(t, t, model.dtype)
+    chains: list[list[KV]] = [[] for _ in model.model.layers]
+    for j in range(1, depth):
+        cos, sin = _rope(model, j, t)
+        x = model.model.embed_tokens(tokens[-1])
+        for i, layer in enumerate(model.model.layers):
+            x, kv = chain_layer(layer, x, cos, sin, real[i], mask, chains[i])
+            chains[i].append(kv)
+        logits = model.compute_logits(model.model.norm(x))
+        out.append(logits)
+        tokens.append(paddle.argmax(logits, axis=-1))
+    return out, hidden, tokens
+
+
+def mtp_chain(
+    model: SpectrioForCausalLM,
+    ids: paddle.Tensor,
+    hidden: paddle.Tensor,
+    chain_tokens: list[paddle.Tensor],
+    depth: int,
+) -> list[paddle.Tensor]:
+    """The MTP layer drafting after every prefix ``ids[:, :s+1]`` in parallel, as the runtime does.
+
+    The MTP cache first gets its real entries: position p pairs the target hidden
+    ``hidden[:, p]`` with the token ``ids[:, p+1]``. Chain s then runs ``depth`` substeps:
+    substep 1 at MTP position s pairs ``hidden[:, s]`` with ``chain_tokens[0][:, s]`` (the
+    token the target just emitted); substep j+1 pairs substep j's own output hidden state
+    with ``chain_tokens[j][:, s]`` at position s+j. Each attends to the real entries before
+    s and to its own chain. Returns each substep's logits ``[B, T, V]``; row s of substep
+    j predicts the token after ``chain_tokens[j-1][:, s]``.
+    """
+    mtp = model.mtp
+    if mtp is None:
+        raise RuntimeError("the model has no MTP layer")
+    t = ids.shape[1]
+    _, _, real = model.mtp_forward_dense(ids[:, 1:], hidden[:, :-1])  # real entries 0..t-2
+    mask = chain_mask(t, t - 1, model.dtype)
+    x = hidden
+    chain: list[KV] = []
+    out = []
+    for j in range(depth):
+        cos, sin = _rope(model, j, t)
+        fused = mtp.fuse(model.model.embed_tokens(chain_tokens[j]), x)
+        x, kv = chain_layer(mtp, fused, cos, sin, real, mask, chain)
+        chain.append(kv)
+        out.append(model.compute_logits(mtp.shared_head.norm(x)))
+    return out
+
+
+def chain_accepted(mtp_logits: list[paddle.Tensor], target_tokens: list[paddle.Tensor]) -> np.ndarray:
+    """Share of chains whose drafts 1..j all equal the target's greedy tokens, per j.
+
+    ``mtp_logits[j]`` drafts ``target_tokens[j + 1]``. This is what greedy verification
+    keeps, so it is exact for the runtime's drafting (a chain fed a wrong draft is
+    already rejected, whatever it proposes next).
+    """
+    import paddle
+
+    hits = [
+        (paddle.argmax(lg, axis=-1) == tok).numpy().reshape(-1)
+        for lg, tok in zip(mtp_logits, target_tokens[1:])
+    ]
+    return np.cumprod(np.stack(hits, axis=1), axis=1).mean(axis=0)
+
+
+# ---- evaluation on held-out windows -------------------------------------------------
+
+
+def heldout_eval(model: SpectrioForCausalLM, windows: np.ndarray, depth: int) -> dict[str, Any]:
+    """Held-out next-token loss (and perplexity) and chained acceptance per substep."""
+    import paddle
+    import paddle.nn.functional as F
+
+    was_training = model.training
+    model.eval()
+    losses, accepted = [], []
+    with paddle.no_grad():
+        for i in range(0, len(windows), 8):
+            w = paddle.to_tensor(windows[i : i + 8])
+            logits, hidden, tokens = target_chain(model, w[:, :-1], depth + 1)
+            losses.append(float(F.cross_entropy(logits[0], w[:, 1:].unsqueeze(-1)).mean()))
+            accepted.append(chain_accepted(mtp_chain(model, w[:, :-1], hidden, tokens, depth), tokens))
+    if was_training:
+        model.train()
+    loss = float(np.mean(losses))
+    return {
+        "heldout_loss": round(loss, 4),
+        "heldout_ppl": round(math.exp(loss), 3),
+        "accepted": [round(float(a), 4) for a in np.mean(accepted, axis=0)],
+    }
+
+
+# ---- the two phases -----------------------------------------------------------------
+
+
+class Phase:
+    """Step/time budget, learning rate and logging shared by both phases."""
+
+    def __init__(self, name: str, steps: int, minutes: float, peak_lr: float, warmup: int) -> None:
+        self.name, self.steps, self.budget = name, steps, minutes * 60.0
+        self.peak_lr, self.warmup = peak_lr, warmup
+        self.t0 = time.perf_counter()
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def progress(self, step: int) -> float:
+        by_time = self.elapsed / self.budget if self.budget > 0 else 1.0
+        return max(step / max(1, self.steps), by_time)
+
+    def lr(self, step: int) -> float:
+        return lr_at(step, self.progress(step), self.peak_lr, self.warmup)
+
+
+def _optimizer(params: list[Any], lr: float) -> Any:
+    import paddle
+
+    decay = {p.name for p in params if p.ndim == 2}
+    return paddle.optimizer.AdamW(
+        learning_rate=lr,
+        parameters=params,
+        weight_decay=0.1,
+        apply_decay_param_fun=lambda name: name in decay,
+        grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0),
+        beta2=0.95,
+    )
+
+
+class Trainer:
+    def __init__(self, args: argparse.Namespace, model: SpectrioForCausalLM, data: np.ndarray, heldout: np.ndarray) -> None:
+        self.args, self.model, self.data, self.heldout = args, model, data, heldout
+        self.rng = np.random.default_rng(args.seed)
+        self.curve: list[dict[str, Any]] = []
+        self.evals: list[dict[str, Any]] = []
+        self.t_start = time.perf_counter()
+        self.last_save = time.perf_counter()
+
+    def evaluate(self, phase: str, step: int) -> None:
+        row = {"phase": phase, "step": step, "seconds": round(time.perf_counter() - self.t_start, 1)}
+        row.update(heldout_eval(self.model, self.heldout, self.args.draft_steps))
+        self.evals.append(row)
+        log.info("held-out eval", **row)
+
+    def _record(self, row: dict[str, Any], bar: Any) -> None:
+        row["seconds"] = round(time.perf_counter() - self.t_start, 2)
+        self.curve.append(row)
+        bar.set_postfix({k: f"{v:.3f}" for k, v in row.items() if k.endswith("loss")}, refresh=False)
+        if row["step"] % 25 == 0:
+            log.info("train step", **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
+        if time.perf_counter() - self.last_save > self.args.save_every_minutes * 60:
+            self.save()
+
+    def phase1(self) -> None:
+        import paddle
+        import paddle.nn.functional as F
+        from tqdm import tqdm
+
+        a, model = self.args, self.model
+        model.train()
+        opt = _optimizer(model.parameters(), a.p1_lr)
+        ph = Phase("target", a.p1_steps, a.p1_minutes, a.p1_lr, a.warmup)
+        bar = tqdm(total=a.p1_steps, desc="phase 1 (target)", unit="step", mininterval=a.bar_interval)
+        step = 0
+        while step < a.p1_steps and ph.progress(step) < 1.0:
+            w = paddle.to_tensor(sample_windows(self.data, self.rng, a.batch_size, a.seq_len + 1))
+            x, y = w[:, :-1], w[:, 1:]
+            logits, hidden, _ = model.forward_dense(x)
+            main_loss = F.cross_entropy(logits, y.unsqueeze(-1)).mean()
+            # MTP position p pairs h_p with token p+1 and predicts token p+2.
+            mtp_logits, _, _ = model.mtp_forward_dense(y[:, :-1], hidden[:, :-1])
+            mtp_loss = F.cross_entropy(mtp_logits, y[:, 1:].unsqueeze(-1)).mean()
+            loss = main_loss + a.mtp_weight * mtp_loss
+            lr = ph.lr(step)
+            opt.set_lr(lr)
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
+            self._record({"phase": "target", "step": step, "lr": lr, "loss": float(loss),
+                          "main_loss": float(main_loss), "mtp_loss": float(mtp_loss)}, bar)
+            step += 1
+            bar.update(1)
+            if step % a.eval_every == 0:
+                self.evaluate("target", step)
+        bar.close()
+        log.info("phase 1 done", steps=step, minutes=round(ph.elapsed / 60, 1))
+        self.evaluate("target", step)
+        self.save()
+
+    def phase2(self) -> None:
+        import paddle
+        import paddle.nn.functional as F
+        from tqdm import tqdm
+
+        a, model = self.args, self.model
+        assert model.mtp is not None
+        mtp_params = model.mtp.parameters()
+        mtp_ids = {id(p) for p in mtp_params}
+        frozen = [p for p in model.parameters() if id(p) not in mtp_ids]
+        for p in frozen:  # the target, its embedding and head never change in phase 2
+            p.stop_gradient = True
+        model.eval()  # no dropout anywhere; eval() only documents that the target is frozen
+        opt = _optimizer(mtp_params, a.p2_lr)
+        weights = [float(x) for x in a.substep_weights.split(",")]
+        if len(weights) != a.draft_steps:
+            raise SystemExit(f"--substep-weights needs {a.draft_steps} values, got {a.substep_weights!r}")
+        ph = Phase("draft", a.p2_steps, a.p2_minutes, a.p2_lr, a.p2_warmup)
+        bar = tqdm(total=a.p2_steps, desc="phase 2 (draft)", unit="step", mininterval=a.bar_interval)
+        step = 0
+        while step < a.p2_steps and ph.progress(step) < 1.0:
+            w = paddle.to_tensor(sample_windows(self.data, self.rng, a.p2_batch_size, a.seq_len))
+            with paddle.no_grad():
+                # One level deeper than the drafts: substep j's label is level j.
+                t_logits, hidden, tokens = target_chain(model, w, a.draft_steps + 1)
+                labels = [F.softmax(lg / a.distill_temperature, axis=-1) for lg in t_logits[1:]]
+            m_logits = mtp_chain(model, w, hidden, tokens, a.draft_steps)
+            # Soft cross-entropy through F.cross_entropy: Paddle's CPU log_softmax is ~80x
+            # slower (fwd+bwd) on [B, T, 4096] and would dominate the step.
+            per_step = [
+                F.cross_entropy(lg / a.distill_temperature, lab, soft_label=True).mean()
+                for lab, lg in zip(labels, m_logits)
+            ]
+            loss = paddle.add_n([wt * l for wt, l in zip(weights, per_step)]) / sum(weights)
+            lr = ph.lr(step)
+            opt.set_lr(lr)
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
+            acc = chain_accepted([lg.detach() for lg in m_logits], tokens)
+            row: dict[str, Any] = {"phase": "draft", "step": step, "lr": lr, "loss": float(loss)}
+            for j, (l, ac) in enumerate(zip(per_step, acc), start=1):
+                row[f"substep{j}_loss"] = float(l)
+                row[f"substep{j}_accepted"] = float(ac)
+            self._record(row, bar)
+            step += 1
+            bar.update(1)
+            if step % a.p2_eval_every == 0:
+                self.evaluate("draft", step)
+        bar.close()
+        for p in frozen:
+            p.stop_gradient = False
+        log.info("phase 2 done", steps=step, minutes=round(ph.elapsed / 60, 1))
+        self.evaluate("draft", step)
+        self.save()
+
+    def save(self) -> None:
+        from spectrio.models.loader import save_checkpoint
+
+        out: Path = self.args.out
+        training = self.model.training
+        self.model.eval()
+        save_checkpoint(self.model, out, dtype=self.args.save_dtype)
+        if training:
+            self.model.train()
+        meta = {
+            "args": {k: str(v) for k, v in vars(self.args).items()},
+            "config": self.model.config.to_dict(self.args.save_dtype),
+            "params": sum(int(np.prod(p.shape)) for p in self.model.parameters()),
+            "minutes": round((time.perf_counter() - self.t_start) / 60, 2),
+            "curve": self.curve,
+            "evals": self.evals,
+        }
+        (out / "training_log.json").write_text(json.dumps(meta))
+        plot_curves(meta, out / "training_curves.png")
+        self.last_save = time.perf_counter()
+
+
+def plot_curves(meta: dict[str, Any], path: Path) -> bool:
+    """Draw the loss and acceptance curves; returns False (and logs) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib missing (install the 'plots' extra); no PNG written")
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    p1 = [r for r in meta["curve"] if r["phase"] == "target"]
+    p2 = [r for r in meta["curve"] if r["phase"] == "draft"]
+    ax = axes[0]
+    for key in ("main_loss", "mtp_loss"):
+        if p1:
+            ax.plot([r["step"] for r in p1], [r[key] for r in p1], label=key, lw=0.8)
+    ax.set(title="phase 1: target (train loss)", xlabel="step", ylabel="cross-entropy")
+    ax.legend()
+    ax = axes[1]
+    for j in range(1, 9):
+        key = f"substep{j}_loss"
+        if p2 and key in p2[0]:
+            ax.plot([r["step"] for r in p2], [r[key] for r in p2], label=f"substep {j}", lw=0.8)
+    ax.set(title="phase 2: draft (distillation loss)", xlabel="step", ylabel="soft cross-entropy")
+    if p2:
+        ax.legend()
+    ax = axes[2]
+    evals = meta["evals"]
+    if evals:
+        xs = list(range(len(evals)))
+        depth = len(evals[0]["accepted"])
+        for j in range(depth):
+            ax.plot(xs, [e["accepted"][j] for e in evals], marker="o", label=f"accepted through substep {j + 1}")
+        ax.plot(xs, [e["heldout_loss"] / 10 for e in evals], ls="--", color="gray", label="held-out loss / 10")
+        ax.set_xticks(xs, [f"{e['phase'][0]}{e['step']}" for e in evals], rotation=60, fontsize=7)
+        ax.legend(fontsize=8)
+    ax.set(title="held-out (t = phase 1, d = phase 2)", ylim=(0, 1))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ---- command line -------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from spectrio.models.loader import BUNDLED_DIR, STORAGE_DTYPES
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("models/bundled"))
-    p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=540)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--mtp-weight", type=float, default=0.3)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--max-minutes", type=float, default=56.0, help="stop early past this budget")
+    p.add_argument("--tokenizer", default=str(BUNDLED_DIR / "tokenizer.json"),
+                   help="tokenizer.json to reuse, or 'train' to train a new BPE on the training split")
+    p.add_argument("--vocab-size", type=int, default=4096, help="only with --tokenizer train")
     p.add_argument("--model-json", type=str, default=None, help="override model fields (JSON)")
-    p.add_argument("--init-from", type=Path, default=None,
-                   help="continue from this checkpoint (its tokenizer and weights)")
-    args = p.parse_args(argv)
+    p.add_argument("--init-from", type=Path, default=None, help="start from this checkpoint's weights")
+    p.add_argument("--phases", default="12", choices=("12", "1", "2"), help="which phases to run")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--save-dtype", default="float16", choices=STORAGE_DTYPES)
+    # phase 1
+    p.add_argument("--p1-steps", type=int, default=2000)
+    p.add_argument("--p1-minutes", type=float, default=48.0)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--p1-lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--mtp-weight", type=float, default=0.3)
+    p.add_argument("--eval-every", type=int, default=100)
+    # phase 2
+    p.add_argument("--p2-steps", type=int, default=2000)
+    p.add_argument("--p2-minutes", type=float, default=36.0)
+    p.add_argument("--p2-batch-size", type=int, default=8)
+    p.add_argument("--p2-lr", type=float, default=1e-3)
+    p.add_argument("--p2-warmup", type=int, default=20)
+    p.add_argument("--draft-steps", type=int, default=3, help="unrolled MTP substeps")
+    p.add_argument("--substep-weights", default="1,1,1")
+    p.add_argument("--distill-temperature", type=float, default=1.0)
+    p.add_argument("--p2-eval-every", type=int, default=60)
+    # bookkeeping
+    p.add_argument("--heldout-windows", type=int, default=32)
+    p.add_argument("--save-every-minutes", type=float, default=10.0)
+    p.add_argument("--bar-interval", type=float, default=10.0, help="seconds between progress-bar redraws")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     configure_logging("info")
 
     import paddle
-    import paddle.nn.functional as F
-    from tqdm import tqdm
+    from tokenizers import Tokenizer
 
     from spectrio.models.config import ModelConfig
     from spectrio.models.model import build_model
+    from spectrio.models.tokenizer import TextTokenizer
+    from spectrio.tools.eval_mtp import held_out_contexts
     from spectrio.tools.tokenizer_train import EOS_TOKEN, train_tokenizer
 
-    t_start = time.perf_counter()
+    t0 = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     np.random.seed(args.seed)
     paddle.seed(args.seed)
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads in (None, "1") and (os.cpu_count() or 1) > 1:
+        # Importing spectrio imports Paddle, which pins OMP_NUM_THREADS to 1 unless the
+        # environment set it first; too late to change here.
+        log.warning("training on one thread: set OMP_NUM_THREADS in the environment", cores=os.cpu_count())
+    log.info("threads", omp_num_threads=threads)
 
     if args.init_from is not None:
-        from tokenizers import Tokenizer
-
         tokenizer = Tokenizer.from_file(str(args.init_from / "tokenizer.json"))
-    else:
+    elif args.tokenizer == "train":
         tokenizer = train_tokenizer(args.vocab_size)
+    else:
+        tokenizer = Tokenizer.from_file(args.tokenizer)
     tokenizer.save(str(args.out / "tokenizer.json"))
     eos = tokenizer.token_to_id(EOS_TOKEN)
     data = encode_split(tokenizer, "train")
-    log.info("corpus encoded", train_tokens=int(data.size), seconds=round(time.perf_counter() - t_start, 1))
+    heldout = held_out_contexts(TextTokenizer(tokenizer, eos), args.heldout_windows, args.seq_len + 1, seed=args.seed)
+    log.info("corpus encoded", train_tokens=int(data.size), seconds=round(time.perf_counter() - t0, 1))
 
     if args.init_from is not None:
         from spectrio.models import load
@@ -108,76 +577,19 @@ def main(argv: list[str] | None = None) -> int:
             fields.update(json.loads(args.model_json))
         cfg = ModelConfig(vocab_size=tokenizer.get_vocab_size(), eos_token_id=eos, **fields)
         model = build_model(cfg, "float32", seed=args.seed)
-    model.train()
+    if not cfg.has_mtp:
+        raise SystemExit("the model needs an MTP layer (num_nextn_predict_layers: 1)")
     n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
-    log.info("model ready", params=n_params, init_from=str(args.init_from), **cfg.to_dict())
+    log.info("model ready", params=n_params, init_from=str(args.init_from), **cfg.to_dict(args.save_dtype))
 
-    decay = [p for n, p in model.named_parameters() if p.ndim == 2]
-    opt = paddle.optimizer.AdamW(
-        learning_rate=args.lr,
-        parameters=model.parameters(),
-        weight_decay=0.1,
-        apply_decay_param_fun=lambda name: any(name == p.name for p in decay),
-        grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0),
-        beta2=0.95,
-    )
-    rng = np.random.default_rng(args.seed)
-    curve: list[dict[str, float]] = []
-    budget = args.max_minutes * 60.0
-    bar = tqdm(range(args.steps), desc="train", unit="step")
-    for step in bar:
-        starts = rng.integers(0, data.size - args.seq_len - 1, size=args.batch_size)
-        window = np.stack([data[s : s + args.seq_len + 1] for s in starts]).astype(np.int64)
-        x = paddle.to_tensor(window[:, :-1])
-        y = paddle.to_tensor(window[:, 1:])
-        logits, hidden, _ = model.forward_dense(x)
-        main_loss = F.cross_entropy(logits, y.unsqueeze(-1)).mean()
-        # MTP position p pairs h_p with token p+1 and predicts token p+2.
-        mtp_logits, _, _ = model.mtp_forward_dense(y[:, :-1], hidden[:, :-1])
-        mtp_loss = F.cross_entropy(mtp_logits, y[:, 1:].unsqueeze(-1)).mean()
-        loss = main_loss + args.mtp_weight * mtp_loss
-        opt.set_lr(lr_at(step, args.steps, args.lr, args.warmup))
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-        row = {
-            "step": step,
-            "loss": float(loss),
-            "main_loss": float(main_loss),
-            "mtp_loss": float(mtp_loss),
-            "seconds": time.perf_counter() - t_start,
-        }
-        curve.append(row)
-        bar.set_postfix(main=f"{row['main_loss']:.3f}", mtp=f"{row['mtp_loss']:.3f}")
-        if step % 50 == 0:
-            log.info("train step", **{k: round(v, 4) for k, v in row.items()})
-        if step % 250 == 0 or row["seconds"] > budget:
-            _save(model, cfg, args.out, curve, args)
-        if row["seconds"] > budget:
-            log.warning("time budget reached; stopping early", step=step)
-            break
-    _save(model, cfg, args.out, curve, args)
-    log.info(
-        "training done",
-        steps=len(curve),
-        minutes=round((time.perf_counter() - t_start) / 60, 1),
-        final_main_loss=round(float(np.mean([r["main_loss"] for r in curve[-50:]])), 4),
-        final_mtp_loss=round(float(np.mean([r["mtp_loss"] for r in curve[-50:]])), 4),
-    )
+    trainer = Trainer(args, model, data, heldout)
+    if "1" in args.phases:
+        trainer.phase1()
+    if "2" in args.phases:
+        trainer.phase2()
+    last = trainer.evals[-1] if trainer.evals else {}
+    log.info("training done", minutes=round((time.perf_counter() - t0) / 60, 1), **last)
     return 0
-
-
-def _save(model: object, cfg: object, out: Path, curve: list[dict[str, float]], args: argparse.Namespace) -> None:
-    from spectrio.models.loader import save_checkpoint
-
-    model.eval()  # type: ignore[attr-defined]
-    save_checkpoint(model, out)  # type: ignore[arg-type]
-    model.train()  # type: ignore[attr-defined]
-    meta = {
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "curve": curve,
-    }
-    (out / "training_log.json").write_text(json.dumps(meta))
 
 
 if __name__ == "__main__":
