@@ -11,21 +11,11 @@
 
 from __future__ import annotations
 
-import os
-
 import paddle
 
-__all__ = ["available_cores", "configure_paddle"]
+__all__ = ["configure_paddle"]
 
 _threads: int | None = None
-
-
-def available_cores() -> int:
-    """Cores this process may run on (its CPU affinity, not the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def configure_paddle(num_threads: int | None = None) -> int | None:
