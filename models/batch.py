@@ -7,7 +7,6 @@ import dataclasses
 import numpy as np
 import paddle
 
-from spectrio.models.kv_cache import slots_for_positions
 
 
 @dataclasses.dataclass
@@ -40,10 +39,13 @@ class PackedBatch:
             raise ValueError(
                 f"{len(self.block_tables)} block tables for {self.num_seqs} sequences"
             )
-        for i in range(self.num_seqs):
-            pos = self.positions[cu[i] : cu[i + 1]]
-            if pos[0] < 0 or np.any(np.diff(pos) != 1):
-                raise ValueError(f"sequence {i}: positions must be consecutive and non-negative")
+        seq_of_row = np.repeat(np.arange(self.num_seqs), np.diff(cu))
+        first = self.positions[cu[:-1]]
+        step_ok = self.positions == first[seq_of_row] + (np.arange(n) - cu[:-1][seq_of_row])
+        if np.any(first < 0) or not step_ok.all():
+            bad = int(seq_of_row[np.flatnonzero(~step_ok)[0]]) if not step_ok.all() else int(
+                np.flatnonzero(first < 0)[0])
+            raise ValueError(f"sequence {bad}: positions must be consecutive and non-negative")
         if self.logits_indices is not None:
             self.logits_indices = np.asarray(self.logits_indices, dtype=np.int64)
 
@@ -115,15 +117,21 @@ class AttentionPlan:
         last_pos = batch.positions[cu[1:] - 1]
         ctx_lens = last_pos + 1
         max_q, max_ctx = int(q_lens.max()), int(ctx_lens.max())
-        write = np.empty(batch.num_tokens, dtype=np.int64)
-        ctx_slots = np.zeros((b, max_ctx), dtype=np.int64)
-        for i in range(b):
-            table = batch.block_tables[i]
-            rows = slice(int(cu[i]), int(cu[i + 1]))
-            write[rows] = slots_for_positions(table, batch.positions[rows], block_size)
-            ctx = int(ctx_lens[i])
-            ctx_slots[i, :ctx] = slots_for_positions(table, np.arange(ctx), block_size)
-            ctx_slots[i, ctx:] = ctx_slots[i, 0]
+        table_lens = np.array([len(t) for t in batch.block_tables])
+        short = np.flatnonzero(last_pos // block_size >= table_lens)
+        if short.size:
+            i = int(short[0])
+            raise ValueError(
+                f"block table of {table_lens[i]} blocks cannot hold position {last_pos[i]} "
+                f"(block_size={block_size})"
+            )
+        tables = _padded_tables(batch.block_tables)
+        seq_of_row = np.repeat(np.arange(b), q_lens)
+        write = _slots(tables, seq_of_row, batch.positions, block_size)
+        ctx_pos = np.arange(max_ctx)
+        in_ctx = ctx_pos[None, :] < ctx_lens[:, None]
+        # Padding reads position 0 of the same sequence (a valid slot; the mask hides it).
+        ctx_slots = _slots(tables, np.arange(b)[:, None], np.where(in_ctx, ctx_pos, 0), block_size)
         # Query position of padded row (b, t); rows past a sequence's end get -1.
         t = np.arange(max_q)
         valid = t[None, :] < q_lens[:, None]
@@ -156,3 +164,18 @@ class AttentionPlan:
             self._group_masks[group] = cached
         return cached
 
+
+
+def _padded_tables(block_tables: list[np.ndarray]) -> np.ndarray:
+    """Block tables as one ``[B, max_blocks]`` array (-1 past each table's end)."""
+    width = max(len(t) for t in block_tables)
+    out = np.full((len(block_tables), width), -1, dtype=np.int64)
+    for i, t in enumerate(block_tables):
+        out[i, : len(t)] = t
+    return out
+
+
+def _slots(tables: np.ndarray, seq: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Flat cache slots of ``positions`` of sequences ``seq`` (broadcast together); the
+    caller has checked that every table reaches its positions."""
+    return tables[seq, positions // block_size] * block_size + positions % block_size
