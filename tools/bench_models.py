@@ -50,7 +50,8 @@ def _count_ops(fn: Callable[[], object], calls: int = 5) -> int:
         (e for e in events if e.get("cat") == "Operator" and e.get("ph") == "X"),
         key=lambda e: (e["tid"], e["ts"]),
     )
-    top, end_by_tid = 0, collections.defaultdict(lambda: -1.0)
+    top = 0
+    end_by_tid: dict[int, float] = collections.defaultdict(lambda: -1.0)
     for e in ops:  # nested ops (inside another op on the same thread) do not count
         if e["ts"] >= end_by_tid[e["tid"]]:
             top += 1
