@@ -162,26 +162,34 @@ class Attention(nn.Layer):
 
 
 class RopeRows:
-    """Rotary embedding for one step's rows, shared by every layer: ``x * cos +
-    rotate_half(x) * sin`` with rotate_half as a matmul by a fixed signed permutation, so
-    q and k rotate together in three ops."""
+    """Rotary embedding for one step's rows, shared by every layer.
 
-    def __init__(self, cos: paddle.Tensor, sin: paddle.Tensor, rotation: paddle.Tensor) -> None:
-        self.cos = cos.unsqueeze(1)  # [N, 1, D]
-        self.sin = sin.unsqueeze(1)
-        self.rotation = rotation
+    ``x * cos + rotate_half(x) * sin`` is linear in ``x``: per position it is ``x @ M``
+    with ``M = diag(cos) + R diag(sin)`` (R the signed rotate-half permutation). Each
+    row's M is looked up once per step, so q and k of a layer rotate in one batched
+    matmul instead of four elementwise ops.
+    """
+
+    def __init__(self, matrices: paddle.Tensor) -> None:
+        self.matrices = matrices  # [N, D, D]
 
     def apply(self, x: paddle.Tensor) -> paddle.Tensor:
-        return x * self.cos + paddle.matmul(x, self.rotation) * self.sin
+        """``x`` [N, heads, D] rotated by its row's position."""
+        return paddle.matmul(x, self.matrices)
 
 
-def rotate_half_matrix(head_dim: int, dtype: DType) -> paddle.Tensor:
-    """R with ``x @ R == concat([-x[half:], x[:half]])`` for the last axis."""
-    half = head_dim // 2
-    r = np.zeros((head_dim, head_dim))
-    r[np.arange(half) + half, np.arange(half)] = -1.0
-    r[np.arange(half), np.arange(half) + half] = 1.0
-    return paddle.to_tensor(r.astype(dtype))
+def rope_matrices(cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """``[P, D, D]`` rotation matrices ``diag(cos) + R diag(sin)`` from ``[P, D]`` tables."""
+    d = cos.shape[-1]
+    half = d // 2
+    m = np.zeros((cos.shape[0], d, d), dtype=cos.dtype)
+    cols = np.arange(d)
+    m[:, cols, cols] = cos
+    # rotate_half(x)[j] = -x[j + half] for j < half, x[j - half] for j >= half.
+    m[:, cols[:half] + half, cols[:half]] = -sin[:, :half]
+    m[:, cols[half:] - half, cols[half:]] = sin[:, half:]
+    return m
+
 
 
 class MLP(nn.Layer):

@@ -18,7 +18,7 @@ from spectrio.models.layers import (
     RMSNorm,
     RopeRows,
     rope_cos_sin,
-    rotate_half_matrix,
+    rope_matrices,
 )
 
 
@@ -77,7 +77,7 @@ class SpectrioForCausalLM(nn.Layer):
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias_attr=False)
         )
         self.mtp = MTPLayer(cfg) if cfg.has_mtp else None
-        self._rope_table: tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor] | None = None
+        self._rope_table: paddle.Tensor | None = None  # [max_position_embeddings, D, D]
 
     def train(self) -> SpectrioForCausalLM:  # type: ignore[override]
         """Training changes the weights, so the fused serving copies of them are dropped."""
@@ -109,18 +109,16 @@ class SpectrioForCausalLM(nn.Layer):
         return rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.dtype)
 
     def _rope_rows(self, positions: np.ndarray) -> RopeRows:
-        """cos/sin rows for ``positions``, looked up in a table built once per model."""
+        """Rotation matrices for ``positions``, looked up in a table built once per model."""
         cfg = self.config
+        if positions.size and int(positions.max()) >= cfg.max_position_embeddings:
+            cos, sin = self._rope(paddle.to_tensor(positions))
+            return RopeRows(paddle.to_tensor(rope_matrices(cos.numpy(), sin.numpy())))
         if self._rope_table is None:
             span = paddle.arange(cfg.max_position_embeddings, dtype="int64")
             cos, sin = rope_cos_sin(span, cfg.head_dim, cfg.rope_theta, self.dtype)
-            self._rope_table = (cos, sin, rotate_half_matrix(cfg.head_dim, self.dtype))
-        cos, sin, rotation = self._rope_table
-        if positions.size and int(positions.max()) >= cfg.max_position_embeddings:
-            cos, sin = self._rope(paddle.to_tensor(positions))
-            return RopeRows(cos, sin, rotation)
-        index = paddle.to_tensor(positions)
-        return RopeRows(paddle.gather(cos, index), paddle.gather(sin, index), rotation)
+            self._rope_table = paddle.to_tensor(rope_matrices(cos.numpy(), sin.numpy()))
+        return RopeRows(paddle.gather(self._rope_table, paddle.to_tensor(positions)))
 
     def _select(self, hidden: paddle.Tensor, batch: PackedBatch) -> paddle.Tensor:
         if batch.logits_indices is None:
