@@ -115,11 +115,17 @@ class SpeculativeConfig:
     ``method=None`` turns speculation off; ``num_speculative_tokens`` and
     ``num_model_steps`` are then ignored (and not range-checked), and every
     sequence verifies one token per step.
+
+    ``adaptive=True`` (the default) lets each step draft anywhere from 0 to
+    ``num_speculative_tokens`` tokens per sequence, whichever the measured acceptance
+    and step times say is fastest (:mod:`spectrio.stages.spec_policy`); ``False`` always
+    drafts the full k. Capacity planning always assumes the full k.
     """
 
     method: str | None = "mtp"
     num_speculative_tokens: int = 2
     num_model_steps: int | None = None
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPEC_METHODS:
@@ -129,6 +135,8 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not _is_int(k):
             raise ConfigError(f"num_speculative_tokens: must be an int, got {k!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"adaptive: must be a bool, got {self.adaptive!r}")
         steps = self.num_model_steps
         if steps is not None and not _is_int(steps):
             raise ConfigError(f"num_model_steps: must be an int or None, got {steps!r}")
