@@ -113,7 +113,10 @@ class Runtime:
         )
         await nursery.start(run_verify, self.workspace, self._limiter, draft_rx, verified_tx)
         await nursery.start(run_draft, self.workspace, self._limiter, plan_rx, draft_tx)
-        await nursery.start(run_scheduler, self.scheduler, control_rx, plan_tx, feedback_rx)
+        await nursery.start(
+            functools.partial(run_scheduler, release=self.workspace.release),
+            self.scheduler, control_rx, plan_tx, feedback_rx,
+        )
         log.info("runtime started", num_kv_blocks=self.blocks.num_blocks, encoded=enc, overlap=overlap,
                  speculative=self.config.speculative.method, k=self.config.speculative.num_draft_tokens)
 

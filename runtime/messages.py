@@ -38,7 +38,10 @@ class StepPlan(msgspec.Struct, kw_only=True):
     seqs: list[SeqWork]
     preempted: list[str] = []  # request ids preempted while planning this step (record: -9)
     aborted: list[str] = []  # request ids aborted since the last plan (record: -9)
-    released: list[int] = []  # seq ids whose workspace state can be dropped
+    released: list[int] = []  # seq ids whose workspace state must go: preempted while
+    #                          planning this step, and ended ones (already dropped when they
+    #                          ended, by the sampler stage or the scheduler actor's release
+    #                          hook; dropping again is a no-op)
     retired: list[int] = []  # seq ids that ended outside the sampler (aborts): drop their state
 
 

@@ -73,8 +73,21 @@ class Workspace:
         return time.perf_counter() - t0
 
     def release(self, seq_ids: list[int]) -> None:
+        """Drop these sequences' stored hidden states (unknown ids are ignored). Called by
+        the sampler stage for requests that finished, by the scheduler actor for aborted
+        ones, and by the draft stage for each plan's ``released`` (preemptions, and the
+        rest again). Each call is a handful of dict pops, atomic under the GIL."""
         for seq_id in seq_ids:
             self._hidden.pop(seq_id, None)
+
+    def holds(self, seq_id: int) -> bool:
+        """Whether the workspace stores device state for this sequence."""
+        return seq_id in self._hidden
+
+    @property
+    def num_states(self) -> int:
+        """Sequences whose device state (hidden rows) the workspace stores."""
+        return len(self._hidden)
 
     # ---- draft: MTP catch-up over the last pass's accepted rows, then substeps -------
 

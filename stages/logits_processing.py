@@ -23,7 +23,8 @@ Steps, in order (everything in float64):
    kept), then **min-p** (keep ``p >= min_p * max p``); the survivors are renormalised
    by a softmax (:func:`sampling_probs`).
 
-Logprobs (:func:`token_logprobs`) are computed only for the rows of emitted tokens.
+Logprobs (:func:`token_logprobs`) are computed only for the rows of emitted tokens; the
+top alternatives are ordered by logprob, ties (``-inf`` included) by lower token id.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ __all__ = [
     "process_rows",
     "sampling_probs",
     "token_logprobs",
+    "top_logprobs",
 ]
 
 
@@ -201,20 +203,36 @@ class LogprobRows:
     top_logprobs: np.ndarray  # float64 [n, top]
 
 
+def top_logprobs(logprobs: np.ndarray, top: int) -> np.ndarray:
+    """int64 [n, top]: per row the ``top`` token ids in the order (logprob descending, token
+    id ascending). A total order, so ties (``-inf`` included) never depend on anything but
+    the row, and the first ``t`` columns for ``top >= t`` are the answer for ``t``: a
+    request's alternatives do not depend on what its batch neighbours asked for."""
+    lp = np.asarray(logprobs, dtype=np.float64)
+    n, vocab = lp.shape
+    top = min(top, vocab)
+    if top == 0 or n == 0:
+        return np.zeros((n, top), dtype=np.int64)
+    # The top-th largest value per row; everything above it is in, and of the values equal
+    # to it, the lowest ids fill the remaining columns.
+    kth = -np.partition(-lp, top - 1, axis=1)[:, top - 1]
+    above = lp > kth[:, None]
+    tied = lp == kth[:, None]
+    room = top - above.sum(axis=1)
+    chosen = above | (tied & (np.cumsum(tied, axis=1) <= room[:, None]))
+    ids = np.nonzero(chosen)[1].reshape(n, top)  # ascending id within each row
+    order = np.lexsort((ids, -np.take_along_axis(lp, ids, axis=1)), axis=1)
+    return np.take_along_axis(ids, order, axis=1)
+
+
 def token_logprobs(logprobs: np.ndarray, token_ids: Sequence[int], top: int) -> LogprobRows:
     """For rows ``logprobs`` [n, V] and the token emitted from each row: its logprob,
     its rank (1 + the number of strictly more likely tokens) and the ``top`` most likely
-    (id, logprob) pairs, best first (ties inside the top broken by lower id)."""
+    (id, logprob) pairs, best first, ties broken by lower id (:func:`top_logprobs`)."""
     lp = np.asarray(logprobs, dtype=np.float64)
-    n, vocab = lp.shape
+    n = lp.shape[0]
     ids = np.asarray(token_ids, dtype=np.int64)
     chosen = lp[np.arange(n), ids]
     ranks = (lp > chosen[:, None]).sum(axis=1) + 1
-    top = min(top, vocab)
-    if top == 0:
-        top_ids = np.zeros((n, 0), dtype=np.int64)
-    else:
-        cand = np.argpartition(-lp, top - 1, axis=1)[:, :top]
-        order = np.lexsort((cand, -np.take_along_axis(lp, cand, axis=1)), axis=1)
-        top_ids = np.take_along_axis(cand, order, axis=1)
+    top_ids = top_logprobs(lp, top)
     return LogprobRows(chosen, ranks, top_ids, np.take_along_axis(lp, top_ids, axis=1))

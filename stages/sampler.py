@@ -22,11 +22,15 @@ async def run_sampler(
 ) -> None:
     """One StepResult per plan. The logits copy and the NumPy decision share one worker
     thread hop (a hop costs ~0.1 ms, a real share of a small model's step); it holds the
-    device limiter, which nothing else needs while the step's result is pending.
+    device limiter, which nothing else needs while the step's result is pending. A
+    request that finishes in the step has its workspace state dropped in the same hop,
+    before the result leaves: no later step can need it.
     Cancellation waits for the running call."""
 
     def decide(plan: StepPlan) -> StepResult:
-        return sampler.step(plan, ws.take_logits(plan.step))
+        result = sampler.step(plan, ws.take_logits(plan.step))
+        ws.release([r.seq_id for r in result.results if r.finish_reason is not None])
+        return result
 
     task_status.started()
     async for plan in inbox:

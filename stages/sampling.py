@@ -4,19 +4,24 @@ For every sampling sequence of a step (rows ``[last token, d1..dm]``, see
 :mod:`.logits_processing`):
 
 1. process each row with the request's penalties, min_tokens mask and sampling knobs;
-2. draw the bonus token from the last row (random requests, with the request's own
-   generator), or take its argmax (greedy);
-3. accept drafts with :func:`.rejection.rejection_sample` in one batched call. Greedy
-   requests pass a point mass on the processed argmax, so greedy output is exactly the
-   argmax of the penalised logits; random requests pass the processed probabilities and
-   one-hot (deterministic, ``draft_probs=None``) MTP drafts, which is lossless;
-4. end the run at the first stop (:mod:`.stops`);
-5. compute logprobs for the emitted positions only.
+2. accept drafts and add the bonus or recovered token with
+   :func:`.rejection.rejection_sample` in one batched call. Greedy requests pass their
+   processed logits, so greedy output is exactly the argmax of the penalised logits;
+   random requests pass the processed probabilities and one-hot (deterministic,
+   ``draft_probs=None``) MTP drafts, which is lossless;
+3. end the run at the first stop (:mod:`.stops`);
+4. compute logprobs for the emitted positions only.
 
-Random numbers: a seeded request owns an ``np.random.Generator`` that lives here from its
-first sampling step until it finishes or is aborted (``StepPlan.retired``), so it
-survives preemption. Per step it draws one uniform for the bonus token, then what
-:func:`.rejection.rejection_sample` documents. Unseeded requests share one generator.
+Random numbers are keyed, never streamed (:mod:`.rejection` has the formula). Each
+random request has a 64-bit key: its ``seed``, or, without one, a key drawn once from the
+sampler's shared generator at the request's first sampling step. The key lives in the
+request's state from then until it finishes or is aborted (``StepPlan.retired``), so it
+survives preemption. The token a random request emits at output position ``n`` is the
+inverse-CDF sample of its processed target distribution at ``n`` with the uniform keyed by
+(key, ``n``, ``SAMPLE``), whether it comes out as an accepted draft, the token after a
+rejection, or the bonus. Since that distribution depends only on the tokens before
+``n``, a seeded request's output is a function of the model, its prompt, its sampling
+parameters and its seed: not of its batch, its chunking, preemption or the drafts.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from spectrio.models import TextTokenizer
 from spectrio.runtime.messages import SeqResult, SeqWork, StepPlan, StepResult, TokenLogprob
 from spectrio.runtime.params import SamplingParams
 from spectrio.stages.logits_processing import History, log_softmax, process_rows, token_logprobs
-from spectrio.stages.rejection import rejection_sample, sample_rows
+from spectrio.stages.rejection import rejection_sample
 from spectrio.stages.stops import StopStringMatcher, truncate_run
 
 __all__ = ["Sampler"]
@@ -39,7 +44,7 @@ __all__ = ["Sampler"]
 class _SeqState:
     params: SamplingParams
     history: History
-    generator: np.random.Generator | None
+    key: int | None  # the random key (module docstring); None for greedy requests
     matcher: StopStringMatcher | None
 
 
@@ -60,7 +65,7 @@ class Sampler:
     ) -> None:
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
-        self._shared = np.random.default_rng(seed)  # for requests without a seed
+        self._shared = np.random.default_rng(seed)  # draws the keys of unseeded requests
         self._states: dict[int, _SeqState] = {}
 
     @property
@@ -87,7 +92,7 @@ class Sampler:
             state = _SeqState(
                 params=p,
                 history=History.start(p, self.vocab_size, w.prompt_ids),
-                generator=None if p.seed is None or p.is_greedy else np.random.default_rng(p.seed),
+                key=None if p.is_greedy else self._new_key(p.seed),
                 matcher=matcher,
             )
             self._states[w.seq_id] = state
@@ -97,6 +102,11 @@ class Sampler:
                 f"scheduler reports {w.num_output}"
             )
         return state
+
+    def _new_key(self, seed: int | None) -> int:
+        if seed is not None:
+            return seed
+        return int(self._shared.integers(0, 2**64, dtype=np.uint64))
 
     def _prepare(self, w: SeqWork, raw: np.ndarray) -> _Prepared:
         if raw.shape != (len(w.drafts) + 1, self.vocab_size):
@@ -125,31 +135,19 @@ class Sampler:
             return []
         num_drafts = np.array([len(p.work.drafts) for p in prepared], dtype=np.int64)
         drafts = np.array([d for p in prepared for d in p.work.drafts], dtype=np.int64)
-        # Draft-position distributions, request after request. A greedy request's is a
-        # point mass on the argmax of its processed logits.
-        target = np.zeros((int(num_drafts.sum()), self.vocab_size))
-        bonus = np.empty(len(prepared), dtype=np.int64)
-        at = 0
-        for i, prep in enumerate(prepared):
-            m = len(prep.work.drafts)
-            if prep.probs is None:
-                best = np.argmax(prep.processed, axis=1)
-                target[at + np.arange(m), best[:m]] = 1.0
-                bonus[i] = best[m]
-            else:
-                target[at : at + m] = prep.probs[:m]
-                gen = prep.state.generator or self._shared
-                bonus[i] = sample_rows(prep.probs[m:], gen.random(1))[0]
-            at += m
+        keys = np.array([p.state.key or 0 for p in prepared], dtype=np.uint64)  # greedy: unused
+        positions = np.array([p.work.num_output for p in prepared], dtype=np.int64)
+        # Every request's rows [d1..dm, bonus position]: a random request's processed
+        # probabilities, a greedy request's processed logits (only their argmax counts).
+        target = np.concatenate([p.processed if p.probs is None else p.probs for p in prepared])
         out = rejection_sample(
             drafts,
             num_drafts,
             target,
-            bonus,
             np.array([p.state.params.is_greedy for p in prepared]),
             None,
-            [p.state.generator for p in prepared],
-            shared_generator=self._shared,
+            keys,
+            positions,
         )
         return [[int(t) for t in row if t >= 0] for row in out]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import structlog
 import trio
 
@@ -36,11 +38,23 @@ async def run_scheduler(
     plans: ChannelSender[StepPlan],
     feedback: ChannelReceiver[StepResult],
     *,
+    release: Callable[[list[int]], None] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run until the control channel closes. One step is in flight at a time; on
-    cancellation the in-flight step is abandoned and nothing else is sent."""
+    cancellation the in-flight step is abandoned and nothing else is sent.
+
+    ``release`` (the workspace's ``release``) drops an aborted request's device state as
+    soon as the abort is handled, before the next step is planned. Without it that state
+    goes when the next plan's ``released`` reaches the draft stage. Finished requests'
+    state is dropped by the sampler stage, where the finish is decided."""
     log = _log.bind(stage="scheduler", rank=0)
+
+    def drop_aborted() -> None:
+        dropped = sched.take_aborted()
+        if release is not None and dropped:
+            release(dropped)
+
     task_status.started()
     while True:
         if not sched.has_work():
@@ -53,6 +67,7 @@ async def run_scheduler(
                 _handle(sched, control.receive_nowait(), log)
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
+        drop_aborted()
         plan = sched.schedule()
         if plan is None:
             continue

@@ -7,6 +7,21 @@ Per sequence, ``num_computed`` counts positions whose target KV is valid and
 phase ``num_computed == len(tokens) - 1``: the last token waits to be verified together
 with the drafts. The MTP cache shares the target's block table, so reserving positions
 for the k+1 verify rows reserves them for the MTP substeps as well.
+
+Rules that keep a request's output a function of the request alone:
+
+* **Draft schedule.** A sequence is *decoding* once a step that sampled it has returned,
+  until it is preempted. Only a decoding sequence gets drafts (as many as
+  ``num_model_steps``, what it may still emit and ``max_model_len`` allow). The step that
+  completes a (re)computed context never drafts, however the token budget cut its
+  chunks: drafting there needs the target hidden state before the last token, which a
+  multi-token last chunk has not computed yet, so a one-token last chunk does not draft
+  either. The schedule thus depends on the sequence's own state only.
+* **One slot per request per step.** Preemption happens while the running sequences are
+  planned; a step that preempted admits nobody from the waiting queue (its head is the
+  sequence just preempted, which would be recomputed at once and listed twice, and
+  admitting anyone behind it would jump the queue). So a step's plan never lists a
+  request both as preempted and as running.
 """
 
 from __future__ import annotations
@@ -41,6 +56,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    decoding: bool = False  # a step sampled it since its context was last (re)computed
 
     @property
     def tokens(self) -> list[int]:
@@ -68,6 +84,7 @@ class Scheduler:
         self._released: list[int] = []
         self._aborted: list[str] = []  # request ids aborted since the last plan
         self._retired: list[int] = []  # their seq ids (the sampler drops their state)
+        self._dropped: list[int] = []  # aborted seq ids no step can touch any more
         self._step = 0
         self.num_preemptions = 0
 
@@ -93,10 +110,19 @@ class Scheduler:
         self._aborted.append(seq.request_id)
         self._retired.append(seq_id)
         if seq_id in self._inflight:
-            self._aborted_inflight.add(seq_id)
+            self._aborted_inflight.add(seq_id)  # its step may still write state: wait for it
         else:
             self._release(seq)
+            self._dropped.append(seq_id)
         return seq
+
+    def take_aborted(self) -> list[int]:
+        """Seq ids aborted since the last call whose device state no step can touch any
+        more (an abort during a step counts once the step returned): the scheduler actor
+        drops their workspace state at once. The next plan's ``released`` lists them too,
+        which is harmless (releasing is idempotent)."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
 
     def has_work(self) -> bool:
         """Requests to run, or aborts still to be reported in a step."""
@@ -134,7 +160,13 @@ class Scheduler:
             self.blocks.allocate(seq.seq_id, need)
             budget -= cost
             planned.append((seq, rows, drafts))
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # A step that preempted admits nobody (module docstring: one slot per request).
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
             seq = self.waiting[0]
             rows, drafts, cost = self._rows_for(seq, budget)
             if rows == 0 or not self.blocks.can_allocate(seq.seq_id, seq.num_computed + rows + drafts):
@@ -168,18 +200,16 @@ class Scheduler:
 
     def _rows_for(self, seq: Sequence, budget: int) -> tuple[int, int, int]:
         """(target rows of real tokens, drafts, budget cost) for this step."""
-        pending = seq.length - seq.num_computed
-        if pending == 1:
+        if seq.decoding:  # one pending token: verify it with its drafts, k + 1 rows reserved
             if budget < self.config.tokens_per_seq:
                 return 0, 0, 0
             return 1, self._num_drafts(seq), self.config.tokens_per_seq
-        rows = min(pending, budget)
+        # Computing the context (prompt, or prompt + output after preemption): no drafts.
+        rows = min(seq.length - seq.num_computed, budget)
         return rows, 0, rows
 
     def _num_drafts(self, seq: Sequence) -> int:
-        # Drafting needs the target hidden state before the last token: none exists yet
-        # when the whole sequence is a single uncomputed token.
-        if not seq.speculative or seq.num_computed == 0:
+        if not seq.speculative:
             return 0
         steps = self.config.speculative.effective_num_model_steps
         return max(0, min(steps, seq.remaining_tokens - 1, self.config.max_model_len - seq.length))
@@ -219,6 +249,7 @@ class Scheduler:
         self.blocks.free(seq.seq_id)
         seq.num_computed = 0
         seq.mtp_computed = 0
+        seq.decoding = False
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -237,10 +268,12 @@ class Scheduler:
                 self._aborted_inflight.discard(r.seq_id)
                 self.blocks.free(r.seq_id)
                 self._released.append(r.seq_id)
+                self._dropped.append(r.seq_id)
                 continue
             seq = self._by_id[r.seq_id]
             verified = work.start_pos + len(work.token_ids)
             seq.num_computed = verified + r.num_accepted if work.sample else verified
+            seq.decoding = seq.decoding or work.sample
             seq.output_ids.extend(r.token_ids)
             if r.finish_reason is not None:
                 seq.finish_reason = r.finish_reason

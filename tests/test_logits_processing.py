@@ -178,3 +178,27 @@ def test_log_softmax_normalises_and_keeps_minus_inf() -> None:
     lp = log_softmax(x)
     assert np.isneginf(lp[0, 1])
     assert np.exp(lp).sum() == pytest.approx(1.0)
+
+
+def _by_value_then_id(row: np.ndarray) -> list[int]:
+    return sorted(range(row.size), key=lambda i: (-row[i], i))
+
+
+def test_top_alternatives_break_exact_ties_by_token_id_at_the_boundary() -> None:
+    """Large rows full of exact ties (and of -inf, as top-k masking leaves them in the
+    processed mode): the alternatives are the (value desc, id asc) prefix for every width,
+    so a wider request in the batch never changes a narrower one's alternatives."""
+    vocab = 4096
+    rng = np.random.default_rng(0)
+    lp = np.round(rng.normal(size=(6, vocab)), 1)  # about 80 distinct values: ties everywhere
+    lp[1, rng.choice(vocab, vocab - 3, replace=False)] = -np.inf
+    lp[2] = -np.inf
+    lp[2, [4000, 7]] = [-0.5, -0.5]
+    lp[3] = -2.0  # a flat row
+    tokens = [int(np.argmax(r)) for r in lp]
+    for top in (1, 2, 5, 20):
+        rows = token_logprobs(lp, tokens, top)
+        for r in range(lp.shape[0]):
+            assert rows.top_ids[r].tolist() == _by_value_then_id(lp[r])[:top], (top, r)
+    assert token_logprobs(lp, tokens, 5).top_ids[2].tolist() == [7, 4000, 0, 1, 2]
+    assert token_logprobs(lp, tokens, 3).top_ids[3].tolist() == [0, 1, 2]

@@ -1,4 +1,4 @@
-"""Rejection sampling: greedy and random acceptance, seeding, and losslessness."""
+"""Rejection sampling: greedy and random acceptance, keyed randomness, and losslessness."""
 
 from __future__ import annotations
 
@@ -7,9 +7,19 @@ import math
 import numpy as np
 import pytest
 
-from spectrio.stages.rejection import rejection_sample, uniforms_per_row
+from spectrio.stages.rejection import (
+    Purpose,
+    keyed_sample,
+    keyed_uniforms,
+    rejection_sample,
+)
 
 V = 5
+
+
+def zeros(b: int) -> tuple[np.ndarray, np.ndarray]:
+    """Keys and positions for ``b`` rows (key 0, position 0)."""
+    return np.zeros(b, dtype=np.uint64), np.zeros(b, dtype=np.int64)
 
 
 def one_hot_rows(tokens: list[int], v: int = V) -> np.ndarray:
@@ -18,20 +28,26 @@ def one_hot_rows(tokens: list[int], v: int = V) -> np.ndarray:
     return probs
 
 
+def point_masses(tokens: list[int], v: int = V) -> np.ndarray:
+    probs = np.zeros((len(tokens), v))
+    probs[np.arange(len(tokens)), tokens] = 1.0
+    return probs
+
+
 def greedy(
     drafts: list[list[int]], argmaxes: list[list[int]], bonus: list[int]
 ) -> np.ndarray:
-    """Run greedy rows: drafts[i] and the target argmax at each draft position."""
+    """Run greedy rows: drafts[i], the target argmax at each draft position, and at the
+    bonus position."""
     flat_d = [t for row in drafts for t in row]
-    flat_a = [t for row in argmaxes for t in row]
+    rows = [t for row, b in zip(argmaxes, bonus, strict=True) for t in [*row, b]]
     return rejection_sample(
         np.array(flat_d, dtype=np.int32),
         np.array([len(r) for r in drafts], dtype=np.int32),
-        one_hot_rows(flat_a),
-        np.array(bonus, dtype=np.int32),
+        one_hot_rows(rows),
         np.ones(len(drafts), dtype=bool),
         None,
-        [None] * len(drafts),
+        *zeros(len(drafts)),
     )
 
 
@@ -71,15 +87,23 @@ def test_greedy_ragged_batch_with_zero_drafts_and_several_mismatches() -> None:
     )
 
 
+def test_greedy_rows_take_logits() -> None:
+    logits = np.array([[0.0, -np.inf, 3.0, 1.0, 2.0], [5.0, 0.0, 0.0, 0.0, 0.0]])
+    out = rejection_sample(
+        np.array([2]), np.array([1]), logits, np.array([True]), None, *zeros(1)
+    )
+    np.testing.assert_array_equal(out, [[2, 0]])
+
+
 def test_all_rows_without_drafts() -> None:
     out = rejection_sample(
         np.zeros(0, dtype=np.int32),
         np.zeros(3, dtype=np.int32),
-        np.zeros((0, V), dtype=np.float32),
-        np.array([1, 2, 3], dtype=np.int32),
+        point_masses([1, 2, 3]),
         np.array([True, False, False]),
         None,
-        [None, np.random.default_rng(0), None],
+        np.array([0, 7, 9], dtype=np.uint64),
+        np.array([0, 3, 0]),
     )
     np.testing.assert_array_equal(out, [[1], [2], [3]])
 
@@ -89,10 +113,9 @@ def test_empty_batch() -> None:
         np.zeros(0, dtype=np.int32),
         np.zeros(0, dtype=np.int32),
         np.zeros((0, V), dtype=np.float32),
-        np.zeros(0, dtype=np.int32),
         np.zeros(0, dtype=bool),
         None,
-        [],
+        *zeros(0),
     )
     assert out.shape == (0, 1)
 
@@ -101,177 +124,207 @@ def test_empty_batch() -> None:
 
 
 def test_random_one_hot_certain_accept_and_certain_reject() -> None:
-    # Row 0: p(d) == 1 at both positions, so u < 1 always accepts -> bonus.
-    # Row 1: p(d) == 0 at position 0 -> always rejected; the residual is p
-    # with p(d) zeroed, which is all on token 4.
-    p = np.zeros((3, V), dtype=np.float32)
-    p[0, 2] = 1.0
-    p[1, 3] = 1.0
-    p[2, 4] = 1.0
+    # Row 0: p(d) == 1 at both positions, so the draws match them -> bonus (token 0).
+    # Row 1: p(d) == 0 at position 0 -> always rejected; the token drawn there is p's
+    # only token with mass, 4.
+    p = point_masses([2, 3, 0, 4, 1])
     out = rejection_sample(
         np.array([2, 3, 1], dtype=np.int32),
         np.array([2, 1], dtype=np.int32),
         p,
-        np.array([0, 0], dtype=np.int32),
         np.array([False, False]),
         None,
-        [None, None],
-        shared_generator=np.random.default_rng(1),
+        np.array([1, 2], dtype=np.uint64),
+        np.array([0, 5]),
     )
     np.testing.assert_array_equal(out, [[2, 3, 0], [4, -1, -1]])
 
 
 def test_random_zero_draft_prob_is_a_rejection() -> None:
-    p = np.full((1, V), 0.2, dtype=np.float32)
+    p = np.full((2, V), 0.2, dtype=np.float32)
     q = np.zeros((1, V), dtype=np.float32)
     q[0, 0] = 1.0  # the draft token 2 has q == 0
-    out = rejection_sample(
-        np.array([2], dtype=np.int32),
-        np.array([1], dtype=np.int32),
-        p,
-        np.array([3], dtype=np.int32),
-        np.array([False]),
-        q,
-        [np.random.default_rng(5)],
-    )
-    # Residual max(p - q, 0) is 0.2 on tokens 1..4, zero on token 0.
-    assert out[0, 0] in (1, 2, 3, 4)
-    assert out[0, 1] == -1
+    for key in range(20):
+        out = rejection_sample(
+            np.array([2], dtype=np.int32),
+            np.array([1], dtype=np.int32),
+            p,
+            np.array([False]),
+            q,
+            np.array([key], dtype=np.uint64),
+            np.array([0]),
+        )
+        # Residual max(p - q, 0) is 0.2 on tokens 1..4, zero on token 0.
+        assert out[0, 0] in (1, 2, 3, 4)
+        assert out[0, 1] == -1
 
 
 def test_residual_without_mass_falls_back_to_target() -> None:
     # p == q, and the draft has q == 0 so it is rejected: residual is all zero.
-    p = np.array([[0.0, 0.5, 0.5, 0.0, 0.0]], dtype=np.float32)
-    for seed in range(20):
+    p = np.array([[0.0, 0.5, 0.5, 0.0, 0.0]] * 2, dtype=np.float32)
+    for key in range(20):
         out = rejection_sample(
             np.array([0], dtype=np.int32),
             np.array([1], dtype=np.int32),
             p,
-            np.array([3], dtype=np.int32),
             np.array([False]),
-            p.copy(),
-            [np.random.default_rng(seed)],
+            p[:1].copy(),
+            np.array([key], dtype=np.uint64),
+            np.array([0]),
         )
         assert out[0, 0] in (1, 2)
 
 
 def test_mixed_greedy_and_random_rows() -> None:
-    # Row 0 (greedy) matches both argmaxes. Row 1 (random, one-hot drafts):
-    # p(3) == 1 accepts draft 3 for any u; p(4) == 0 rejects draft 4, and the
-    # residual (p with p(4) zeroed) is all on token 0.
-    p = one_hot_rows([1, 2, 0, 0])
-    p[2:] = 0.0
-    p[2, 3] = 1.0
-    p[3, 0] = 1.0
+    # Row 0 (greedy) matches both argmaxes, then the bonus argmax 4. Row 1 (random,
+    # one-hot drafts): p(3) == 1 accepts draft 3; p(4) == 0 rejects draft 4, and the
+    # token drawn there is p's only one, 0.
+    p = np.concatenate([one_hot_rows([1, 2, 4]), point_masses([3, 0, 1])])
     out = rejection_sample(
         np.array([1, 2, 3, 4], dtype=np.int32),
         np.array([2, 2], dtype=np.int32),
         p,
-        np.array([4, 1], dtype=np.int32),
         np.array([True, False]),
         None,
-        [None, np.random.default_rng(3)],
+        np.array([0, 3], dtype=np.uint64),
+        np.array([0, 0]),
     )
     np.testing.assert_array_equal(out, [[1, 2, 4], [3, 0, -1]])
 
 
 def test_validation_errors() -> None:
+    def call(**kw: object) -> None:
+        args: dict[str, object] = {
+            "draft_token_ids": np.array([1]),
+            "num_draft_tokens": np.array([1]),
+            "target_probs": np.zeros((2, V)),
+            "is_greedy": np.array([True]),
+            "draft_probs": None,
+            "keys": np.zeros(1, dtype=np.uint64),
+            "positions": np.zeros(1, dtype=np.int64),
+        }
+        args.update(kw)
+        rejection_sample(**args)  # type: ignore[arg-type]
+
+    call()
     with pytest.raises(ValueError, match="sums to"):
-        rejection_sample(
-            np.array([1], dtype=np.int32),
-            np.array([2], dtype=np.int32),
-            np.zeros((1, V), dtype=np.float32),
-            np.array([0], dtype=np.int32),
-            np.array([True]),
-            None,
-            [None],
-        )
-    with pytest.raises(ValueError, match="generators"):
-        rejection_sample(
-            np.array([1], dtype=np.int32),
-            np.array([1], dtype=np.int32),
-            np.zeros((1, V), dtype=np.float32),
-            np.array([0], dtype=np.int32),
-            np.array([True]),
-            None,
-            [],
-        )
+        call(num_draft_tokens=np.array([2]))
+    with pytest.raises(ValueError, match="bonus row"):
+        call(target_probs=np.zeros((1, V)))
+    with pytest.raises(ValueError, match="keys"):
+        call(keys=np.zeros(0, dtype=np.uint64))
+    with pytest.raises(ValueError, match="positions"):
+        call(positions=np.array([-1]))
+    with pytest.raises(ValueError, match="draft_probs"):
+        call(draft_probs=np.zeros((2, V)))
 
 
 # ---------------------------------------------------------------- determinism
 
 
+def test_keyed_uniforms_are_numpys_philox_keyed_by_request_and_purpose() -> None:
+    keys = np.array([2**64 - 1, 12345, 12345, 0], dtype=np.uint64)
+    starts = np.array([0, 7, 100, 2**40])
+    counts = np.array([3, 2, 0, 1])
+    draws = {}
+    for purpose in Purpose:
+        got = keyed_uniforms(keys, starts, counts, purpose)
+        want = [
+            np.random.Generator(
+                np.random.Philox(key=int(key) + (int(purpose) << 64), counter=int(s) + j)
+            ).random()
+            for key, s, c in zip(keys, starts, counts, strict=True)
+            for j in range(c)
+        ]
+        assert got.tolist() == want
+        draws[purpose] = want
+    assert len({tuple(d) for d in draws.values()}) == len(Purpose)  # independent streams
+
+
+def test_a_uniform_depends_on_key_position_and_purpose_only() -> None:
+    """However rows group into calls (alone, beside other rows of the same key, with
+    gaps, far apart), every (key, position) gets the same uniform."""
+    def single(key: int, pos: int) -> float:
+        one = keyed_uniforms(
+            np.array([key], dtype=np.uint64), np.array([pos]), np.array([1]), Purpose.ACCEPT
+        )
+        return float(one[0])
+
+    keys = np.array([3, 4, 3, 3, 4, 3], dtype=np.uint64)
+    starts = np.array([10, 10, 0, 390, 200, 10**9])
+    counts = np.array([5, 3, 2, 10, 1, 2])
+    got = keyed_uniforms(keys, starts, counts, Purpose.ACCEPT)
+    want = [single(int(k), int(s) + j) for k, s, c in zip(keys, starts, counts) for j in range(c)]
+    assert got.tolist() == want
+    near = keyed_uniforms(keys[:5], starts[:5], counts[:5], Purpose.ACCEPT)
+    assert near.tolist() == want[: int(counts[:5].sum())]
+
+
 def _random_batch(seed: int, b: int = 6, k: int = 4) -> tuple[np.ndarray, ...]:
+    """drafts [T], counts [B], target rows [T + B] (bonus rows included), draft probs [T]."""
     rng = np.random.default_rng(seed)
     n = rng.integers(1, k + 1, size=b).astype(np.int32)
     n[1] = 0  # one row without drafts
     t = int(n.sum())
-    p = rng.dirichlet(np.full(V, 0.5), size=t).astype(np.float32)
-    q = rng.dirichlet(np.full(V, 0.5), size=t).astype(np.float32)
+    p = rng.dirichlet(np.full(V, 0.5), size=t + b)
+    q = rng.dirichlet(np.full(V, 0.5), size=t)
     d = np.array([rng.choice(V, p=row / row.sum()) for row in q], dtype=np.int32)
-    bonus = rng.integers(0, V, size=b).astype(np.int32)
-    return d, n, p, bonus, q
+    return d, n, p, q
 
 
-def test_seeded_rows_are_reproducible_regardless_of_neighbours() -> None:
-    d, n, p, bonus, q = _random_batch(11)
+@pytest.mark.parametrize("dense_q", [False, True], ids=["one-hot", "dense-q"])
+def test_a_row_decides_the_same_alone_and_in_any_batch(dense_q: bool) -> None:
+    d, n, p, q = _random_batch(11)
     b = n.size
     greedy_mask = np.zeros(b, dtype=bool)
     greedy_mask[-1] = True
+    keys = np.arange(100, 100 + b, dtype=np.uint64)
+    positions = np.arange(b) * 3
+    d_start = np.cumsum(n) - n
+    t_start = d_start + np.arange(b)
 
-    def run(shared_seed: int, steps: int) -> list[np.ndarray]:
-        gens: list[np.random.Generator | None] = [
-            np.random.default_rng(100 + i) if i % 2 == 0 else None for i in range(b)
-        ]
-        shared = np.random.default_rng(shared_seed)
-        return [
-            rejection_sample(d, n, p, bonus, greedy_mask, q, gens, shared_generator=shared)
-            for _ in range(steps)
-        ]
+    def run(rows: list[int], step: int = 0) -> np.ndarray:
+        dsel = np.concatenate([np.arange(d_start[i], d_start[i] + n[i]) for i in rows]).astype(int)
+        tsel = np.concatenate([np.arange(t_start[i], t_start[i] + n[i] + 1) for i in rows])
+        return rejection_sample(
+            d[dsel], n[rows], p[tsel], greedy_mask[rows], q[dsel] if dense_q else None,
+            keys[rows], positions[rows] + step,
+        )
 
-    a = run(0, 5)
-    c = run(999, 5)
-    seeded = np.arange(b) % 2 == 0
-    for x, y in zip(a, c, strict=True):
-        np.testing.assert_array_equal(x[seeded], y[seeded])
-    # The steps differ from each other (generators advance), so the check is not vacuous.
-    assert any(not np.array_equal(a[0], z) for z in a[1:])
-    # Same shared seed: whole batch reproducible.
-    for x, y in zip(a, run(0, 5), strict=True):
-        np.testing.assert_array_equal(x, y)
+    full = run(list(range(b)))
+    for i in range(b):
+        alone = run([i])
+        np.testing.assert_array_equal(alone[0, : n[i] + 1], full[i, : n[i] + 1])
+    np.testing.assert_array_equal(run(list(range(b))[::-1])[::-1], full)
+    # Other positions draw other uniforms, so the check is not vacuous.
+    assert any(not np.array_equal(run(list(range(b)), step), full) for step in range(1, 6))
 
 
-def test_uniform_consumption_contract() -> None:
-    n = np.array([0, 2, 3, 0, 1], dtype=np.int32)
-    g = np.array([False, False, True, False, False])
-    np.testing.assert_array_equal(uniforms_per_row(n, g), [0, 3, 0, 0, 2])
-    # A seeded row with no drafts does not touch its generator.
-    gen = np.random.default_rng(7)
-    before = gen.bit_generator.state
-    rejection_sample(
-        np.zeros(0, dtype=np.int32),
-        np.zeros(1, dtype=np.int32),
-        np.zeros((0, V), dtype=np.float32),
-        np.array([1], dtype=np.int32),
-        np.array([False]),
-        None,
-        [gen],
-    )
-    assert gen.bit_generator.state == before
-    # A seeded row with 2 drafts consumes exactly 3 uniforms.
-    gen = np.random.default_rng(7)
-    ref = np.random.default_rng(7)
-    rejection_sample(
-        np.array([0, 1], dtype=np.int32),
-        np.array([2], dtype=np.int32),
-        np.full((2, V), 0.2, dtype=np.float32),
-        np.array([1], dtype=np.int32),
-        np.array([False]),
-        None,
-        [gen],
-    )
-    ref.random(3)
-    assert gen.random() == ref.random()
+def test_one_hot_rows_emit_the_keyed_sample_whatever_the_drafts() -> None:
+    """Sample, then match: the token emitted at output position n is keyed_sample of the
+    target at n, whether it is an accepted draft, the token after a rejection or the bonus."""
+    rng = np.random.default_rng(4)
+    k = 3
+    p = rng.dirichlet(np.full(V, 0.7), size=k + 1)
+    key, start = np.array([77], dtype=np.uint64), 40
+    sampled = [int(keyed_sample(p[j : j + 1], key, np.array([start + j]))[0]) for j in range(k + 1)]
+    seen = set()
+    for trial in range(60):
+        m = int(rng.integers(0, k + 1))
+        drafts = rng.integers(0, V, size=m)
+        if trial % 3 == 0:
+            drafts[: min(m, 2)] = sampled[: min(m, 2)]  # some drafts right
+        rows = np.concatenate([p[:m], p[m : m + 1]])
+        out = rejection_sample(
+            drafts, np.array([m]), rows, np.array([False]), None, key, np.array([start])
+        )[0]
+        emitted = [int(t) for t in out if t >= 0]
+        assert emitted == sampled[: len(emitted)]
+        accepted = len(emitted) - 1
+        assert drafts[:accepted].tolist() == sampled[:accepted]
+        assert accepted == m or drafts[accepted] != sampled[accepted]
+        seen.add((m, accepted))
+    assert len(seen) > 4
 
 
 # ------------------------------------------------------- distribution equality
@@ -332,7 +385,8 @@ def _first_tokens(
     p: np.ndarray, q: np.ndarray | None, onehot: int | None, n: int, k: int, seed: int
 ) -> np.ndarray:
     """Emitted tokens for n independent requests with k drafts each, at a
-    position-independent target p. Returns the [n, k+1] output."""
+    position-independent target p. Returns the [n, k+1] output. The requests share one
+    random key and own disjoint output positions, so every draw has its own counter."""
     rng = np.random.default_rng(seed)
     t = n * k
     if q is None:
@@ -342,17 +396,15 @@ def _first_tokens(
     else:
         drafts = _sample_categorical(rng, q, t).astype(np.int32)
         draft_probs = np.broadcast_to(q.astype(np.float32), (t, V))
-    target = np.broadcast_to(p.astype(np.float32), (t, V))
-    bonus = _sample_categorical(rng, p, n).astype(np.int32)
+    target = np.broadcast_to(p.astype(np.float32), (t + n, V))
     return rejection_sample(
         drafts,
         np.full(n, k, dtype=np.int32),
         target,
-        bonus,
         np.zeros(n, dtype=bool),
         draft_probs,
-        [None] * n,
-        shared_generator=rng,
+        np.full(n, rng.integers(0, 2**63), dtype=np.uint64),
+        np.arange(n) * (k + 1),
     )
 
 

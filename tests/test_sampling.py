@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -290,3 +291,36 @@ def test_prefill_slots_emit_nothing_and_report_progress() -> None:
     w = work(0, [], SamplingParams(logprobs=3), sample=False)
     r = Sampler(V).step(StepPlan(step=1, seqs=[w]), {}).results[0]
     assert (r.token_ids, r.num_computed, r.context_len, r.num_logprobs) == ([], 10, 10, 3)
+
+
+def test_logprobs_of_a_request_do_not_depend_on_its_neighbours() -> None:
+    """Exact ties at the top-N boundary and -inf alternatives (processed mode, top-k):
+    a request's logprobs are the same alone and beside requests asking for other widths."""
+    vocab = 4096
+    rng = np.random.default_rng(3)
+    tied = np.round(rng.normal(size=(3, vocab)), 1)  # exact ties everywhere
+    greedy = SamplingParams(logprobs=3)
+    masked = SamplingParams(temperature=1.0, top_k=2, seed=9, logprobs=5, logprobs_mode="processed")
+    wide = SamplingParams(logprobs=20)
+    subjects = [(work(0, [], greedy, seq_id=1), tied[:1]), (work(0, [], masked, seq_id=2), tied[1:2])]
+
+    def logprobs_of(batch: list[tuple[SeqWork, np.ndarray]], seq_id: int) -> object:
+        works = [msgspec.structs.replace(w, slot=i) for i, (w, _) in enumerate(batch)]
+        result = Sampler(vocab).step(
+            StepPlan(step=1, seqs=works), {i: lg for i, (_, lg) in enumerate(batch)}
+        )
+        (r,) = [r for r in result.results if r.seq_id == seq_id]
+        return r.logprobs
+
+    neighbours = [(work(0, [], wide, seq_id=3), tied[2:3]), (work(0, [], wide, seq_id=4), tied[:1])]
+    for w, logits in subjects:
+        alone = logprobs_of([(w, logits)], w.seq_id)
+        assert alone == logprobs_of([*neighbours, (w, logits)], w.seq_id)
+        assert alone == logprobs_of([(w, logits), *neighbours[::-1]], w.seq_id)
+        (entry,) = alone  # type: ignore[misc]
+        # Best first, ties by lower id.
+        assert all((a, -i) > (b, -j) for (i, a), (j, b) in zip(entry.top, entry.top[1:]))
+        assert len(entry.top) == w.params.logprobs
+    (entry,) = logprobs_of([subjects[1]], 2)  # type: ignore[misc]
+    assert [v for _, v in entry.top][2:] == [-np.inf] * 3
+    assert [t for t, _ in entry.top][2:] == sorted(t for t, _ in entry.top[2:])

@@ -206,3 +206,63 @@ def test_aborting_the_last_request_still_yields_a_step_that_reports_it() -> None
     assert p is not None and p.seqs == [] and p.aborted == ["r1"]
     s.update(StepResult(step=p.step, results=[]))
     assert not s.has_work() and s.schedule() is None and s.blocks.num_used_blocks == 0
+
+
+def test_a_request_preempted_while_planning_is_not_readmitted_in_the_same_step() -> None:
+    """Issue 9, item 2: r2 preempts itself to make room, which frees enough blocks to
+    recompute its whole context right away; listing it both as preempted and as running
+    would give it two slots in the step's record."""
+    s = make(k=2, blocks=7, max_model_len=20)
+    s.add(seq(1, 10))
+    s.add(seq(2, 10))
+    p = s.schedule()
+    assert p is not None and len(p.seqs) == 2  # 3 blocks each, 1 free
+    finish_step(s, p, emit=1)  # 11 tokens each; verifying 2 drafts needs a 4th block each
+    p = s.schedule()
+    assert p is not None and p.preempted == ["r2"]
+    assert [w.request_id for w in p.seqs] == ["r1"]
+    # r2's 11 tokens fit the 3 freed blocks: it is admitted in the next step, not this one.
+    assert s.blocks.num_free_blocks == 3 and s.waiting[0].request_id == "r2"
+    finish_step(s, p, emit=1)
+    p = s.schedule()
+    assert p is not None and p.preempted == []
+    assert [w.request_id for w in p.seqs] == ["r1", "r2"]
+    assert (p.seqs[1].start_pos, p.seqs[1].sample) == (0, True)
+
+
+def test_no_plan_lists_a_request_twice_under_kv_pressure() -> None:
+    s = make(k=3, blocks=17, max_model_len=64, max_num_batched_tokens=32, max_num_seqs=8)
+    for i in range(1, 9):
+        s.add(seq(i, 3 + 2 * i, max_tokens=30))
+    while s.has_work():
+        p = s.schedule()
+        assert p is not None
+        ids = [w.request_id for w in p.seqs] + p.preempted + p.aborted
+        assert len(ids) == len(set(ids)), (p.step, ids)
+        results = []
+        for w in p.seqs:  # every sampling slot accepts one of its drafts
+            n = min(1 + min(w.num_drafts, 1), w.max_new_tokens) if w.sample else 0
+            results.append(SeqResult(
+                slot=w.slot, seq_id=w.seq_id, request_id=w.request_id, num_drafts=w.num_drafts,
+                num_accepted=max(n - 1, 0), token_ids=[7] * n,
+                finish_reason="length" if w.sample and n == w.max_new_tokens else None))
+        s.update(StepResult(step=p.step, results=results))
+        s.blocks.check_invariants()
+    assert s.num_preemptions >= 5 and s.blocks.num_used_blocks == 0
+
+
+def test_drafts_depend_on_the_sequence_not_on_where_the_budget_cut_its_prompt() -> None:
+    """The step that completes a context never drafts: a one-token last chunk does not
+    either (it used to, unlike a longer last chunk). Once decoding, every step drafts."""
+    for first in (2, 9, 10, 11):  # r1's prompt length decides where r2's prompt is cut
+        s = make(k=3, max_num_batched_tokens=20, max_num_seqs=5)
+        s.add(seq(1, first))
+        s.add(seq(2, 30 - first - 9))  # 21 - first: 20 - first in step 1, 1 in step 2
+        drafts: list[tuple[int, bool, int]] = []
+        for _ in range(4):
+            p = s.schedule()
+            assert p is not None
+            drafts += [(len(w.token_ids), w.sample, w.num_drafts) for w in p.seqs if w.seq_id == 2]
+            finish_step(s, p)
+        assert drafts[:2] == [(20 - first, False, 0), (1, True, 0)]
+        assert drafts[2:] == [(1, True, 3), (1, True, 3)]
