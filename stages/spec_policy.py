@@ -94,6 +94,10 @@ class SpecPolicy:
         """Conditional acceptance per draft position (prior where nothing was seen)."""
         return [r.mean if r.weight else self.prior_acceptance for r in self._reached]
 
+    def step_times(self) -> dict[tuple[int, int], float]:
+        """Measured mean step time per (batch bucket, k)."""
+        return {key: t.mean for key, t in self._step_time.items()}
+
     def expected_tokens(self, k: int) -> float:
         """Tokens one sequence emits per step with ``k`` drafts."""
         total, run = 1.0, 1.0
