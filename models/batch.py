@@ -7,7 +7,6 @@ import dataclasses
 import numpy as np
 import paddle
 
-from spectrio.models.kv_cache import slots_for_positions
 
 
 @dataclasses.dataclass
@@ -40,10 +39,13 @@ class PackedBatch:
             raise ValueError(
                 f"{len(self.block_tables)} block tables for {self.num_seqs} sequences"
             )
-        for i in range(self.num_seqs):
-            pos = self.positions[cu[i] : cu[i + 1]]
-            if pos[0] < 0 or np.any(np.diff(pos) != 1):
-                raise ValueError(f"sequence {i}: positions must be consecutive and non-negative")
+        seq_of_row = np.repeat(np.arange(self.num_seqs), np.diff(cu))
+        first = self.positions[cu[:-1]]
+        step_ok = self.positions == first[seq_of_row] + (np.arange(n) - cu[:-1][seq_of_row])
+        if np.any(first < 0) or not step_ok.all():
+            bad = int(seq_of_row[np.flatnonzero(~step_ok)[0]]) if not step_ok.all() else int(
+                np.flatnonzero(first < 0)[0])
+            raise ValueError(f"sequence {bad}: positions must be consecutive and non-negative")
         if self.logits_indices is not None:
             self.logits_indices = np.asarray(self.logits_indices, dtype=np.int64)
 
@@ -80,41 +82,100 @@ class PackedBatch:
 
 
 @dataclasses.dataclass
-class SeqAttention:
-    rows: slice
-    context_slots: paddle.Tensor  # flat cache slots of positions 0..last
-    mask: paddle.Tensor  # additive, [q, ctx]
-
-
-@dataclasses.dataclass
 class AttentionPlan:
-    """Per-step addressing shared by every layer: where to write, what to read, the mask."""
+    """Per-step addressing shared by every layer, for one batched attention per layer.
+
+    Sequences are padded to ``max_q`` query rows and ``max_ctx`` context positions, so a
+    layer attends for the whole batch with two matmuls and no loop over sequences:
+
+    * ``write_slots`` [N]: flat cache slot of every packed row (where its K/V goes);
+    * ``context_slots`` [B * max_ctx]: flat slots of positions ``0..ctx_b-1`` per sequence,
+      padded with a valid slot that the mask hides;
+    * ``mask`` [B, 1, max_q, max_ctx] (numpy): additive, causal within each sequence;
+      padded query rows may see position 0 only, so their softmax stays finite (they are
+      dropped). :meth:`mask_for_groups` repeats it for the query heads of a KV head;
+    * ``pad_rows`` [B * max_q] and ``unpad_rows`` [N]: packed row of each padded query row,
+      and padded row of each packed row; both None when every sequence has ``max_q`` rows
+      (decode and verification), where packing already is the padded layout.
+    """
 
     write_slots: paddle.Tensor
-    seqs: list[SeqAttention]
+    context_slots: paddle.Tensor
+    mask: np.ndarray
+    num_seqs: int
+    max_q: int
+    max_ctx: int
+    pad_rows: paddle.Tensor | None
+    unpad_rows: paddle.Tensor | None
+    _group_masks: dict[int, paddle.Tensor] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def build(cls, batch: PackedBatch, block_size: int, dtype: str) -> AttentionPlan:
         cu = batch.cu_seqlens_q
-        write: list[np.ndarray] = []
-        seqs: list[SeqAttention] = []
-        for i in range(batch.num_seqs):
-            pos = batch.positions[cu[i] : cu[i + 1]]
-            table = batch.block_tables[i]
-            write.append(slots_for_positions(table, pos, block_size))
-            ctx = int(pos[-1]) + 1
-            ctx_slots = slots_for_positions(table, np.arange(ctx), block_size)
-            seqs.append(
-                SeqAttention(
-                    rows=slice(int(cu[i]), int(cu[i + 1])),
-                    context_slots=paddle.to_tensor(ctx_slots),
-                    mask=causal_mask(pos, ctx, dtype),
-                )
+        b = batch.num_seqs
+        q_lens = np.diff(cu)
+        last_pos = batch.positions[cu[1:] - 1]
+        ctx_lens = last_pos + 1
+        max_q, max_ctx = int(q_lens.max()), int(ctx_lens.max())
+        table_lens = np.array([len(t) for t in batch.block_tables])
+        short = np.flatnonzero(last_pos // block_size >= table_lens)
+        if short.size:
+            i = int(short[0])
+            raise ValueError(
+                f"block table of {table_lens[i]} blocks cannot hold position {last_pos[i]} "
+                f"(block_size={block_size})"
             )
-        return cls(write_slots=paddle.to_tensor(np.concatenate(write)), seqs=seqs)
+        tables = _padded_tables(batch.block_tables)
+        seq_of_row = np.repeat(np.arange(b), q_lens)
+        write = _slots(tables, seq_of_row, batch.positions, block_size)
+        ctx_pos = np.arange(max_ctx)
+        in_ctx = ctx_pos[None, :] < ctx_lens[:, None]
+        # Padding reads position 0 of the same sequence (a valid slot; the mask hides it).
+        ctx_slots = _slots(tables, np.arange(b)[:, None], np.where(in_ctx, ctx_pos, 0), block_size)
+        # Query position of padded row (b, t); rows past a sequence's end get -1.
+        t = np.arange(max_q)
+        valid = t[None, :] < q_lens[:, None]
+        first_pos = batch.positions[cu[:-1]]
+        qpos = np.where(valid, first_pos[:, None] + t[None, :], -1)
+        allowed = np.arange(max_ctx)[None, None, :] <= qpos[:, :, None]
+        allowed[:, :, 0] |= ~valid
+        mask = np.where(allowed, 0.0, -np.inf).astype(dtype).reshape(b, 1, max_q, max_ctx)
+        pad_rows = unpad_rows = None
+        if not valid.all():
+            padded = cu[:-1, None] + t[None, :]
+            pad_rows = paddle.to_tensor(np.where(valid, padded, 0).reshape(-1))
+            unpad_rows = paddle.to_tensor(np.flatnonzero(valid.reshape(-1)))
+        return cls(
+            write_slots=paddle.to_tensor(write),
+            context_slots=paddle.to_tensor(ctx_slots.reshape(-1)),
+            mask=mask,
+            num_seqs=b,
+            max_q=max_q,
+            max_ctx=max_ctx,
+            pad_rows=pad_rows,
+            unpad_rows=unpad_rows,
+        )
+
+    def mask_for_groups(self, group: int) -> paddle.Tensor:
+        """The mask as ``[B, 1, group * max_q, max_ctx]``, built once per group size."""
+        cached = self._group_masks.get(group)
+        if cached is None:
+            cached = paddle.to_tensor(np.tile(self.mask, (1, 1, group, 1)))
+            self._group_masks[group] = cached
+        return cached
 
 
-def causal_mask(query_positions: np.ndarray, context_len: int, dtype: str) -> paddle.Tensor:
-    """Additive mask: row i may see keys at positions ``<= query_positions[i]``."""
-    allowed = np.arange(context_len)[None, :] <= np.asarray(query_positions)[:, None]
-    return paddle.to_tensor(np.where(allowed, 0.0, -np.inf).astype(dtype))
+
+def _padded_tables(block_tables: list[np.ndarray]) -> np.ndarray:
+    """Block tables as one ``[B, max_blocks]`` array (-1 past each table's end)."""
+    width = max(len(t) for t in block_tables)
+    out = np.full((len(block_tables), width), -1, dtype=np.int64)
+    for i, t in enumerate(block_tables):
+        out[i, : len(t)] = t
+    return out
+
+
+def _slots(tables: np.ndarray, seq: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Flat cache slots of ``positions`` of sequences ``seq`` (broadcast together); the
+    caller has checked that every table reaches its positions."""
+    return tables[seq, positions // block_size] * block_size + positions % block_size

@@ -30,8 +30,12 @@ class RMSNorm(nn.Layer):
         )
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        variance = (x * x).mean(axis=-1, keepdim=True)
-        return x * paddle.rsqrt(variance + self.eps) * self.weight
+        return self.normalize(x) * self.weight
+
+    def normalize(self, x: paddle.Tensor) -> paddle.Tensor:
+        """``x / rms(x)`` without the weight, for callers that fold the weight into the
+        next matmul."""
+        return x * paddle.rsqrt((x * x).mean(axis=-1, keepdim=True) + self.eps)
 
 
 def rope_cos_sin(
@@ -73,6 +77,7 @@ class Attention(nn.Layer):
         self.k_proj = nn.Linear(d, kv, bias_attr=False)
         self.v_proj = nn.Linear(d, kv, bias_attr=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias_attr=False)
+        self._qkv_weight: paddle.Tensor | None = None
 
     def _qkv(
         self, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor
@@ -106,27 +111,85 @@ class Attention(nn.Layer):
         out = attend(qh, self._expand_kv(kh, 1), self._expand_kv(vh, 1), mask, self.scale)
         return self.o_proj(out.transpose([0, 2, 1, 3]).reshape([b, t, -1])), (k, v)
 
+    def fuse_qkv(self, norm_weight: paddle.Tensor) -> None:
+        """Build ``[d, (H + 2 KVH) * D]``: the preceding RMSNorm's weight folded into the
+        rows, q pre-scaled by 1/sqrt(D), then q, k and v side by side, so one matmul of
+        the normalised input does all three.
+
+        The separate projections stay the parameters that checkpoints and training see;
+        :meth:`SpectrioForCausalLM.train` drops the fused copy.
+        """
+        w = paddle.concat(
+            [self.q_proj.weight * self.scale, self.k_proj.weight, self.v_proj.weight], axis=1
+        )
+        self._qkv_weight = (norm_weight.unsqueeze(1) * w).detach()
+
     def forward_paged(
         self,
         x: paddle.Tensor,
-        cos: paddle.Tensor,
-        sin: paddle.Tensor,
+        rope: RopeRows,
         plan: AttentionPlan,
         cache: PagedKVCache,
         layer: int,
     ) -> paddle.Tensor:
-        """x ``[N, d]`` packed rows; writes this step's K/V, then attends per sequence."""
-        q, k, v = self._qkv(x, cos, sin)
+        """x ``[N, d]`` packed rows, normalised but not yet scaled by the norm weight (it
+        is folded into the fused projection); writes this step's K/V, then attends for
+        the whole batch at once over the context gathered through the block tables."""
+        n = x.shape[0]
+        h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        assert self._qkv_weight is not None, "DecoderLayer.forward_paged fuses the weights"
+        qkv = paddle.matmul(x, self._qkv_weight)
+        qk = rope.apply(qkv[:, : (h + kvh) * hd].reshape([n, h + kvh, hd]))
+        k = qk[:, h:]
+        v = qkv[:, (h + kvh) * hd :].reshape([n, kvh, hd])
         cache.write(layer, plan.write_slots, k, v)
-        outs = []
-        for seq in plan.seqs:
-            kc, vc = cache.gather(layer, seq.context_slots)
-            qs = q[seq.rows].transpose([1, 0, 2])
-            kc = self._expand_kv(kc.transpose([1, 0, 2]), 0)
-            vc = self._expand_kv(vc.transpose([1, 0, 2]), 0)
-            outs.append(attend(qs, kc, vc, seq.mask, self.scale).transpose([1, 0, 2]))
-        out = paddle.concat(outs, axis=0) if len(outs) > 1 else outs[0]
-        return self.o_proj(out.reshape([x.shape[0], -1]))
+        kc, vc = cache.gather(layer, plan.context_slots)
+        b, tq, tk, g = plan.num_seqs, plan.max_q, plan.max_ctx, h // kvh
+        q = qk[:, :h]
+        if plan.pad_rows is not None:
+            q = paddle.gather(q, plan.pad_rows, axis=0)
+        # GQA without repeating K/V: the query heads of one KV head and their rows share
+        # one matrix, so attention is a plain batched matmul over (sequence, KV head).
+        q = q.reshape([b, tq, kvh, g, hd]).transpose([0, 2, 3, 1, 4]).reshape([b, kvh, g * tq, hd])
+        kc = kc.reshape([b, tk, kvh, hd]).transpose([0, 2, 1, 3])  # [B, KVH, Tk, D]
+        vc = vc.reshape([b, tk, kvh, hd]).transpose([0, 2, 1, 3])
+        scores = paddle.matmul(q, kc, transpose_y=True) + plan.mask_for_groups(g)
+        out = paddle.matmul(F.softmax(scores, axis=-1), vc).reshape([b, kvh, g, tq, hd])
+        out = out.transpose([0, 3, 1, 2, 4]).reshape([b * tq, h * hd])
+        if plan.unpad_rows is not None:
+            out = paddle.gather(out, plan.unpad_rows, axis=0)
+        return paddle.matmul(out, self.o_proj.weight)
+
+
+class RopeRows:
+    """Rotary embedding for one step's rows, shared by every layer.
+
+    ``x * cos + rotate_half(x) * sin`` is linear in ``x``: per position it is ``x @ M``
+    with ``M = diag(cos) + R diag(sin)`` (R the signed rotate-half permutation). Each
+    row's M is looked up once per step, so q and k of a layer rotate in one batched
+    matmul instead of four elementwise ops.
+    """
+
+    def __init__(self, matrices: paddle.Tensor) -> None:
+        self.matrices = matrices  # [N, D, D]
+
+    def apply(self, x: paddle.Tensor) -> paddle.Tensor:
+        """``x`` [N, heads, D] rotated by its row's position."""
+        return paddle.matmul(x, self.matrices)
+
+
+def rope_matrices(cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """``[P, D, D]`` rotation matrices ``diag(cos) + R diag(sin)`` from ``[P, D]`` tables."""
+    d = cos.shape[-1]
+    half = d // 2
+    m = np.zeros((cos.shape[0], d, d), dtype=cos.dtype)
+    cols = np.arange(d)
+    m[:, cols, cols] = cos
+    # rotate_half(x)[j] = -x[j + half] for j < half, x[j - half] for j >= half.
+    m[:, cols[:half] + half, cols[:half]] = -sin[:, :half]
+    m[:, cols[half:] - half, cols[half:]] = sin[:, half:]
+    return m
+
 
 
 class MLP(nn.Layer):
@@ -137,8 +200,20 @@ class MLP(nn.Layer):
         self.up_proj = nn.Linear(d, f, bias_attr=False)
         self.down_proj = nn.Linear(f, d, bias_attr=False)
 
+        self._gate_up_weight: paddle.Tensor | None = None
+
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def fuse(self, norm_weight: paddle.Tensor) -> None:
+        """Build the gate|up matrix with the preceding RMSNorm's weight folded in."""
+        w = paddle.concat([self.gate_proj.weight, self.up_proj.weight], axis=1)
+        self._gate_up_weight = (norm_weight.unsqueeze(1) * w).detach()
+
+    def forward_fused(self, x: paddle.Tensor) -> paddle.Tensor:
+        """The same MLP on a normalised, unweighted ``x``: one gate|up matmul, ``swiglu``."""
+        assert self._gate_up_weight is not None, "DecoderLayer.forward_paged fuses the weights"
+        return paddle.matmul(F.swiglu(paddle.matmul(x, self._gate_up_weight)), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Layer):
@@ -164,12 +239,19 @@ class DecoderLayer(nn.Layer):
     def forward_paged(
         self,
         x: paddle.Tensor,
-        cos: paddle.Tensor,
-        sin: paddle.Tensor,
+        rope: RopeRows,
         plan: AttentionPlan,
         cache: PagedKVCache,
         layer: int,
     ) -> paddle.Tensor:
-        h = self.input_layernorm(x)
-        x = x + self.self_attn.forward_paged(h, cos, sin, plan, cache, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.mlp._gate_up_weight is None:
+            self.self_attn.fuse_qkv(self.input_layernorm.weight)
+            self.mlp.fuse(self.post_attention_layernorm.weight)
+        h = self.input_layernorm.normalize(x)
+        x = x + self.self_attn.forward_paged(h, rope, plan, cache, layer)
+        return x + self.mlp.forward_fused(self.post_attention_layernorm.normalize(x))
+
+    def drop_fused(self) -> None:
+        """Forget the fused serving weights (they are rebuilt from the parameters)."""
+        self.self_attn._qkv_weight = None
+        self.mlp._gate_up_weight = None

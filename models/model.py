@@ -11,7 +11,15 @@ from paddle import nn
 from spectrio.models.batch import AttentionPlan, PackedBatch
 from spectrio.models.config import DType, ModelConfig
 from spectrio.models.kv_cache import PagedKVCache
-from spectrio.models.layers import KV, DecoderLayer, RMSNorm, rope_cos_sin
+from spectrio.models.paddle_setup import configure_paddle
+from spectrio.models.layers import (
+    KV,
+    DecoderLayer,
+    RMSNorm,
+    RopeRows,
+    rope_cos_sin,
+    rope_matrices,
+)
 
 
 @dataclasses.dataclass
@@ -60,6 +68,7 @@ class SpectrioForCausalLM(nn.Layer):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        configure_paddle()
         self.config = cfg
         self.model = DecoderModel(cfg)
         self.lm_head = (
@@ -68,6 +77,20 @@ class SpectrioForCausalLM(nn.Layer):
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias_attr=False)
         )
         self.mtp = MTPLayer(cfg) if cfg.has_mtp else None
+        self._rope_table: paddle.Tensor | None = None  # [max_position_embeddings, D, D]
+
+    def train(self) -> SpectrioForCausalLM:  # type: ignore[override]
+        """Training changes the weights, so the fused serving copies of them are dropped."""
+        self.drop_serving_cache()
+        super().train()
+        return self
+
+    def drop_serving_cache(self) -> None:
+        """Forget what the serving path derives from the weights (fused projections, RoPE
+        tables); call it after changing weights in place outside training."""
+        self._rope_table = None
+        for layer in [*self.model.layers, *([self.mtp] if self.mtp is not None else [])]:
+            layer.drop_fused()
 
     @property
     def dtype(self) -> DType:
@@ -85,6 +108,18 @@ class SpectrioForCausalLM(nn.Layer):
         cfg = self.config
         return rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.dtype)
 
+    def _rope_rows(self, positions: np.ndarray) -> RopeRows:
+        """Rotation matrices for ``positions``, looked up in a table built once per model."""
+        cfg = self.config
+        if positions.size and int(positions.max()) >= cfg.max_position_embeddings:
+            cos, sin = self._rope(paddle.to_tensor(positions))
+            return RopeRows(paddle.to_tensor(rope_matrices(cos.numpy(), sin.numpy())))
+        if self._rope_table is None:
+            span = paddle.arange(cfg.max_position_embeddings, dtype="int64")
+            cos, sin = rope_cos_sin(span, cfg.head_dim, cfg.rope_theta, self.dtype)
+            self._rope_table = paddle.to_tensor(rope_matrices(cos.numpy(), sin.numpy()))
+        return RopeRows(paddle.gather(self._rope_table, paddle.to_tensor(positions)))
+
     def _select(self, hidden: paddle.Tensor, batch: PackedBatch) -> paddle.Tensor:
         if batch.logits_indices is None:
             return hidden
@@ -97,10 +132,10 @@ class SpectrioForCausalLM(nn.Layer):
     def forward(self, batch: PackedBatch, cache: PagedKVCache) -> ForwardOutput:
         """Target pass: writes K/V of every row, returns logits and final hidden states."""
         plan = AttentionPlan.build(batch, cache.block_size, self.dtype)
-        cos, sin = self._rope(paddle.to_tensor(batch.positions))
+        rope = self._rope_rows(batch.positions)
         x = self.model.embed_tokens(paddle.to_tensor(batch.input_ids))
         for i, layer in enumerate(self.model.layers):
-            x = layer.forward_paged(x, cos, sin, plan, cache, i)
+            x = layer.forward_paged(x, rope, plan, cache, i)
         hidden = self.model.norm(x)
         return ForwardOutput(logits=self.compute_logits(self._select(hidden, batch)), hidden=hidden)
 
@@ -113,9 +148,9 @@ class SpectrioForCausalLM(nn.Layer):
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP layer (num_nextn_predict_layers=0)")
         plan = AttentionPlan.build(batch, cache.block_size, self.dtype)
-        cos, sin = self._rope(paddle.to_tensor(batch.positions))
+        rope = self._rope_rows(batch.positions)
         x = self.mtp.fuse(self.model.embed_tokens(paddle.to_tensor(batch.input_ids)), prev_hidden)
-        x = self.mtp.forward_paged(x, cos, sin, plan, cache, 0)
+        x = self.mtp.forward_paged(x, rope, plan, cache, 0)
         logits = self.compute_logits(self.mtp.shared_head.norm(self._select(x, batch)))
         return ForwardOutput(logits=logits, hidden=x)
 

@@ -14,6 +14,7 @@ import structlog
 import trio
 
 from spectrio.models import LoadedModel, load
+from spectrio.models.paddle_setup import configure_paddle
 from spectrio.runtime.channels import ChannelSender, open_channel
 from spectrio.runtime.config import ConfigError, RuntimeConfig
 from spectrio.runtime.messages import (
@@ -297,6 +298,8 @@ async def open_runtime(
     ``"shutdown"``) and every stage task is cancelled and awaited.
     """
     config = config or RuntimeConfig()
+    threads = configure_paddle(config.resolve_num_threads())
+    log.info("paddle configured", threads=threads)
     loaded = await trio.to_thread.run_sync(load, config.model, config.dtype)
     rt = Runtime(config, loaded, encoded_channels)
     if warmup:

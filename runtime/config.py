@@ -18,6 +18,7 @@ the offending field's name and states the rule it broke.
 from __future__ import annotations
 
 import bisect
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
@@ -114,11 +115,17 @@ class SpeculativeConfig:
     ``method=None`` turns speculation off; ``num_speculative_tokens`` and
     ``num_model_steps`` are then ignored (and not range-checked), and every
     sequence verifies one token per step.
+
+    ``adaptive=True`` (the default) lets each step draft anywhere from 0 to
+    ``num_speculative_tokens`` tokens per sequence, whichever the measured acceptance
+    and step times say is fastest (:mod:`spectrio.stages.spec_policy`); ``False`` always
+    drafts the full k. Capacity planning always assumes the full k.
     """
 
     method: str | None = "mtp"
     num_speculative_tokens: int = 2
     num_model_steps: int | None = None
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPEC_METHODS:
@@ -128,6 +135,8 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not _is_int(k):
             raise ConfigError(f"num_speculative_tokens: must be an int, got {k!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"adaptive: must be a bool, got {self.adaptive!r}")
         steps = self.num_model_steps
         if steps is not None and not _is_int(steps):
             raise ConfigError(f"num_model_steps: must be an int or None, got {steps!r}")
@@ -253,6 +262,7 @@ class RuntimeConfig:
     tensor_parallel_size: int = 1
     enable_overlap: bool = False
     seed: int = 0
+    num_threads: int | None = None  # CPU math threads; None: every core this process may use
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -267,6 +277,7 @@ class RuntimeConfig:
         _require_positive_int("block_size", self.block_size)
         _require_optional_positive_int("num_kv_blocks", self.num_kv_blocks)
         _require_optional_positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        _require_optional_positive_int("num_threads", self.num_threads)
         if self.role not in ROLES:
             raise ConfigError(f"role: must be one of {list(ROLES)}, got {self.role!r}")
         if not isinstance(self.speculative, SpeculativeConfig):
@@ -347,6 +358,15 @@ class RuntimeConfig:
         return 1 if self.speculative.enabled else 0
 
     # ---------------------------------------------------------------- planning
+
+    def resolve_num_threads(self) -> int:
+        """``num_threads``, or the cores in this process's CPU affinity when None."""
+        if self.num_threads is not None:
+            return self.num_threads
+        try:
+            return len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            return os.cpu_count() or 1
 
     def max_chunk_tokens(self) -> int:
         """Largest token count one step runs: ``max_num_seqs * (k + 1)`` for role "decode",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import time
+
 import structlog
 import trio
 
@@ -71,6 +73,7 @@ async def run_scheduler(
         plan = sched.schedule()
         if plan is None:
             continue
+        started = time.perf_counter()
         await plans.send(plan)
         result = await feedback.receive()
-        sched.update(result)
+        sched.update(result, time.perf_counter() - started)

@@ -16,7 +16,11 @@ Rules that keep a request's output a function of the request alone:
   completes a (re)computed context never drafts, however the token budget cut its
   chunks: drafting there needs the target hidden state before the last token, which a
   multi-token last chunk has not computed yet, so a one-token last chunk does not draft
-  either. The schedule thus depends on the sequence's own state only.
+  either. Which decoding steps draft, and how many, is the adaptive policy's choice
+  (:mod:`.spec_policy`, one k for the whole step, from measured acceptance and step
+  times), so it may depend on the batch; the *output* does not, since acceptance is
+  sample-then-match: the token at each position is drawn the same way whether or not,
+  and however many, drafts were proposed.
 * **One slot per request per step.** Preemption happens while the running sequences are
   planned; a step that preempted admits nobody from the waiting queue (its head is the
   sequence just preempted, which would be recomputed at once and listed twice, and
@@ -34,6 +38,7 @@ from spectrio.runtime.config import RuntimeConfig
 from spectrio.runtime.messages import SeqWork, StepPlan, StepResult
 from spectrio.runtime.params import SamplingParams
 from spectrio.stages.block_manager import BlockManager
+from spectrio.stages.spec_policy import SpecPolicy
 
 
 class SeqStatus(enum.Enum):
@@ -87,6 +92,9 @@ class Scheduler:
         self._dropped: list[int] = []  # aborted seq ids no step can touch any more
         self._step = 0
         self.num_preemptions = 0
+        spec = config.speculative
+        self.policy = SpecPolicy(spec.effective_num_model_steps, adaptive=spec.adaptive)
+        self._step_k = self.policy.k_max  # drafts per decoding sequence in the planned step
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -139,6 +147,7 @@ class Scheduler:
         """Plan one step, or None when nothing can run."""
         if self._step_in_flight:
             raise RuntimeError("schedule() called while a step is in flight")
+        self._step_k = self.policy.choose(sum(1 for s in self.running if s.decoding and s.speculative))
         budget = self.config.max_chunk_tokens()
         planned: list[tuple[Sequence, int, int]] = []  # (seq, rows, drafts)
         preempted: list[str] = []
@@ -211,8 +220,7 @@ class Scheduler:
     def _num_drafts(self, seq: Sequence) -> int:
         if not seq.speculative:
             return 0
-        steps = self.config.speculative.effective_num_model_steps
-        return max(0, min(steps, seq.remaining_tokens - 1, self.config.max_model_len - seq.length))
+        return max(0, min(self._step_k, seq.remaining_tokens - 1, self.config.max_model_len - seq.length))
 
     def _work(self, slot: int, seq: Sequence, rows: int, drafts: int) -> SeqWork:
         tokens = seq.tokens
@@ -258,9 +266,21 @@ class Scheduler:
 
     # ---- results ----------------------------------------------------------------------
 
-    def update(self, result: StepResult) -> list[Sequence]:
-        """Fold a step's results in; returns the sequences that finished in it."""
+    def update(self, result: StepResult, seconds: float | None = None) -> list[Sequence]:
+        """Fold a step's results in; returns the sequences that finished in it.
+
+        ``seconds``, the step's wall time from plan to result, feeds the adaptive
+        speculation policy when every sequence of the step was decoding (a step with
+        prefill rows says nothing about the cost of drafts)."""
         self._step_in_flight = False
+        if seconds is not None and self._inflight:
+            works = list(self._inflight.values())
+            if all(w.sample and len(w.token_ids) == 1 for w in works):
+                drafting = [w for w in works if w.num_drafts]
+                self.policy.observe_step(len(works), self._step_k if drafting else 0, seconds)
+        for r in result.results:
+            if r.num_drafts:
+                self.policy.observe_acceptance(r.num_drafts, r.num_accepted)
         finished: list[Sequence] = []
         for r in result.results:
             work = self._inflight.pop(r.seq_id)

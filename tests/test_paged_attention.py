@@ -101,3 +101,49 @@ def test_packed_batch_rejects_bad_layouts() -> None:
     short = PackedBatch.from_sequences([[1] * 9], [0], [np.array([0, 1])])
     with pytest.raises(ValueError, match="cannot hold position 8"):
         model.forward(short, _cache(model))
+
+
+def test_fused_serving_weights_follow_training_updates() -> None:
+    """The paged pass runs on fused copies of the weights; training mode drops them, so
+    an update made while training is what the next serving pass computes with."""
+    model = tiny_model("float64")
+    ids = [5, 9, 14, 3, 7]
+    table = np.array([0, 1])
+
+    def paged_last_logits() -> np.ndarray:
+        batch = PackedBatch.from_sequences([ids], [0], [table])
+        with paddle.no_grad():
+            return model.forward(batch, _cache(model)).logits.numpy()[-1]
+
+    before = paged_last_logits()
+    model.train()
+    with paddle.no_grad():
+        for layer in model.model.layers:
+            w = layer.self_attn.v_proj.weight
+            w.set_value(w * 1.5)
+            g = layer.post_attention_layernorm.weight
+            g.set_value(g * 0.5)
+    model.eval()
+    after = paged_last_logits()
+    assert np.abs(after - before).max() > 1e-3
+    assert np.abs(after - _dense(model, ids)[0][-1]).max() <= 1e-10
+
+
+def test_attention_plan_pads_only_mixed_batches() -> None:
+    """Equal query lengths (decode, verify) need no padding gathers; mixed ones do, and
+    every padded row is masked to one visible key so its softmax stays finite."""
+    from spectrio.models.batch import AttentionPlan
+
+    tables = [np.array([3, 4]), np.array([7, 1])]
+    even = PackedBatch.from_sequences([[1, 2], [3, 4]], [5, 2], tables)
+    plan = AttentionPlan.build(even, BLOCK, "float64")
+    assert plan.pad_rows is None and plan.unpad_rows is None
+    assert (plan.max_q, plan.max_ctx) == (2, 7)
+    mixed = PackedBatch.from_sequences([[1, 2, 3], [4]], [0, 6], tables)
+    plan = AttentionPlan.build(mixed, BLOCK, "float64")
+    assert plan.pad_rows is not None and plan.unpad_rows is not None
+    assert plan.unpad_rows.numpy().tolist() == [0, 1, 2, 3]
+    visible = np.isfinite(plan.mask)  # [B, 1, max_q, max_ctx]
+    assert visible[1, 0, 1:].sum(axis=-1).tolist() == [1, 1]  # padded rows of sequence 1
+    assert visible[0, 0].sum(axis=-1).tolist() == [1, 2, 3]
+    assert visible[1, 0, 0].sum() == 7

@@ -23,11 +23,16 @@ from spectrio import (
 MAX_TOKENS = 24
 
 
-def spec(k: int | None) -> SpeculativeConfig:
-    return SpeculativeConfig(method=None) if k is None else SpeculativeConfig(num_speculative_tokens=k)
+def spec(k: int | str | None) -> SpeculativeConfig:
+    """None: no speculation; N: a fixed N drafts; "auto": the adaptive policy up to 3."""
+    if k is None:
+        return SpeculativeConfig(method=None)
+    if k == "auto":
+        return SpeculativeConfig(num_speculative_tokens=3, adaptive=True)
+    return SpeculativeConfig(num_speculative_tokens=int(k), adaptive=False)
 
 
-def config(k: int | None, **kw: object) -> RuntimeConfig:
+def config(k: int | str | None, **kw: object) -> RuntimeConfig:
     fields: dict[str, object] = {"dtype": "float64", "max_model_len": 256, "max_num_seqs": 32,
                                  "max_num_batched_tokens": 512, "speculative": spec(k)}
     fields.update(kw)
@@ -52,8 +57,8 @@ async def run_all(cfg: RuntimeConfig, batch: list[list[int]], max_tokens: int = 
             return results, rt
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, None], ids=["k1", "k2", "k3", "no-spec"])
-async def test_greedy_output_equals_reference_in_float64(k: int | None, bundled64: object) -> None:
+@pytest.mark.parametrize("k", [1, 2, 3, "auto", None], ids=["k1", "k2", "k3", "auto", "no-spec"])
+async def test_greedy_output_equals_reference_in_float64(k: int | str | None, bundled64: object) -> None:
     batch = prompts(bundled64.tokenizer)  # type: ignore[attr-defined]
     assert len(batch) >= 20
     results, rt = await run_all(config(k), batch)
@@ -64,6 +69,10 @@ async def test_greedy_output_equals_reference_in_float64(k: int | None, bundled6
     else:
         # Speculation really ran: drafts were proposed and a fair share accepted.
         assert rt.num_drafts_accepted > 0.2 * rt.num_drafts_proposed > 0  # type: ignore[attr-defined]
+    if k == "auto":
+        # The policy really varied k: it measured steps with several draft counts.
+        tried = {kk for _, kk in rt.scheduler.policy.step_times()}  # type: ignore[attr-defined]
+        assert len(tried) >= 3, tried
 
 
 async def test_batching_invariance_32_concurrent(bundled64: object) -> None:

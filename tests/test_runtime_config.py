@@ -453,3 +453,13 @@ def test_explicit_blocks_too_few_for_one_sequence() -> None:
     assert "65" in str(info.value)
     # a small pool is fine with a small max_model_len
     assert cfg(2, num_kv_blocks=4, max_model_len=60, block_size=16).num_kv_blocks == 4
+
+
+def test_num_threads_defaults_to_the_process_cores_and_refuses_bad_values() -> None:
+    import os
+
+    assert RuntimeConfig().resolve_num_threads() == len(os.sched_getaffinity(0))
+    assert RuntimeConfig(num_threads=3).resolve_num_threads() == 3
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="num_threads"):
+            RuntimeConfig(num_threads=bad)  # type: ignore[arg-type]

@@ -266,3 +266,30 @@ def test_drafts_depend_on_the_sequence_not_on_where_the_budget_cut_its_prompt() 
             finish_step(s, p)
         assert drafts[:2] == [(20 - first, False, 0), (1, True, 0)]
         assert drafts[2:] == [(1, True, 3), (1, True, 3)]
+
+
+def test_adaptive_policy_sets_the_drafts_of_every_decoding_sequence() -> None:
+    """The scheduler drafts what the policy chooses for the step: once its measurements
+    say one draft is fastest, decoding sequences get one (three on a probe step)."""
+    cfg = RuntimeConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+                        speculative=SpeculativeConfig(num_speculative_tokens=3, adaptive=True))
+    sched = Scheduler(cfg, BlockManager(64, cfg.block_size))
+    for i in range(2):
+        sched.add(Sequence(seq_id=i, request_id=f"r{i}", prompt_ids=[5, 6, 7], params=SamplingParams(max_tokens=200),
+                           eos_token_ids=[], speculative=True))
+    seen: list[list[int]] = []
+    for _ in range(40):
+        plan = sched.schedule()
+        assert plan is not None
+        seen.append([w.num_drafts for w in plan.seqs])
+        results = [SeqResult(slot=w.slot, seq_id=w.seq_id, request_id=w.request_id, num_drafts=w.num_drafts,
+                             num_accepted=w.num_drafts, token_ids=[9] * (w.num_drafts + 1) if w.sample else [],
+                             num_computed=w.start_pos + len(w.token_ids)) for w in plan.seqs]
+        k = plan.seqs[0].num_drafts
+        sched.update(StepResult(step=plan.step, results=results), seconds=[1.0, 0.2, 1.0, 1.0][k])
+    assert seen[0] == [0, 0]  # the prompt step never drafts
+    first = [row[0] for row in seen[1:5]]
+    assert sorted(first) == [0, 1, 2, 3]  # every k is measured once
+    late = seen[10:]
+    assert all(row[0] == row[1] for row in late)
+    assert {row[0] for row in late} == {1, 3} and sum(row[0] == 3 for row in late) <= 3

@@ -57,12 +57,22 @@ def bench_prompts(count: int, prompt_tokens: int, model: str) -> list[list[int]]
     raise RuntimeError("held-out split too small for the requested prompts")
 
 
-async def run_case(model: str, dtype: str, k: int, batch: int, prompts: list[list[int]], max_tokens: int,
-                   logprobs: int | None = None, overlap: bool = False) -> dict[str, object]:
-    spec = SpeculativeConfig(method=None) if k == 0 else SpeculativeConfig(num_speculative_tokens=k)
+def spec_config(k: int | str, k_max: int = 3) -> SpeculativeConfig:
+    """0: no speculation; N: a fixed N drafts per step; "auto": adaptive, up to ``k_max``."""
+    if k == "auto":
+        return SpeculativeConfig(num_speculative_tokens=k_max, adaptive=True)
+    if k == 0:
+        return SpeculativeConfig(method=None)
+    return SpeculativeConfig(num_speculative_tokens=int(k), adaptive=False)
+
+
+async def run_case(model: str, dtype: str, k: int | str, batch: int, prompts: list[list[int]],
+                   max_tokens: int, logprobs: int | None = None, overlap: bool = False,
+                   k_max: int = 3) -> dict[str, object]:
+    spec = spec_config(k, k_max)
     cfg = RuntimeConfig(model=model, dtype=dtype, speculative=spec, max_num_seqs=max(batch, 1),
-                        max_num_batched_tokens=max(2048, batch * (k + 1)), max_model_len=512,
-                        enable_overlap=overlap)
+                        max_num_batched_tokens=max(2048, batch * spec.tokens_per_seq),
+                        max_model_len=512, enable_overlap=overlap)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
     record_bytes: list[int] = []
 
@@ -107,6 +117,14 @@ async def run_case(model: str, dtype: str, k: int, batch: int, prompts: list[lis
     }
 
 
+def _median_run(runs: list[dict[str, object]]) -> dict[str, object]:
+    """The run with the median tokens per second, with every run's figure attached."""
+    ordered = sorted(runs, key=lambda r: float(r["tokens_per_second"]))  # type: ignore[arg-type]
+    row = dict(ordered[len(ordered) // 2])
+    row["tokens_per_second_runs"] = [r["tokens_per_second"] for r in runs]
+    return row
+
+
 def agreement(model: str, prompts: list[list[int]], outputs: list[list[int]], max_tokens: int) -> float:
     loaded = load(model, dtype="float32")
     same = total = 0
@@ -125,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="bundled")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--k", type=int, nargs="+", default=[0, 1, 2, 3], help="0 means --no-spec")
+    p.add_argument("--k", nargs="+", default=["0", "1", "2", "3", "auto"],
+                   help="0 means --no-spec, N a fixed k, 'auto' the adaptive policy up to --k-max")
+    p.add_argument("--k-max", type=int, default=3, help="largest k the adaptive policy may use")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run every case this many times, interleaved, and report medians")
     p.add_argument("--logprobs", nargs="+", default=["off"],
                    help="logprob settings to run: 'off' or N in 0..20 (top alternatives)")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -141,18 +163,26 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--logprobs takes 'off' or integers")
     if any(v is not None and not 0 <= v <= 20 for v in settings):
         p.error("--logprobs values must be 'off' or in 0..20")
+    try:
+        ks: list[int | str] = [v if v == "auto" else int(v) for v in args.k]
+    except ValueError:
+        p.error("--k takes integers and 'auto'")
     prompts = bench_prompts(max(args.batch), args.prompt_tokens, args.model)
-    cases = [(b, k, lp) for b in args.batch for k in args.k for lp in settings]
-    rows = []
-    for b, k, lp in tqdm(cases, desc="bench", unit="case"):
-        rows.append(trio.run(run_case, args.model, args.dtype, k, b, prompts, args.max_tokens, lp, args.overlap))
+    cases = [(b, k, lp) for b in args.batch for k in ks for lp in settings]
+    runs: dict[tuple[int, int | str, int | None], list[dict[str, object]]] = {c: [] for c in cases}
+    # Rounds alternate the cases, so a busy machine slows every case alike.
+    for _round, (b, k, lp) in tqdm([(r, c) for r in range(args.repeat) for c in cases],
+                                   desc="bench", unit="case"):
+        runs[(b, k, lp)].append(trio.run(run_case, args.model, args.dtype, k, b, prompts,
+                                         args.max_tokens, lp, args.overlap, args.k_max))
+    rows = [_median_run(runs[c]) for c in cases]
     machine = f"{platform.machine()} {platform.processor() or ''} cores={__import__('os').cpu_count()}".strip()
     print(f"machine: {machine}; model={args.model} dtype={args.dtype} max_tokens={args.max_tokens} "
           f"overlap={args.overlap}")
     print(f"{'batch':>5} {'k':>3} {'logprobs':>8} {'tok/s':>8} {'accept_len':>10} {'overhead':>9} "
           f"{'steps':>6} {'record B/step':>13} {'fixed B (batch)':>15} {'fixed B (512)':>13}")
     for r in rows:
-        k_label = "off" if r["k"] == 0 else r["k"]
+        k_label = "off" if r["k"] == 0 else str(r["k"])
         print(f"{r['batch']:>5} {k_label:>3} {r['logprobs']:>8} {r['tokens_per_second']:>8} "
               f"{r['mean_accept_len']:>10} {r['overhead_share']:>9.1%} {r['pipeline_steps']:>6} "
               f"{r['record_bytes_per_step']:>13} {r['fixed_bytes_same_batch']:>15} {r['fixed_bytes_512']:>13}")

@@ -1,55 +1,165 @@
-"""Model-level figures: checkpoint load time and the reference generator's speed.
+"""Model-level figures: µs and Paddle ops per serving forward (target and one MTP
+substep), checkpoint load time, and optionally the reference generator's speed.
 
-Run: ``python -m spectrio.tools.bench_models [--model bundled] [--max-tokens 128]``.
-Prints one JSON object; the reference generator is the oracle (dense attention, one
-token at a time, batch 1), so its speed is the floor the pipeline is compared with.
+Run: ``python -m spectrio.tools.bench_models [--model bundled] [--rows 1 4 16 64]
+[--threads N] [--reference]``.
+
+Each forward case is a decode step as the verify stage runs it: ``rows`` sequences with
+64 tokens of context in the paged cache, one new row each, logits for every row. The
+MTP case is one draft substep over the same rows. Cases alternate in rounds and the
+median is reported, so a busy machine slows every case alike. Ops are counted with
+``paddle.profiler`` (top-level operator events per forward). ``--reference`` adds the
+oracle's speed (dense attention, one token at a time, batch 1). Prints one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
 import json
 import os
 import platform
 import statistics
+import tempfile
 import time
+from collections.abc import Callable
 
-from spectrio.models import load, reference
-from spectrio.tools.logging_setup import configure_logging
+import numpy as np
+
+CONTEXT = 64
+BLOCK = 16
+
+
+def _count_ops(fn: Callable[[], object], calls: int = 5) -> int:
+    import paddle.profiler as profiler
+
+    with tempfile.TemporaryDirectory() as tmp:
+        prof = profiler.Profiler(
+            targets=[profiler.ProfilerTarget.CPU],
+            on_trace_ready=profiler.export_chrome_tracing(tmp),
+        )
+        prof.start()
+        for _ in range(calls):
+            fn()
+        prof.stop()
+        with open(max(glob.glob(f"{tmp}/*.json"), key=os.path.getmtime)) as fh:
+            events = json.load(fh)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    ops = sorted(
+        (e for e in events if e.get("cat") == "Operator" and e.get("ph") == "X"),
+        key=lambda e: (e["tid"], e["ts"]),
+    )
+    top = 0
+    end_by_tid: dict[int, float] = collections.defaultdict(lambda: -1.0)
+    for e in ops:  # nested ops (inside another op on the same thread) do not count
+        if e["ts"] >= end_by_tid[e["tid"]]:
+            top += 1
+            end_by_tid[e["tid"]] = e["ts"] + e.get("dur", 0.0)
+    return round(top / calls)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="bundled")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--calls", type=int, default=30, help="forwards per case per round")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--reference", action="store_true", help="also time the reference generator")
+    p.add_argument("--max-tokens", type=int, default=128, help="reference tokens per prompt")
     args = p.parse_args(argv)
-    configure_logging("warning")
 
-    load(args.model)  # first load pays for imports and file cache; report the steady state too
-    loads = []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        loaded = load(args.model)
-        loads.append(time.perf_counter() - t0)
-    tok = loaded.tokenizer
-    assert tok is not None
-    prompts = ["def fib(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n"]
+    import paddle
+
+    from spectrio.models import PackedBatch, PagedKVCache, load
+    from spectrio.tools.logging_setup import configure_logging
+
+    from spectrio.models.paddle_setup import configure_paddle
+
+    configure_logging("warning")
+    configure_paddle(args.threads)
+    t0 = time.perf_counter()
+    loaded = load(args.model)
+    load_seconds = time.perf_counter() - t0
+    model = loaded.model
+    cfg = model.config
+    rng = np.random.default_rng(0)
+    cases: dict[str, Callable[[], object]] = {}
+    for rows in args.rows:
+        per_seq = -(-(CONTEXT + 1) // BLOCK)
+        cache = PagedKVCache(cfg.num_hidden_layers, rows * per_seq + 1, BLOCK,
+                             cfg.num_key_value_heads, cfg.head_dim, model.dtype)
+        mtp_cache = PagedKVCache(1, rows * per_seq + 1, BLOCK,
+                                 cfg.num_key_value_heads, cfg.head_dim, model.dtype)
+        tables = [np.arange(1 + i * per_seq, 1 + (i + 1) * per_seq) for i in range(rows)]
+        ctx = rng.integers(1, cfg.vocab_size, size=(rows, CONTEXT))
+        nxt = rng.integers(1, cfg.vocab_size, size=rows)
+        with paddle.no_grad():
+            model.forward(PackedBatch.from_sequences([list(r) for r in ctx], [0] * rows, tables), cache)
+
+        def target(cache: PagedKVCache = cache, tables: list = tables, nxt: np.ndarray = nxt) -> object:
+            batch = PackedBatch.from_sequences([[int(t)] for t in nxt], [CONTEXT] * rows, tables)
+            with paddle.no_grad():
+                return model.forward(batch, cache).logits
+
+        hidden = paddle.randn([rows, cfg.hidden_size]).astype(model.dtype)
+
+        def mtp(cache: PagedKVCache = mtp_cache, tables: list = tables, nxt: np.ndarray = nxt,
+                hidden: object = hidden) -> object:
+            batch = PackedBatch.from_sequences([[int(t)] for t in nxt], [CONTEXT] * rows, tables)
+            with paddle.no_grad():
+                return model.mtp_forward(batch, hidden, cache).logits  # type: ignore[arg-type]
+
+        cases[f"target_rows{rows}"] = target
+        if model.mtp is not None:
+            cases[f"mtp_rows{rows}"] = mtp
+    for fn in cases.values():
+        for _ in range(5):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(args.rounds):
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                fn()
+            times[name].append((time.perf_counter() - t0) / args.calls * 1e6)
     result: dict[str, object] = {
         "machine": f"{platform.machine()} cores={os.cpu_count()}",
-        "load_seconds_median": round(statistics.median(loads), 3),
-        "params": sum(int(p.numel()) for p in loaded.model.parameters()),
+        "paddle": paddle.__version__,
+        "threads": args.threads or os.environ.get("OMP_NUM_THREADS"),
+        "model": args.model,
+        "layers": cfg.num_hidden_layers,
+        "params": sum(int(p.numel()) for p in model.parameters()),
+        "load_seconds": round(load_seconds, 3),
     }
-    for dtype in ("float32", "float64"):
-        model = load(args.model, dtype=dtype).model
-        tokens = 0
-        t0 = time.perf_counter()
-        for prompt in prompts:
-            out = reference.greedy_generate(model, tok.encode(prompt), args.max_tokens)
-            tokens += len(out.token_ids)
-        result[f"reference_tokens_per_second_{dtype}"] = round(tokens / (time.perf_counter() - t0), 1)
-    print(json.dumps(result))
+    for name, fn in cases.items():
+        result[f"{name}_us"] = round(statistics.median(times[name]), 1)
+        result[f"{name}_ops"] = _count_ops(fn)
+    for rows in args.rows:
+        if f"mtp_rows{rows}_us" in result:
+            ratio = result[f"mtp_rows{rows}_us"] / result[f"target_rows{rows}_us"]  # type: ignore[operator]
+            result[f"mtp_over_target_rows{rows}"] = round(ratio, 3)
+    if args.reference:
+        result.update(_reference_speed(args.model, args.max_tokens))
+    print(json.dumps(result, indent=1))
     return 0
+
+
+def _reference_speed(model_name: str, max_tokens: int) -> dict[str, float]:
+    from spectrio.models import load, reference
+
+    prompts = ["def fib(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n"]
+    out: dict[str, float] = {}
+    for dtype in ("float32", "float64"):
+        loaded = load(model_name, dtype=dtype)
+        assert loaded.tokenizer is not None
+        tokens, t0 = 0, time.perf_counter()
+        for prompt in prompts:
+            run = reference.greedy_generate(loaded.model, loaded.tokenizer.encode(prompt), max_tokens)
+            tokens += len(run.token_ids)
+        out[f"reference_tokens_per_second_{dtype}"] = round(tokens / (time.perf_counter() - t0), 1)
+    return out
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-spec", action="store_true", help="turn speculation off")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU math threads (default: every core this process may use)")
     p.add_argument("--config", type=str, default=None,
                    help="RuntimeConfig as a TOML or JSON file (replaces the flags above)")
 
@@ -29,4 +31,10 @@ def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
         if args.no_spec
         else SpeculativeConfig(num_speculative_tokens=args.k, num_model_steps=args.num_model_steps)
     )
-    return RuntimeConfig(model=args.model, dtype=args.dtype, speculative=spec, max_model_len=args.max_model_len)
+    return RuntimeConfig(
+        model=args.model,
+        dtype=args.dtype,
+        speculative=spec,
+        max_model_len=args.max_model_len,
+        num_threads=args.threads,
+    )

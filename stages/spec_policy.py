@@ -1,0 +1,123 @@
+"""Adaptive speculation: how many drafts a step should propose, from 0 to k.
+
+Pure logic: no Trio, no device, no clock. The scheduler asks :meth:`SpecPolicy.choose`
+once per step with the number of decoding sequences, and feeds back what happened
+(:meth:`observe_acceptance` per sequence, :meth:`observe_step` per step).
+
+The rule: pick the k that maximises expected tokens per second,
+
+    rate(k, B) = E[tokens per sequence | k] / T(B, k)
+
+* ``E[tokens | k] = 1 + sum_{j=1..k} prod_{i<=j} a_i``, where ``a_i`` is the measured
+  probability that draft i is accepted given that drafts 1..i-1 were (counted over
+  every sequence that reached position i, with exponential forgetting);
+* ``T(B, k)`` is the measured wall time of a step (draft substeps plus verification)
+  with ``B`` decoding sequences in the same power-of-two bucket and k drafts each.
+
+Every (bucket, k) pair is tried once before it can be ranked, and one step in
+``probe_every`` uses the full k so that the acceptance of late positions keeps being
+measured even while the policy prefers fewer drafts. At a large batch the device is
+busy anyway and verification rows cost real time, so the measured T grows with k and
+the policy settles on small k or 0; at batch 1 extra rows are nearly free and it keeps
+speculating. Output never depends on the choice: acceptance is lossless for any k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["SpecPolicy"]
+
+
+def _bucket(num_seqs: int) -> int:
+    """Power-of-two bucket of a batch size (1, 2, 4, ...)."""
+    return 1 << max(0, num_seqs - 1).bit_length()
+
+
+@dataclasses.dataclass
+class _Decayed:
+    """An exponentially forgetting mean."""
+
+    value: float = 0.0
+    weight: float = 0.0
+
+    def add(self, x: float, decay: float) -> None:
+        self.value = self.value * decay + x
+        self.weight = self.weight * decay + 1.0
+
+    @property
+    def mean(self) -> float:
+        return self.value / self.weight if self.weight else 0.0
+
+
+class SpecPolicy:
+    """Chooses drafts per step. ``adaptive=False`` always returns ``k_max`` (fixed k)."""
+
+    def __init__(
+        self,
+        k_max: int,
+        *,
+        adaptive: bool = True,
+        probe_every: int = 16,
+        decay: float = 0.99,
+        prior_acceptance: float = 0.5,
+    ) -> None:
+        if k_max < 0:
+            raise ValueError(f"k_max must be >= 0, got {k_max}")
+        self.k_max = k_max
+        self.adaptive = adaptive
+        self.probe_every = probe_every
+        self.decay = decay
+        self.prior_acceptance = prior_acceptance
+        self._reached = [_Decayed() for _ in range(k_max)]  # per draft position
+        self._step_time: dict[tuple[int, int], _Decayed] = {}
+        self._num_choices = 0
+
+    # ---- feedback ---------------------------------------------------------------------
+
+    def observe_acceptance(self, num_drafts: int, num_accepted: int) -> None:
+        """One sequence's step: drafts 1..num_accepted were accepted and, when
+        ``num_accepted < num_drafts``, draft ``num_accepted + 1`` was rejected."""
+        for j in range(min(num_drafts, num_accepted + 1, self.k_max)):
+            self._reached[j].add(1.0 if j < num_accepted else 0.0, self.decay)
+
+    def observe_step(self, num_seqs: int, k: int, seconds: float) -> None:
+        """Wall time of a step that ran ``k`` drafts for ``num_seqs`` decoding sequences."""
+        if num_seqs <= 0 or not 0 <= k <= self.k_max:
+            return
+        key = (_bucket(num_seqs), k)
+        self._step_time.setdefault(key, _Decayed()).add(seconds, self.decay)
+
+    # ---- decision ---------------------------------------------------------------------
+
+    def acceptance(self) -> list[float]:
+        """Conditional acceptance per draft position (prior where nothing was seen)."""
+        return [r.mean if r.weight else self.prior_acceptance for r in self._reached]
+
+    def step_times(self) -> dict[tuple[int, int], float]:
+        """Measured mean step time per (batch bucket, k)."""
+        return {key: t.mean for key, t in self._step_time.items()}
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens one sequence emits per step with ``k`` drafts."""
+        total, run = 1.0, 1.0
+        for a in self.acceptance()[:k]:
+            run *= a
+            total += run
+        return total
+
+    def choose(self, num_seqs: int) -> int:
+        """Drafts per sequence for a step with ``num_seqs`` decoding sequences."""
+        if not self.adaptive or self.k_max == 0 or num_seqs <= 0:
+            return self.k_max
+        self._num_choices += 1
+        if self._num_choices % self.probe_every == 0:
+            return self.k_max
+        bucket = _bucket(num_seqs)
+        for k in range(self.k_max, -1, -1):
+            if (bucket, k) not in self._step_time:
+                return k
+        return max(
+            range(self.k_max + 1),
+            key=lambda k: self.expected_tokens(k) / self._step_time[(bucket, k)].mean,
+        )

@@ -1,0 +1,94 @@
+"""Adaptive speculation picks the k that maximises tokens per second, from measurements."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+from spectrio.stages.spec_policy import SpecPolicy
+
+
+def _true_rate(k: int, b: int, accept: list[float], cost: dict[str, float]) -> float:
+    tokens = 1.0 + sum(float(np.prod(accept[:j])) for j in range(1, k + 1))
+    return tokens / _step_time(k, b, cost)
+
+
+def _step_time(k: int, b: int, cost: dict[str, float]) -> float:
+    verify = cost["fixed"] + cost["per_row"] * b * (k + 1)
+    draft = k * (cost["draft_fixed"] + cost["draft_per_row"] * b)
+    return verify + draft
+
+
+def _simulate(policy: SpecPolicy, b: int, accept: list[float], cost: dict[str, float],
+              steps: int, seed: int = 0) -> collections.Counter[int]:
+    """Run the policy against a device with the given cost model and acceptance."""
+    rng = np.random.default_rng(seed)
+    chosen: collections.Counter[int] = collections.Counter()
+    for _ in range(steps):
+        k = policy.choose(b)
+        chosen[k] += 1
+        for _ in range(b):
+            n = 0
+            while n < k and rng.random() < accept[n]:
+                n += 1
+            policy.observe_acceptance(k, n)
+        noise = 1.0 + 0.05 * rng.standard_normal()
+        policy.observe_step(b, k, _step_time(k, b, cost) * noise)
+    return chosen
+
+
+CPU_LIKE = {"fixed": 2e-3, "per_row": 0.15e-3, "draft_fixed": 0.4e-3, "draft_per_row": 0.03e-3}
+ACCEPT = [0.8, 0.6, 0.45]
+
+
+@pytest.mark.parametrize("b", [1, 4, 16, 64])
+def test_settles_on_the_best_k_for_the_batch(b: int) -> None:
+    policy = SpecPolicy(3)
+    chosen = _simulate(policy, b, ACCEPT, CPU_LIKE, steps=400)
+    best = max(range(4), key=lambda k: _true_rate(k, b, ACCEPT, CPU_LIKE))
+    late = _simulate(policy, b, ACCEPT, CPU_LIKE, steps=200, seed=1)
+    assert late.most_common(1)[0][0] == best, (b, best, chosen, late)
+
+
+def test_best_k_shrinks_as_the_batch_grows() -> None:
+    """The premise of the policy on this cost model: speculation pays at batch 1 and
+    not at batch 64, where verification rows are no longer free."""
+    best = {b: max(range(4), key=lambda k: _true_rate(k, b, ACCEPT, CPU_LIKE)) for b in (1, 64)}
+    assert best[1] >= 2 and best[64] == 0
+
+
+def test_every_k_is_tried_before_ranking_and_full_k_is_probed() -> None:
+    policy = SpecPolicy(3, probe_every=8)
+    first = []
+    for _ in range(4):
+        k = policy.choose(5)
+        first.append(k)
+        policy.observe_step(5, k, 1.0 if k == 0 else 10.0)  # k = 0 is by far the fastest
+    assert sorted(first) == [0, 1, 2, 3]  # unmeasured pairs come first
+    picks = [policy.choose(5) for _ in range(16)]
+    assert picks.count(3) == 2 and set(picks) == {0, 3}  # choices 8 and 16 probe k = 3
+    assert policy.choose(6) == 0  # 6 shares the bucket of 5 (up to 8)
+    assert policy.choose(9) == 3  # a new bucket is measured afresh
+
+
+def test_acceptance_is_conditional_per_position() -> None:
+    policy = SpecPolicy(3)
+    policy.observe_acceptance(3, 3)  # all accepted
+    policy.observe_acceptance(3, 1)  # 1 accepted, 2 rejected, 3 never reached
+    policy.observe_acceptance(2, 0)  # 1 rejected
+    a = policy.acceptance()
+    assert a[0] == pytest.approx(2 / 3, rel=1e-2)
+    assert a[1] == pytest.approx(1 / 2, rel=1e-2)
+    assert a[2] == pytest.approx(1.0)
+    assert policy.expected_tokens(0) == 1.0
+    assert policy.expected_tokens(2) == pytest.approx(1 + a[0] + a[0] * a[1])
+
+
+def test_fixed_policy_and_edges() -> None:
+    fixed = SpecPolicy(2, adaptive=False)
+    assert {fixed.choose(b) for b in (1, 7, 300)} == {2}
+    assert SpecPolicy(0).choose(4) == 0
+    with pytest.raises(ValueError, match="k_max"):
+        SpecPolicy(-1)
