@@ -26,7 +26,7 @@ def config(**kw: object) -> RuntimeConfig:
         "max_model_len": 96,
         "max_num_seqs": 16,
         "max_num_batched_tokens": 64,
-        "speculative": SpeculativeConfig(num_speculative_tokens=2),
+        "speculative": SpeculativeConfig(num_speculative_tokens=2, adaptive=False),
     }
     fields.update(kw)
     return RuntimeConfig(**fields)  # type: ignore[arg-type]
@@ -80,8 +80,13 @@ async def test_every_stream_survives_heavy_preemption_exactly(
     tok = bundled64.tokenizer  # type: ignore[attr-defined]
     free, free_records, free_preemptions = await run(config(), batch)
     # 9 blocks of 16 hold one max_model_len sequence plus a little: 20 requests thrash.
+    # How often depends on how their arrivals interleave with the first plans (17 to 30
+    # preemptions seen on a busy 2-core machine), so the floor is set below that range.
     tight, tight_records, preemptions = await run(config(num_kv_blocks=9), batch)
-    assert free_preemptions == 0 and preemptions >= 20
+    assert free_preemptions == 0 and preemptions >= 10
+    preempted_ids = {rid for pub in tight_records for rid, n in
+                     zip(pub.request_ids, unpack(pub.record).accept_num.tolist()) if n == -9}
+    assert len(preempted_ids) >= 5
     marked = sum(int(unpack(pub.record).preempted.sum()) for pub in tight_records)
     assert marked >= preemptions  # every preemption is stamped -9 (aborts: none here)
     for pub in tight_records:

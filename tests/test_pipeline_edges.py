@@ -10,7 +10,7 @@ from spectrio.models import reference
 
 
 async def test_one_token_prompt_and_max_model_len(bundled64: object) -> None:
-    cfg = RuntimeConfig(dtype="float64", max_model_len=40, speculative=SpeculativeConfig(num_speculative_tokens=3))
+    cfg = RuntimeConfig(dtype="float64", max_model_len=40, speculative=SpeculativeConfig(num_speculative_tokens=3, adaptive=False))
     with trio.fail_after(120):
         async with open_runtime(cfg, encoded_channels=True) as rt:
             got = await collect(rt, [42], SamplingParams(max_tokens=12))

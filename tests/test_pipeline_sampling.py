@@ -28,7 +28,7 @@ MAX_TOKENS = 24
 
 def config(k: int | None = 2, **kw: object) -> RuntimeConfig:
     spec = (
-        SpeculativeConfig(method=None) if k is None else SpeculativeConfig(num_speculative_tokens=k)
+        SpeculativeConfig(method=None) if k is None else SpeculativeConfig(num_speculative_tokens=k, adaptive=False)
     )
     fields: dict[str, object] = {
         "dtype": "float64",

@@ -27,8 +27,14 @@ NEIGHBOUR = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=40, temperature=1.0, ignore_eos=True)
 
 
-def config(k: int, **kw: object) -> RuntimeConfig:
-    spec = SpeculativeConfig(method=None) if k == 0 else SpeculativeConfig(num_speculative_tokens=k)
+def config(k: int | str, **kw: object) -> RuntimeConfig:
+    """k = 0: no speculation; N: a fixed N drafts; "auto": the adaptive policy up to 3."""
+    if k == "auto":
+        spec = SpeculativeConfig(num_speculative_tokens=3, adaptive=True)
+    elif k == 0:
+        spec = SpeculativeConfig(method=None)
+    else:
+        spec = SpeculativeConfig(num_speculative_tokens=int(k), adaptive=False)
     fields: dict[str, object] = {
         "dtype": "float64",
         "max_model_len": 64,
@@ -125,8 +131,9 @@ async def test_seeded_output_is_independent_of_the_batch(k: int) -> None:
 
 async def test_seeded_output_is_independent_of_speculation_and_overlap() -> None:
     """MTP drafts are one-hot, so every emitted token is the keyed sample of the target at
-    its position: the draft count k (0 = no speculation) and overlap scheduling change
-    nothing either. A greedy and a penalised, top-p request ride along."""
+    its position: the draft count k (0 = no speculation, "auto" = a count the adaptive
+    policy varies from step to step) and overlap scheduling change nothing either. A
+    greedy and a penalised, top-p request ride along."""
     requests = [
         ("seeded", SEEDED_PROMPT, SEEDED),
         ("greedy", NEIGHBOUR_PROMPT, SamplingParams(max_tokens=20, ignore_eos=True)),
@@ -138,7 +145,10 @@ async def test_seeded_output_is_independent_of_speculation_and_overlap() -> None
         ),
     ]
     outputs = []
-    for k, overlap in ((0, False), (1, False), (2, True), (3, False), (3, True)):
+    runs: list[tuple[int | str, bool]] = [
+        (0, False), (1, False), (2, True), (3, False), (3, True), ("auto", False)
+    ]
+    for k, overlap in runs:
         with trio.fail_after(120):
             async with open_runtime(config(k, enable_overlap=overlap), encoded_channels=True) as rt:
                 outputs.append(await run_in_order(rt, requests))

@@ -24,7 +24,7 @@ def config(**kw: object) -> RuntimeConfig:
         "max_model_len": 64,
         "max_num_seqs": 4,
         "max_num_batched_tokens": 16,
-        "speculative": SpeculativeConfig(num_speculative_tokens=2),
+        "speculative": SpeculativeConfig(num_speculative_tokens=2, adaptive=False),
     }
     fields.update(kw)
     return RuntimeConfig(**fields)  # type: ignore[arg-type]
