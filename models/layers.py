@@ -139,25 +139,30 @@ class Attention(nn.Layer):
         h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
         assert self._qkv_weight is not None, "DecoderLayer.forward_paged fuses the weights"
         qkv = paddle.matmul(x, self._qkv_weight)
-        qk = rope.apply(qkv[:, : (h + kvh) * hd].reshape([n, h + kvh, hd]))
-        k = qk[:, h:]
-        v = qkv[:, (h + kvh) * hd :].reshape([n, kvh, hd])
-        cache.write(layer, plan.write_slots, k, v)
+        qk, v = paddle.split(qkv, [(h + kvh) * hd, kvh * hd], axis=1)
+        q, k = paddle.split(rope.apply(qk.reshape([n, h + kvh, hd])), [h, kvh], axis=1)
+        cache.write(layer, plan.write_slots, k, v.reshape([n, kvh, hd]))
         kc, vc = cache.gather(layer, plan.context_slots)
         b, tq, tk, g = plan.num_seqs, plan.max_q, plan.max_ctx, h // kvh
-        q = qk[:, :h]
-        if plan.pad_rows is not None:
-            q = paddle.gather(q, plan.pad_rows, axis=0)
-        # GQA without repeating K/V: the query heads of one KV head and their rows share
-        # one matrix, so attention is a plain batched matmul over (sequence, KV head).
-        q = q.reshape([b, tq, kvh, g, hd]).transpose([0, 2, 3, 1, 4]).reshape([b, kvh, g * tq, hd])
         kc = kc.reshape([b, tk, kvh, hd]).transpose([0, 2, 1, 3])  # [B, KVH, Tk, D]
         vc = vc.reshape([b, tk, kvh, hd]).transpose([0, 2, 1, 3])
+        # GQA without repeating K/V: the query heads of one KV head and their rows share
+        # one matrix, so attention is a plain batched matmul over (sequence, KV head).
+        # With one row per sequence (plain decode) the packed layout already is that.
+        if tq == 1:
+            q = q.reshape([b, kvh, g, hd])
+        else:
+            if plan.pad_rows is not None:
+                q = paddle.gather(q, plan.pad_rows, axis=0)
+            q = q.reshape([b, tq, kvh, g, hd]).transpose([0, 2, 3, 1, 4]).reshape([b, kvh, g * tq, hd])
         scores = paddle.matmul(q, kc, transpose_y=True) + plan.mask_for_groups(g)
-        out = paddle.matmul(F.softmax(scores, axis=-1), vc).reshape([b, kvh, g, tq, hd])
-        out = out.transpose([0, 3, 1, 2, 4]).reshape([b * tq, h * hd])
-        if plan.unpad_rows is not None:
-            out = paddle.gather(out, plan.unpad_rows, axis=0)
+        out = paddle.matmul(F.softmax(scores, axis=-1), vc)  # [B, KVH, G * Tq, D]
+        if tq == 1:
+            out = out.reshape([b, h * hd])
+        else:
+            out = out.reshape([b, kvh, g, tq, hd]).transpose([0, 3, 1, 2, 4]).reshape([b * tq, h * hd])
+            if plan.unpad_rows is not None:
+                out = paddle.gather(out, plan.unpad_rows, axis=0)
         return paddle.matmul(out, self.o_proj.weight)
 
 

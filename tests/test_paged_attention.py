@@ -147,3 +147,19 @@ def test_attention_plan_pads_only_mixed_batches() -> None:
     assert visible[1, 0, 1:].sum(axis=-1).tolist() == [1, 1]  # padded rows of sequence 1
     assert visible[0, 0].sum(axis=-1).tolist() == [1, 2, 3]
     assert visible[1, 0, 0].sum() == 7
+
+
+def test_decode_rows_of_different_context_lengths_match_dense() -> None:
+    """One row per sequence (plain decode, the packed layout needs no padding) with
+    contexts of different lengths in one step."""
+    model = tiny_model("float64", seed=4)
+    rng = np.random.default_rng(9)
+    seqs = [rng.integers(1, 97, size=n).tolist() for n in (3, 11, 6)]
+    tables = [np.array([5, 9, 1]), np.array([2, 7, 12, 0]), np.array([3, 4])]
+    cache = _cache(model)
+    with paddle.no_grad():
+        model.forward(PackedBatch.from_sequences([s[:-1] for s in seqs], [0, 0, 0], tables), cache)
+        step = PackedBatch.from_sequences([s[-1:] for s in seqs], [len(s) - 1 for s in seqs], tables)
+        logits = model.forward(step, cache).logits.numpy()
+    for i, s in enumerate(seqs):
+        assert np.abs(logits[i] - _dense(model, s)[0][-1]).max() <= 1e-10
