@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 
+from regen_golden import GOLDEN_PATH
 from spectrio.models import BUNDLED_DIR, LoadedModel, reference
 
-PROMPT = "def fib(n):"
-# Recorded once from the shipped checkpoint with reference.greedy_generate (float64).
-GOLDEN = [266, 384, 944, 272, 709, 385, 292, 601, 385, 292, 601, 14, 330, 594, 800, 321, 272, 709, 385, 292, 601, 385, 292, 800]
-# Decodes to: \n    """Return a list of the object of the object.\n\n    The function is a list ...
+# Written by `python tests/regen_golden.py` from the shipped checkpoint (float64 reference).
+_GOLDEN = json.loads(GOLDEN_PATH.read_text())
+PROMPT: str = _GOLDEN["prompt"]
+GOLDEN: list[int] = _GOLDEN["token_ids"]
 
 
 def test_bundled_files_fit_the_budget() -> None:
