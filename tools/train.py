@@ -26,8 +26,8 @@ slow (shared) machine still ends each phase at the low learning rate. The steps 
 run are in the log; pass them back as ``--p1-steps``/``--p2-steps`` with generous minutes
 to replay a run step for step (seeded).
 
-Run: ``OMP_NUM_THREADS=2 python -m spectrio.tools.train --out DIR`` (or ``spectrio train``);
-Paddle uses one thread unless ``OMP_NUM_THREADS`` is set before it is imported.
+Run: ``python -m spectrio.tools.train --out DIR`` (or ``spectrio train``); it uses every
+core the process may run on unless ``--threads`` says otherwise.
 Beside the checkpoint: ``training_log.json`` (arguments, per-step curves, held-out
 evaluations) and ``training_curves.png`` (needs the ``plots`` extra).
 """
@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -503,6 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-from", type=Path, default=None, help="start from this checkpoint's weights")
     p.add_argument("--phases", default="12", choices=("12", "1", "2"), help="which phases to run")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU math threads (default: every core this process may use)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--save-dtype", default="float16", choices=STORAGE_DTYPES)
     # phase 1
@@ -547,12 +548,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     np.random.seed(args.seed)
     paddle.seed(args.seed)
-    threads = os.environ.get("OMP_NUM_THREADS")
-    if threads in (None, "1") and (os.cpu_count() or 1) > 1:
-        # Importing spectrio imports Paddle, which pins OMP_NUM_THREADS to 1 unless the
-        # environment set it first; too late to change here.
-        log.warning("training on one thread: set OMP_NUM_THREADS in the environment", cores=os.cpu_count())
-    log.info("threads", omp_num_threads=threads)
+    from spectrio.models.paddle_setup import configure_paddle
+    from spectrio.runtime.config import RuntimeConfig
+
+    # Paddle pins itself to one thread when imported; set the count it really uses.
+    threads = configure_paddle(RuntimeConfig(num_threads=args.threads).resolve_num_threads())
+    log.info("threads", threads=threads)
 
     if args.init_from is not None:
         tokenizer = Tokenizer.from_file(str(args.init_from / "tokenizer.json"))
