@@ -16,8 +16,10 @@ from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runt
 from spectrio.runtime import PublishedStep, RequestStream, Runtime
 
 LONG = SamplingParams(max_tokens=200, ignore_eos=True)
-# Steps a request may still run after its stream is closed: the step in flight, plus one
-# for the publisher's lag with overlap scheduling.
+# Steps published between the close and the step that carries the abort. The consumer wakes
+# when step N is delivered; the scheduler, woken by the same step's feedback, may plan N+1
+# before the consumer runs, so the abort rides on N+2 at the latest. A stream left running
+# would go on for ~100 more steps.
 MAX_STEPS_AFTER_CLOSE = 2
 
 
