@@ -164,6 +164,7 @@ class AsyncioRuntime:
             raise RuntimeError("the runtime is not running")
         # Checked here, on the caller's side, so a bad request raises where it is made.
         ids, checked, rid = self.runtime._prepare(prompt, params, request_id)
+        self.runtime._check_not_running(rid)
         job = _Job(ids, checked, rid, asyncio.Queue())
         try:
             self._token.run_sync_soon(self._enqueue, job)
@@ -191,13 +192,14 @@ class AsyncioRuntime:
                 job.end(_GONE)
 
     async def abort(self, request_id: str) -> None:
-        """Abort a running request (see :meth:`spectrio.Runtime.abort`)."""
+        """Abort a running request (see :meth:`spectrio.Runtime.abort`); once the runtime
+        has stopped there is nothing to abort."""
         try:
             self._token.run_sync_soon(
                 lambda: trio.lowlevel.spawn_system_task(self.runtime.abort, request_id)
             )
         except trio.RunFinishedError:
-            raise RuntimeError("the runtime is not running") from None
+            pass
 
 
 def _end_at_shutdown(job: _Job) -> None:

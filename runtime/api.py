@@ -195,9 +195,7 @@ class Runtime:
         """Hand a checked request to the scheduler; returns its sequence id and stream."""
         if self._closed or self._control is None:
             raise RuntimeError("the runtime is not running")
-        if request_id in self._streams:
-            raise InvalidRequest("request_id", "must not be the id of a running request",
-                                 got=request_id)
+        self._check_not_running(request_id)
         spec = self.config.speculative.enabled if params.speculative is None else (
             params.speculative and self.config.speculative.enabled)
         eos = self.loaded.config.eos_token_id
@@ -213,6 +211,11 @@ class Runtime:
             eos_token_ids=stops, speculative=spec,
         ))
         return seq_id, receive
+
+    def _check_not_running(self, request_id: str) -> None:
+        if request_id in self._streams:
+            raise InvalidRequest("request_id", "must not be the id of a running request",
+                                 got=request_id)
 
     def _release(self, request_id: str, seq_id: int, reason: str | None) -> None:
         """Forget a request's stream; with a ``reason``, abort it in the pipeline (its

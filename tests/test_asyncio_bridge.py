@@ -168,10 +168,15 @@ def test_closing_or_cancelling_a_stream_aborts_it_at_once(bundled: object) -> No
                         break
             assert stream.finished
             await idle()
-            # a held stream closed with aclose()
-            held = rt.generate(PROMPTS[1], LONG)
+            # a held stream closed with aclose(); its id is taken while it runs
+            held = rt.generate(PROMPTS[1], LONG, request_id="held")
             async for _ in held:
                 break
+            try:
+                async with rt.generate("x", SamplingParams(), request_id="held"):
+                    raise AssertionError("a running request id was reused")
+            except InvalidRequest as exc:
+                assert exc.field == "request_id"
             await held.aclose()
             await idle()
             # a consumer cancelled while it waits for the next delta
