@@ -1,7 +1,19 @@
 """asyncio embedding: the same Runtime, run as a Trio guest on the asyncio event loop.
 
 ``trio.lowlevel.start_guest_run`` drives Trio from asyncio's loop on the same thread,
-so asyncio code and Trio code hand each other work with plain non-blocking calls.
+so asyncio code and Trio code hand each other work with plain non-blocking calls: an
+asyncio stream hands its request to Trio with ``TrioToken.run_sync_soon``, and a Trio
+task per request puts each :class:`Delta` into the stream's ``asyncio.Queue``.
+
+The semantics are Trio's (:func:`spectrio.open_runtime`):
+
+* leaving the ``async with`` block ends every running stream with a final delta
+  (``finish_reason="abort"``, ``abort_reason="shutdown"``); a stream asked for after
+  that raises ``RuntimeError``;
+* a task waiting on a stream that can get no more output (the Trio run died) is
+  cancelled the asyncio way, with ``asyncio.CancelledError``;
+* leaving a stream's ``async with`` block, ``aclose()`` or cancelling its consumer aborts
+  the request at once.
 """
 
 from __future__ import annotations
@@ -9,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import uuid
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -19,75 +33,215 @@ from spectrio.runtime.api import Delta, Runtime, open_runtime
 from spectrio.runtime.config import RuntimeConfig
 from spectrio.runtime.params import SamplingParams
 
-_END = object()
+__all__ = ["AsyncioRequestStream", "AsyncioRuntime", "open_runtime_asyncio"]
+
+_END = object()  # the Trio side is done with this stream: no more items
+_GONE = object()  # the Trio run ended without ending this stream
 
 
 @dataclasses.dataclass
 class _Job:
-    prompt: str | Sequence[int]
-    params: SamplingParams | None
-    request_id: str | None
+    prompt: object
+    params: object
+    request_id: str
     queue: asyncio.Queue[Any]
     scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)
+    ended: bool = False  # the Trio side put its last item (_END or an exception)
+
+    def end(self, last: object) -> None:
+        self.ended = True
+        self.queue.put_nowait(last)
+
+
+class AsyncioRequestStream:
+    """One request's output on the asyncio side, as :meth:`AsyncioRuntime.generate`
+    returns it: an async iterator of :class:`Delta` and an async context manager whose
+    exit, like :meth:`aclose`, aborts the request if it has not finished."""
+
+    def __init__(
+        self, bridge: AsyncioRuntime, prompt: object, params: object, request_id: str | None
+    ) -> None:
+        self._job: _Job | None = None
+        self._done = False
+        self._bridge = bridge
+        self._args = (prompt, params)
+        self.request_id = uuid.uuid4().hex if request_id is None else request_id
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def _start(self) -> _Job:
+        if self._job is None:
+            self._job = self._bridge._submit(*self._args, self.request_id)
+            self._bridge._streams.add(self)
+        return self._job
+
+    async def __aenter__(self) -> AsyncioRequestStream:
+        self._start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __aiter__(self) -> AsyncioRequestStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        job = self._start()
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await job.queue.get()
+        except BaseException:  # cancelled while waiting: the consumer is gone
+            self.close()
+            raise
+        if isinstance(item, Delta):
+            return item
+        self._done = True
+        self._bridge._streams.discard(self)
+        if item is _END:
+            raise StopAsyncIteration
+        if item is _GONE:
+            # No output will ever come: cancel the waiting task, as asyncio would.
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel("the spectrio runtime stopped")
+            await asyncio.sleep(0)
+            raise asyncio.CancelledError("the spectrio runtime stopped")
+        assert isinstance(item, BaseException)
+        raise item
+
+    def close(self) -> None:
+        """Stop the stream now; if its request is running, it is aborted. Idempotent."""
+        if self._done:
+            return
+        self._done = True
+        self._bridge._streams.discard(self)
+        if self._job is not None and not self._job.ended:
+            self._bridge._cancel(self._job)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Dropped unfinished (no ``async with``, no aclose): abort the request.
+        if not self._done and self._job is not None and not self._job.ended:
+            self._bridge._cancel(self._job)
 
 
 class AsyncioRuntime:
-    """What :func:`open_runtime_asyncio` yields; ``generate`` is an asyncio async iterator."""
+    """What :func:`open_runtime_asyncio` yields; ``generate`` returns an asyncio
+    :class:`AsyncioRequestStream`."""
 
-    def __init__(self, runtime: Runtime, jobs: trio.MemorySendChannel[_Job], token: trio.lowlevel.TrioToken) -> None:
+    def __init__(
+        self, runtime: Runtime, jobs: trio.MemorySendChannel[_Job], token: trio.lowlevel.TrioToken
+    ) -> None:
         self.runtime = runtime
         self._jobs = jobs
         self._token = token
+        self._closed = False  # the bridge is being left: no new requests
+        # Started and not ended; weak, so a stream dropped unfinished is finalised (and
+        # its request aborted) by ``AsyncioRequestStream.__del__``.
+        self._streams: weakref.WeakSet[AsyncioRequestStream] = weakref.WeakSet()
 
-    async def generate(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None, *, request_id: str | None = None
-    ) -> AsyncIterator[Delta]:
-        """Stream deltas. Breaking out or being cancelled aborts the request in the runtime."""
-        job = _Job(prompt, params, request_id, asyncio.Queue())
-        self._token.run_sync_soon(self._jobs.send_nowait, job)
-        finished = False
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> AsyncioRequestStream:
+        """Start a request; see :meth:`spectrio.Runtime.generate`. Use the stream as an
+        async context manager (``async with rt.generate(...) as stream:``) so that leaving
+        the block aborts the request at once. The request is checked and submitted when
+        the stream is entered or first iterated: :class:`~spectrio.InvalidRequest` for a
+        bad request, ``RuntimeError`` once the runtime is shut down."""
+        return AsyncioRequestStream(self, prompt, params, request_id)
+
+    def _submit(self, prompt: object, params: object, request_id: str) -> _Job:
+        if self._closed:
+            raise RuntimeError("the runtime is not running")
+        # Checked here, on the caller's side, so a bad request raises where it is made.
+        ids, checked, rid = self.runtime._prepare(prompt, params, request_id)
+        self.runtime._check_not_running(rid)
+        job = _Job(ids, checked, rid, asyncio.Queue())
         try:
-            while True:
-                item = await job.queue.get()
-                if item is _END:
-                    finished = True
-                    return
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-        finally:
-            if not finished:
-                self._token.run_sync_soon(job.scope.cancel)
+            self._token.run_sync_soon(self._enqueue, job)
+        except trio.RunFinishedError:
+            raise RuntimeError("the runtime is not running") from None
+        return job
+
+    def _enqueue(self, job: _Job) -> None:  # in Trio
+        try:
+            self._jobs.send_nowait(job)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            _end_at_shutdown(job)
+
+    def _cancel(self, job: _Job) -> None:
+        try:
+            self._token.run_sync_soon(job.scope.cancel)
+        except trio.RunFinishedError:
+            pass  # nothing is running any more
+
+    def _orphan(self) -> None:
+        """The Trio run is over: every stream it did not end gets :data:`_GONE`."""
+        for stream in list(self._streams):
+            job = stream._job
+            if job is not None and not job.ended:
+                job.end(_GONE)
 
     async def abort(self, request_id: str) -> None:
-        self._token.run_sync_soon(lambda: trio.lowlevel.spawn_system_task(self.runtime.abort, request_id))
+        """Abort a running request (see :meth:`spectrio.Runtime.abort`); once the runtime
+        has stopped there is nothing to abort."""
+        try:
+            self._token.run_sync_soon(
+                lambda: trio.lowlevel.spawn_system_task(self.runtime.abort, request_id)
+            )
+        except trio.RunFinishedError:
+            pass
+
+
+def _end_at_shutdown(job: _Job) -> None:
+    """A request handed over while the bridge shut down ends as running ones do."""
+    job.queue.put_nowait(Delta(request_id=job.request_id, token_ids=[], text="", finished=True,
+                               finish_reason="abort", abort_reason="shutdown"))
+    job.end(_END)
 
 
 async def _run_job(rt: Runtime, job: _Job) -> None:
+    if rt._closed:
+        _end_at_shutdown(job)
+        return
     try:
         with job.scope:
-            async for delta in rt.generate(job.prompt, job.params, request_id=job.request_id):
-                job.queue.put_nowait(delta)
-        job.queue.put_nowait(_END)
+            async with rt.generate(job.prompt, job.params, request_id=job.request_id) as stream:  # type: ignore[arg-type]
+                async for delta in stream:
+                    job.queue.put_nowait(delta)
+        job.end(_END)
     except Exception as exc:  # handed to the asyncio caller, who re-raises it
-        job.queue.put_nowait(exc)
+        job.end(exc)
 
 
 @asynccontextmanager
 async def open_runtime_asyncio(
     config: RuntimeConfig | None = None, *, encoded_channels: bool = False
 ) -> AsyncIterator[AsyncioRuntime]:
-    """asyncio counterpart of :func:`spectrio.open_runtime`."""
+    """asyncio counterpart of :func:`spectrio.open_runtime`, with the same semantics.
+
+    On exit every running stream gets its final delta (``finish_reason="abort"``,
+    ``abort_reason="shutdown"``) and then ends; the Trio run is then over."""
     loop = asyncio.get_running_loop()
     ready: asyncio.Future[tuple[AsyncioRuntime, trio.Event]] = loop.create_future()
     done: asyncio.Future[Any] = loop.create_future()
+    bridge: list[AsyncioRuntime] = []
 
     async def trio_main() -> None:
         async with open_runtime(config, encoded_channels=encoded_channels) as rt:
             jobs_tx, jobs_rx = trio.open_memory_channel[_Job](math.inf)
             stop = trio.Event()
-            ready.set_result((AsyncioRuntime(rt, jobs_tx, trio.lowlevel.current_trio_token()), stop))
+            bridge.append(AsyncioRuntime(rt, jobs_tx, trio.lowlevel.current_trio_token()))
+            ready.set_result((bridge[0], stop))
             async with trio.open_nursery() as nursery:
 
                 async def serve() -> None:
@@ -96,7 +250,11 @@ async def open_runtime_asyncio(
 
                 nursery.start_soon(serve)
                 await stop.wait()
-                nursery.cancel_scope.cancel()
+                # As open_runtime's exit does, but before the job tasks are gone: every
+                # stream gets its final abort delta, which its job task forwards.
+                rt._shutdown("shutdown")
+                jobs_tx.close()  # jobs still queued are refused: the runtime is closed
+                nursery.cancel_scope.deadline = trio.current_time() + 10.0
 
     def on_done(outcome: Any) -> None:
         if not ready.done():
@@ -105,6 +263,9 @@ async def open_runtime_asyncio(
                 ready.set_exception(RuntimeError("the runtime stopped before it started"))
             except BaseException as exc:  # start-up failure surfaces to the caller
                 ready.set_exception(exc)
+        if bridge:
+            bridge[0]._closed = True
+            bridge[0]._orphan()
         done.set_result(outcome)
 
     trio.lowlevel.start_guest_run(
@@ -117,5 +278,9 @@ async def open_runtime_asyncio(
     try:
         yield aio_rt
     finally:
-        aio_rt._token.run_sync_soon(stop.set)
+        aio_rt._closed = True
+        try:
+            aio_rt._token.run_sync_soon(stop.set)
+        except trio.RunFinishedError:
+            pass  # the run already ended (it failed); its outcome says why
         (await done).unwrap()

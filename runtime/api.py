@@ -27,7 +27,13 @@ from spectrio.runtime.messages import (
     StepResult,
     TokenLogprob,
 )
-from spectrio.runtime.params import InvalidRequest, SamplingParams
+from spectrio.runtime.params import (
+    InvalidRequest,
+    SamplingParams,
+    check_params,
+    check_prompt,
+    check_request_id,
+)
 from spectrio.runtime.workspace import Workspace
 from spectrio.stages.block_manager import BlockManager
 from spectrio.stages.draft import run_draft
@@ -66,13 +72,17 @@ class Runtime:
         self.tokenizer = loaded.tokenizer
         cfg = loaded.config
         if config.speculative.enabled and not cfg.has_mtp:
-            raise ConfigError("speculative: the checkpoint has no MTP layer; use SpeculativeConfig(method=None)")
+            raise ConfigError(
+                "speculative: the checkpoint has no MTP layer; use SpeculativeConfig(method=None)"
+            )
         if config.max_model_len + config.speculative.num_draft_tokens > cfg.max_position_embeddings:
             raise ConfigError(
                 f"max_model_len: {config.max_model_len} + k exceeds the model's "
                 f"max_position_embeddings ({cfg.max_position_embeddings})"
             )
-        num_blocks = config.resolve_num_kv_blocks(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+        num_blocks = config.resolve_num_kv_blocks(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        )
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.workspace = Workspace(loaded.model, num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.blocks)
@@ -105,7 +115,8 @@ class Runtime:
         self._control = control_tx
         # Downstream first, so every stage is ready before the scheduler plans anything.
         await nursery.start(
-            run_publisher, sampled_rx, self._deliver, self._publish, None if overlap else feedback_tx
+            run_publisher, sampled_rx, self._deliver, self._publish,
+            None if overlap else feedback_tx,
         )
         await nursery.start(
             functools.partial(run_sampler, feedback=feedback_tx if overlap else None),
@@ -117,8 +128,9 @@ class Runtime:
             functools.partial(run_scheduler, release=self.workspace.release),
             self.scheduler, control_rx, plan_tx, feedback_rx,
         )
-        log.info("runtime started", num_kv_blocks=self.blocks.num_blocks, encoded=enc, overlap=overlap,
-                 speculative=self.config.speculative.method, k=self.config.speculative.num_draft_tokens)
+        log.info("runtime started", num_kv_blocks=self.blocks.num_blocks, encoded=enc,
+                 overlap=overlap, speculative=self.config.speculative.method,
+                 k=self.config.speculative.num_draft_tokens)
 
     def _deliver(self, result: StepResult) -> None:
         self.num_steps += 1
@@ -142,7 +154,9 @@ class Runtime:
 
         return remove
 
-    def add_record_sink(self, sink: Callable[[PublishedStep], Awaitable[None]]) -> Callable[[], None]:
+    def add_record_sink(
+        self, sink: Callable[[PublishedStep], Awaitable[None]]
+    ) -> Callable[[], None]:
         """Await ``sink`` with every step's record from now on. Unlike an observer, a sink
         may take its time: the publisher waits for it, so a slow sink applies backpressure
         to the whole pipeline (nothing is dropped). A sink must return promptly once
@@ -164,31 +178,60 @@ class Runtime:
             except Exception:
                 log.exception("record observer failed", step=published.step)
 
-    def _shutdown(self, reason: str) -> None:
-        self._closed = True
-        for rid, stream in list(self._streams.items()):
-            stream.send_nowait(Delta(request_id=rid, token_ids=[], text="", finished=True,
-                                     finish_reason="abort", abort_reason=reason))
-            self._send_abort(rid, reason)
-
     # ---- requests ---------------------------------------------------------------------
 
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+    def _prepare(
+        self, prompt: object, params: object, request_id: object
+    ) -> tuple[list[int], SamplingParams, str]:
+        """Check a request with the rules of :mod:`spectrio.runtime.params` (the wire
+        codec runs the same ones). Returns the prompt's token ids, the parameters and the
+        request id (a fresh one for ``None``). Raises :class:`InvalidRequest`."""
+        params = check_params(SamplingParams() if params is None else params,
+                              self.loaded.config.vocab_size)
+        rid = uuid.uuid4().hex if request_id is None else check_request_id(request_id)
+        ids = check_prompt(prompt, vocab_size=self.loaded.config.vocab_size,
+                           max_model_len=self.config.max_model_len, tokenize=self.tokenizer.encode)
+        return ids, params, rid
+
+    def _submit(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> tuple[int, trio.MemoryReceiveChannel[Delta | SeqResult]]:
+        """Hand a checked request to the scheduler; returns its sequence id and stream."""
+        if self._closed or self._control is None:
+            raise RuntimeError("the runtime is not running")
+        self._check_not_running(request_id)
+        spec = self.config.speculative.enabled if params.speculative is None else (
+            params.speculative and self.config.speculative.enabled)
+        eos = self.loaded.config.eos_token_id
+        stops = list(params.stop_token_ids)
+        if eos is not None and not params.ignore_eos:
+            stops.append(eos)
+        seq_id = next(self._ids)
+        send, receive = trio.open_memory_channel[Delta | SeqResult](math.inf)
+        self._streams[request_id] = send
+        self._seq_ids[request_id] = seq_id
+        self._control.send_nowait(NewRequest(
+            seq_id=seq_id, request_id=request_id, prompt_ids=prompt_ids, params=params,
+            eos_token_ids=stops, speculative=spec,
+        ))
+        return seq_id, receive
+
+    def _check_not_running(self, request_id: str) -> None:
+        if request_id in self._streams:
+            raise InvalidRequest("request_id", "must not be the id of a running request",
+                                 got=request_id)
+
+    def _release(self, request_id: str, seq_id: int, reason: str | None) -> None:
+        """Forget a request's stream; with a ``reason``, abort it in the pipeline (its
+        KV blocks are freed at the next plan). Does nothing if ``request_id`` now names
+        another submission than ``seq_id``."""
+        if self._seq_ids.get(request_id, seq_id) != seq_id:
+            return
+        self._streams.pop(request_id, None)
+        if reason is None:
+            self._seq_ids.pop(request_id, None)
         else:
-            ids = [int(t) for t in prompt]
-            vocab = self.loaded.config.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequest(f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if not ids:
-            raise InvalidRequest("prompt: must not be empty")
-        if len(ids) >= self.config.max_model_len:
-            raise InvalidRequest(
-                f"prompt: {len(ids)} tokens leave no room under max_model_len={self.config.max_model_len}"
-            )
-        return ids
+            self._send_abort(request_id, reason)
 
     def _send_abort(self, request_id: str, reason: str) -> None:
         seq_id = self._seq_ids.pop(request_id, None)
@@ -201,7 +244,9 @@ class Runtime:
     async def wait_idle(self) -> None:
         """Wait until no request is queued or running and no step is in flight, so every
         finished or aborted request's blocks are back in the pool. Cancellation is safe."""
-        while self.scheduler.has_work() or self.scheduler.step_in_flight or self._control_pending():
+        busy = self.scheduler
+        # Polls state that several tasks change; no one event marks "idle".
+        while busy.has_work() or busy.step_in_flight or self._control_pending():  # noqa: ASYNC110
             await trio.sleep(0.002)
 
     def _control_pending(self) -> bool:
@@ -219,72 +264,162 @@ class Runtime:
         self._send_abort(request_id, reason)
         return True
 
-    async def generate(
+    def generate(
         self,
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
-    ) -> AsyncIterator[Delta]:
-        """Stream a request's output, one :class:`Delta` per step that emitted tokens.
+    ) -> RequestStream:
+        """Start a request and return its :class:`RequestStream`: iterate it for one
+        :class:`Delta` per step that emitted tokens.
+
+        Use it as an async context manager, so that leaving the block (``break``, an
+        exception, cancellation) aborts the request at once and frees its KV blocks::
+
+            async with rt.generate(prompt, params) as stream:
+                async for delta in stream:
+                    ...
+
+        ``async for delta in rt.generate(...)`` works too, but a stream left unfinished
+        and still referenced (``break`` out of a loop over a variable) keeps generating
+        until ``await stream.aclose()`` or until it is garbage-collected.
 
         ``delta.text`` holds complete characters only. With ``params.stop`` strings, the
         last ``max(len(stop)) - 1`` characters are held back until the next step (or the
         finish), so text a stop string later cuts is never streamed. ``delta.logprobs``
         has one entry per token when ``params.logprobs`` is set.
 
-        Raises :class:`InvalidRequest` for a bad prompt or parameters. If the caller
-        stops iterating or is cancelled, the request is aborted and its blocks freed.
+        The request is checked and submitted when the stream is entered or first
+        iterated: that raises :class:`InvalidRequest` for a bad prompt, parameters or
+        request id (floats and bools are not token ids), and ``RuntimeError`` once the
+        runtime has shut down.
         """
-        if self._closed or self._control is None:
-            raise RuntimeError("the runtime is not running")
-        params = params or SamplingParams()
-        params.validate(self.loaded.config.vocab_size)
-        prompt_ids = self._prompt_ids(prompt)
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams:
-            raise InvalidRequest(f"request_id: {request_id!r} is already running")
-        spec = self.config.speculative.enabled if params.speculative is None else (
-            params.speculative and self.config.speculative.enabled)
-        eos = self.loaded.config.eos_token_id
-        stops = list(params.stop_token_ids) + ([eos] if eos is not None and not params.ignore_eos else [])
-        seq_id = next(self._ids)
-        send, receive = trio.open_memory_channel[Delta | SeqResult](math.inf)
-        self._streams[request_id] = send
-        self._seq_ids[request_id] = seq_id
-        self._control.send_nowait(NewRequest(seq_id=seq_id, request_id=request_id, prompt_ids=prompt_ids,
-                                             params=params, eos_token_ids=stops, speculative=spec))
-        detok = self.tokenizer.stream()
+        return RequestStream(self, prompt, params, request_id)
+
+    def _shutdown(self, reason: str) -> None:
+        """End every stream with a final abort delta (``abort_reason=reason``) and abort
+        its request; refuse new requests from now on. Calling it again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        for rid, stream in list(self._streams.items()):
+            stream.send_nowait(Delta(request_id=rid, token_ids=[], text="", finished=True,
+                                     finish_reason="abort", abort_reason=reason))
+            self._send_abort(rid, reason)
+
+
+class RequestStream:
+    """The output of one request, as :meth:`Runtime.generate` returns it: an async
+    iterator of :class:`Delta`, and an async context manager whose exit (like
+    :meth:`aclose`) aborts the request if it has not finished."""
+
+    def __init__(
+        self, runtime: Runtime, prompt: object, params: object, request_id: str | None
+    ) -> None:
+        self._receive: trio.MemoryReceiveChannel[Delta | SeqResult] | None = None
+        self._done = False  # finished, or closed by the consumer
+        self._rt = runtime
+        self._prompt, self._params = prompt, params
+        # Known from the start, so a caller can abort by id; checked when the stream starts.
+        self._request_id: str = uuid.uuid4().hex if request_id is None else request_id
+        self._token = trio.lowlevel.current_trio_token()
+        self._seq_id = -1
+        self._detok = runtime.tokenizer.stream()
+        self._pending = ""  # text decoded but not yet streamed
+        self._sent = 0  # characters streamed
+        self._hold = 0
+
+    @property
+    def request_id(self) -> str:
+        """The request's id: the one given to :meth:`Runtime.generate`, or a fresh one."""
+        return self._request_id
+
+    @property
+    def finished(self) -> bool:
+        """Whether the stream has ended (its final delta was returned, or it was closed)."""
+        return self._done
+
+    def _start(self) -> None:
+        if self._receive is not None or self._done:
+            return
+        ids, params, rid = self._rt._prepare(self._prompt, self._params, self._request_id)
+        self._seq_id, self._receive = self._rt._submit(ids, params, rid)
+        self._params, self._prompt = params, None
         # With stop strings, hold back the text a stop string completed later could still
         # cut: at most the longest stop string minus one character.
-        hold = max((len(s) for s in params.stop), default=1) - 1
-        pending, sent = "", 0
-        done = False
+        self._hold = max((len(s) for s in params.stop), default=1) - 1
+
+    async def __aenter__(self) -> RequestStream:
+        await trio.lowlevel.checkpoint()  # before starting: a cancelled entry submits nothing
+        self._start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        self._start()
+        if self._done:
+            raise StopAsyncIteration
+        assert self._receive is not None
         try:
-            async for item in receive:
-                if isinstance(item, Delta):
-                    done = True
-                    yield item
-                    return
-                pending += detok.push(item.token_ids)
-                done = item.finish_reason is not None
-                if done:
-                    pending += detok.flush()
-                    self._seq_ids.pop(request_id, None)
-                if item.text_len is not None:
-                    pending = pending[: max(0, item.text_len - sent)]
-                keep = 0 if done else min(hold, len(pending))
-                text, pending = pending[: len(pending) - keep], pending[len(pending) - keep :]
-                sent += len(text)
-                yield Delta(request_id=request_id, token_ids=item.token_ids, text=text, finished=done,
-                            finish_reason=item.finish_reason, num_drafts=item.num_drafts,
-                            num_accepted=item.num_accepted, logprobs=item.logprobs)
-                if done:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not done:
-                self._send_abort(request_id, "consumer went away")
+            item = await self._receive.receive()
+        except BaseException:  # cancelled while waiting: the consumer is gone
+            self.close()
+            raise
+        return self._on_item(item)
+
+    def _on_item(self, item: Delta | SeqResult) -> Delta:
+        rid = self._request_id
+        if isinstance(item, Delta):  # aborted or shut down; the abort is already sent
+            self._done = True
+            self._rt._release(rid, self._seq_id, None)
+            return item
+        self._pending += self._detok.push(item.token_ids)
+        done = item.finish_reason is not None
+        if done:
+            self._pending += self._detok.flush()
+            self._done = True
+            self._rt._release(rid, self._seq_id, None)
+        if item.text_len is not None:
+            self._pending = self._pending[: max(0, item.text_len - self._sent)]
+        keep = 0 if done else min(self._hold, len(self._pending))
+        cut = len(self._pending) - keep
+        text, self._pending = self._pending[:cut], self._pending[cut:]
+        self._sent += len(text)
+        return Delta(request_id=rid, token_ids=item.token_ids, text=text, finished=done,
+                     finish_reason=item.finish_reason, num_drafts=item.num_drafts,
+                     num_accepted=item.num_accepted, logprobs=item.logprobs)
+
+    def close(self, reason: str = "consumer went away") -> None:
+        """Stop the stream now: if its request has not finished, abort it (its KV blocks
+        are freed at the next plan). Later iteration ends at once. Idempotent."""
+        if self._done:
+            return
+        self._done = True
+        if self._receive is not None:
+            self._rt._release(self._request_id, self._seq_id, reason)
+
+    async def aclose(self) -> None:
+        """:meth:`close`, as the async iterator protocol names it."""
+        self.close()
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    def __del__(self) -> None:
+        # A stream dropped unfinished (no ``async with``, no aclose) aborts its request.
+        # The finaliser may run at any point, so the abort is handed to the Trio loop.
+        if self._done or self._receive is None:
+            return
+        try:
+            self._token.run_sync_soon(
+                self._rt._release, self._request_id, self._seq_id, "consumer went away"
+            )
+        except trio.RunFinishedError:
+            pass
 
 
 @asynccontextmanager
@@ -304,7 +439,8 @@ async def open_runtime(
     rt = Runtime(config, loaded, encoded_channels)
     if warmup:
         seconds = await trio.to_thread.run_sync(
-            rt.workspace.warmup, config.warmup_num_tokens(), config.max_model_len, limiter=rt._limiter
+            rt.workspace.warmup, config.warmup_num_tokens(), config.max_model_len,
+            limiter=rt._limiter,
         )
         log.info("warm-up pass done", tokens=config.warmup_num_tokens(), seconds=round(seconds, 3))
     async with trio.open_nursery() as nursery:

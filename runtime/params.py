@@ -1,4 +1,14 @@
-"""Per-request sampling parameters (a msgspec Struct, so it travels on the wire unchanged).
+"""Per-request sampling parameters and the one home of every request-validation rule.
+
+:class:`SamplingParams` is a msgspec Struct, so it travels on the wire unchanged. Its
+type and range rules are msgspec ``Meta`` constraints on the fields; the rules no
+constraint can state (finite floats, ``min_tokens <= max_tokens``, the vocabulary, an
+empty or over-long prompt) are in :func:`check_params` and :func:`check_prompt`. The
+embedding API (:meth:`spectrio.Runtime.generate`) and the wire codec
+(:func:`spectrio.wire.codec.decode_request` and :func:`~spectrio.wire.codec.check_submit`)
+both go through this module, so a bad field gets the same :class:`InvalidRequest` text
+("``<field>: <rule>, got <value>``") on either path. The rule text is rendered from the
+constraints themselves (:func:`field_rule`), so it cannot drift from them.
 
 Semantics follow vLLM where they overlap:
 
@@ -22,41 +32,113 @@ Semantics follow vLLM where they overlap:
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
+import numpy as np
+from msgspec import inspect as mi
 
-MAX_LOGPROBS = 20
+__all__ = [
+    "MAX_LOGPROBS",
+    "MAX_REQUEST_ID_LEN",
+    "MAX_TOKEN_ID",
+    "InvalidRequest",
+    "Prompt",
+    "RequestId",
+    "SamplingParams",
+    "TokenId",
+    "check_params",
+    "check_prompt",
+    "check_request_id",
+    "field_rule",
+    "invalid_from_validation_error",
+]
+
+MAX_LOGPROBS: Final = 20
 """Largest ``logprobs`` (top alternatives) a request may ask for."""
+
+MAX_REQUEST_ID_LEN: Final = 128
+"""Longest request id, in characters."""
+
+MAX_TOKEN_ID: Final = 2**31 - 1
+"""Largest token id any request may carry (the step record stores ids as int32)."""
+
+_MAX_SEED: Final = 2**63 - 1
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
+"""A token id: a non-negative int32 (the vocabulary bound is checked by :func:`check_prompt`)."""
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
+Prompt = str | list[TokenId]
+"""Text (tokenised by the runtime) or token ids."""
+
+RefusalCode = Literal[
+    "wrong_type", "invalid_field", "invalid_params", "empty_prompt", "prompt_too_long"
+]
+"""Which class of refusal an :class:`InvalidRequest` is. The values are the wire's
+:class:`spectrio.wire.schema.ErrorCode` values, so the server reports it unchanged."""
 
 
 class InvalidRequest(ValueError):
-    """A request the runtime refuses; the message names the field and the rule."""
+    """A request the runtime refuses. ``str(exc)`` is ``"<field>: <rule>, got <value>"``;
+    ``field`` names the field (``"prompt"``, ``"request_id"`` or a :class:`SamplingParams`
+    field), ``rule`` states what it must be, ``code`` classifies the refusal."""
+
+    def __init__(
+        self,
+        field: str,
+        rule: str | None = None,
+        *,
+        got: object = ...,
+        at: int | None = None,
+        code: RefusalCode = "invalid_field",
+    ) -> None:
+        if rule is None:  # InvalidRequest("field: rule ...") as a plain message
+            field, _, rule = field.partition(": ")
+        message = f"{field}: {rule}"
+        if got is not ...:
+            message += f", got {_show(got)}"
+            if at is not None:
+                message += f" at index {at}"
+        super().__init__(message)
+        self.field = field
+        self.rule = rule
+        self.code: RefusalCode = code
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _show(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+_Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    max_tokens: int = 64  # tokens to emit at most
-    min_tokens: int = 0  # EOS / stop tokens / stop strings cannot end the request before this many
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0 or -1: off
-    top_p: float = 1.0  # nucleus mass, in (0, 1]
-    min_p: float = 0.0  # keep tokens with p >= min_p * max p, in [0, 1]
-    seed: int | None = None  # per-request generator; None draws from the runtime's shared one
-    stop: list[str] = []  # stop strings (not included in the output text)
-    stop_token_ids: list[int] = []  # stop tokens (included in the output tokens)
+    """Sampling parameters of one request. Construction does not validate: the runtime
+    and the wire codec do (:func:`check_params`), with the constraints declared here."""
+
+    # tokens to emit at most
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 64
+    # EOS / stop tokens / stop strings cannot end the request before this many
+    min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    temperature: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # 0: greedy
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] = 0  # 0 or -1: off
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0  # nucleus mass
+    min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0  # keep p >= min_p * max p
+    # per-request generator; None draws from the runtime's shared one
+    seed: Annotated[int, msgspec.Meta(ge=0, le=_MAX_SEED)] | None = None
+    # stop strings (not included in the output text)
+    stop: list[Annotated[str, msgspec.Meta(min_length=1)]] = []
+    stop_token_ids: list[TokenId] = []  # stop tokens (included in the output tokens)
     ignore_eos: bool = False
-    repetition_penalty: float = 1.0  # > 0; 1 is off
-    frequency_penalty: float = 0.0  # in [-2, 2]
-    presence_penalty: float = 0.0  # in [-2, 2]
-    logprobs: int | None = None  # top alternatives per emitted token, 0..20
-    logprobs_mode: str = "raw"  # "raw" | "processed"
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0)] = 1.0  # 1 is off
+    frequency_penalty: _Penalty = 0.0
+    presence_penalty: _Penalty = 0.0
+    # top alternatives per emitted token
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs_mode: Literal["raw", "processed"] = "raw"
     speculative: bool | None = None  # None: follow the runtime's configuration
 
     @property
@@ -72,51 +154,231 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         )
 
     def validate(self, vocab_size: int) -> None:
-        """Raise :class:`InvalidRequest` (message ``"<field>: <rule>, got <value>"``)."""
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens: must be an int >= 1, got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        """Raise :class:`InvalidRequest` for a bad field (see :func:`check_params`)."""
+        check_params(self, vocab_size)
+
+
+# ---- rule text, rendered from the constraints ----------------------------------------------
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(value)
+
+
+def _bounds(t: mi.IntType | mi.FloatType) -> str:
+    lo = f"[{_num(t.ge)}" if t.ge is not None else f"({_num(t.gt)}" if t.gt is not None else ""
+    hi = f"{_num(t.le)}]" if t.le is not None else f"{_num(t.lt)})" if t.lt is not None else ""
+    if lo and hi:
+        return f" in {lo}, {hi}"
+    if lo:
+        return (" >= " if lo[0] == "[" else " > ") + lo[1:]
+    if hi:
+        return (" <= " if hi[-1] == "]" else " < ") + hi[:-1]
+    return ""
+
+
+def _describe(t: mi.Type, plural: bool = False) -> str:
+    """English for a msgspec type with its constraints: ``an int in [0, 20]``."""
+    if isinstance(t, mi.IntType):
+        return ("ints" if plural else "an int") + _bounds(t)
+    if isinstance(t, mi.FloatType):
+        return ("finite numbers" if plural else "a finite number") + _bounds(t)
+    if isinstance(t, mi.BoolType):
+        return "bools" if plural else "a bool"
+    if isinstance(t, mi.NoneType):
+        return "None"
+    if isinstance(t, mi.StrType):
+        noun = "strings" if plural else "a string"
+        lo, hi = t.min_length, t.max_length
+        if lo is not None and hi is not None:
+            return f"{noun} of {lo} to {hi} characters"
+        if lo == 1:
+            return "non-empty " + noun if plural else "a non-empty string"
+        if lo is not None:
+            return f"{noun} of at least {lo} characters"
+        return noun
+    if isinstance(t, mi.LiteralType):
+        return " or ".join(repr(v) for v in t.values)
+    if isinstance(t, mi.ListType):
+        return ("lists of " if plural else "a list of ") + _describe(t.item_type, plural=True)
+    if isinstance(t, mi.UnionType):
+        # "None or an int in [0, 20]" reads better than "an int in [0, 20] or None".
+        parts = sorted(t.types, key=lambda u: not isinstance(u, mi.NoneType))
+        return " or ".join(_describe(u, plural) for u in parts)
+    return "of the declared type"
+
+
+_PARAM_TYPES: Final[dict[str, mi.Type]] = {
+    f.name: f.type
+    for f in mi.type_info(SamplingParams).fields  # type: ignore[attr-defined]
+}
+_REQUEST_TYPES: Final[dict[str, mi.Type]] = {
+    "prompt": mi.type_info(Prompt),
+    "request_id": mi.type_info(RequestId),
+}
+_FLOAT_PARAMS: Final = tuple(n for n, t in _PARAM_TYPES.items() if isinstance(t, mi.FloatType))
+
+
+def field_rule(field: str) -> str:
+    """The rule of ``field`` (a request field or a :class:`SamplingParams` field) as it
+    appears in an :class:`InvalidRequest`: ``field_rule("top_p")`` is
+    ``"must be a finite number in (0, 1]"``."""
+    t = _PARAM_TYPES.get(field) or _REQUEST_TYPES[field]
+    return "must be " + _describe(t)
+
+
+# ---- msgspec errors -> InvalidRequest -----------------------------------------------------
+
+_ERROR = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]")
+_TYPE_ERROR = re.compile(r"^Expected `[^`]*`, got `[^`]*`$")
+
+
+def _split(exc: msgspec.ValidationError) -> tuple[str, list[str | int]] | None:
+    """msgspec's message as (what went wrong, path steps), or None without a path."""
+    match = _ERROR.match(str(exc))
+    if match is None or match.group("path") is None:
+        return None
+    steps = [name if name else int(index) for name, index in _STEP.findall(match.group("path"))]
+    return match.group("what"), steps
+
+
+def _refusal(
+    what: str, field: str, rest: list[str | int], value: Any, kind: RefusalCode
+) -> InvalidRequest:
+    """The refusal of ``field`` whose value is ``value`` (``...`` if unknown); ``rest``
+    is the path below the field (an index when a list item is bad)."""
+    at = rest[0] if rest and isinstance(rest[0], int) else None
+    if at is not None:
+        if isinstance(value, list) and at < len(value):
+            value = value[at]
+        else:
+            value, at = ..., None
+    code: RefusalCode = "wrong_type" if _TYPE_ERROR.match(what) else kind
+    return InvalidRequest(field, field_rule(field), got=value, at=at, code=code)
+
+
+def invalid_from_validation_error(
+    exc: msgspec.ValidationError, body: Any = ...
+) -> InvalidRequest | None:
+    """Translate msgspec's error for a request body (``$.prompt``, ``$.request_id``,
+    ``$.params.<field>``) into the :class:`InvalidRequest` of the field it names.
+    ``body`` is the body as msgpack decodes it without a type (a dict), used to show the
+    offending value. Returns None when the error names no such field (a missing or
+    unknown field, the type tag, the schema version)."""
+    split = _split(exc)
+    if split is None:
+        return None
+    what, path = split
+    body = body if isinstance(body, dict) else {}
+    if len(path) >= 2 and path[0] == "params" and path[1] in _PARAM_TYPES:
+        params = body.get("params")
+        value = params.get(path[1], ...) if isinstance(params, dict) else ...
+        return _refusal(what, str(path[1]), path[2:], value, "invalid_params")
+    if path and path[0] in _REQUEST_TYPES:
+        return _refusal(what, str(path[0]), path[1:], body.get(path[0], ...), "invalid_field")
+    return None
+
+
+# ---- the checks both paths call -----------------------------------------------------------
+
+
+def check_params(params: object, vocab_size: int) -> SamplingParams:
+    """Check sampling parameters; return them or raise :class:`InvalidRequest`.
+
+    Runs the msgspec conversion the wire decoder runs (the types and ``Meta``
+    constraints above), then the rules no constraint can state: finite floats,
+    ``min_tokens <= max_tokens`` and stop token ids inside the vocabulary."""
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequest("params", "must be a SamplingParams", got=params, code="wrong_type")
+    fields = msgspec.structs.asdict(params)
+    try:
+        msgspec.convert(fields, SamplingParams)
+    except msgspec.ValidationError as exc:
+        split = _split(exc)
+        if split is None or not split[1] or split[1][0] not in _PARAM_TYPES:
+            raise InvalidRequest("params", str(exc), code="invalid_params") from None
+        what, path = split
+        field = str(path[0])
+        raise _refusal(what, field, path[1:], fields[field], "invalid_params") from None
+    for name in _FLOAT_PARAMS:
+        value = fields[name]
+        if not math.isfinite(value):
+            raise InvalidRequest(name, field_rule(name), got=value, code="invalid_params")
+    if params.min_tokens > params.max_tokens:
+        raise InvalidRequest(
+            "min_tokens",
+            f"must be at most max_tokens ({params.max_tokens})",
+            got=params.min_tokens,
+            code="invalid_params",
+        )
+    for i, tok in enumerate(params.stop_token_ids):
+        if tok >= vocab_size:
             raise InvalidRequest(
-                f"min_tokens: must be an int in [0, max_tokens], got {self.min_tokens!r}"
+                "stop_token_ids",
+                f"must be token ids below the vocabulary size {vocab_size}",
+                got=tok,
+                at=i,
+                code="invalid_params",
             )
-        if not _is_number(self.temperature) or self.temperature < 0:
+    return params
+
+
+def check_request_id(request_id: object) -> str:
+    """Check a request id (1 to 128 characters); return it or raise :class:`InvalidRequest`."""
+    try:
+        return msgspec.convert(request_id, RequestId)
+    except msgspec.ValidationError as exc:
+        split = _split(exc)
+        what = split[0] if split else str(exc)
+        raise _refusal(what, "request_id", [], request_id, "invalid_field") from None
+
+
+def _as_id_list(prompt: object) -> list[Any]:
+    """Token ids given as a list, tuple or NumPy array, as a plain list whose items are
+    still unchecked. NumPy integers become ints; floats and bools stay what they are, so
+    the check refuses them."""
+    if isinstance(prompt, np.ndarray) and prompt.ndim == 1:
+        return list(prompt.tolist())
+    if isinstance(prompt, list | tuple):
+        return [t.item() if isinstance(t, np.integer) else t for t in prompt]
+    raise InvalidRequest("prompt", field_rule("prompt"), got=prompt, code="wrong_type")
+
+
+def check_prompt(
+    prompt: object,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    tokenize: Callable[[str], Sequence[int]],
+) -> list[int]:
+    """Check a prompt (text, or token ids) and return its token ids, or raise
+    :class:`InvalidRequest`: ``wrong_type`` (not text or ints; floats and bools are not
+    token ids), ``invalid_field`` (an id outside ``[0, 2^31 - 1]`` or the vocabulary),
+    ``empty_prompt``, or ``prompt_too_long`` (no room left under ``max_model_len``)."""
+    if isinstance(prompt, str):
+        ids = list(tokenize(prompt)) if prompt else []
+    else:
+        items = _as_id_list(prompt)
+        try:
+            ids = msgspec.convert(items, list[TokenId])
+        except msgspec.ValidationError as exc:
+            what, path = _split(exc) or (str(exc), [])
+            raise _refusal(what, "prompt", path, items, "invalid_field") from None
+        bad = next((i for i, t in enumerate(ids) if t >= vocab_size), None)
+        if bad is not None:
             raise InvalidRequest(
-                f"temperature: must be a finite number >= 0, got {self.temperature!r}"
+                "prompt",
+                f"must be token ids below the vocabulary size {vocab_size}",
+                got=ids[bad],
+                at=bad,
             )
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise InvalidRequest(f"top_k: must be -1, 0 (off) or an int >= 1, got {self.top_k!r}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise InvalidRequest(f"top_p: must be in (0, 1], got {self.top_p!r}")
-        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
-            raise InvalidRequest(f"min_p: must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
-            raise InvalidRequest(f"seed: must be None or an int in [0, 2**63), got {self.seed!r}")
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise InvalidRequest(f"stop: must be a list of non-empty strings, got {self.stop!r}")
-        for tok in self.stop_token_ids:
-            if not _is_int(tok) or not 0 <= tok < vocab_size:
-                raise InvalidRequest(
-                    f"stop_token_ids: {tok!r} is outside the vocabulary [0, {vocab_size})"
-                )
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequest(f"ignore_eos: must be a bool, got {self.ignore_eos!r}")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise InvalidRequest(
-                f"repetition_penalty: must be > 0, got {self.repetition_penalty!r}"
-            )
-        for name in ("frequency_penalty", "presence_penalty"):
-            value = getattr(self, name)
-            if not _is_number(value) or not -2 <= value <= 2:
-                raise InvalidRequest(f"{name}: must be in [-2, 2], got {value!r}")
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise InvalidRequest(
-                f"logprobs: must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
-            )
-        if self.logprobs_mode not in ("raw", "processed"):
-            raise InvalidRequest(
-                f"logprobs_mode: must be 'raw' or 'processed', got {self.logprobs_mode!r}"
-            )
-        if self.speculative is not None and not isinstance(self.speculative, bool):
-            raise InvalidRequest(f"speculative: must be None or a bool, got {self.speculative!r}")
+    if not ids:
+        raise InvalidRequest("prompt", "must not be empty", code="empty_prompt")
+    if len(ids) >= max_model_len:
+        raise InvalidRequest(
+            "prompt",
+            f"{len(ids)} tokens leave no room under max_model_len={max_model_len}",
+            code="prompt_too_long",
+        )
+    return ids

@@ -23,42 +23,30 @@ from spectrio.models import TextTokenizer
 
 __all__ = ["StopStringMatcher", "Truncation", "truncate_run"]
 
-_REPLACEMENT = "\ufffd"
-
-
 class StopStringMatcher:
     """Finds stop strings in a request's output text as tokens arrive.
 
-    State is small: a window of the last few token ids (the ones whose text may still
-    be incomplete) and the last ``max(len(stop)) - 1`` characters of text. Text is
-    decoded incrementally like vLLM's detokenizer: a window is decoded and compared
-    with its already-read prefix; a window whose text ends in an incomplete UTF-8
-    character waits for the next token.
+    The text comes from the tokenizer's incremental detokenizer
+    (:meth:`TextTokenizer.stream`), the one the embedding API and the wire client stream
+    text with, so a cut position counts exactly the characters they stream. A token
+    whose text ends in an incomplete UTF-8 character adds no text until a later token
+    completes it. Besides the detokenizer, the state is the last
+    ``max(len(stop)) - 1`` characters of text.
     """
 
     def __init__(self, tokenizer: TextTokenizer, stop: Sequence[str]) -> None:
         if not stop or not all(stop):
             raise ValueError("stop strings must be non-empty")
-        self._tok = tokenizer
+        self._detok = tokenizer.stream()
         self._stop = list(stop)
         self._keep = max(len(s) for s in self._stop) - 1
-        self._ids: list[int] = []  # window: text of ids[:read] is already counted
-        self._read = 0
         self._tail = ""  # last <= keep characters of the text so far
         self.num_chars = 0  # characters of complete text so far
 
     def push(self, token_id: int) -> int | None:
         """Add one token. If it completes a stop string, return the output text's length
         when cut right before that string (the earliest-ending match wins), else None."""
-        self._ids.append(int(token_id))
-        window = self._tok.decode(self._ids)
-        if window.endswith(_REPLACEMENT):
-            return None  # an incomplete character: wait for more bytes
-        delta = window[len(self._tok.decode(self._ids[: self._read])) :] if self._read else window
-        # The tokens just read stay as the next window's context (some decoders treat
-        # the first token of a sequence specially), the older ones are done with.
-        self._ids = self._ids[self._read :]
-        self._read = len(self._ids)
+        delta = self._detok.push([token_id])
         if not delta:
             return None
         text = self._tail + delta

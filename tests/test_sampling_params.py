@@ -63,6 +63,13 @@ def test_a_fully_specified_request_is_valid() -> None:
         {"logprobs": -1},
         {"logprobs_mode": "logits"},
         {"speculative": 1},
+        {"max_tokens": "9"},
+        {"temperature": float("inf")},
+        {"repetition_penalty": float("inf")},
+        {"stop": [1]},
+        {"stop_token_ids": [1.0]},
+        {"seed": 2**63},
+        {"ignore_eos": 0},
     ],
     ids=lambda f: "-".join(f"{k}={v!r}" for k, v in f.items()),
 )
@@ -74,8 +81,26 @@ def test_invalid_values_name_their_field(fields: dict[str, object]) -> None:
 
 
 def test_top_p_message() -> None:
-    with pytest.raises(InvalidRequest, match=r"^top_p: must be in \(0, 1\], got 1.5$"):
+    rule = r"^top_p: must be a finite number in \(0, 1\], got 1.5$"
+    with pytest.raises(InvalidRequest, match=rule):
         SamplingParams(top_p=1.5).validate(VOCAB)
+
+
+def test_refusals_carry_field_rule_and_class() -> None:
+    with pytest.raises(InvalidRequest) as err:
+        SamplingParams(stop_token_ids=[3, VOCAB]).validate(VOCAB)
+    assert (err.value.field, err.value.code) == ("stop_token_ids", "invalid_params")
+    assert str(err.value) == (
+        f"stop_token_ids: must be token ids below the vocabulary size {VOCAB}, "
+        f"got {VOCAB} at index 1"
+    )
+    with pytest.raises(InvalidRequest) as err:
+        SamplingParams(max_tokens=2.0).validate(VOCAB)  # type: ignore[arg-type]
+    assert (err.value.field, err.value.rule, err.value.code) == (
+        "max_tokens", "must be an int >= 1", "wrong_type"
+    )
+    # A plain message still works, for code that raises it by hand.
+    assert InvalidRequest("prompt: must not be empty").field == "prompt"
 
 
 def test_round_trips_through_msgpack_and_refuses_unknown_fields() -> None:

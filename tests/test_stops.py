@@ -121,3 +121,20 @@ def test_truncate_run_cuts_at_stop_string_and_respects_min_tokens(tok: TextToken
 def test_matcher_rejects_empty_stop_strings(tok: TextTokenizer) -> None:
     with pytest.raises(ValueError):
         StopStringMatcher(tok, [""])
+
+
+def test_stop_string_across_a_split_multibyte_character(tok: TextTokenizer) -> None:
+    """" —" spans a token holding the space and the dash's first bytes, and the next token
+    holding its last byte: the stop completes on the second and the text is cut before it."""
+    text = "a = 1 — b = 2\n"
+    ids = tok.encode(text)
+    split = next(j for j, t in enumerate(ids) if tok.decode([t]) == " \ufffd")
+    for stop in (" —", "—", "1 — b"):
+        got = feed(StopStringMatcher(tok, [stop]), ids)
+        end = text.find(stop) + len(stop)
+        assert got == (first_token_containing(tok, ids, end), text.find(stop)), stop
+        assert got[0] >= split + 1  # type: ignore[index]
+    # A stop string ending in the complete part of the split token completes only once the
+    # character after it is whole: the matcher sees the text the client streams.
+    got = feed(StopStringMatcher(tok, ["1 "]), ids)
+    assert got == (split + 1, text.find("1 "))

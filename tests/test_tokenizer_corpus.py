@@ -76,3 +76,57 @@ def test_incremental_detokenizer_equals_a_full_decode_on_held_out_files(tok: Tex
             pos += step
         out.append(stream.flush())
         assert "".join(out) == tok.decode(ids) == stream.text
+
+
+# ---- issue 9 item 14: one incremental detokenizer ----------------------------------------
+
+# " —" is one token for the space and the first two bytes of the dash, then one for its
+# last byte: a token whose text is a complete character followed by an incomplete one.
+SPLIT_DASH = "x = 'a — b', y = \"世界 🚀\"\n"
+
+
+def test_the_stop_matcher_and_the_streamed_text_agree_token_by_token(tok: TextTokenizer) -> None:
+    from spectrio.stages.stops import StopStringMatcher
+
+    ids = tok.encode(SPLIT_DASH * 3)
+    assert any(tok.decode([t]).endswith("\ufffd") and tok.decode([t]).strip("\ufffd") for t in ids)
+    matcher = StopStringMatcher(tok, ["never in this text"])
+    stream = tok.stream()
+    for t in ids:
+        assert matcher.push(t) is None
+        stream.push([t])
+        assert matcher.num_chars == len(stream.text), (t, stream.text)
+    assert stream.text == tok.decode(ids)
+
+
+def test_streamed_text_equals_decode_for_any_tokens(tok: TextTokenizer) -> None:
+    """Random ids (single bytes of broken UTF-8 included), pushed in random steps: the
+    text streamed plus the flush equals one decode of all ids, and nothing but the flush
+    ever ends in a held-back partial character."""
+    import random
+
+    rng = random.Random(9)
+    byte_tokens = [i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd"]
+    assert len(byte_tokens) > 50
+    for _ in range(300):
+        ids = [rng.choice(byte_tokens) if rng.random() < 0.4 else rng.randrange(tok.vocab_size)
+               for _ in range(rng.randint(1, 40))]
+        stream = tok.stream()
+        pos, out = 0, []
+        while pos < len(ids):
+            step = rng.randint(1, 4)
+            out.append(stream.push(ids[pos : pos + step]))
+            pos += step
+        out.append(stream.flush())
+        assert "".join(out) == tok.decode(ids) == stream.text, ids
+        assert stream.flush() == ""
+
+
+def test_the_detokenizer_is_tokenizers_decode_stream(tok: TextTokenizer) -> None:
+    from tokenizers.decoders import DecodeStream
+
+    from spectrio.stages.stops import StopStringMatcher
+
+    stream = tok.stream()
+    assert isinstance(stream._stream, DecodeStream)
+    assert isinstance(StopStringMatcher(tok, ["x"])._detok, type(stream))

@@ -48,13 +48,32 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "wire.md"
 
 # The pin: one fingerprint per schema version. Changing any wire message changes the
 # fingerprint; then bump SCHEMA_VERSION and record the new fingerprint under it.
+# v1 was re-pinned, not bumped, for two additions that change no valid request: the
+# `duplicate_key` error code (for frames whose meaning was ambiguous), and the ranges of
+# SamplingParams as msgspec constraints (values the server refused after decoding, with
+# the same code, before).
 PINNED_FINGERPRINTS = {
-    1: "232ac1639489e1b1a29ca79ba846247746bd7c011c76660572857918db980642",
+    1: "b21ade5251671c646859a2a75cc2b7f2206f905fd2d46d056fdfc1a0336db75c",
 }
 
 
 def mp(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
+
+
+class Encoded(bytes):
+    """A value already encoded as msgpack."""
+
+
+def map_with_pairs(pairs: list[tuple[str, Any]]) -> Encoded:
+    """A msgpack map written pair by pair, so a key may repeat (map16 above 15 pairs)."""
+    n = len(pairs)
+    head = bytes([0x80 | n]) if n < 16 else b"\xde" + n.to_bytes(2, "big")
+    body = b"".join(mp(k) + (v if isinstance(v, Encoded) else mp(v)) for k, v in pairs)
+    return Encoded(head + body)
+
+
+SUBMIT_PAIRS = [("type", "submit"), ("v", 1), ("request_id", "r1"), ("prompt", [1, 2, 3])]
 
 
 def submit_map(**over: Any) -> dict[str, Any]:
@@ -201,7 +220,67 @@ MALFORMED: list[tuple[str, bytes, ErrorCode, str | None]] = [
     ("over-long request id", mp(submit_map(request_id="x" * 129)), ErrorCode.INVALID_FIELD, None),
     ("negative token id", mp(submit_map(prompt=[4, -1])), ErrorCode.INVALID_FIELD, "r1"),
     ("token id beyond int32", mp(submit_map(prompt=[2**31])), ErrorCode.INVALID_FIELD, "r1"),
+    ("float token id", mp(submit_map(prompt=[4, 2.0])), ErrorCode.WRONG_TYPE, "r1"),
+    ("bool token id", mp(submit_map(prompt=[True])), ErrorCode.WRONG_TYPE, "r1"),
+    ("param out of range", mp(submit_map(params={"top_p": 1.5})), ErrorCode.INVALID_PARAMS, "r1"),
+    # A repeated key: msgspec would keep the last value, other libraries the first.
+    (
+        "duplicate type key",
+        map_with_pairs([("type", "ping"), *SUBMIT_PAIRS]),
+        ErrorCode.DUPLICATE_KEY,
+        "r1",
+    ),
+    (
+        "duplicate request id",
+        map_with_pairs([*SUBMIT_PAIRS, ("request_id", "r2")]),
+        ErrorCode.DUPLICATE_KEY,
+        None,
+    ),
+    (
+        "duplicate key, same value",
+        map_with_pairs([*SUBMIT_PAIRS, ("prompt", [1, 2, 3])]),
+        ErrorCode.DUPLICATE_KEY,
+        "r1",
+    ),
+    (
+        "duplicate key in params",
+        map_with_pairs(
+            [*SUBMIT_PAIRS, ("params", map_with_pairs([("max_tokens", 2), ("max_tokens", 900)]))]
+        ),
+        ErrorCode.DUPLICATE_KEY,
+        "r1",
+    ),
+    (
+        "duplicate key in a map16",
+        map_with_pairs([*SUBMIT_PAIRS, *[(f"k{i}", i) for i in range(14)], ("k3", 3)]),
+        ErrorCode.DUPLICATE_KEY,
+        "r1",
+    ),
+    (
+        "duplicate key, other schema",
+        map_with_pairs([("type", "ping"), ("v", 2), ("type", "ping")]),
+        ErrorCode.SCHEMA_VERSION,
+        None,
+    ),
 ]
+
+
+@pytest.mark.parametrize(
+    ("frame", "key"),
+    [
+        (map_with_pairs([("type", "ping"), *SUBMIT_PAIRS]), "'type'"),
+        (map_with_pairs([*SUBMIT_PAIRS, ("request_id", "r1")]), "'request_id'"),
+        (
+            map_with_pairs([*SUBMIT_PAIRS, ("params", map_with_pairs([("seed", 1), ("seed", 2)]))]),
+            "'params.seed'",
+        ),
+    ],
+)
+def test_a_duplicate_key_is_named(frame: bytes, key: str) -> None:
+    with pytest.raises(WireError) as info:
+        decode_request(frame)
+    assert info.value.code is ErrorCode.DUPLICATE_KEY
+    assert info.value.reason == f"key {key} appears more than once"
 
 
 @pytest.mark.parametrize(
@@ -242,15 +321,15 @@ class _Tok:
 @pytest.mark.parametrize(
     ("fields", "code", "reason"),
     [
-        ({"params": {"temperature": -1.0}}, ErrorCode.INVALID_PARAMS, "temperature:"),
-        ({"params": {"logprobs": 21}}, ErrorCode.INVALID_PARAMS, "logprobs:"),
         ({"params": {"stop_token_ids": [50]}}, ErrorCode.INVALID_PARAMS, "stop_token_ids:"),
+        ({"params": {"min_tokens": 9, "max_tokens": 4}}, ErrorCode.INVALID_PARAMS, "min_tokens:"),
+        ({"params": {"temperature": float("inf")}}, ErrorCode.INVALID_PARAMS, "temperature:"),
         ({"prompt": []}, ErrorCode.EMPTY_PROMPT, "prompt:"),
         ({"prompt": ""}, ErrorCode.EMPTY_PROMPT, "prompt:"),
         ({"prompt": "   "}, ErrorCode.EMPTY_PROMPT, "prompt:"),
         ({"prompt": list(range(10))}, ErrorCode.PROMPT_TOO_LONG, "max_model_len=10"),
         ({"prompt": "abcdefghij"}, ErrorCode.PROMPT_TOO_LONG, "max_model_len=10"),
-        ({"prompt": [1, 50]}, ErrorCode.INVALID_FIELD, "token id 50"),
+        ({"prompt": [1, 50]}, ErrorCode.INVALID_FIELD, "below the vocabulary size 50, got 50"),
     ],
 )
 def test_server_side_submit_checks(fields: dict[str, Any], code: ErrorCode, reason: str) -> None:
@@ -260,6 +339,24 @@ def test_server_side_submit_checks(fields: dict[str, Any], code: ErrorCode, reas
         check_submit(sub, vocab_size=50, max_model_len=10, tokenize=_Tok().encode)
     assert info.value.code is code and reason in info.value.reason
     assert info.value.request_id == "r1"
+
+
+@pytest.mark.parametrize(
+    ("params", "reason"),
+    [
+        ({"temperature": -1.0}, "temperature: must be a finite number >= 0, got -1.0"),
+        ({"logprobs": 21}, "logprobs: must be None or an int in [0, 20], got 21"),
+        ({"stop": ["a", ""]}, "stop: must be a list of non-empty strings, got '' at index 1"),
+    ],
+)
+def test_params_out_of_range_are_refused_while_decoding(
+    params: dict[str, Any], reason: str
+) -> None:
+    with pytest.raises(WireError) as info:
+        decode_request(mp(submit_map(params=params)))
+    assert (info.value.code, info.value.reason, info.value.request_id) == (
+        ErrorCode.INVALID_PARAMS, reason, "r1"
+    )
 
 
 def test_server_side_submit_checks_pass_good_prompts() -> None:
@@ -363,6 +460,45 @@ def test_fuzz_decode_request_raises_only_wire_errors() -> None:
     run()
     assert seen[0] >= 10_000
     assert seen[1] > seen[0] // 2  # the generator really produces malformed frames
+
+
+def test_fuzz_repeated_keys_are_always_refused_and_named() -> None:
+    """Maps written pair by pair, with keys drawn from a small set so they often repeat,
+    at the top level and in nested maps (``params``): a frame with a repeated key is
+    always refused with ``duplicate_key`` naming a repeated key (or, first, with
+    ``schema_version``); one without never is."""
+    keys = st.sampled_from(["type", "v", "request_id", "prompt", "params", "x"])
+    param_keys = st.sampled_from(["max_tokens", "seed", "stop", "y"])
+    leaves = st.sampled_from(["submit", "ping", 1, 2, "r1", [1, 2], ["a"], None])
+    params = st.lists(st.tuples(param_keys, leaves), max_size=4)
+
+    @settings(max_examples=400, deadline=None, derandomize=True)
+    @given(st.lists(st.tuples(keys, leaves | params), min_size=1, max_size=7))
+    def run(pairs: list[tuple[str, Any]]) -> None:
+        def encode_value(v: Any) -> Any:
+            if isinstance(v, list) and v and isinstance(v[0], tuple):
+                return map_with_pairs(v)
+            return v
+
+        frame = map_with_pairs([(k, encode_value(v)) for k, v in pairs])
+        top = [k for k, _ in pairs]
+        repeated = {k for k in top if top.count(k) > 1}
+        for k, v in pairs:  # a map nested in the request (params, or a wrong spot)
+            if isinstance(v, list) and v and isinstance(v[0], tuple):
+                inner = [pk for pk, _ in v]
+                repeated |= {f"{k}.{pk}" for pk in inner if inner.count(pk) > 1}
+        try:
+            decode_request(frame)
+        except WireError as exc:
+            if exc.code is ErrorCode.DUPLICATE_KEY:
+                named = exc.reason.split("'")[1]
+                assert named in repeated, (named, repeated)
+                return
+            assert exc.code is ErrorCode.SCHEMA_VERSION or not repeated, (exc.code, repeated)
+            return
+        assert not repeated
+
+    run()
 
 
 # ---- output: envelope, sequence numbers, the documented example ---------------------------

@@ -10,7 +10,12 @@ Two halves, usable separately:
   :class:`SequenceGap` on a missing or repeated token) and detokenises incrementally.
 
 :class:`AsyncClient` is the Trio API (each socket is owned by one task at a time, enforced
-by a lock); :class:`Client` is the synchronous API over blocking pyzmq calls.
+by a lock); :class:`Client` is the synchronous API over blocking pyzmq calls. Both bound
+every wait, for a reply and for the next step message, by ``timeout_s`` (60 s by default)
+and raise :class:`ClientTimeout` when it passes: a server that died (even by SIGKILL) or
+stopped answering never hangs a client. A call that timed out, or was cancelled, while
+waiting for its reply reconnects the request socket, so its late reply can never be
+taken for the reply of a later call.
 
 Note that a PUSH socket deals messages round-robin over its connected PULL peers, so one
 process should read the outputs; other clients may submit requests only.
@@ -19,25 +24,29 @@ process should read the outputs; other clients may submit requests only.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Final
 
 import msgspec
 import trio
 import zmq
+
 from spectrio.models import BUNDLED_DIR, TextTokenizer
 from spectrio.models.tokenizer import IncrementalDetokenizer
 from spectrio.runtime.params import SamplingParams
-from spectrio.wire.curve import CurveClientKeys
 from spectrio.wire.codec import decode_reply, decode_step, encode
+from spectrio.wire.curve import CurveClientKeys
 from spectrio.wire.schema import SCHEMA_VERSION, Abort, Ack, Error, Ping, Submit
 from spectrio.wire.zmq_transport import TrioSocket, open_socket
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "AsyncClient",
     "Chunk",
     "Client",
+    "ClientTimeout",
     "RequestRefused",
     "SequenceGap",
     "StreamAssembler",
@@ -47,6 +56,18 @@ __all__ = [
 
 Context = zmq.Context[zmq.Socket[bytes]]
 Prompt = str | Sequence[int]
+
+DEFAULT_TIMEOUT_S: Final = 60.0
+"""Default bound on every wait of a client, for a reply or for the next step message."""
+
+
+class ClientTimeout(TimeoutError, zmq.Again):  # type: ignore[misc]  # stubs differ on strerror
+    """No reply, or no step message, within the client's ``timeout_s``: the server is
+    gone, stuck, or not reachable. A ``TimeoutError``; also a ``zmq.Again``, which the
+    synchronous client raised before it had this type."""
+
+    def __init__(self, message: str) -> None:
+        TimeoutError.__init__(self, message)
 
 
 class RequestRefused(Exception):
@@ -162,42 +183,76 @@ def _check(frame: bytes) -> Ack:
 
 
 class AsyncClient:
-    """Trio client. Create it with :func:`open_client`."""
+    """Trio client. Create it with :func:`open_client`.
+
+    ``timeout_s`` bounds every wait: for the reply to ``submit``/``abort``/``ping``/
+    ``send_raw`` and for each step message in ``next_chunks``/``chunks``/``collect``.
+    Passing it raises :class:`ClientTimeout`."""
 
     def __init__(
-        self, requests: TrioSocket | None, outputs: TrioSocket | None, assembler: StreamAssembler
+        self,
+        requests: TrioSocket | None,
+        outputs: TrioSocket | None,
+        assembler: StreamAssembler,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        reconnect: Callable[[], TrioSocket] | None = None,
     ) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s: must be > 0, got {timeout_s!r}")
         self._requests = requests
         self._outputs = outputs
         self.assembler = assembler
+        self.timeout_s = timeout_s
+        self._reconnect = reconnect
+        self._closed = False
         self._req_lock = trio.Lock()
         self._out_lock = trio.Lock()
 
-    async def _call(self, frame: bytes) -> Ack:
+    async def _roundtrip(self, frame: bytes) -> bytes:
+        """Send one request frame and wait for its reply frame, within the timeout."""
         if self._requests is None:
             raise RuntimeError("this client has no requests endpoint")
         async with self._req_lock:  # one request in flight: replies come back in order
-            await self._requests.send(frame)
-            return _check(await self._requests.recv())
+            sock = self._requests
+            try:
+                with trio.fail_after(self.timeout_s):
+                    await sock.send(frame)
+                    return await sock.recv()
+            except trio.TooSlowError:
+                self._reset_requests(sock)
+                raise ClientTimeout(
+                    f"no reply from the server within {self.timeout_s:g} s"
+                ) from None
+            except BaseException:
+                # Cancelled (or failed) between the send and the reply: a late reply
+                # must not become the reply of the next call.
+                self._reset_requests(sock)
+                raise
+
+    def _reset_requests(self, sock: TrioSocket) -> None:
+        sock.close()
+        if self._reconnect is not None and not self._closed:
+            self._requests = self._reconnect()
+
+    async def _call(self, frame: bytes) -> Ack:
+        return _check(await self._roundtrip(frame))
 
     async def submit(
         self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
     ) -> str:
         """Submit a request and return its id once acknowledged. Raises
-        :class:`RequestRefused`. The request is followed by this client's assembler."""
+        :class:`RequestRefused` or :class:`ClientTimeout`. The request is followed by this
+        client's assembler."""
         rid = request_id or uuid.uuid4().hex
         self.assembler.follow(rid)
         await self._call(_submit_frame(prompt, params, rid))
         return rid
 
     async def send_raw(self, frame: bytes) -> Ack | Error:
-        """Send any frame as a request and return the reply without raising (for tests
-        and diagnostics)."""
-        if self._requests is None:
-            raise RuntimeError("this client has no requests endpoint")
-        async with self._req_lock:
-            await self._requests.send(frame)
-            return decode_reply(await self._requests.recv())
+        """Send any frame as a request and return the reply without raising on an
+        ``Error`` (for tests and diagnostics). Raises :class:`ClientTimeout`."""
+        return decode_reply(await self._roundtrip(frame))
 
     async def abort(self, request_id: str) -> None:
         await self._call(encode(Abort(v=SCHEMA_VERSION, request_id=request_id)))
@@ -206,20 +261,29 @@ class AsyncClient:
         await self._call(encode(Ping(v=SCHEMA_VERSION)))
 
     async def next_chunks(self) -> list[Chunk]:
-        """Wait for the next step message and return its chunks (possibly empty)."""
+        """Wait for the next step message and return its chunks (possibly empty). Raises
+        :class:`ClientTimeout` if none comes within ``timeout_s``."""
         if self._outputs is None:
             raise RuntimeError("this client has no outputs endpoint")
         async with self._out_lock:
-            return self.assembler.feed(await self._outputs.recv_multipart())
+            try:
+                with trio.fail_after(self.timeout_s):
+                    frames = await self._outputs.recv_multipart()
+            except trio.TooSlowError:
+                raise ClientTimeout(
+                    f"no step message from the server within {self.timeout_s:g} s"
+                ) from None
+            return self.assembler.feed(frames)
 
     async def chunks(self) -> AsyncIterator[Chunk]:
-        """Every chunk of the followed requests, forever."""
+        """Every chunk of the followed requests, until a wait times out."""
         while True:
             for chunk in await self.next_chunks():
                 yield chunk
 
     async def collect(self, request_ids: Sequence[str]) -> dict[str, list[Chunk]]:
-        """Read until every request in ``request_ids`` has finished."""
+        """Read until every request in ``request_ids`` has finished (each wait for a step
+        message is bounded by ``timeout_s``)."""
         pending = set(request_ids)
         out: dict[str, list[Chunk]] = {rid: [] for rid in request_ids}
         while pending:
@@ -231,6 +295,7 @@ class AsyncClient:
         return out
 
     def close(self) -> None:
+        self._closed = True
         for sock in (self._requests, self._outputs):
             if sock is not None:
                 sock.close()
@@ -245,34 +310,47 @@ async def open_client(
     tokenizer: TextTokenizer | None = None,
     context: Context | None = None,
     curve: CurveClientKeys | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> AsyncIterator[AsyncClient]:
     """Connect a Trio client. ``outputs`` is the server's PUSH endpoint, or its PUB tap
-    endpoint with ``tap=True``. Without ``outputs`` the client only submits."""
+    endpoint with ``tap=True``. Without ``outputs`` the client only submits.
+    ``timeout_s`` bounds every wait (:class:`ClientTimeout`)."""
     ctx = context if context is not None else zmq.Context.instance()
     configure = curve.apply if curve is not None else None
-    req = (
-        open_socket(ctx, zmq.DEALER, connect=requests, max_msg_size=None, configure=configure)
-        if requests
-        else None
-    )
+
+    def connect_requests() -> TrioSocket:
+        assert requests is not None
+        return open_socket(
+            ctx, zmq.DEALER, connect=requests, max_msg_size=None, configure=configure
+        )
+
     out: TrioSocket | None = None
+    client: AsyncClient | None = None
+    req = connect_requests() if requests else None
     try:
         if outputs is not None:
+            kind = zmq.SUB if tap else zmq.PULL
             out = open_socket(
-                ctx, zmq.SUB if tap else zmq.PULL, connect=outputs, max_msg_size=None, configure=configure
+                ctx, kind, connect=outputs, max_msg_size=None, configure=configure
             )
             if tap:
                 out.socket.setsockopt(zmq.SUBSCRIBE, b"")
-        client = AsyncClient(req, out, StreamAssembler(tokenizer, track=() if requests else None))
+        client = AsyncClient(
+            req, out, StreamAssembler(tokenizer, track=() if requests else None),
+            timeout_s=timeout_s, reconnect=connect_requests if requests else None,
+        )
         yield client
     finally:
+        if client is not None:
+            client.close()
         for sock in (req, out):
             if sock is not None:
                 sock.close()
 
 
 class Client:
-    """Synchronous client over blocking pyzmq calls (``timeout_s`` bounds every wait).
+    """Synchronous client over blocking pyzmq calls. ``timeout_s`` bounds every wait
+    (:class:`ClientTimeout`, which is also a ``zmq.Again``).
 
     Use as a context manager. Without ``requests`` it follows every request on the
     outputs; with it, only the requests it submitted.
@@ -285,22 +363,20 @@ class Client:
         *,
         tap: bool = False,
         tokenizer: TextTokenizer | None = None,
-        timeout_s: float = 60.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         context: Context | None = None,
         curve: CurveClientKeys | None = None,
     ) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s: must be > 0, got {timeout_s!r}")
         ctx = context if context is not None else zmq.Context.instance()
-        timeout_ms = int(timeout_s * 1000)
+        timeout_ms = max(1, int(timeout_s * 1000))
+        self.timeout_s = timeout_s
+        self._ctx, self._curve, self._requests_ep = ctx, curve, requests
         self._req: zmq.Socket[bytes] | None = None
         self._out: zmq.Socket[bytes] | None = None
         if requests is not None:
-            self._req = ctx.socket(zmq.DEALER)
-            self._req.setsockopt(zmq.LINGER, 0)
-            self._req.setsockopt(zmq.RCVTIMEO, timeout_ms)
-            self._req.setsockopt(zmq.SNDTIMEO, timeout_ms)
-            if curve is not None:
-                curve.apply(self._req)
-            self._req.connect(requests)
+            self._req = self._connect_requests()
         if outputs is not None:
             self._out = ctx.socket(zmq.SUB if tap else zmq.PULL)
             self._out.setsockopt(zmq.LINGER, 0)
@@ -323,11 +399,30 @@ class Client:
             if sock is not None:
                 sock.close(linger=0)
 
+    def _connect_requests(self) -> zmq.Socket[bytes]:
+        assert self._requests_ep is not None
+        timeout_ms = max(1, int(self.timeout_s * 1000))
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+        sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+        if self._curve is not None:
+            self._curve.apply(sock)
+        sock.connect(self._requests_ep)
+        return sock
+
     def _call(self, frame: bytes) -> Ack:
         if self._req is None:
             raise RuntimeError("this client has no requests endpoint")
-        self._req.send(frame)
-        return _check(self._req.recv())
+        try:
+            self._req.send(frame)
+            reply = self._req.recv()
+        except zmq.Again:
+            # Reconnect, so a late reply is never read as the reply of a later call.
+            self._req.close(linger=0)
+            self._req = self._connect_requests()
+            raise ClientTimeout(f"no reply from the server within {self.timeout_s:g} s") from None
+        return _check(reply)
 
     def submit(
         self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
@@ -344,10 +439,16 @@ class Client:
         self._call(encode(Ping(v=SCHEMA_VERSION)))
 
     def next_chunks(self) -> list[Chunk]:
-        """Block for the next step message (``zmq.Again`` after ``timeout_s``)."""
+        """Block for the next step message (:class:`ClientTimeout` after ``timeout_s``)."""
         if self._out is None:
             raise RuntimeError("this client has no outputs endpoint")
-        return self.assembler.feed(self._out.recv_multipart())
+        try:
+            frames = self._out.recv_multipart()
+        except zmq.Again:
+            raise ClientTimeout(
+                f"no step message from the server within {self.timeout_s:g} s"
+            ) from None
+        return self.assembler.feed(frames)
 
     def stream(self, request_id: str) -> Iterator[Chunk]:
         """Yield one request's chunks until it finishes (chunks of other followed requests

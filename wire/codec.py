@@ -5,6 +5,11 @@ raises :class:`WireError` with a specific :class:`~spectrio.wire.schema.ErrorCod
 raises anything else, whatever the bytes. Server-side checks that need the model
 (vocabulary, ``max_model_len``, the tokenizer) are in :func:`check_submit`.
 
+Every rule about a request's fields has one home, :mod:`spectrio.runtime.params` (msgspec
+``Meta`` constraints plus :func:`~spectrio.runtime.params.check_params` and
+:func:`~spectrio.runtime.params.check_prompt`), which the embedding API uses too: a bad
+field gets the same reason here as the API's ``InvalidRequest``.
+
 Output: :func:`encode_step` turns one published step into its multipart frames
 (frame 0 the :class:`~spectrio.wire.schema.StepEnvelope`, frame 1 the record bytes
 unchanged). :class:`SequenceCounter` keeps the per-request sequence numbers.
@@ -20,7 +25,12 @@ import msgspec
 import numpy as np
 
 from spectrio.runtime.messages import PublishedStep
-from spectrio.runtime.params import InvalidRequest
+from spectrio.runtime.params import (
+    InvalidRequest,
+    check_params,
+    check_prompt,
+    invalid_from_validation_error,
+)
 from spectrio.wire.record import RecordError, unpack
 from spectrio.wire.schema import (
     MAX_REQUEST_ID_LEN,
@@ -80,6 +90,8 @@ _request_decoder: msgspec.msgpack.Decoder[Request] = msgspec.msgpack.Decoder(Req
 _reply_decoder: msgspec.msgpack.Decoder[Reply] = msgspec.msgpack.Decoder(Reply)
 _envelope_decoder = msgspec.msgpack.Decoder(StepEnvelope)
 _probe_decoder = msgspec.msgpack.Decoder(_Probe)
+_any_decoder = msgspec.msgpack.Decoder()
+_entries_decoder = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
 
 _TAG_PATH = "`$.type`"
 _MISSING = re.compile(r"^Object missing required field `([^`]*)`( - at `([^`]*)`)?$")
@@ -118,14 +130,136 @@ def _short(text: str) -> str:
     return text if len(text) <= _MAX_REASON_CHARS else text[: _MAX_REASON_CHARS - 3] + "..."
 
 
+def _map_header(buf: memoryview, at: int = 0) -> tuple[int, int] | None:
+    """(entries, header bytes) of a msgpack map starting at ``buf[at]``, or None."""
+    if at >= buf.nbytes:
+        return None
+    first = buf[at]
+    if 0x80 <= first <= 0x8F:
+        return first & 0x0F, 1
+    if first == 0xDE and buf.nbytes >= at + 3:
+        return int.from_bytes(buf[at + 1 : at + 3], "big"), 3
+    if first == 0xDF and buf.nbytes >= at + 5:
+        return int.from_bytes(buf[at + 1 : at + 5], "big"), 5
+    return None
+
+
+def _str_at(buf: memoryview, at: int) -> tuple[str, int] | None:
+    """The msgpack str at ``buf[at]`` and the offset after it, or None if there is none."""
+    first = buf[at] if at < buf.nbytes else None
+    if first is not None and 0xA0 <= first <= 0xBF:
+        size, at = first & 0x1F, at + 1
+    elif first in (0xD9, 0xDA, 0xDB):
+        width = {0xD9: 1, 0xDA: 2, 0xDB: 4}[first]
+        size, at = int.from_bytes(buf[at + 1 : at + 1 + width], "big"), at + 1 + width
+    else:
+        return None
+    try:
+        return bytes(buf[at : at + size]).decode(), at + size
+    except UnicodeDecodeError:
+        return None
+
+
+def _repeated_key(buf: memoryview, entries: dict[str, msgspec.Raw]) -> str:
+    """The first key of the map in ``buf`` that occurs twice. ``entries`` is the map as
+    decoded, holding one value per key; every value's bytes are known from it, so the
+    walk reads keys only. A key's value at this position that differs from the one kept
+    means the key occurs again."""
+    header = _map_header(buf)
+    count, at = header if header is not None else (0, 0)
+    seen: set[str] = set()
+    for _ in range(count):
+        read = _str_at(buf, at)
+        if read is None or read[0] not in entries:
+            break  # cannot happen: the decoder read this map with string keys
+        key, at = read
+        if key in seen:
+            return key
+        seen.add(key)
+        kept = bytes(memoryview(entries[key]))
+        if bytes(buf[at : at + len(kept)]) != kept:
+            return key
+        at += len(kept)
+    return "?"
+
+
+def _find_repeated_key(
+    buf: memoryview, path: str = "", depth: int = 0
+) -> tuple[str, dict[str, msgspec.Raw]] | None:
+    """``(dotted path of a key that occurs twice, top-level entries)`` for the first map
+    with a repeated key (at the top level, or in a map nested in it, like ``params``),
+    else None. msgspec keeps the last value of a repeated key without a word, and other
+    msgpack libraries keep the first, so a request must never have one."""
+    header = _map_header(buf)
+    if header is None:
+        return None
+    try:
+        entries = _entries_decoder.decode(buf)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        return None  # not a map with string keys: the typed decoder classifies it
+    if len(entries) < header[0]:
+        return path + _repeated_key(buf, entries), entries
+    if depth < 2:
+        for key, raw in entries.items():
+            inner = memoryview(raw)
+            if _map_header(inner) is not None:
+                found = _find_repeated_key(inner, f"{path}{key}.", depth + 1)
+                if found is not None:
+                    return found[0], entries
+    return None
+
+
+def _echo_id(raw: msgspec.Raw | None) -> str | None:
+    """A well-formed request id from a raw value, else None."""
+    if raw is None:
+        return None
+    try:
+        rid = _any_decoder.decode(raw)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        return None
+    return rid if isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_LEN else None
+
+
+def _check_no_repeated_key(view: memoryview) -> None:
+    found = _find_repeated_key(view)
+    if found is None:
+        return
+    key, entries = found
+    rid = None if key == "request_id" else _echo_id(entries.get("request_id"))
+    if key != "v" and "v" in entries:
+        try:
+            version = _any_decoder.decode(entries["v"])
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+            version = None
+        if isinstance(version, int) and not isinstance(version, bool) and version != SCHEMA_VERSION:
+            raise WireError(
+                ErrorCode.SCHEMA_VERSION,
+                f"schema version {_short(repr(version))} is not supported "
+                f"(this server speaks {SCHEMA_VERSION})",
+                rid,
+            )
+    raise WireError(ErrorCode.DUPLICATE_KEY, f"key {key!r} appears more than once", rid)
+
+
+def _field_refusal(view: memoryview, exc: msgspec.ValidationError) -> InvalidRequest | None:
+    """The embedding API's refusal for the field msgspec names, if it names one."""
+    try:
+        body = _any_decoder.decode(view)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        body = None
+    return invalid_from_validation_error(exc, body)
+
+
 def decode_request(
     frame: bytes | bytearray | memoryview, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 ) -> Request:
     """Decode one request frame. Raises :class:`WireError` (and nothing else) when the
-    frame is oversized (``too_large``), not msgpack (``bad_frame``), from another schema
-    version (``schema_version``), of an unknown type (``unknown_type``), or has missing,
-    unknown, wrongly typed or out-of-range fields (``missing_field``, ``unknown_field``,
-    ``wrong_type``, ``invalid_field``). ``WireError.request_id`` is set when the frame
+    frame is oversized (``too_large``), not msgpack (``bad_frame``), has a map with a
+    repeated key (``duplicate_key``), is from another schema version (``schema_version``),
+    of an unknown type (``unknown_type``), or has missing, unknown, wrongly typed or
+    out-of-range fields (``missing_field``, ``unknown_field``, ``wrong_type``,
+    ``invalid_field``, ``invalid_params``). A field's reason is the embedding API's
+    :class:`InvalidRequest` text for it. ``WireError.request_id`` is set when the frame
     had a readable one."""
     try:
         view = memoryview(frame)
@@ -139,6 +273,7 @@ def decode_request(
         )
     if view.ndim != 1 or view.itemsize != 1 or not view.c_contiguous:
         view = memoryview(view.tobytes())
+    _check_no_repeated_key(view)
     try:
         msg = _request_decoder.decode(view)
     except msgspec.ValidationError as exc:  # before DecodeError: it is a subclass
@@ -154,6 +289,9 @@ def decode_request(
                 f"(this server speaks {SCHEMA_VERSION})",
                 rid,
             ) from None
+        refusal = _field_refusal(view, exc)
+        if refusal is not None:
+            raise WireError(ErrorCode(refusal.code), _short(str(refusal)), rid) from None
         raise WireError(_classify(str(exc)), _short(str(exc)), rid) from None
     except msgspec.DecodeError as exc:
         raise WireError(ErrorCode.BAD_FRAME, _short(str(exc))) from None
@@ -178,35 +316,19 @@ def check_submit(
     max_model_len: int,
     tokenize: Callable[[str], list[int]],
 ) -> list[int]:
-    """The server-side checks of a decoded :class:`Submit` that need the model. Returns
-    the prompt's token ids; raises :class:`WireError` with ``invalid_params`` (the
-    :class:`InvalidRequest` message), ``invalid_field`` (a token id outside the
-    vocabulary), ``empty_prompt`` or ``prompt_too_long``."""
-    rid = submit.request_id
+    """The server-side checks of a decoded :class:`Submit` that need the model: the same
+    :func:`~spectrio.runtime.params.check_params` and
+    :func:`~spectrio.runtime.params.check_prompt` the embedding API runs. Returns the
+    prompt's token ids; raises :class:`WireError` whose code is the refusal's
+    (``invalid_params``, ``invalid_field`` for a token id outside the vocabulary,
+    ``empty_prompt`` or ``prompt_too_long``) and whose reason is its text."""
     try:
-        submit.params.validate(vocab_size)
-    except InvalidRequest as exc:
-        raise WireError(ErrorCode.INVALID_PARAMS, str(exc), rid) from None
-    if isinstance(submit.prompt, str):
-        ids = tokenize(submit.prompt) if submit.prompt else []
-    else:
-        ids = list(submit.prompt)
-        bad = next((t for t in ids if t >= vocab_size), None)
-        if bad is not None:
-            raise WireError(
-                ErrorCode.INVALID_FIELD,
-                f"prompt: token id {bad} is outside the vocabulary [0, {vocab_size})",
-                rid,
-            )
-    if not ids:
-        raise WireError(ErrorCode.EMPTY_PROMPT, "prompt: must not be empty", rid)
-    if len(ids) >= max_model_len:
-        raise WireError(
-            ErrorCode.PROMPT_TOO_LONG,
-            f"prompt: {len(ids)} tokens leave no room under max_model_len={max_model_len}",
-            rid,
+        check_params(submit.params, vocab_size)
+        return check_prompt(
+            submit.prompt, vocab_size=vocab_size, max_model_len=max_model_len, tokenize=tokenize
         )
-    return ids
+    except InvalidRequest as exc:
+        raise WireError(ErrorCode(exc.code), _short(str(exc)), submit.request_id) from None
 
 
 def decode_reply(frame: bytes | memoryview) -> Ack | Error:

@@ -25,11 +25,17 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from typing import Annotated, Any, Final, Literal
+from typing import Any, Final, Literal
 
 import msgspec
 
-from spectrio.runtime.params import SamplingParams
+from spectrio.runtime.params import (
+    MAX_REQUEST_ID_LEN,
+    Prompt,
+    RequestId,
+    SamplingParams,
+    TokenId,
+)
 
 __all__ = [
     "MAX_REQUEST_ID_LEN",
@@ -53,12 +59,9 @@ SCHEMA_VERSION: Final = 1
 """Version of this schema. Bump it with every change to any message below (the pin in
 ``tests/test_wire_schema.py`` fails until you do)."""
 
-MAX_REQUEST_ID_LEN: Final = 128
-"""Longest request id, in characters."""
-
-RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
-"""A token id: a non-negative int32 (the record stores ids as int32)."""
+# The field types of a request body (``TokenId``, ``RequestId``, ``Prompt``) and the
+# constraints of ``SamplingParams`` live in ``spectrio.runtime.params``: the embedding API
+# checks requests with the same rules, and gives the same reasons.
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -66,9 +69,12 @@ FinishReason = Literal["stop", "length", "abort"]
 class ErrorCode(enum.StrEnum):
     """Why a request was refused: the ``code`` of an :class:`Error`, sent as its string
     value. Decoding the frame (:func:`spectrio.wire.codec.decode_request`) raises the
-    codes up to ``too_large``. The server-side checks (:func:`spectrio.wire.codec.check_submit`
-    and the request endpoint) raise ``invalid_field`` for a token id outside the
-    vocabulary, and the codes after ``too_large``."""
+    codes up to ``too_large``, ``duplicate_key``, and ``invalid_params`` for a parameter
+    out of its declared range. The server-side checks
+    (:func:`spectrio.wire.codec.check_submit` and the request endpoint) raise
+    ``invalid_field`` for a token id outside the vocabulary, and the codes after
+    ``too_large``. Where a field is named, the reason is the text the embedding API's
+    :class:`~spectrio.runtime.params.InvalidRequest` has for the same field."""
 
     BAD_FRAME = "bad_frame"
     """Not one complete msgpack value: random bytes, truncated data, trailing bytes, bad UTF-8."""
@@ -88,8 +94,12 @@ class ErrorCode(enum.StrEnum):
     request id, a negative token id)."""
     TOO_LARGE = "too_large"
     """The frame is longer than the server's request size cap."""
+    DUPLICATE_KEY = "duplicate_key"
+    """A map in the frame has the same key twice (the reason names it). msgpack
+    libraries disagree on which value wins, so such a frame is never guessed at."""
     INVALID_PARAMS = "invalid_params"
-    """``params`` decoded but fails :meth:`SamplingParams.validate` (the reason names the field)."""
+    """A ``params`` value breaks its rule (:func:`~spectrio.runtime.params.check_params`;
+    the reason names the field)."""
     EMPTY_PROMPT = "empty_prompt"
     """The prompt is empty (``""``, ``[]``, or text that tokenises to nothing)."""
     PROMPT_TOO_LONG = "prompt_too_long"
@@ -116,7 +126,7 @@ class Submit(_Message, tag="submit", frozen=True, kw_only=True, forbid_unknown_f
 
     v: int
     request_id: RequestId
-    prompt: str | list[TokenId]  # text (tokenised by the server) or token ids
+    prompt: Prompt  # text (tokenised by the server) or token ids
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
 
 

@@ -1,0 +1,118 @@
+"""Issue 9 item 12 (fifth bullet): stopping a stream is prompt and obvious.
+
+``rt.generate`` returns a :class:`RequestStream`. Leaving its ``async with`` block after
+``break``, or ``await stream.aclose()`` on a stream held in a variable, or dropping it,
+aborts the request at once: the next published step carries its abort, and its KV
+blocks are back in the pool as soon as the pipeline is idle.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import trio
+
+from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
+from spectrio.runtime import PublishedStep, RequestStream, Runtime
+
+LONG = SamplingParams(max_tokens=200, ignore_eos=True)
+# Steps published between the close and the step that carries the abort. The consumer wakes
+# when step N is delivered; the scheduler, woken by the same step's feedback, may plan N+1
+# before the consumer runs, so the abort rides on N+2 at the latest. A stream left running
+# would go on for ~100 more steps.
+MAX_STEPS_AFTER_CLOSE = 2
+
+
+class Ends:
+    """Records, per request, the pipeline step that published its finish reason."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.step_of: dict[str, int] = {}
+        self.reason_of: dict[str, str] = {}
+        rt.add_record_observer(self)
+
+    def __call__(self, published: PublishedStep) -> None:
+        for rid, reason in zip(published.request_ids, published.finish_reasons, strict=True):
+            if reason is not None:
+                self.step_of[rid] = self.rt.num_steps
+                self.reason_of[rid] = reason
+
+    async def check_aborted_promptly(self, rid: str, closed_at: int) -> None:
+        with trio.fail_after(30):
+            await self.rt.wait_idle()
+        assert rid in self.step_of
+        assert self.reason_of[rid] == "abort"
+        late = self.step_of[rid] - closed_at
+        assert late <= MAX_STEPS_AFTER_CLOSE, (self.step_of[rid], closed_at)
+        assert self.rt.blocks.num_used_blocks == 0
+
+
+async def test_break_out_of_async_with_aborts_at_once(bundled: object) -> None:
+    cfg = RuntimeConfig(max_model_len=256, speculative=SpeculativeConfig(num_speculative_tokens=2))
+    with trio.fail_after(120):
+        async with open_runtime(cfg) as rt:
+            ends = Ends(rt)
+            # The documented way: the block's exit aborts the request.
+            async with rt.generate("def fib(n):", LONG, request_id="with") as stream:
+                assert isinstance(stream, RequestStream) and stream.request_id == "with"
+                async for delta in stream:
+                    if delta.token_ids:
+                        break
+                assert not stream.finished
+                held = stream  # still referenced after the block: must not matter
+            closed_at = rt.num_steps
+            assert held.finished
+            await ends.check_aborted_promptly("with", closed_at)
+            assert [d async for d in held] == []  # a closed stream yields nothing more
+
+            # A stream held in a variable, closed with aclose().
+            stream = rt.generate("import os\n", LONG, request_id="aclose")
+            async for delta in stream:
+                if delta.token_ids:
+                    break
+            await stream.aclose()
+            await ends.check_aborted_promptly("aclose", rt.num_steps)
+
+            # A stream dropped unfinished: the finaliser aborts it.
+            stream = rt.generate("class A:\n", LONG, request_id="dropped")
+            async for delta in stream:
+                if delta.token_ids:
+                    break
+            del stream
+            gc.collect()
+            await ends.check_aborted_promptly("dropped", rt.num_steps)
+
+            # A held stream that is neither closed nor dropped keeps running: the hazard
+            # the documented way avoids (and the id is not reusable meanwhile).
+            stream = rt.generate("x = 1\n", SamplingParams(max_tokens=12, ignore_eos=True),
+                                 request_id="held")
+            async for _ in stream:
+                break
+            await rt.wait_idle()
+            assert ends.reason_of["held"] == "length"
+            await stream.aclose()
+
+
+async def test_stream_errors_are_raised_on_entry(bundled: object) -> None:
+    with trio.fail_after(120):
+        async with open_runtime(RuntimeConfig(max_model_len=256)) as rt:
+            from spectrio import InvalidRequest
+
+            stream = rt.generate([1, 2.0], SamplingParams())  # type: ignore[list-item]
+            try:
+                async with stream:
+                    raise AssertionError("entered a stream with a float token id")
+            except InvalidRequest as exc:
+                assert exc.field == "prompt" and exc.code == "wrong_type"
+            async with rt.generate("def f():", SamplingParams(max_tokens=4)) as ok:
+                rid = ok.request_id
+                assert rid is not None
+                try:
+                    async with rt.generate("y", SamplingParams(), request_id=rid):
+                        raise AssertionError("a running request id was reused")
+                except InvalidRequest as exc:
+                    assert exc.field == "request_id"
+                assert sum([len(d.token_ids) async for d in ok]) == 4
+            await rt.wait_idle()
+            assert rt.blocks.num_used_blocks == 0
