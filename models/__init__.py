@@ -1,19 +1,28 @@
 """spectrio.models: the Paddle target model, its MTP layer, the paged KV cache, loading,
 the tokenizer and the reference (oracle) generator."""
 
-from spectrio.models import reference
-from spectrio.models.batch import PackedBatch
-from spectrio.models.config import ModelConfig, ModelConfigError
-from spectrio.models.kv_cache import PagedKVCache, slots_for_positions
-from spectrio.models.loader import (
-    BUNDLED_DIR,
-    CheckpointError,
-    LoadedModel,
-    load,
-    save_checkpoint,
-)
-from spectrio.models.model import ForwardOutput, SpectrioForCausalLM, build_model
-from spectrio.models.tokenizer import IncrementalDetokenizer, TextTokenizer
+from typing import TYPE_CHECKING
+
+from spectrio._lazy import lazy_exports
+
+_EXPORTS = {
+    "reference": "spectrio.models.reference",
+    "PackedBatch": "spectrio.models.batch",
+    "ModelConfig": "spectrio.models.config",
+    "ModelConfigError": "spectrio.models.config",
+    "PagedKVCache": "spectrio.models.kv_cache",
+    "slots_for_positions": "spectrio.models.kv_cache",
+    "BUNDLED_DIR": "spectrio.models.config",
+    "CheckpointError": "spectrio.models.loader",
+    "LoadedModel": "spectrio.models.loader",
+    "load": "spectrio.models.loader",
+    "save_checkpoint": "spectrio.models.loader",
+    "ForwardOutput": "spectrio.models.model",
+    "SpectrioForCausalLM": "spectrio.models.model",
+    "build_model": "spectrio.models.model",
+    "IncrementalDetokenizer": "spectrio.models.tokenizer",
+    "TextTokenizer": "spectrio.models.tokenizer",
+}
 
 __all__ = [
     "BUNDLED_DIR",
@@ -33,3 +42,23 @@ __all__ = [
     "save_checkpoint",
     "slots_for_positions",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:
+    from spectrio.models import reference
+    from spectrio.models.batch import PackedBatch
+    from spectrio.models.config import ModelConfig
+    from spectrio.models.config import ModelConfigError
+    from spectrio.models.kv_cache import PagedKVCache
+    from spectrio.models.kv_cache import slots_for_positions
+    from spectrio.models.config import BUNDLED_DIR
+    from spectrio.models.loader import CheckpointError
+    from spectrio.models.loader import LoadedModel
+    from spectrio.models.loader import load
+    from spectrio.models.loader import save_checkpoint
+    from spectrio.models.model import ForwardOutput
+    from spectrio.models.model import SpectrioForCausalLM
+    from spectrio.models.model import build_model
+    from spectrio.models.tokenizer import IncrementalDetokenizer
+    from spectrio.models.tokenizer import TextTokenizer

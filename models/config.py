@@ -7,6 +7,9 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
+BUNDLED_DIR = Path(__file__).resolve().parent / "bundled"
+"""The checkpoint shipped with spectrio (``load("bundled")``)."""
+
 DType = Literal["float32", "float64"]
 """Compute dtypes a model runs in (float64 for exactness tests)."""
 

@@ -16,13 +16,12 @@ import structlog
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from spectrio.models.config import DType, ModelConfig, ModelConfigError
+from spectrio.models.config import BUNDLED_DIR, DType, ModelConfig, ModelConfigError
 from spectrio.models.model import SpectrioForCausalLM, build_model
 from spectrio.models.tokenizer import TextTokenizer
 
 log = structlog.get_logger("spectrio.models")
 
-BUNDLED_DIR = Path(__file__).resolve().parent / "bundled"
 
 # DeepSeek-V3 stores copies of the shared embedding and head inside the MTP layer;
 # spectrio shares the target's, so those copies are shape-checked and not loaded.

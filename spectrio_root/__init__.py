@@ -6,12 +6,24 @@ Public names: ``open_runtime``, ``Runtime``, ``Delta``, ``RuntimeConfig``,
 Each sub-package (``spectrio.models``, ``spectrio.runtime`` ...) lives in its own folder.
 """
 
-from spectrio.runtime.api import Delta, PublishedStep, Runtime, open_runtime
-from spectrio.runtime.config import ConfigError, RuntimeConfig, SpeculativeConfig
-from spectrio.runtime.messages import TokenLogprob
-from spectrio.runtime.params import InvalidRequest, SamplingParams
+from typing import TYPE_CHECKING
+
+from spectrio._lazy import lazy_exports
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "Delta": "spectrio.runtime.api",
+    "PublishedStep": "spectrio.runtime.api",
+    "Runtime": "spectrio.runtime.api",
+    "open_runtime": "spectrio.runtime.api",
+    "ConfigError": "spectrio.runtime.config",
+    "RuntimeConfig": "spectrio.runtime.config",
+    "SpeculativeConfig": "spectrio.runtime.config",
+    "TokenLogprob": "spectrio.runtime.messages",
+    "InvalidRequest": "spectrio.runtime.params",
+    "SamplingParams": "spectrio.runtime.params",
+}
 
 __all__ = [
     "ConfigError",
@@ -26,3 +38,17 @@ __all__ = [
     "__version__",
     "open_runtime",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:
+    from spectrio.runtime.api import Delta
+    from spectrio.runtime.api import PublishedStep
+    from spectrio.runtime.api import Runtime
+    from spectrio.runtime.api import open_runtime
+    from spectrio.runtime.config import ConfigError
+    from spectrio.runtime.config import RuntimeConfig
+    from spectrio.runtime.config import SpeculativeConfig
+    from spectrio.runtime.messages import TokenLogprob
+    from spectrio.runtime.params import InvalidRequest
+    from spectrio.runtime.params import SamplingParams

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import spectrio
 import spectrio.models
+import pytest
 
 SUBPACKAGES = ("runtime", "stages", "models", "cuda_kernels", "wire", "tools")
 
@@ -55,3 +56,40 @@ def test_top_level_exports_are_pinned() -> None:
     ])
     assert issubclass(spectrio.ConfigError, ValueError)
     assert issubclass(spectrio.InvalidRequest, ValueError)
+
+
+def test_wire_and_kernels_import_without_paddle() -> None:
+    """A GPU machine with CuPy and no Paddle, or a consumer process, imports the wire
+    protocol, its client library and the CUDA kernels: nothing on that path may import
+    Paddle (package __init__ modules export lazily)."""
+    code = (
+        "import sys\n"
+        "sys.modules['paddle'] = None  # any 'import paddle' now raises\n"
+        "import spectrio, spectrio.wire, spectrio.cuda_kernels\n"
+        "from spectrio.wire import client, codec, record, schema\n"
+        "from spectrio.wire.client import Client, StreamAssembler\n"
+        "from spectrio.cuda_kernels import speculate_save_ref, pack_topk_ref\n"
+        "from spectrio import SamplingParams\n"
+        "from spectrio.models import TextTokenizer, BUNDLED_DIR\n"
+        "assert 'spectrio.models.model' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_lazy_exports_resolve_to_the_defining_objects() -> None:
+    import spectrio.models
+    import spectrio.runtime
+    import spectrio.stages
+    from spectrio.runtime.api import open_runtime
+    from spectrio.stages.scheduling import Scheduler
+
+    assert spectrio.open_runtime is open_runtime and spectrio.runtime.open_runtime is open_runtime
+    assert spectrio.stages.Scheduler is Scheduler
+    for package in (spectrio, spectrio.runtime, spectrio.models, spectrio.stages):
+        for name in package.__all__:
+            assert getattr(package, name) is not None
+        assert set(package.__all__) <= set(dir(package))
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        spectrio.runtime.nope  # noqa: B018
