@@ -15,7 +15,7 @@ import trio
 
 from spectrio.models import LoadedModel, load
 from spectrio.models.paddle_setup import configure_paddle
-from spectrio.runtime.channels import ChannelSender, open_channel
+from spectrio.runtime.channels import ChannelReceiver, ChannelSender, open_channel
 from spectrio.runtime.config import ConfigError, RuntimeConfig
 from spectrio.runtime.messages import (
     AbortRequest,
@@ -104,7 +104,10 @@ class Runtime:
 
     async def _start(self, nursery: trio.Nursery) -> None:
         enc = self._encoded
-        control_tx, control_rx = open_channel(Control, math.inf, enc)
+        control: tuple[ChannelSender[Control], ChannelReceiver[Control]] = open_channel(
+            Control, math.inf, enc
+        )
+        control_tx, control_rx = control
         plan_tx, plan_rx = open_channel(StepPlan, 1, enc)
         draft_tx, draft_rx = open_channel(StepPlan, 1, enc)
         verified_tx, verified_rx = open_channel(StepPlan, 1, enc)
@@ -435,7 +438,7 @@ async def open_runtime(
     config = config or RuntimeConfig()
     threads = configure_paddle(config.resolve_num_threads())
     log.info("paddle configured", threads=threads)
-    loaded = await trio.to_thread.run_sync(load, config.model, config.dtype)
+    loaded = await trio.to_thread.run_sync(load, config.model, config.model_dtype)
     rt = Runtime(config, loaded, encoded_channels)
     if warmup:
         seconds = await trio.to_thread.run_sync(

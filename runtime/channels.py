@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator
-from typing import Any, Generic, TypeVar, get_args
+from typing import Any, Generic, TypeVar, get_args, overload
 
 import msgspec
 import trio
@@ -77,9 +77,21 @@ class ChannelReceiver(Generic[T]):
         self._inner.close()
 
 
+@overload
+def open_channel(
+    msg_type: type[T], capacity: float = 1, encoded: bool = False
+) -> tuple[ChannelSender[T], ChannelReceiver[T]]: ...
+
+
+@overload
 def open_channel(
     msg_type: Any, capacity: float = 1, encoded: bool = False
-) -> tuple[ChannelSender[T], ChannelReceiver[T]]:
+) -> tuple[ChannelSender[Any], ChannelReceiver[Any]]: ...
+
+
+def open_channel(
+    msg_type: Any, capacity: float = 1, encoded: bool = False
+) -> tuple[ChannelSender[Any], ChannelReceiver[Any]]:
     """A typed channel for ``msg_type`` (a Struct type or a Union of them); bounded by
     ``capacity`` (``math.inf`` for unbounded)."""
     if capacity != math.inf and (capacity < 0 or int(capacity) != capacity):

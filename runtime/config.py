@@ -21,7 +21,9 @@ import bisect
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, overload
+from typing import Any, cast, overload
+
+from spectrio.models.config import DType
 
 __all__ = [
     "BASE_CAPTURE_SIZES",
@@ -346,6 +348,11 @@ class RuntimeConfig:
     def tokens_per_seq(self) -> int:
         """k + 1 with speculation, 1 without: tokens one decoding sequence verifies per step."""
         return self.speculative.tokens_per_seq
+
+    @property
+    def model_dtype(self) -> DType:
+        """``dtype`` as the models' literal type (validated in ``__post_init__``)."""
+        return cast(DType, self.dtype)
 
     @property
     def dtype_bytes(self) -> int:

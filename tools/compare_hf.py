@@ -24,7 +24,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import trio
 
@@ -69,7 +69,8 @@ def spectrio_generate(
     model: str, dtype: str, k: int, prompts: list[list[int]], max_tokens: int
 ) -> tuple[list[list[int]], float]:
     row = trio.run(run_case, model, dtype, k, len(prompts), prompts, max_tokens)
-    return row["outputs"], float(row["seconds"])  # type: ignore[return-value]
+    outputs = cast(list[list[int]], row["outputs"])
+    return outputs, cast(float, row["seconds"])
 
 
 def main(argv: list[str] | None = None) -> int:

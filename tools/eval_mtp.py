@@ -28,11 +28,13 @@ import json
 import os
 import platform
 import time
+from typing import cast
 
 import numpy as np
 from tqdm import tqdm
 
 from spectrio.models import SpectrioForCausalLM, load, reference
+from spectrio.models.config import DType
 from spectrio.tools.corpus import corpus_files, read_texts
 from spectrio.tools.logging_setup import configure_logging
 
@@ -51,7 +53,7 @@ def held_out_contexts(tokenizer: object, count: int, length: int, seed: int) -> 
 
 
 def evaluate(model_name: str, dtype: str, count: int, length: int, max_steps: int, batch: int, seed: int) -> dict[str, object]:
-    loaded = load(model_name, dtype=dtype)
+    loaded = load(model_name, dtype=cast(DType, dtype))
     contexts = held_out_contexts(loaded.tokenizer, count, length, seed)
     matches = []
     t0 = time.perf_counter()

@@ -39,7 +39,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import structlog
@@ -182,7 +182,7 @@ def target_chain(
         cos, sin = _rope(model, j, t)
         x = model.model.embed_tokens(tokens[-1])
         for i, layer in enumerate(model.model.layers):
-            x, kv = chain_layer(layer, x, cos, sin, real[i], mask, chains[i])
+            x, kv = chain_layer(cast("DecoderLayer", layer), x, cos, sin, real[i], mask, chains[i])
             chains[i].append(kv)
         logits = model.compute_logits(model.model.norm(x))
         out.append(logits)
