@@ -60,7 +60,7 @@ def ctx() -> Iterator[Context]:
 def ipc_endpoints(tmp_path: Path) -> tuple[str, str, str]:
     """Requests, outputs and tap endpoints under a fresh folder of ``tmp_path``."""
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
+    run_dir.mkdir(mode=0o700)  # the endpoint policy refuses a run directory others can enter
     return (f"ipc://{run_dir}/req", f"ipc://{run_dir}/out", f"ipc://{run_dir}/tap")
 
 
