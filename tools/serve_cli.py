@@ -103,26 +103,32 @@ def keys_main(args: argparse.Namespace) -> int:
 
 
 class _StartupSignals:
-    """SIGINT and SIGTERM before Trio takes them over. Paddle installs a C-level SIGTERM
-    handler at import that prints a fatal-error banner; these Python handlers replace it
-    and only record the signal, so a stop requested during start-up is honoured once the
-    start-up can be cancelled cleanly (and a stop before serving exits 0, quietly)."""
+    """SIGINT and SIGTERM outside Trio's signal receiver. Paddle installs a C-level
+    SIGTERM handler at import that prints a fatal-error banner; these Python handlers
+    replace it and only record the signal, so a stop requested during start-up is
+    honoured once the start-up can be cancelled cleanly (exit 0, quietly).
+
+    On exit the two signals are ignored: the server is done and the process is exiting,
+    and Python's finalization would otherwise put back the default action, so a late
+    signal would kill a process that already shut down cleanly.
+
+    Paddle is imported with the ``spectrio`` package, before any CLI code runs; a signal
+    in the last part of that import still meets Paddle's handler."""
 
     def __init__(self) -> None:
         self.received: list[int] = []
-        self._saved: dict[int, object] = {}
 
     def _record(self, signum: int, frame: object) -> None:
         self.received.append(signum)
 
     def __enter__(self) -> _StartupSignals:
         for signum in (signal.SIGINT, signal.SIGTERM):
-            self._saved[signum] = signal.signal(signum, self._record)
+            signal.signal(signum, self._record)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for signum, handler in self._saved.items():
-            signal.signal(signum, handler)  # type: ignore[arg-type]
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
 
 
 class _Stopper:

@@ -189,7 +189,10 @@ class TrioSocket:
         if self._closed:
             return
         self._closed = True
-        trio.lowlevel.notify_closing(self._fd)
+        try:
+            trio.lowlevel.notify_closing(self._fd)
+        except RuntimeError:  # not in Trio: no task can be waiting on it
+            pass
         self._sock.close(linger=linger)
 
     async def __aenter__(self) -> Self:
