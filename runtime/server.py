@@ -347,7 +347,12 @@ class PromptTokenizer:
         """A lower bound on ``len(encode(text))`` that costs no tokenizing (0 if none)."""
         if self.max_token_bytes is None:
             return 0
-        return -(-len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
+        return -(-utf8_len(text) // self.max_token_bytes)
+
+
+def utf8_len(text: str) -> int:
+    """The UTF-8 length of ``text``; O(1) for ASCII text (CPython keeps the flag)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
 # ---- the server -----------------------------------------------------------------------------
@@ -640,7 +645,7 @@ class WireServer:
             if floor >= limit:
                 raise WireError(
                     ErrorCode.PROMPT_TOO_LONG,
-                    f"prompt: text of {len(msg.prompt.encode('utf-8', 'surrogatepass'))} bytes is at "
+                    f"prompt: text of {utf8_len(msg.prompt)} bytes is at "
                     f"least {floor} tokens, which leaves no room under max_model_len={limit}",
                     rid,
                 )

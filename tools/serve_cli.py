@@ -17,6 +17,7 @@ close and the socket files are removed.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import signal
 import sys
@@ -193,6 +194,10 @@ async def _serve_async(
                         )
                     )
                     assert isinstance(server, WireServer) and server.endpoints is not None
+                    # The model, the libraries and the warm-up made every object the
+                    # process keeps; out of the collector's reach, a full collection scans
+                    # only what serving allocates (tens of ms less per pause).
+                    gc.freeze()
                     ep = server.endpoints
                     print(json.dumps({"requests": ep.requests, "outputs": ep.outputs, "tap": ep.tap}),
                           flush=True)
