@@ -378,3 +378,40 @@ async def test_abort_is_scoped_to_the_submitting_client(ctx: Context, tmp_path: 
                     rest = (await owner.collect([rid]))[rid]
                     assert rest[-1].finish_reason == "abort"
                 nursery.cancel_scope.cancel()
+
+
+async def test_an_abort_sent_right_behind_its_submit_ends_the_request(
+    ctx: Context, tmp_path: Path
+) -> None:
+    """A client that pipelines ``Submit`` (text, so the reply waits for the tokenizer)
+    and ``Abort`` gets both acknowledged, in either order, and the request ends with
+    ``finish_reason="abort"``: an accepted request is never lost."""
+    import random
+
+    rng = random.Random(3)
+    text = "".join(chr(rng.randrange(33, 127)) for _ in range(1500))  # fits under 2000
+    params = SamplingParams(max_tokens=300, ignore_eos=True)
+    with trio.fail_after(TIMEOUT):
+        async with open_runtime(RuntimeConfig(max_model_len=2000)) as rt:
+            async with trio.open_nursery() as nursery:
+                server = await start(rt, nursery, tmp_path, ctx)
+                ep = server.endpoints
+                assert ep is not None
+                async with open_client(outputs=ep.outputs, context=ctx) as consumer:
+                    orders = []
+                    for i in range(5):
+                        rid = f"piped-{i}"
+                        async with open_client(ep.requests, context=ctx) as client:
+                            sock = client._requests
+                            assert sock is not None
+                            await sock.send(encode(Submit(v=SCHEMA_VERSION, request_id=rid,
+                                                          prompt=text, params=params)))
+                            await sock.send(encode(Abort(v=SCHEMA_VERSION, request_id=rid)))
+                            replies = [decode_reply(await sock.recv()) for _ in range(2)]
+                        assert all(not isinstance(r, Error) for r in replies), replies
+                        orders.append([r.of for r in replies])  # type: ignore[union-attr]
+                        chunks = (await consumer.collect([rid]))[rid]
+                        assert chunks[-1].finish_reason == "abort"
+                        assert sum(len(c.token_ids) for c in chunks) < 300
+                nursery.cancel_scope.cancel()
+    print("reply orders:", orders)

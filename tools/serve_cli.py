@@ -236,12 +236,26 @@ def serve_main(args: argparse.Namespace) -> int:
                 trio.run(_serve_async, args, config, (requests, outputs, args.tap), claim, curve,
                          ctx, early)
                 ctx.term()  # waits for the PUSH socket's last steps, for the time drain left
+        except BaseExceptionGroup as group:  # from the task nurseries
+            refused, other = group.split((ConfigError, ValueError))
+            if other is not None or refused is None:
+                raise
+            for exc in _leaves(refused):
+                print(f"error: {exc}", file=sys.stderr)
+            return 2
         except (ConfigError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         finally:
             ctx.destroy(linger=0)
     return 0
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    return out
 
 
 def client_main(args: argparse.Namespace) -> int:
