@@ -240,8 +240,8 @@ def serve_main(args: argparse.Namespace) -> int:
             refused, other = group.split((ConfigError, ValueError))
             if other is not None or refused is None:
                 raise
-            for exc in _leaves(refused):
-                print(f"error: {exc}", file=sys.stderr)
+            for leaf in _leaves(refused):
+                print(f"error: {leaf}", file=sys.stderr)
             return 2
         except (ConfigError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
