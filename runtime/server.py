@@ -4,7 +4,7 @@
 Three sockets, each driven by exactly one owner task:
 
 * **requests** (ROUTER): every frame is untrusted. It is decoded with
-  :func:`spectrio.wire.codec.decode_request` and checked with
+  :func:`spectrio.wire.codec.decode_request` (the size cap comes first) and checked with
   :func:`~spectrio.wire.codec.check_submit`; every request gets an ``Ack`` or an
   ``Error`` with a specific code. A valid ``Submit`` runs ``runtime.generate`` in a task of
   its own; its output reaches consumers only through the step stream.
@@ -14,6 +14,20 @@ Three sockets, each driven by exactly one owner task:
 * **tap** (PUB, optional): the same messages for observers. It drops when a subscriber
   is slow or when its bounded buffer is full; sequence numbers make the gap visible.
 
+Nothing a client does makes the request task wait on that client:
+
+* Replies are sent without waiting. A client that does not read its replies fills its
+  own queue at the ROUTER (``SNDHWM``); from then on its replies are dropped and counted
+  (``stats.replies_dropped``), and every other client is served as before.
+* A text prompt is bounded before it is tokenized: a prompt whose UTF-8 length already
+  proves it has ``max_model_len`` tokens or more (at most :attr:`PromptTokenizer.max_token_bytes`
+  bytes per token) gets ``prompt_too_long`` at once. The rest are tokenized in a worker
+  thread (one at a time, with the GIL released) while the event loop keeps running; the
+  ``Ack`` or ``Error`` follows when the tokenizer is done.
+* ``Abort`` is scoped to the client that submitted the request: its CURVE public key when
+  CURVE is on, else its ROUTER identity. Anyone else gets ``unknown_request``, the same
+  reply as for an id that does not exist.
+
 Backpressure. The server is a record sink of the runtime (``add_record_sink``): the
 publisher stage awaits it for every step. The sink appends the encoded step to the
 output backlog and, while the backlog holds more than ``output_high_water`` steps, waits
@@ -22,21 +36,37 @@ the publisher, and through it the whole pipeline, and the backlog stays bounded 
 ``output_high_water + 1`` steps. Meanwhile the request task stops reading new requests,
 so the runtime's request queue does not grow either.
 
+``ipc://`` endpoints live in a run directory that one server at a time holds
+(:func:`claim_endpoints`, an ``fcntl.flock`` lock): a second server is refused with the
+first one's pid, socket files of a dead server are removed, and a server removes its own
+on exit.
+
 Only rank 0 serves: on any other rank :func:`serve` binds nothing.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import errno
+import fcntl
+import functools
+import json
 import os
+import stat
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from types import TracebackType
+from typing import Final, TypeVar
 
 import msgspec
 import structlog
 import trio
 import zmq
+from tokenizers import Tokenizer
+from tokenizers.pre_tokenizers import ByteLevel
+
 from spectrio.runtime.api import Runtime
 from spectrio.runtime.messages import PublishedStep
 from spectrio.runtime.params import InvalidRequest
@@ -49,58 +79,204 @@ from spectrio.wire.codec import (
     encode,
     encode_step,
 )
+from spectrio.wire.curve import ZAP_ENDPOINT, CurveServerKeys, run_zap_handler
 from spectrio.wire.schema import Abort, Ack, Error, ErrorCode, Ping, Submit
-from spectrio.wire.curve import CurveServerKeys
-from spectrio.wire.zmq_transport import TrioSocket, open_socket
+from spectrio.wire.zmq_transport import (
+    EndpointRefused,
+    Reach,
+    TrioSocket,
+    check_bind,
+    check_private_dir,
+    check_socket_path,
+    ipc_path,
+    open_socket,
+)
 
 __all__ = [
+    "DEFAULT_FINISH_S",
+    "LOCK_FILE",
+    "EndpointClaim",
+    "EndpointRefused",
+    "PromptTokenizer",
     "ServerEndpoints",
+    "ServerRunning",
     "ServerStats",
     "WireServer",
     "check_endpoint",
+    "claim_endpoints",
     "default_endpoints",
     "serve",
 ]
 
 log = structlog.get_logger("spectrio.server")
 
+T = TypeVar("T")
+
 Context = zmq.Context[zmq.Socket[bytes]]
 
+DEFAULT_FINISH_S: Final = 3.0
+"""Seconds :meth:`WireServer.drain` spends, after the grace period, on aborting what still
+runs, publishing the abort step and handing the last messages to the consumer."""
 
-_LOOPBACK_HOSTS = ("localhost", "[::1]", "::1")
+LOCK_FILE: Final = "spectrio.lock"
+"""The lock file a server holds in each directory with its ``ipc://`` sockets."""
+
+MAX_TOKENIZING: Final = 32
+"""Text prompts waiting for the tokenizer at once, over all clients."""
+
+MAX_TOKENIZING_PER_CLIENT: Final = 2
+"""Text prompts one client may have waiting for the tokenizer."""
+
+
+# ---- endpoints and the run directory --------------------------------------------------------
+
+
+def check_endpoint(endpoint: str, *, allow_public: bool = False) -> Reach:
+    """The server's endpoint policy (:func:`spectrio.wire.zmq_transport.check_bind`):
+    loopback ``tcp://`` and ``ipc://`` in a private directory pass; anything another host
+    or user could reach needs ``allow_public``; raises :class:`EndpointRefused`."""
+    return check_bind(endpoint, allow_public=allow_public)
 
 
 def default_endpoints(run_dir: str | os.PathLike[str] | None = None) -> ServerEndpoints:
     """``ipc://`` endpoints under ``run_dir`` (default ``$XDG_RUNTIME_DIR/spectrio``, else
-    ``<tmp>/spectrio-<uid>``), created with mode 0700 so only this user can connect."""
+    ``<tmp>/spectrio-<uid>``). A missing directory is created with mode 0700; an existing
+    one must be private (owned by this user, no group or other access), otherwise
+    :class:`EndpointRefused` says why."""
     if run_dir is None:
         base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
         name = "spectrio" if os.environ.get("XDG_RUNTIME_DIR") else f"spectrio-{os.getuid()}"
         run_dir = Path(base) / name
-    path = Path(run_dir)
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = Path(os.path.abspath(run_dir))
+    try:
+        path.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass
+    check_private_dir(path)
     return ServerEndpoints(
         requests=f"ipc://{path}/requests", outputs=f"ipc://{path}/outputs", tap=f"ipc://{path}/tap"
     )
 
 
-def check_endpoint(endpoint: str, *, allow_public: bool = False) -> None:
-    """Refuse a bind that reaches beyond this machine unless ``allow_public``: ``ipc://``
-    and ``tcp://`` on a loopback address pass; any other ``tcp://`` host needs the flag;
-    other transports are refused. Wildcards (``*``, ``0.0.0.0``) are refused by
-    :func:`~spectrio.wire.zmq_transport.open_socket` in every case."""
-    if endpoint.startswith("ipc://"):
-        return
-    if not endpoint.startswith("tcp://"):
-        raise ValueError(f"unsupported endpoint {endpoint!r}: use ipc:// or tcp://")
-    host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
-    if host in _LOOPBACK_HOSTS or host.startswith("127."):
-        return
-    if not allow_public:
-        raise ValueError(
-            f"refusing to bind {endpoint!r}: not loopback (pass allow_public=True, "
-            "and use CURVE authentication, to serve beyond this machine)"
+class ServerRunning(RuntimeError):
+    """Another server holds the run directory."""
+
+    def __init__(self, directory: Path, pid: int | None) -> None:
+        who = f"pid {pid}" if pid is not None else "a process whose pid is not recorded"
+        super().__init__(
+            f"run directory {directory} is in use by a running spectrio server ({who}); "
+            "stop it first, or serve from another run directory"
         )
+        self.directory = directory
+        self.pid = pid
+
+
+def _read_pid(fd: int) -> int | None:
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        return int(text) if text else None
+    except (OSError, ValueError):
+        return None
+
+
+def _lock_dir(directory: Path) -> int:
+    """Hold ``directory/spectrio.lock`` (``flock``, not waiting) and write our pid in it."""
+    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = _read_pid(fd)
+        os.close(fd)
+        raise ServerRunning(directory, pid) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _remove_stale(path: Path) -> None:
+    """Delete a socket file a dead server left at ``path`` (we hold its directory's lock,
+    so no live spectrio server owns it). Anything else at the path is refused, never
+    deleted."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise EndpointRefused(f"{path} exists and is not a socket; refusing to replace it")
+    check_socket_path(path)  # a live listener that is not a spectrio server: refuse
+    os.unlink(path)
+    log.info("removed a stale socket file", path=str(path))
+
+
+class EndpointClaim:
+    """The endpoints of one server, checked against the endpoint policy, with every
+    directory holding an ``ipc://`` socket locked. Create it with :func:`claim_endpoints`;
+    :meth:`release` (or leaving the ``with`` block) removes this server's socket files and
+    drops the locks."""
+
+    def __init__(self, endpoints: Sequence[str], reaches: Sequence[Reach], paths: Sequence[Path],
+                 fds: Sequence[int]) -> None:
+        self.endpoints = tuple(endpoints)
+        self.reaches = tuple(reaches)
+        self.paths = tuple(paths)
+        self._fds = list(fds)
+
+    @property
+    def public(self) -> bool:
+        """Whether another host or user can reach any of the endpoints."""
+        return any(r is not Reach.LOCAL for r in self.reaches)
+
+    def release(self) -> None:
+        """Remove the socket files (only sockets: never anything else), then unlock. Safe
+        to call twice."""
+        if not self._fds:
+            return
+        for path in self.paths:
+            try:
+                if stat.S_ISSOCK(os.lstat(path).st_mode):
+                    os.unlink(path)
+            except FileNotFoundError:
+                pass
+        for fd in self._fds:
+            try:
+                os.ftruncate(fd, 0)
+            finally:
+                os.close(fd)  # closing the last descriptor drops the flock
+        self._fds = []
+
+    def __enter__(self) -> EndpointClaim:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.release()
+
+
+def claim_endpoints(*endpoints: str | None, allow_public: bool = False) -> EndpointClaim:
+    """Check ``endpoints`` (None entries are skipped) against the policy, lock the
+    directory of every ``ipc://`` socket, and remove the socket files a dead server left.
+    Cheap and done before anything expensive, so a refused server fails at once.
+
+    Raises :class:`EndpointRefused` (the policy, a private-directory violation, a path that
+    is not a socket) or :class:`ServerRunning` (another server holds a run directory,
+    named with its pid)."""
+    given = [ep for ep in endpoints if ep is not None]
+    reaches = [check_endpoint(ep, allow_public=allow_public) for ep in given]
+    paths = [p for p in (ipc_path(ep) for ep in given) if p is not None]
+    fds: list[int] = []
+    try:
+        for directory in sorted({p.parent for p in paths}):
+            fds.append(_lock_dir(directory))
+        for path in paths:
+            _remove_stale(path)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return EndpointClaim(given, reaches, paths, fds)
 
 
 class ServerEndpoints(msgspec.Struct, frozen=True, kw_only=True):
@@ -111,6 +287,77 @@ class ServerEndpoints(msgspec.Struct, frozen=True, kw_only=True):
     tap: str | None = None
 
 
+# ---- prompts --------------------------------------------------------------------------------
+
+_NON_DROPPING_PRE_TOKENIZERS: Final = frozenset({"ByteLevel", "Split", "Digits", "Punctuation"})
+
+
+def _keeps_every_byte(pre: dict[str, object] | None) -> bool:
+    """Whether a pre-tokenizer only splits (never drops) the text, so every input byte
+    ends up inside some token."""
+    if pre is None:
+        return True
+    kind = pre.get("type")
+    if kind == "Sequence":
+        items = pre.get("pretokenizers")
+        return isinstance(items, list) and all(_keeps_every_byte(p) for p in items)
+    return kind in _NON_DROPPING_PRE_TOKENIZERS and pre.get("behavior") != "Removed"
+
+
+def max_token_bytes(tokenizer: Tokenizer) -> int | None:
+    """The most input bytes one token can stand for, or None when no such bound holds
+    (a normalizer, a pre-tokenizer that drops text, or fused unknown tokens could make
+    any length of text one token). With a bound L, text of N UTF-8 bytes has at least
+    ceil(N / L) tokens."""
+    spec = json.loads(tokenizer.to_str())
+    model = spec.get("model") or {}
+    if spec.get("normalizer") is not None or not _keeps_every_byte(spec.get("pre_tokenizer")):
+        return None
+    if model.get("type") != "BPE" or (model.get("unk_token") is not None and model.get("fuse_unk")):
+        return None
+    byte_chars = set(ByteLevel.alphabet())
+    added = {t["content"] for t in spec.get("added_tokens", [])}
+    longest = 4  # an unknown character (one UTF-8 character) as one token
+    for token in tokenizer.get_vocab(with_added_tokens=True):
+        if token not in added and all(c in byte_chars for c in token):
+            size = len(token)  # byte-level alphabet: one character per byte
+        else:
+            size = len(token.encode("utf-8"))  # raw text (or an over-estimate)
+        longest = max(longest, size)
+    return longest
+
+
+class PromptTokenizer:
+    """The server's text-prompt tokenizer: the model's ``tokenizer.json``, with a cheap
+    lower bound on the token count and an ``encode`` that releases the GIL
+    (``Tokenizer.encode`` holds it for the whole call, ``encode_batch`` does not), so a
+    long prompt tokenized in a worker thread does not stall the event loop."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._tok = Tokenizer.from_file(str(Path(runtime.loaded.path) / "tokenizer.json"))
+        self.max_token_bytes = max_token_bytes(self._tok)
+        sample = "def f(x):\n    return {'é': x}  # ok <|endoftext|>"
+        if self.encode(sample) != runtime.tokenizer.encode(sample):
+            raise RuntimeError("the server's tokenizer disagrees with the runtime's")
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on ``len(encode(text))`` that costs no tokenizing (0 if none)."""
+        if self.max_token_bytes is None:
+            return 0
+        return -(-utf8_len(text) // self.max_token_bytes)
+
+
+def utf8_len(text: str) -> int:
+    """The UTF-8 length of ``text``; O(1) for ASCII text (CPython keeps the flag)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+# ---- the server -----------------------------------------------------------------------------
+
+
 class ServerStats(msgspec.Struct, kw_only=True):
     """Counters, for logs and tests."""
 
@@ -118,15 +365,26 @@ class ServerStats(msgspec.Struct, kw_only=True):
     acks: int = 0
     errors: dict[str, int] = msgspec.field(default_factory=dict)  # ErrorCode value -> count
     dropped_frames: int = 0  # messages with no usable reply address
-    unreplied: int = 0  # replies that could not be delivered (peer gone or not reading)
+    replies_dropped: int = 0  # replies dropped because their client's queue was full (not reading)
+    unreplied: int = 0  # replies that could not be delivered: the client was gone
+    prompts_tokenized: int = 0  # text prompts handed to the tokenizer
     steps_published: int = 0  # step messages handed to the PUSH socket
     tap_dropped: int = 0  # step messages the tap dropped
     request_failures: int = 0  # accepted requests that failed inside the runtime
     max_backlog: int = 0  # largest output backlog seen, in steps
 
 
+@dataclasses.dataclass(eq=False)
+class _Tokenizing:
+    """A text ``Submit`` whose prompt is being tokenized (not acknowledged yet)."""
+
+    owner: bytes
+    scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)
+    aborted: bool = False  # its client aborted it meanwhile: start it, then abort it
+
+
 class WireServer:
-    """The state shared by the three owner tasks. Create it through :func:`serve`."""
+    """The state shared by the owner tasks. Create it through :func:`serve`."""
 
     def __init__(
         self,
@@ -135,26 +393,32 @@ class WireServer:
         max_request_bytes: int,
         output_high_water: int,
         tap_buffer: int,
-        reply_timeout_s: float,
         rate: float | None = None,
         burst: int = 64,
+        curve: bool = False,
     ) -> None:
         self.runtime = runtime
         self._rate = rate
         self._burst = float(burst)
-        self._buckets: dict[bytes, tuple[float, float]] = {}  # identity -> (tokens, time)
+        self._curve = curve
+        self._buckets: dict[bytes, tuple[float, float]] = {}  # owner -> (tokens, time)
         self.stats = ServerStats()
         self._max_request_bytes = max_request_bytes
         self._high_water = output_high_water
-        self._reply_timeout_s = reply_timeout_s
         self._counter = SequenceCounter()
         self._backlog: collections.deque[list[bytes]] = collections.deque()
         self._backlog_changed = trio.Event()
         self._tap_tx, self._tap_rx = trio.open_memory_channel[list[bytes]](tap_buffer)
         self._tap_enabled = False
-        self._active: set[str] = set()
+        self._prompts = PromptTokenizer(runtime)
+        self._tokenizer_limiter = trio.CapacityLimiter(1)
+        self._tokenizing: dict[str, _Tokenizing] = {}
+        self._running: dict[str, bytes] = {}  # acknowledged request id -> its owner
         self._finished = trio.Event()  # replaced each time a request task ends
+        self._replies: collections.deque[list[bytes]] = collections.deque()
+        self._reply_waiter: trio.CancelScope | None = None
         self._closing = False
+        self._linger_s = 0.0  # how long the PUSH socket may keep unsent steps on close
         self.endpoints: ServerEndpoints | None = None  # set once bound
 
     # ---- output side ----------------------------------------------------------------
@@ -162,7 +426,7 @@ class WireServer:
     async def on_step(self, published: PublishedStep) -> None:
         """Record sink: encode the step, queue it for the output owner task, then hold the
         publisher (and with it the pipeline) while more than ``output_high_water`` steps
-        wait for the consumer. Returns at once after the server stops."""
+        wait for the consumer. Returns at once after the server starts closing."""
         self._queue_step(published)
         while len(self._backlog) > self._high_water and not self._closing:
             await self._backlog_changed.wait()
@@ -202,29 +466,47 @@ class WireServer:
         async for frames in self._tap_rx:
             await sock.send_multipart(frames)  # PUB never blocks; it drops at its HWM
 
-    async def drain(self, grace_s: float) -> bool:
-        """Stop admitting requests (new submits get ``unavailable``), let the running ones
-        finish for up to ``grace_s`` seconds, abort the rest with reason ``shutdown`` and
-        wait for the runtime to publish those aborts, then wait (as long again at most)
-        for the output backlog to reach the consumer. Returns True when every request
-        finished on its own and everything was sent; cancel :func:`serve` afterwards."""
+    async def drain(
+        self,
+        grace_s: float,
+        *,
+        cut: trio.Event | None = None,
+        finish_s: float = DEFAULT_FINISH_S,
+    ) -> bool:
+        """Shut down without losing an accepted request. Stop admitting requests (new
+        submits, and prompts still being tokenized, get ``unavailable``); let the running
+        ones finish for up to ``grace_s`` seconds, or until ``cut`` is set (a second
+        signal); then, within ``finish_s`` more seconds whatever happens, abort the rest
+        with reason ``shutdown``, wait for the runtime to publish their abort step and hand
+        every queued step to the PUSH socket, which keeps unsent messages for what remains
+        of ``finish_s`` when it closes. Returns True when every request finished on its
+        own and everything was handed over; cancel :func:`serve` afterwards."""
         self._closing = True
+        self._wake()  # a publisher held by on_step returns now
+        for pending in list(self._tokenizing.values()):
+            pending.scope.cancel()
         with trio.move_on_after(grace_s):
-            while self._active:
-                await self._finished.wait()
-        cut = sorted(self._active)
-        for request_id in cut:
-            await self.runtime.abort(request_id, "shutdown")
-        with trio.move_on_after(grace_s):
+            async with trio.open_nursery() as grace:
+                if cut is not None:
+                    grace.start_soon(_cancel_when_set, cut, grace.cancel_scope)
+                while self._running:
+                    await self._finished.wait()
+                grace.cancel_scope.cancel()
+        deadline = trio.current_time() + finish_s
+        cut_ids = sorted(self._running)
+        with trio.move_on_at(deadline):
+            async with trio.open_nursery() as aborts:
+                for rid in cut_ids:
+                    aborts.start_soon(self._abort_running, rid, "shutdown")
             await self.runtime.wait_idle()  # the abort step carries -9 for each of them
-            while self._active:
+            while self._running:
                 await self._finished.wait()
-        with trio.move_on_after(grace_s):
             while self._backlog:
                 await self._backlog_changed.wait()
-        clean = not cut and not self._active and not self._backlog
-        log.info("drained" if clean else "drained with aborts", aborted=len(cut),
-                 running=len(self._active), backlog=len(self._backlog))
+        self._linger_s = max(0.0, deadline - trio.current_time())
+        clean = not cut_ids and not self._running and not self._backlog
+        log.info("drained" if clean else "drained with aborts", aborted=len(cut_ids),
+                 running=len(self._running), backlog=len(self._backlog))
         return clean
 
     # ---- request side ---------------------------------------------------------------
@@ -233,124 +515,240 @@ class WireServer:
         self.stats.errors[code.value] = self.stats.errors.get(code.value, 0) + 1
         return Error(code=code, reason=reason, request_id=request_id)
 
-    async def run_requests(self, sock: TrioSocket, nursery: trio.Nursery) -> None:
-        while True:
-            frames = await sock.recv_multipart()
-            self.stats.requests += 1
-            # Admission control: hold this request (and read no more) while backlogged.
-            while len(self._backlog) > self._high_water:
-                await self._backlog_changed.wait()
-            envelope, reply = await self._handle(frames, nursery)
-            if envelope is None:
-                self.stats.dropped_frames += 1
-                continue
-            if isinstance(reply, Ack):
-                self.stats.acks += 1
-            await self._reply(sock, envelope, reply)
+    def _reply(self, envelope: Sequence[bytes], reply: Ack | Error) -> None:
+        """Queue a reply for the request owner task, from any task; never waits."""
+        if isinstance(reply, Ack):
+            self.stats.acks += 1
+        self._replies.append([*envelope, encode(reply)])
+        if self._reply_waiter is not None:
+            self._reply_waiter.cancel()
 
-    async def _reply(self, sock: TrioSocket, envelope: Sequence[bytes], reply: Ack | Error) -> None:
-        with trio.move_on_after(self._reply_timeout_s) as scope:
+    def _flush_replies(self, sock: TrioSocket) -> None:
+        """Send the queued replies without waiting: a client whose queue is full (it does
+        not read) loses this reply, and nobody else waits for it."""
+        while self._replies:
+            frames = self._replies.popleft()
             try:
-                await sock.send_multipart([*envelope, encode(reply)])
-            except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer is gone
+                if not sock.try_send_multipart(frames):
+                    self.stats.replies_dropped += 1
+                    log.debug("reply dropped: the client is not reading its replies")
+            except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the client is gone
                 self.stats.unreplied += 1
                 log.debug("reply undeliverable", error=str(exc))
-        if scope.cancelled_caught:
-            self.stats.unreplied += 1
-            log.warning("reply timed out; the client is not reading replies")
 
-    async def _handle(
-        self, frames: list[bytes], nursery: trio.Nursery
-    ) -> tuple[list[bytes] | None, Ack | Error]:
-        """Split the routing envelope from the body and answer the request."""
-        if len(frames) < 2 or not frames[0]:
-            return None, self._error(ErrorCode.BAD_FRAME, "no routing identity", None)
+    async def _unless_reply(self, wait: Callable[[], Awaitable[T]]) -> T | None:
+        """Await ``wait()``, or return None as soon as a reply is queued to be sent.
+        ``wait`` must be cancel-safe (a socket receive is: it consumes nothing)."""
+        with trio.CancelScope() as scope:
+            self._reply_waiter = scope
+            if self._replies:
+                scope.cancel()
+            try:
+                return await wait()
+            finally:
+                self._reply_waiter = None
+        return None
+
+    async def run_requests(self, sock: TrioSocket, nursery: trio.Nursery) -> None:
+        """The ROUTER's owner task: send queued replies, read one request, answer it."""
+        while True:
+            self._flush_replies(sock)
+            frames = await self._unless_reply(sock.recv_frames)
+            if frames is None:
+                continue
+            self.stats.requests += 1
+            # Admission control: hold this request (and read no more) while the consumer
+            # lags; replies already queued still go out.
+            while len(self._backlog) > self._high_water and not self._closing:
+                self._flush_replies(sock)
+                await self._unless_reply(self._backlog_changed.wait)
+            self._dispatch(frames, nursery)
+
+    def _owner(self, frames: list[zmq.Frame]) -> bytes:
+        """Who sent a request: its CURVE public key when a ZAP handler named it, else its
+        ROUTER identity (a new one per connection, which a client cannot choose to be
+        another's: libzmq's own identities start with a zero byte, which it refuses from
+        clients)."""
+        if self._curve:
+            try:
+                user = frames[-1].get("User-Id")
+            except zmq.ZMQError:  # no ZAP handler answered for this connection
+                user = None
+            if user:
+                return b"key:" + str(user).encode()
+        return b"peer:" + frames[0].bytes
+
+    def _dispatch(self, frames: list[zmq.Frame], nursery: trio.Nursery) -> None:
+        """Split the routing envelope from the body and answer (now, or once a text
+        prompt is tokenized)."""
+        if len(frames) < 2 or not frames[0].bytes:
+            self._error(ErrorCode.BAD_FRAME, "no routing identity", None)
+            self.stats.dropped_frames += 1
+            return
         # A DEALER sends [body]; a REQ sends ["", body]. Keep the delimiter for the reply.
-        split = 2 if len(frames) >= 3 and frames[1] == b"" else 1
-        envelope, body = frames[:split], frames[split:]
-        if not self._admit(frames[0]):
-            return envelope, self._error(
-                ErrorCode.RATE_LIMITED, f"over {self._rate} requests/s; retry later", None
-            )
+        split = 2 if len(frames) >= 3 and frames[1].bytes == b"" else 1
+        envelope = [f.bytes for f in frames[:split]]
+        body = frames[split:]
+        owner = self._owner(frames)
+        if not self._admit(owner):
+            self._reply(envelope, self._error(
+                ErrorCode.RATE_LIMITED, f"over {self._rate} requests/s; retry later", None))
+            return
         if len(body) != 1:
-            return envelope, self._error(
-                ErrorCode.BAD_FRAME, f"a request is one frame, got {len(body)}", None
-            )
+            self._reply(envelope, self._error(
+                ErrorCode.BAD_FRAME, f"a request is one frame, got {len(body)}", None))
+            return
         try:
-            msg = decode_request(body[0], self._max_request_bytes)
-            if isinstance(msg, Ping):
-                return envelope, Ack(of="ping")
-            if self._closing:
-                raise WireError(
-                    ErrorCode.UNAVAILABLE, "the server is shutting down", msg.request_id
-                )
-            if isinstance(msg, Submit):
-                self._submit(msg, nursery)
-                return envelope, Ack(of="submit", request_id=msg.request_id)
-            assert isinstance(msg, Abort)
-            await self._abort(msg)
-            return envelope, Ack(of="abort", request_id=msg.request_id)
+            reply = self._handle(body[0].buffer, owner, envelope, nursery)
         except WireError as exc:
-            return envelope, self._error(exc.code, exc.reason, exc.request_id)
+            reply = self._error(exc.code, exc.reason, exc.request_id)
+        if reply is not None:
+            self._reply(envelope, reply)
 
-    def _admit(self, identity: bytes) -> bool:
-        """Token bucket per client identity: ``rate`` requests/s, bursts of ``burst``."""
+    def _handle(
+        self, body: memoryview, owner: bytes, envelope: list[bytes], nursery: trio.Nursery
+    ) -> Ack | Error | None:
+        msg = decode_request(body, self._max_request_bytes)  # the size cap comes first
+        if isinstance(msg, Ping):
+            return Ack(of="ping")
+        if self._closing:
+            raise WireError(ErrorCode.UNAVAILABLE, "the server is shutting down", msg.request_id)
+        if isinstance(msg, Submit):
+            return self._submit(msg, owner, envelope, nursery)
+        assert isinstance(msg, Abort)
+        return self._abort(msg, owner, nursery)
+
+    def _admit(self, owner: bytes) -> bool:
+        """Token bucket per client: ``rate`` requests/s, bursts of ``burst``."""
         if self._rate is None:
             return True
         now = trio.current_time()
-        tokens, then = self._buckets.get(identity, (self._burst, now))
+        tokens, then = self._buckets.get(owner, (self._burst, now))
         tokens = min(self._burst, tokens + (now - then) * self._rate)
         if len(self._buckets) > 10_000:  # forget idle clients (their buckets are full)
             self._buckets = {
                 k: v for k, v in self._buckets.items() if (now - v[1]) * self._rate < self._burst
             }
         if tokens < 1.0:
-            self._buckets[identity] = (tokens, now)
+            self._buckets[owner] = (tokens, now)
             return False
-        self._buckets[identity] = (tokens - 1.0, now)
+        self._buckets[owner] = (tokens - 1.0, now)
         return True
 
-    def _submit(self, msg: Submit, nursery: trio.Nursery) -> None:
+    def _check_length(self, msg: Submit) -> None:
+        """Refuse a prompt that cannot fit under ``max_model_len`` before it costs
+        anything: token ids by count, text by the byte bound of :class:`PromptTokenizer`."""
+        limit = self.runtime.config.max_model_len
         rid = msg.request_id
+        if isinstance(msg.prompt, str):
+            floor = self._prompts.min_tokens(msg.prompt)
+            if floor >= limit:
+                raise WireError(
+                    ErrorCode.PROMPT_TOO_LONG,
+                    f"prompt: text of {utf8_len(msg.prompt)} bytes is at "
+                    f"least {floor} tokens, which leaves no room under max_model_len={limit}",
+                    rid,
+                )
+        elif len(msg.prompt) >= limit:
+            raise WireError(
+                ErrorCode.PROMPT_TOO_LONG,
+                f"prompt: {len(msg.prompt)} tokens leave no room under max_model_len={limit}",
+                rid,
+            )
+
+    def _check_submit(self, msg: Submit) -> list[int]:
         rt = self.runtime
-        if rid in self._active:
+        return check_submit(msg, vocab_size=rt.loaded.config.vocab_size,
+                            max_model_len=rt.config.max_model_len, tokenize=self._prompts.encode)
+
+    def _submit(
+        self, msg: Submit, owner: bytes, envelope: list[bytes], nursery: trio.Nursery
+    ) -> Ack | None:
+        rid = msg.request_id
+        self._check_length(msg)
+        if rid in self._running or rid in self._tokenizing:
             raise WireError(
                 ErrorCode.DUPLICATE_REQUEST, f"request_id {rid!r} is still running", rid
             )
-        prompt_ids = check_submit(
-            msg,
-            vocab_size=rt.loaded.config.vocab_size,
-            max_model_len=rt.config.max_model_len,
-            tokenize=rt.tokenizer.encode,
-        )
-        self._active.add(rid)
-        nursery.start_soon(self._run_request, rid, prompt_ids, msg)
+        if isinstance(msg.prompt, str):
+            mine = sum(p.owner == owner for p in self._tokenizing.values())
+            if len(self._tokenizing) >= MAX_TOKENIZING or mine >= MAX_TOKENIZING_PER_CLIENT:
+                raise WireError(ErrorCode.RATE_LIMITED,
+                                "too many prompts waiting for the tokenizer; retry later", rid)
+            pending = self._tokenizing[rid] = _Tokenizing(owner)
+            nursery.start_soon(self._tokenize_then_start, msg, pending, envelope, nursery)
+            return None  # the reply follows once the prompt is tokenized
+        self._start(msg, owner, self._check_submit(msg), nursery)
+        return Ack(of="submit", request_id=rid)
+
+    async def _tokenize_then_start(
+        self, msg: Submit, pending: _Tokenizing, envelope: list[bytes], nursery: trio.Nursery
+    ) -> None:
+        rid = msg.request_id
+        reply: Ack | Error
+        try:
+            with pending.scope:
+                self.stats.prompts_tokenized += 1
+                ids = await trio.to_thread.run_sync(
+                    self._check_submit, msg, limiter=self._tokenizer_limiter, abandon_on_cancel=True
+                )
+            if pending.scope.cancelled_caught or self._closing:
+                reply = self._error(ErrorCode.UNAVAILABLE, "the server is shutting down", rid)
+            else:
+                self._start(msg, pending.owner, ids, nursery)
+                if pending.aborted:
+                    nursery.start_soon(self._abort_running, rid, "aborted by client")
+                reply = Ack(of="submit", request_id=rid)
+        except WireError as exc:
+            reply = self._error(exc.code, exc.reason, exc.request_id)
+        finally:
+            del self._tokenizing[rid]
+        self._reply(envelope, reply)
+
+    def _start(self, msg: Submit, owner: bytes, prompt_ids: list[int], nursery: trio.Nursery) -> None:
+        self._running[msg.request_id] = owner
+        nursery.start_soon(self._run_request, msg.request_id, prompt_ids, msg)
 
     async def _run_request(self, rid: str, prompt_ids: list[int], msg: Submit) -> None:
         try:
             async for _ in self.runtime.generate(prompt_ids, msg.params, request_id=rid):
-                pass  # the output travels through the record observer
+                pass  # the output travels through the record sink
         except InvalidRequest as exc:
             self.stats.request_failures += 1
             log.warning("accepted request failed in the runtime", request_id=rid, reason=str(exc))
         finally:
-            self._active.discard(rid)
+            self._running.pop(rid, None)
             self._finished.set()
             self._finished = trio.Event()
 
-    async def _abort(self, msg: Abort) -> None:
+    def _abort(self, msg: Abort, owner: bytes, nursery: trio.Nursery) -> Ack:
+        """Abort a request of this client's. A request of another client's is reported
+        exactly like one that does not exist, so ids of others are not revealed."""
         rid = msg.request_id
-        if rid not in self._active:
+        pending = self._tokenizing.get(rid)
+        if pending is not None and pending.owner == owner:
+            pending.aborted = True
+            return Ack(of="abort", request_id=rid)
+        if self._running.get(rid) != owner:
             raise WireError(ErrorCode.UNKNOWN_REQUEST, f"request_id {rid!r} is not running", rid)
+        nursery.start_soon(self._abort_running, rid, "aborted by client")
+        return Ack(of="abort", request_id=rid)
+
+    async def _abort_running(self, rid: str, reason: str) -> None:
         # The request task may not have entered ``generate`` yet: give it a few turns.
         with trio.move_on_after(1.0):
-            while rid in self._active:
-                if await self.runtime.abort(rid, "aborted by client"):
+            while rid in self._running:
+                if await self.runtime.abort(rid, reason):
                     return
                 await trio.sleep(0.001)
-        if rid in self._active:
+        if rid in self._running:
             log.warning("abort could not reach the request", request_id=rid)
         # Otherwise it finished meanwhile; its finish reason is already on the stream.
+
+
+async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
 
 
 async def serve(
@@ -362,11 +760,11 @@ async def serve(
     rank: int = 0,
     allow_public: bool = False,
     context: Context | None = None,
+    claim: EndpointClaim | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_message_bytes: int | None = None,
     output_high_water: int = 256,
     tap_buffer: int = 1024,
-    reply_timeout_s: float = 5.0,
     max_requests_per_s: float | None = None,
     request_burst: int = 64,
     curve: CurveServerKeys | None = None,
@@ -376,45 +774,65 @@ async def serve(
     the running :class:`WireServer` (its ``endpoints`` and ``stats``); None on a rank other
     than 0, which binds nothing.
 
+    Endpoints must pass the endpoint policy (:func:`check_endpoint`; ``allow_public`` for
+    anything beyond this machine, with a warning when CURVE is off). ``ipc://`` run
+    directories are locked (:func:`claim_endpoints`); pass ``claim`` when the caller
+    claimed the endpoints already (the CLI does, before loading the model), else serve
+    claims them and releases them on exit.
+
     ``max_request_bytes`` is the request size that still gets a ``too_large`` reply;
     libzmq disconnects a peer whose message exceeds ``max_message_bytes`` (``zmq.MAXMSGSIZE``,
-    default 4x ``max_request_bytes``) before the server ever sees it. Endpoints must be
-    ``ipc://`` or loopback ``tcp://`` unless ``allow_public`` (:func:`check_endpoint`).
+    default 4x ``max_request_bytes``) before the server ever sees it.
 
-    ``max_requests_per_s`` caps each client (by ROUTER identity) with a token bucket of
-    ``request_burst``; a request over the cap gets ``rate_limited``.
+    ``max_requests_per_s`` caps each client (by CURVE key or ROUTER identity) with a
+    token bucket of ``request_burst``; a request over the cap gets ``rate_limited``.
 
     On cancellation, running requests are aborted (the runtime ends their streams with
-    ``finish_reason="abort"``) and the sockets close with zero linger.
+    ``finish_reason="abort"``) and the sockets close; after :meth:`WireServer.drain`, the
+    PUSH socket keeps unsent steps for what remains of the drain's finish budget.
     """
     if rank != 0:
         log.info("not rank 0: no sockets bound", rank=rank)
         task_status.started(None)
         await trio.sleep_forever()
-    for endpoint in (requests_endpoint, outputs_endpoint, tap_endpoint):
-        if endpoint is not None:
-            check_endpoint(endpoint, allow_public=allow_public)
+    own_claim = claim is None
+    if claim is None:
+        claim = claim_endpoints(requests_endpoint, outputs_endpoint, tap_endpoint,
+                                allow_public=allow_public)
     cap = max_message_bytes if max_message_bytes is not None else 4 * max_request_bytes
-    server = WireServer(
-        runtime,
-        max_request_bytes=max_request_bytes,
-        output_high_water=output_high_water,
-        tap_buffer=tap_buffer,
-        reply_timeout_s=reply_timeout_s,
-        rate=max_requests_per_s,
-        burst=request_burst,
-    )
     ctx = context if context is not None else zmq.Context.instance()
     socks: list[TrioSocket] = []
+    out: TrioSocket | None = None
+    server: WireServer | None = None
     try:
+        server = WireServer(
+            runtime,
+            max_request_bytes=max_request_bytes,
+            output_high_water=output_high_water,
+            tap_buffer=tap_buffer,
+            rate=max_requests_per_s,
+            burst=request_burst,
+            curve=curve is not None,
+        )
+        zap: TrioSocket | None = None
+        if curve is not None:
+            try:
+                zap = open_socket(ctx, zmq.REP, bind=ZAP_ENDPOINT, max_msg_size=None)
+                socks.append(zap)
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                log.warning("this context has a ZAP handler already; aborts are scoped to "
+                            "the User-Id it sets, else to the connection")
         configure = curve.apply if curve is not None else None  # encrypts every socket
-        req = open_socket(ctx, zmq.ROUTER, bind=requests_endpoint, max_msg_size=cap, configure=configure)
+        opened = functools.partial(open_socket, ctx, configure=configure, allow_public=allow_public)
+        req = opened(zmq.ROUTER, bind=requests_endpoint, max_msg_size=cap)
         socks.append(req)
-        out = open_socket(ctx, zmq.PUSH, bind=outputs_endpoint, max_msg_size=None, configure=configure)
+        out = opened(zmq.PUSH, bind=outputs_endpoint, max_msg_size=None)
         socks.append(out)
         tap: TrioSocket | None = None
         if tap_endpoint is not None:
-            tap = open_socket(ctx, zmq.PUB, bind=tap_endpoint, max_msg_size=None, configure=configure)
+            tap = opened(zmq.PUB, bind=tap_endpoint, max_msg_size=None)
             socks.append(tap)
             server._tap_enabled = True
         bound = ServerEndpoints(
@@ -423,9 +841,15 @@ async def serve(
             tap=tap.socket.getsockopt_string(zmq.LAST_ENDPOINT) if tap is not None else None,
         )
         server.endpoints = bound
+        if claim.public and curve is None:
+            log.warning("serving beyond this machine without CURVE: anyone who can connect "
+                        "can submit requests and read every output (see `spectrio keys`)",
+                        requests=bound.requests, outputs=bound.outputs, tap=bound.tap)
         remove = runtime.add_record_sink(server.on_step)
         try:
             async with trio.open_nursery() as nursery:
+                if zap is not None:
+                    nursery.start_soon(run_zap_handler, zap)
                 nursery.start_soon(server.run_outputs, out)
                 if tap is not None:
                     nursery.start_soon(server.run_tap, tap)
@@ -439,5 +863,8 @@ async def serve(
             server._wake()  # a publisher held by on_step returns now
             log.info("server stopped", **msgspec.structs.asdict(server.stats))
     finally:
+        linger_ms = int(server._linger_s * 1000) if server is not None else 0
         for sock in socks:
-            sock.close(linger=0)
+            sock.close(linger=linger_ms if sock is out else 0)
+        if own_claim:
+            claim.release()

@@ -43,3 +43,12 @@ def test_bad_flags_are_clear_errors() -> None:
     assert proc.returncode == 2 and "--max-tokens" in proc.stderr
     proc = run_cli("generate", "x", "--k", "2", "--num-model-steps", "3")
     assert proc.returncode == 2 and "num_model_steps" in proc.stderr
+
+
+def test_serve_refuses_a_config_the_model_cannot_hold(tmp_path: object) -> None:
+    """A model-dependent config error surfaces as one clear line and exit status 2, also
+    from inside the server's task nurseries."""
+    proc = run_cli("serve", "--run-dir", f"{tmp_path}/run", "--max-model-len", "4000")
+    assert proc.returncode == 2, proc.stderr
+    assert "error: max_model_len" in proc.stderr and "max_position_embeddings" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -60,7 +60,7 @@ def ctx() -> Iterator[Context]:
 def ipc_endpoints(tmp_path: Path) -> tuple[str, str, str]:
     """Requests, outputs and tap endpoints under a fresh folder of ``tmp_path``."""
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
+    run_dir.mkdir(mode=0o700)  # the endpoint policy refuses a run directory others can enter
     return (f"ipc://{run_dir}/req", f"ipc://{run_dir}/out", f"ipc://{run_dir}/tap")
 
 
@@ -275,7 +275,10 @@ async def test_sequence_gap_is_detected(ctx: Context, tmp_path: Path) -> None:
 
 
 def test_bind_policy(tmp_path: Path) -> None:
-    check_endpoint("ipc:///tmp/x")
+    """The server's policy in brief (every spelling: ``tests/test_endpoint_policy.py``)."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    check_endpoint(f"ipc://{private}/x")
     check_endpoint("tcp://127.0.0.1:5555")
     check_endpoint("tcp://localhost:5555")
     with pytest.raises(ValueError, match="not loopback"):
@@ -283,6 +286,8 @@ def test_bind_policy(tmp_path: Path) -> None:
     check_endpoint("tcp://10.1.2.3:5555", allow_public=True)
     with pytest.raises(ValueError, match="unsupported"):
         check_endpoint("udp://127.0.0.1:1")
+    with pytest.raises(ValueError, match="mode 1777"):
+        check_endpoint("ipc:///tmp/x")  # a directory every user can enter
     eps = default_endpoints(tmp_path / "rt")
     assert eps.requests == f"ipc://{tmp_path}/rt/requests"
     assert (tmp_path / "rt").stat().st_mode & 0o777 == 0o700
