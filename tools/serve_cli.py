@@ -186,7 +186,7 @@ async def _serve_async(
                 async with open_runtime(config) as rt, trio.open_nursery() as nursery:
                     stopper.startup = None  # from here a signal drains instead
                     server = await nursery.start(
-                        lambda task_status=trio.TASK_STATUS_IGNORED: serve(  # type: ignore[misc]
+                        lambda task_status=trio.TASK_STATUS_IGNORED: serve(
                             rt, requests, outputs, tap, allow_public=args.allow_public,
                             context=ctx, claim=claim, max_request_bytes=args.max_request_bytes,
                             max_requests_per_s=args.max_requests_per_s, curve=curve,
