@@ -61,9 +61,7 @@ def pack_header(kind: int, width: int, bsz: int, num_tokens: int) -> np.ndarray:
         raise ValueError(f"record width must be in [0, {MAX_WIDTH}], got {width}")
     if bsz < 0 or num_tokens < 0:
         raise ValueError(f"bsz and num_tokens must be >= 0, got {bsz}, {num_tokens}")
-    return np.array(
-        [RECORD_VERSION, (kind & 0xFF) | (width << 8), bsz, num_tokens], dtype=_I32
-    )
+    return np.array([RECORD_VERSION, (kind & 0xFF) | (width << 8), bsz, num_tokens], dtype=_I32)
 
 
 def unpack_header(packed: int) -> tuple[int, int]:

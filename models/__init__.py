@@ -48,17 +48,8 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 if TYPE_CHECKING:
     from spectrio.models import reference
     from spectrio.models.batch import PackedBatch
-    from spectrio.models.config import ModelConfig
-    from spectrio.models.config import ModelConfigError
-    from spectrio.models.kv_cache import PagedKVCache
-    from spectrio.models.kv_cache import slots_for_positions
-    from spectrio.models.config import BUNDLED_DIR
-    from spectrio.models.loader import CheckpointError
-    from spectrio.models.loader import LoadedModel
-    from spectrio.models.loader import load
-    from spectrio.models.loader import save_checkpoint
-    from spectrio.models.model import ForwardOutput
-    from spectrio.models.model import SpectrioForCausalLM
-    from spectrio.models.model import build_model
-    from spectrio.models.tokenizer import IncrementalDetokenizer
-    from spectrio.models.tokenizer import TextTokenizer
+    from spectrio.models.config import BUNDLED_DIR, ModelConfig, ModelConfigError
+    from spectrio.models.kv_cache import PagedKVCache, slots_for_positions
+    from spectrio.models.loader import CheckpointError, LoadedModel, load, save_checkpoint
+    from spectrio.models.model import ForwardOutput, SpectrioForCausalLM, build_model
+    from spectrio.models.tokenizer import IncrementalDetokenizer, TextTokenizer

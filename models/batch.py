@@ -8,7 +8,6 @@ import numpy as np
 import paddle
 
 
-
 @dataclasses.dataclass
 class PackedBatch:
     """Every sequence's new positions, packed back to back.
@@ -36,15 +35,16 @@ class PackedBatch:
         if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or cu[-1] != n or np.any(np.diff(cu) <= 0):
             raise ValueError("cu_seqlens_q must rise strictly from 0 to the number of rows")
         if len(self.block_tables) != self.num_seqs:
-            raise ValueError(
-                f"{len(self.block_tables)} block tables for {self.num_seqs} sequences"
-            )
+            raise ValueError(f"{len(self.block_tables)} block tables for {self.num_seqs} sequences")
         seq_of_row = np.repeat(np.arange(self.num_seqs), np.diff(cu))
         first = self.positions[cu[:-1]]
         step_ok = self.positions == first[seq_of_row] + (np.arange(n) - cu[:-1][seq_of_row])
         if np.any(first < 0) or not step_ok.all():
-            bad = int(seq_of_row[np.flatnonzero(~step_ok)[0]]) if not step_ok.all() else int(
-                np.flatnonzero(first < 0)[0])
+            bad = (
+                int(seq_of_row[np.flatnonzero(~step_ok)[0]])
+                if not step_ok.all()
+                else int(np.flatnonzero(first < 0)[0])
+            )
             raise ValueError(f"sequence {bad}: positions must be consecutive and non-negative")
         if self.logits_indices is not None:
             self.logits_indices = np.asarray(self.logits_indices, dtype=np.int64)
@@ -73,7 +73,10 @@ class PackedBatch:
         return cls(
             input_ids=np.concatenate([np.asarray(t, dtype=np.int64) for t in token_ids]),
             positions=np.concatenate(
-                [np.arange(s, s + n, dtype=np.int64) for s, n in zip(start_positions, lens)]
+                [
+                    np.arange(s, s + n, dtype=np.int64)
+                    for s, n in zip(start_positions, lens, strict=True)
+                ]
             ),
             cu_seqlens_q=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
             block_tables=[np.asarray(b, dtype=np.int64) for b in block_tables],
@@ -165,7 +168,6 @@ class AttentionPlan:
         return cached
 
 
-
 def _padded_tables(block_tables: list[np.ndarray]) -> np.ndarray:
     """Block tables as one ``[B, max_blocks]`` array (-1 past each table's end)."""
     width = max(len(t) for t in block_tables)
@@ -175,7 +177,9 @@ def _padded_tables(block_tables: list[np.ndarray]) -> np.ndarray:
     return out
 
 
-def _slots(tables: np.ndarray, seq: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+def _slots(
+    tables: np.ndarray, seq: np.ndarray, positions: np.ndarray, block_size: int
+) -> np.ndarray:
     """Flat cache slots of ``positions`` of sequences ``seq`` (broadcast together); the
     caller has checked that every table reaches its positions."""
     return tables[seq, positions // block_size] * block_size + positions % block_size

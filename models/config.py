@@ -96,7 +96,8 @@ class ModelConfig:
         unknown = [a for a in self.architectures if a not in SUPPORTED_ARCHITECTURES]
         if unknown:
             raise ModelConfigError(
-                f"unknown architecture {unknown[0]!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"unknown architecture {unknown[0]!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
 
     @property
@@ -128,7 +129,9 @@ class ModelConfig:
             if f.default is dataclasses.MISSING and f.name not in raw
         ]
         if missing:
-            raise ModelConfigError(f"config.json is missing required field(s): {', '.join(missing)}")
+            raise ModelConfigError(
+                f"config.json is missing required field(s): {', '.join(missing)}"
+            )
         for name, allowed in _UNSUPPORTED_UNLESS.items():
             if raw.get(name, allowed) != allowed:
                 raise ModelConfigError(f"{name}={raw[name]!r} is not supported (only {allowed!r})")

@@ -64,7 +64,9 @@ class PagedKVCache:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
 
-def slots_for_positions(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+def slots_for_positions(
+    block_table: np.ndarray, positions: np.ndarray, block_size: int
+) -> np.ndarray:
     """Flat cache slots of ``positions`` for a sequence whose blocks are ``block_table``."""
     positions = np.asarray(positions, dtype=np.int64)
     blocks_needed = int(positions.max()) // block_size + 1 if positions.size else 0

@@ -25,9 +25,7 @@ class RMSNorm(nn.Layer):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = self.create_parameter(
-            [dim], default_initializer=nn.initializer.Constant(1.0)
-        )
+        self.weight = self.create_parameter([dim], default_initializer=nn.initializer.Constant(1.0))
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return self.normalize(x) * self.weight
@@ -154,13 +152,21 @@ class Attention(nn.Layer):
         else:
             if plan.pad_rows is not None:
                 q = paddle.gather(q, plan.pad_rows, axis=0)
-            q = q.reshape([b, tq, kvh, g, hd]).transpose([0, 2, 3, 1, 4]).reshape([b, kvh, g * tq, hd])
+            q = (
+                q.reshape([b, tq, kvh, g, hd])
+                .transpose([0, 2, 3, 1, 4])
+                .reshape([b, kvh, g * tq, hd])
+            )
         scores = paddle.matmul(q, kc, transpose_y=True) + plan.mask_for_groups(g)
         out = paddle.matmul(F.softmax(scores, axis=-1), vc)  # [B, KVH, G * Tq, D]
         if tq == 1:
             out = out.reshape([b, h * hd])
         else:
-            out = out.reshape([b, kvh, g, tq, hd]).transpose([0, 3, 1, 2, 4]).reshape([b * tq, h * hd])
+            out = (
+                out.reshape([b, kvh, g, tq, hd])
+                .transpose([0, 3, 1, 2, 4])
+                .reshape([b * tq, h * hd])
+            )
             if plan.unpad_rows is not None:
                 out = paddle.gather(out, plan.unpad_rows, axis=0)
         return paddle.matmul(out, self.o_proj.weight)
@@ -196,7 +202,6 @@ def rope_matrices(cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return m
 
 
-
 class MLP(nn.Layer):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -218,7 +223,9 @@ class MLP(nn.Layer):
     def forward_fused(self, x: paddle.Tensor) -> paddle.Tensor:
         """The same MLP on a normalised, unweighted ``x``: one gate|up matmul, ``swiglu``."""
         assert self._gate_up_weight is not None, "DecoderLayer.forward_paged fuses the weights"
-        return paddle.matmul(F.swiglu(paddle.matmul(x, self._gate_up_weight)), self.down_proj.weight)
+        return paddle.matmul(
+            F.swiglu(paddle.matmul(x, self._gate_up_weight)), self.down_proj.weight
+        )
 
 
 class DecoderLayer(nn.Layer):

@@ -63,11 +63,15 @@ def state_dict_hf(model: SpectrioForCausalLM, dtype: str = "float32") -> dict[st
     out: dict[str, np.ndarray] = {}
     for name, param in model.named_parameters():
         arr = param.numpy().astype(dtype)
-        out[_hf_name(name, model.config)] = np.ascontiguousarray(arr.T if _is_linear(param, name) else arr)
+        out[_hf_name(name, model.config)] = np.ascontiguousarray(
+            arr.T if _is_linear(param, name) else arr
+        )
     return out
 
 
-def save_checkpoint(model: SpectrioForCausalLM, out_dir: str | Path, dtype: str = "float32") -> None:
+def save_checkpoint(
+    model: SpectrioForCausalLM, out_dir: str | Path, dtype: str = "float32"
+) -> None:
     """Write ``config.json`` (a Llama config with the MTP layer riding along) and
     ``model.safetensors`` with weights stored in ``dtype`` (float32 or float16)."""
     out = Path(out_dir)
@@ -144,13 +148,21 @@ def load(path_or_name: str | Path = "bundled", dtype: DType = "float32") -> Load
             continue
         if name.endswith("rotary_emb.inv_freq"):
             continue
-        raise CheckpointError(f"{folder}: unexpected tensor {name!r} (not part of this architecture)")
+        raise CheckpointError(
+            f"{folder}: unexpected tensor {name!r} (not part of this architecture)"
+        )
     model.eval()
     tok_path = folder / "tokenizer.json"
-    tokenizer = TextTokenizer.from_file(tok_path, eos_token_id=cfg.eos_token_id) if tok_path.exists() else None
+    tokenizer = (
+        TextTokenizer.from_file(tok_path, eos_token_id=cfg.eos_token_id)
+        if tok_path.exists()
+        else None
+    )
     seconds = time.perf_counter() - t0
     log.info("model loaded", path=str(folder), dtype=dtype, seconds=round(seconds, 3))
-    return LoadedModel(model=model, config=cfg, tokenizer=tokenizer, path=folder, load_seconds=seconds)
+    return LoadedModel(
+        model=model, config=cfg, tokenizer=tokenizer, path=folder, load_seconds=seconds
+    )
 
 
 def _hf_shape(param: paddle.Tensor, name: str) -> list[int]:

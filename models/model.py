@@ -11,7 +11,6 @@ from paddle import nn
 from spectrio.models.batch import AttentionPlan, PackedBatch
 from spectrio.models.config import DType, ModelConfig
 from spectrio.models.kv_cache import PagedKVCache
-from spectrio.models.paddle_setup import configure_paddle
 from spectrio.models.layers import (
     KV,
     DecoderLayer,
@@ -20,6 +19,7 @@ from spectrio.models.layers import (
     rope_cos_sin,
     rope_matrices,
 )
+from spectrio.models.paddle_setup import configure_paddle
 
 
 @dataclasses.dataclass
@@ -194,7 +194,9 @@ def _dense_mask(t: int, start: int, dtype: DType) -> paddle.Tensor:
     return paddle.to_tensor(np.triu(np.full((t, start + t), -np.inf), k=start + 1).astype(dtype))
 
 
-def build_model(cfg: ModelConfig, dtype: DType = "float32", seed: int | None = None) -> SpectrioForCausalLM:
+def build_model(
+    cfg: ModelConfig, dtype: DType = "float32", seed: int | None = None
+) -> SpectrioForCausalLM:
     """A freshly initialised model (small-std normal init, as Llama uses)."""
     if dtype not in ("float32", "float64"):
         raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
@@ -202,7 +204,7 @@ def build_model(cfg: ModelConfig, dtype: DType = "float32", seed: int | None = N
         paddle.seed(seed)
     model = SpectrioForCausalLM(cfg)
     init = nn.initializer.Normal(0.0, 0.02)
-    for name, p in model.named_parameters():
+    for _name, p in model.named_parameters():
         if p.ndim == 2:
             init(p)
     if dtype != "float32":

@@ -35,7 +35,9 @@ def greedy_generate(
         raise ValueError("max_tokens must be >= 1")
     limit = model.config.max_position_embeddings
     if len(prompt_ids) >= limit:
-        raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under {limit} positions")
+        raise ValueError(
+            f"prompt of {len(prompt_ids)} tokens leaves no room under {limit} positions"
+        )
     stops = set(stop_token_ids) | ({eos_token_id} if eos_token_id is not None else set())
     out: list[int] = []
     with paddle.no_grad():

@@ -48,20 +48,9 @@ __all__ = [
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
-    from spectrio.runtime.aio import AsyncioRequestStream
-    from spectrio.runtime.aio import AsyncioRuntime
-    from spectrio.runtime.aio import open_runtime_asyncio
-    from spectrio.runtime.api import Delta
-    from spectrio.runtime.api import RequestStream
-    from spectrio.runtime.api import Runtime
-    from spectrio.runtime.api import open_runtime
-    from spectrio.runtime.channels import ChannelReceiver
-    from spectrio.runtime.channels import ChannelSender
-    from spectrio.runtime.channels import open_channel
-    from spectrio.runtime.config import ConfigError
-    from spectrio.runtime.config import RuntimeConfig
-    from spectrio.runtime.config import SpeculativeConfig
-    from spectrio.runtime.messages import PublishedStep
-    from spectrio.runtime.messages import TokenLogprob
-    from spectrio.runtime.params import InvalidRequest
-    from spectrio.runtime.params import SamplingParams
+    from spectrio.runtime.aio import AsyncioRequestStream, AsyncioRuntime, open_runtime_asyncio
+    from spectrio.runtime.api import Delta, RequestStream, Runtime, open_runtime
+    from spectrio.runtime.channels import ChannelReceiver, ChannelSender, open_channel
+    from spectrio.runtime.config import ConfigError, RuntimeConfig, SpeculativeConfig
+    from spectrio.runtime.messages import PublishedStep, TokenLogprob
+    from spectrio.runtime.params import InvalidRequest, SamplingParams

@@ -204,8 +204,16 @@ class AsyncioRuntime:
 
 def _end_at_shutdown(job: _Job) -> None:
     """A request handed over while the bridge shut down ends as running ones do."""
-    job.queue.put_nowait(Delta(request_id=job.request_id, token_ids=[], text="", finished=True,
-                               finish_reason="abort", abort_reason="shutdown"))
+    job.queue.put_nowait(
+        Delta(
+            request_id=job.request_id,
+            token_ids=[],
+            text="",
+            finished=True,
+            finish_reason="abort",
+            abort_reason="shutdown",
+        )
+    )
     job.end(_END)
 
 

@@ -118,22 +118,37 @@ class Runtime:
         self._control = control_tx
         # Downstream first, so every stage is ready before the scheduler plans anything.
         await nursery.start(
-            run_publisher, sampled_rx, self._deliver, self._publish,
+            run_publisher,
+            sampled_rx,
+            self._deliver,
+            self._publish,
             None if overlap else feedback_tx,
         )
         await nursery.start(
             functools.partial(run_sampler, feedback=feedback_tx if overlap else None),
-            self.workspace, self.sampler, self._limiter, verified_rx, sampled_tx,
+            self.workspace,
+            self.sampler,
+            self._limiter,
+            verified_rx,
+            sampled_tx,
         )
         await nursery.start(run_verify, self.workspace, self._limiter, draft_rx, verified_tx)
         await nursery.start(run_draft, self.workspace, self._limiter, plan_rx, draft_tx)
         await nursery.start(
             functools.partial(run_scheduler, release=self.workspace.release),
-            self.scheduler, control_rx, plan_tx, feedback_rx,
+            self.scheduler,
+            control_rx,
+            plan_tx,
+            feedback_rx,
         )
-        log.info("runtime started", num_kv_blocks=self.blocks.num_blocks, encoded=enc,
-                 overlap=overlap, speculative=self.config.speculative.method,
-                 k=self.config.speculative.num_draft_tokens)
+        log.info(
+            "runtime started",
+            num_kv_blocks=self.blocks.num_blocks,
+            encoded=enc,
+            overlap=overlap,
+            speculative=self.config.speculative.method,
+            k=self.config.speculative.num_draft_tokens,
+        )
 
     def _deliver(self, result: StepResult) -> None:
         self.num_steps += 1
@@ -189,11 +204,16 @@ class Runtime:
         """Check a request with the rules of :mod:`spectrio.runtime.params` (the wire
         codec runs the same ones). Returns the prompt's token ids, the parameters and the
         request id (a fresh one for ``None``). Raises :class:`InvalidRequest`."""
-        params = check_params(SamplingParams() if params is None else params,
-                              self.loaded.config.vocab_size)
+        params = check_params(
+            SamplingParams() if params is None else params, self.loaded.config.vocab_size
+        )
         rid = uuid.uuid4().hex if request_id is None else check_request_id(request_id)
-        ids = check_prompt(prompt, vocab_size=self.loaded.config.vocab_size,
-                           max_model_len=self.config.max_model_len, tokenize=self.tokenizer.encode)
+        ids = check_prompt(
+            prompt,
+            vocab_size=self.loaded.config.vocab_size,
+            max_model_len=self.config.max_model_len,
+            tokenize=self.tokenizer.encode,
+        )
         return ids, params, rid
 
     def _submit(
@@ -203,8 +223,11 @@ class Runtime:
         if self._closed or self._control is None:
             raise RuntimeError("the runtime is not running")
         self._check_not_running(request_id)
-        spec = self.config.speculative.enabled if params.speculative is None else (
-            params.speculative and self.config.speculative.enabled)
+        spec = (
+            self.config.speculative.enabled
+            if params.speculative is None
+            else (params.speculative and self.config.speculative.enabled)
+        )
         eos = self.loaded.config.eos_token_id
         stops = list(params.stop_token_ids)
         if eos is not None and not params.ignore_eos:
@@ -213,16 +236,23 @@ class Runtime:
         send, receive = trio.open_memory_channel[Delta | SeqResult](math.inf)
         self._streams[request_id] = send
         self._seq_ids[request_id] = seq_id
-        self._control.send_nowait(NewRequest(
-            seq_id=seq_id, request_id=request_id, prompt_ids=prompt_ids, params=params,
-            eos_token_ids=stops, speculative=spec,
-        ))
+        self._control.send_nowait(
+            NewRequest(
+                seq_id=seq_id,
+                request_id=request_id,
+                prompt_ids=prompt_ids,
+                params=params,
+                eos_token_ids=stops,
+                speculative=spec,
+            )
+        )
         return seq_id, receive
 
     def _check_not_running(self, request_id: str) -> None:
         if request_id in self._streams:
-            raise InvalidRequest("request_id", "must not be the id of a running request",
-                                 got=request_id)
+            raise InvalidRequest(
+                "request_id", "must not be the id of a running request", got=request_id
+            )
 
     def _release(self, request_id: str, seq_id: int, reason: str | None) -> None:
         """Forget a request's stream; with a ``reason``, abort it in the pipeline (its
@@ -262,8 +292,16 @@ class Runtime:
         stream = self._streams.get(request_id)
         if stream is None:
             return False
-        stream.send_nowait(Delta(request_id=request_id, token_ids=[], text="", finished=True,
-                                 finish_reason="abort", abort_reason=reason))
+        stream.send_nowait(
+            Delta(
+                request_id=request_id,
+                token_ids=[],
+                text="",
+                finished=True,
+                finish_reason="abort",
+                abort_reason=reason,
+            )
+        )
         self._send_abort(request_id, reason)
         return True
 
@@ -307,8 +345,16 @@ class Runtime:
             return
         self._closed = True
         for rid, stream in list(self._streams.items()):
-            stream.send_nowait(Delta(request_id=rid, token_ids=[], text="", finished=True,
-                                     finish_reason="abort", abort_reason=reason))
+            stream.send_nowait(
+                Delta(
+                    request_id=rid,
+                    token_ids=[],
+                    text="",
+                    finished=True,
+                    finish_reason="abort",
+                    abort_reason=reason,
+                )
+            )
             self._send_abort(rid, reason)
 
 
@@ -394,9 +440,16 @@ class RequestStream:
         cut = len(self._pending) - keep
         text, self._pending = self._pending[:cut], self._pending[cut:]
         self._sent += len(text)
-        return Delta(request_id=rid, token_ids=item.token_ids, text=text, finished=done,
-                     finish_reason=item.finish_reason, num_drafts=item.num_drafts,
-                     num_accepted=item.num_accepted, logprobs=item.logprobs)
+        return Delta(
+            request_id=rid,
+            token_ids=item.token_ids,
+            text=text,
+            finished=done,
+            finish_reason=item.finish_reason,
+            num_drafts=item.num_drafts,
+            num_accepted=item.num_accepted,
+            logprobs=item.logprobs,
+        )
 
     def close(self, reason: str = "consumer went away") -> None:
         """Stop the stream now: if its request has not finished, abort it (its KV blocks
@@ -442,7 +495,9 @@ async def open_runtime(
     rt = Runtime(config, loaded, encoded_channels)
     if warmup:
         seconds = await trio.to_thread.run_sync(
-            rt.workspace.warmup, config.warmup_num_tokens(), config.max_model_len,
+            rt.workspace.warmup,
+            config.warmup_num_tokens(),
+            config.max_model_len,
             limiter=rt._limiter,
         )
         log.info("warm-up pass done", tokens=config.warmup_num_tokens(), seconds=round(seconds, 3))

@@ -49,7 +49,9 @@ class ChannelSender(Generic[T]):
 
 
 class ChannelReceiver(Generic[T]):
-    def __init__(self, inner: trio.MemoryReceiveChannel[object], msg_type: Any, encoded: bool) -> None:
+    def __init__(
+        self, inner: trio.MemoryReceiveChannel[object], msg_type: Any, encoded: bool
+    ) -> None:
         self._inner = inner
         self._decoder = msgspec.msgpack.Decoder(msg_type) if encoded else None
 

@@ -332,8 +332,7 @@ class RuntimeConfig:
                 raise ConfigError(f"graph_capture_sizes: entries must be positive, got {size}")
             if size % t != 0:
                 raise ConfigError(
-                    f"graph_capture_sizes: every size must be a multiple of k + 1 = {t}, "
-                    f"got {size}"
+                    f"graph_capture_sizes: every size must be a multiple of k + 1 = {t}, got {size}"
                 )
             if size > cap:
                 raise ConfigError(

@@ -25,7 +25,9 @@ def _check_keys(table: dict[str, Any], cls: type, where: str) -> None:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(table) - known)
     if unknown:
-        raise ConfigError(f"{unknown[0]}: unknown {where} field (known: {', '.join(sorted(known))})")
+        raise ConfigError(
+            f"{unknown[0]}: unknown {where} field (known: {', '.join(sorted(known))})"
+        )
 
 
 def load_config(path: str | Path) -> RuntimeConfig:

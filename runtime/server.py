@@ -181,7 +181,9 @@ def _read_pid(fd: int) -> int | None:
 
 def _lock_dir(directory: Path) -> int:
     """Hold ``directory/spectrio.lock`` (``flock``, not waiting) and write our pid in it."""
-    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = os.open(
+        directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+    )
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -217,8 +219,13 @@ class EndpointClaim:
     :meth:`release` (or leaving the ``with`` block) removes this server's socket files and
     drops the locks."""
 
-    def __init__(self, endpoints: Sequence[str], reaches: Sequence[Reach], paths: Sequence[Path],
-                 fds: Sequence[int]) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        reaches: Sequence[Reach],
+        paths: Sequence[Path],
+        fds: Sequence[int],
+    ) -> None:
         self.endpoints = tuple(endpoints)
         self.reaches = tuple(reaches)
         self.paths = tuple(paths)
@@ -250,8 +257,12 @@ class EndpointClaim:
     def __enter__(self) -> EndpointClaim:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.release()
 
 
@@ -505,8 +516,12 @@ class WireServer:
                 await self._backlog_changed.wait()
         self._linger_s = max(0.0, deadline - trio.current_time())
         clean = not cut_ids and not self._running and not self._backlog
-        log.info("drained" if clean else "drained with aborts", aborted=len(cut_ids),
-                 running=len(self._running), backlog=len(self._backlog))
+        log.info(
+            "drained" if clean else "drained with aborts",
+            aborted=len(cut_ids),
+            running=len(self._running),
+            backlog=len(self._backlog),
+        )
         return clean
 
     # ---- request side ---------------------------------------------------------------
@@ -591,12 +606,18 @@ class WireServer:
         body = frames[split:]
         owner = self._owner(frames)
         if not self._admit(owner):
-            self._reply(envelope, self._error(
-                ErrorCode.RATE_LIMITED, f"over {self._rate} requests/s; retry later", None))
+            self._reply(
+                envelope,
+                self._error(
+                    ErrorCode.RATE_LIMITED, f"over {self._rate} requests/s; retry later", None
+                ),
+            )
             return
         if len(body) != 1:
-            self._reply(envelope, self._error(
-                ErrorCode.BAD_FRAME, f"a request is one frame, got {len(body)}", None))
+            self._reply(
+                envelope,
+                self._error(ErrorCode.BAD_FRAME, f"a request is one frame, got {len(body)}", None),
+            )
             return
         try:
             reply = self._handle(body[0].buffer, owner, envelope, nursery)
@@ -658,8 +679,12 @@ class WireServer:
 
     def _check_submit(self, msg: Submit) -> list[int]:
         rt = self.runtime
-        return check_submit(msg, vocab_size=rt.loaded.config.vocab_size,
-                            max_model_len=rt.config.max_model_len, tokenize=self._prompts.encode)
+        return check_submit(
+            msg,
+            vocab_size=rt.loaded.config.vocab_size,
+            max_model_len=rt.config.max_model_len,
+            tokenize=self._prompts.encode,
+        )
 
     def _submit(
         self, msg: Submit, owner: bytes, envelope: list[bytes], nursery: trio.Nursery
@@ -673,8 +698,11 @@ class WireServer:
         if isinstance(msg.prompt, str):
             mine = sum(p.owner == owner for p in self._tokenizing.values())
             if len(self._tokenizing) >= MAX_TOKENIZING or mine >= MAX_TOKENIZING_PER_CLIENT:
-                raise WireError(ErrorCode.RATE_LIMITED,
-                                "too many prompts waiting for the tokenizer; retry later", rid)
+                raise WireError(
+                    ErrorCode.RATE_LIMITED,
+                    "too many prompts waiting for the tokenizer; retry later",
+                    rid,
+                )
             pending = self._tokenizing[rid] = _Tokenizing(owner)
             nursery.start_soon(self._tokenize_then_start, msg, pending, envelope, nursery)
             return None  # the reply follows once the prompt is tokenized
@@ -705,7 +733,9 @@ class WireServer:
             del self._tokenizing[rid]
         self._reply(envelope, reply)
 
-    def _start(self, msg: Submit, owner: bytes, prompt_ids: list[int], nursery: trio.Nursery) -> None:
+    def _start(
+        self, msg: Submit, owner: bytes, prompt_ids: list[int], nursery: trio.Nursery
+    ) -> None:
         self._running[msg.request_id] = owner
         nursery.start_soon(self._run_request, msg.request_id, prompt_ids, msg)
 
@@ -797,8 +827,9 @@ async def serve(
         await trio.sleep_forever()
     own_claim = claim is None
     if claim is None:
-        claim = claim_endpoints(requests_endpoint, outputs_endpoint, tap_endpoint,
-                                allow_public=allow_public)
+        claim = claim_endpoints(
+            requests_endpoint, outputs_endpoint, tap_endpoint, allow_public=allow_public
+        )
     cap = max_message_bytes if max_message_bytes is not None else 4 * max_request_bytes
     ctx = context if context is not None else zmq.Context.instance()
     socks: list[TrioSocket] = []
@@ -822,8 +853,10 @@ async def serve(
             except zmq.ZMQError as exc:
                 if exc.errno != errno.EADDRINUSE:
                     raise
-                log.warning("this context has a ZAP handler already; aborts are scoped to "
-                            "the User-Id it sets, else to the connection")
+                log.warning(
+                    "this context has a ZAP handler already; aborts are scoped to "
+                    "the User-Id it sets, else to the connection"
+                )
         configure = curve.apply if curve is not None else None  # encrypts every socket
         opened = functools.partial(open_socket, ctx, configure=configure, allow_public=allow_public)
         req = opened(zmq.ROUTER, bind=requests_endpoint, max_msg_size=cap)
@@ -842,9 +875,13 @@ async def serve(
         )
         server.endpoints = bound
         if claim.public and curve is None:
-            log.warning("serving beyond this machine without CURVE: anyone who can connect "
-                        "can submit requests and read every output (see `spectrio keys`)",
-                        requests=bound.requests, outputs=bound.outputs, tap=bound.tap)
+            log.warning(
+                "serving beyond this machine without CURVE: anyone who can connect "
+                "can submit requests and read every output (see `spectrio keys`)",
+                requests=bound.requests,
+                outputs=bound.outputs,
+                tap=bound.tap,
+            )
         remove = runtime.add_record_sink(server.on_step)
         try:
             async with trio.open_nursery() as nursery:
@@ -854,8 +891,13 @@ async def serve(
                 if tap is not None:
                     nursery.start_soon(server.run_tap, tap)
                 nursery.start_soon(server.run_requests, req, nursery)
-                log.info("serving", requests=bound.requests, outputs=bound.outputs,
-                         tap=bound.tap, max_request_bytes=max_request_bytes)
+                log.info(
+                    "serving",
+                    requests=bound.requests,
+                    outputs=bound.outputs,
+                    tap=bound.tap,
+                    max_request_bytes=max_request_bytes,
+                )
                 task_status.started(server)
         finally:
             server._closing = True

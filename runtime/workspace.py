@@ -36,10 +36,17 @@ class Workspace:
         self.model = model
         self.block_size = block_size
         self.target_cache = PagedKVCache(
-            cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, model.dtype
+            cfg.num_hidden_layers,
+            num_blocks,
+            block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            model.dtype,
         )
         self.mtp_cache = (
-            PagedKVCache(1, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, model.dtype)
+            PagedKVCache(
+                1, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, model.dtype
+            )
             if cfg.has_mtp
             else None
         )
@@ -121,12 +128,16 @@ class Workspace:
         with paddle.no_grad():
             out = self.model.mtp_forward(batch, paddle.concat(prev_rows, axis=0), self.mtp_cache)
             active = [catch_up[i] for i in wanting]
-            hidden = paddle.gather(out.hidden, paddle.to_tensor(batch.logits_indices), axis=0) if active else None
+            hidden = (
+                paddle.gather(out.hidden, paddle.to_tensor(batch.logits_indices), axis=0)
+                if active
+                else None
+            )
             logits = out.logits
             substep = 0
             while active:
                 tokens = paddle.argmax(logits, axis=-1).numpy().tolist()
-                for w, tok in zip(active, tokens):
+                for w, tok in zip(active, tokens, strict=True):
                     w.drafts.append(int(tok))
                 substep += 1
                 keep = [i for i, w in enumerate(active) if w.num_drafts > substep]
@@ -134,7 +145,9 @@ class Workspace:
                     break
                 active = [active[i] for i in keep]
                 assert hidden is not None
-                hidden = paddle.gather(hidden, paddle.to_tensor(np.asarray(keep, dtype=np.int64)), axis=0)
+                hidden = paddle.gather(
+                    hidden, paddle.to_tensor(np.asarray(keep, dtype=np.int64)), axis=0
+                )
                 step_batch = PackedBatch.from_sequences(
                     [[w.drafts[-1]] for w in active],
                     [w.mtp_start + len(w.mtp_token_ids) - 1 + substep for w in active],
@@ -159,7 +172,7 @@ class Workspace:
         picks: list[np.ndarray] = []
         offsets: dict[int, tuple[int, int]] = {}
         n = 0
-        for w, end in zip(plan.seqs, ends):
+        for w, end in zip(plan.seqs, ends, strict=True):
             if w.sample:
                 count = len(w.drafts) + 1
                 picks.append(np.arange(end - count, end))
@@ -172,7 +185,9 @@ class Workspace:
         self.forward_seconds += time.perf_counter() - t0
         cu = batch.cu_seqlens_q
         for i, w in enumerate(plan.seqs):
-            self._hidden[w.seq_id] = _StoredHidden(w.start_pos, out.hidden[int(cu[i]) : int(cu[i + 1])])
+            self._hidden[w.seq_id] = _StoredHidden(
+                w.start_pos, out.hidden[int(cu[i]) : int(cu[i + 1])]
+            )
         self._logits[plan.step] = _StepLogits(out.logits, offsets)
 
     # ---- sampler access ---------------------------------------------------------------

@@ -42,13 +42,7 @@ __all__ = [
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
-    from spectrio.runtime.api import Delta
-    from spectrio.runtime.api import PublishedStep
-    from spectrio.runtime.api import Runtime
-    from spectrio.runtime.api import open_runtime
-    from spectrio.runtime.config import ConfigError
-    from spectrio.runtime.config import RuntimeConfig
-    from spectrio.runtime.config import SpeculativeConfig
+    from spectrio.runtime.api import Delta, PublishedStep, Runtime, open_runtime
+    from spectrio.runtime.config import ConfigError, RuntimeConfig, SpeculativeConfig
     from spectrio.runtime.messages import TokenLogprob
-    from spectrio.runtime.params import InvalidRequest
-    from spectrio.runtime.params import SamplingParams
+    from spectrio.runtime.params import InvalidRequest, SamplingParams

@@ -43,17 +43,15 @@ __all__ = [
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
-    from spectrio.stages.block_manager import BlockManager
-    from spectrio.stages.block_manager import OutOfBlocks
-    from spectrio.stages.logits_processing import History
-    from spectrio.stages.logits_processing import process_rows
-    from spectrio.stages.logits_processing import sampling_probs
-    from spectrio.stages.logits_processing import token_logprobs
+    from spectrio.stages.block_manager import BlockManager, OutOfBlocks
+    from spectrio.stages.logits_processing import (
+        History,
+        process_rows,
+        sampling_probs,
+        token_logprobs,
+    )
     from spectrio.stages.records import publish_step
     from spectrio.stages.rejection import rejection_sample
     from spectrio.stages.sampling import Sampler
-    from spectrio.stages.scheduling import Scheduler
-    from spectrio.stages.scheduling import Sequence
-    from spectrio.stages.stops import StopStringMatcher
-    from spectrio.stages.stops import Truncation
-    from spectrio.stages.stops import truncate_run
+    from spectrio.stages.scheduling import Scheduler, Sequence
+    from spectrio.stages.stops import StopStringMatcher, Truncation, truncate_run

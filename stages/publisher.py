@@ -22,9 +22,10 @@ async def run_publisher(
 ) -> None:
     """``deliver`` hands tokens to in-process subscribers and must not block;
     ``publish`` hands the packed step record to observers and awaits record sinks, so a
-    slow sink (a wire consumer) holds the publisher and, through it, the pipeline. Only rank 0 delivers and publishes, every
-    rank feeds its scheduler, unless ``feedback`` is None: with overlap scheduling the
-    sampler feeds the scheduler and publishing lags behind the next step's compute.
+    slow sink (a wire consumer) holds the publisher and, through it, the pipeline. Only
+    rank 0 delivers and publishes; every rank feeds its scheduler, unless ``feedback`` is
+    None: with overlap scheduling the sampler feeds the scheduler and publishing lags
+    behind the next step's compute.
     Cancellation while sending feedback drops that step's feedback (the scheduler is
     being cancelled with it)."""
     task_status.started()

@@ -257,8 +257,17 @@ def rejection_sample(
     elif rand.size:
         assert draft_probs is not None
         _accept_reject(
-            target_probs, draft_probs, drafts, n, d_flat, t_start, keys, positions, rand,
-            stop, final,
+            target_probs,
+            draft_probs,
+            drafts,
+            n,
+            d_flat,
+            t_start,
+            keys,
+            positions,
+            rand,
+            stop,
+            final,
         )
 
     out[:, :k][col[None, :k] < stop[:, None]] = drafts[:, :k][col[None, :k] < stop[:, None]]

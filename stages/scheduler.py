@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import time
+from collections.abc import Callable
 
 import structlog
 import trio

@@ -147,7 +147,9 @@ class Scheduler:
         """Plan one step, or None when nothing can run."""
         if self._step_in_flight:
             raise RuntimeError("schedule() called while a step is in flight")
-        self._step_k = self.policy.choose(sum(1 for s in self.running if s.decoding and s.speculative))
+        self._step_k = self.policy.choose(
+            sum(1 for s in self.running if s.decoding and s.speculative)
+        )
         budget = self.config.max_chunk_tokens()
         planned: list[tuple[Sequence, int, int]] = []  # (seq, rows, drafts)
         preempted: list[str] = []
@@ -178,7 +180,9 @@ class Scheduler:
         ):
             seq = self.waiting[0]
             rows, drafts, cost = self._rows_for(seq, budget)
-            if rows == 0 or not self.blocks.can_allocate(seq.seq_id, seq.num_computed + rows + drafts):
+            if rows == 0 or not self.blocks.can_allocate(
+                seq.seq_id, seq.num_computed + rows + drafts
+            ):
                 break
             self.waiting.popleft()
             self.blocks.allocate(seq.seq_id, seq.num_computed + rows + drafts)
@@ -197,15 +201,23 @@ class Scheduler:
                 return None
             # Nothing to run, but aborts must still reach the record: an empty step.
         self._step += 1
-        works = [self._work(slot, seq, rows, drafts) for slot, (seq, rows, drafts) in enumerate(planned)]
+        works = [
+            self._work(slot, seq, rows, drafts) for slot, (seq, rows, drafts) in enumerate(planned)
+        ]
         released, self._released = self._released, []
         aborted, self._aborted = self._aborted, []
         retired, self._retired = self._retired, []
         for w in works:
             self._inflight[w.seq_id] = w
         self._step_in_flight = True
-        return StepPlan(step=self._step, seqs=works, preempted=preempted, aborted=aborted,
-                        released=released, retired=retired)
+        return StepPlan(
+            step=self._step,
+            seqs=works,
+            preempted=preempted,
+            aborted=aborted,
+            released=released,
+            retired=retired,
+        )
 
     def _rows_for(self, seq: Sequence, budget: int) -> tuple[int, int, int]:
         """(target rows of real tokens, drafts, budget cost) for this step."""
@@ -220,7 +232,9 @@ class Scheduler:
     def _num_drafts(self, seq: Sequence) -> int:
         if not seq.speculative:
             return 0
-        return max(0, min(self._step_k, seq.remaining_tokens - 1, self.config.max_model_len - seq.length))
+        return max(
+            0, min(self._step_k, seq.remaining_tokens - 1, self.config.max_model_len - seq.length)
+        )
 
     def _work(self, slot: int, seq: Sequence, rows: int, drafts: int) -> SeqWork:
         tokens = seq.tokens
@@ -247,8 +261,11 @@ class Scheduler:
             params=seq.params,
             num_output=len(seq.output_ids),
             context_len=seq.length,
-            prompt_ids=(seq.prompt_ids if sample and not seq.output_ids
-                        and seq.params.repetition_penalty != 1.0 else []),
+            prompt_ids=(
+                seq.prompt_ids
+                if sample and not seq.output_ids and seq.params.repetition_penalty != 1.0
+                else []
+            ),
         )
 
     def _preempt(self, seq: Sequence) -> None:

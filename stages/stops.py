@@ -23,6 +23,7 @@ from spectrio.models import TextTokenizer
 
 __all__ = ["StopStringMatcher", "Truncation", "truncate_run"]
 
+
 class StopStringMatcher:
     """Finds stop strings in a request's output text as tokens arrive.
 

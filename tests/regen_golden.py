@@ -22,11 +22,17 @@ def main() -> int:
     assert loaded.tokenizer is not None
     out = reference.greedy_generate(loaded.model, loaded.tokenizer.encode(PROMPT), NUM_TOKENS)
     GOLDEN_PATH.parent.mkdir(exist_ok=True)
-    GOLDEN_PATH.write_text(json.dumps({
-        "prompt": PROMPT,
-        "token_ids": out.token_ids,
-        "text": loaded.tokenizer.decode(out.token_ids),
-    }, indent=1) + "\n")
+    GOLDEN_PATH.write_text(
+        json.dumps(
+            {
+                "prompt": PROMPT,
+                "token_ids": out.token_ids,
+                "text": loaded.tokenizer.decode(out.token_ids),
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {GOLDEN_PATH}: {out.token_ids}")
     return 0
 

@@ -28,9 +28,21 @@ SLACK_S = 3.0  # scheduling on a busy 2-core machine
 
 def start_server() -> tuple[subprocess.Popen[str], dict[str, str]]:
     server = subprocess.Popen(
-        [sys.executable, "-m", "spectrio.tools.cli", "serve", "--max-model-len", "512",
-         "--requests", "tcp://127.0.0.1:*", "--outputs", "tcp://127.0.0.1:*"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        [
+            sys.executable,
+            "-m",
+            "spectrio.tools.cli",
+            "serve",
+            "--max-model-len",
+            "512",
+            "--requests",
+            "tcp://127.0.0.1:*",
+            "--outputs",
+            "tcp://127.0.0.1:*",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     assert server.stdout is not None
     line = server.stdout.readline()
@@ -53,8 +65,9 @@ async def test_async_client_times_out_after_the_server_is_killed(tmp_path: Path)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         with trio.fail_after(120):
-            async with open_client(eps["requests"], eps["outputs"], context=ctx,
-                                   timeout_s=TIMEOUT_S) as client:
+            async with open_client(
+                eps["requests"], eps["outputs"], context=ctx, timeout_s=TIMEOUT_S
+            ) as client:
                 assert client.timeout_s == TIMEOUT_S
                 # A real round trip first; the model is loaded and answers in time.
                 with trio.fail_after(60):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from regen_golden import GOLDEN_PATH
+
 from spectrio.models import BUNDLED_DIR, LoadedModel, reference
 
 # Written by `python tests/regen_golden.py` from the shipped checkpoint (float64 reference).

@@ -12,15 +12,28 @@ from spectrio.models import load
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "spectrio.tools.cli", *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "spectrio.tools.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_generate_json_matches_the_reference() -> None:
-    proc = run_cli("generate", "def fib(n):", "--max-tokens", "12", "--dtype", "float64", "--k", "3", "--json")
+    proc = run_cli(
+        "generate", "def fib(n):", "--max-tokens", "12", "--dtype", "float64", "--k", "3", "--json"
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert set(out) >= {"text", "token_ids", "finish_reason", "num_steps", "mean_accept_len", "accepted_per_position"}
+    assert set(out) >= {
+        "text",
+        "token_ids",
+        "finish_reason",
+        "num_steps",
+        "mean_accept_len",
+        "accepted_per_position",
+    }
     tok = load("bundled").tokenizer
     assert tok is not None
     assert out["token_ids"] == oracle("float64", tok.encode("def fib(n):"), 12)

@@ -16,23 +16,32 @@ def test_toml_and_json_give_the_same_config(tmp_path: Path) -> None:
         'model = "bundled"\nmax_num_seqs = 8\nmax_num_batched_tokens = 64\n'
         '[speculative]\nmethod = "mtp"\nnum_speculative_tokens = 3\n'
     )
-    (tmp_path / "c.json").write_text(json.dumps({
-        "model": "bundled", "max_num_seqs": 8, "max_num_batched_tokens": 64,
-        "speculative": {"method": "mtp", "num_speculative_tokens": 3},
-    }))
-    want = RuntimeConfig(max_num_seqs=8, max_num_batched_tokens=64,
-                         speculative=SpeculativeConfig(num_speculative_tokens=3))
+    (tmp_path / "c.json").write_text(
+        json.dumps(
+            {
+                "model": "bundled",
+                "max_num_seqs": 8,
+                "max_num_batched_tokens": 64,
+                "speculative": {"method": "mtp", "num_speculative_tokens": 3},
+            }
+        )
+    )
+    want = RuntimeConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        speculative=SpeculativeConfig(num_speculative_tokens=3),
+    )
     assert load_config(tmp_path / "c.toml") == want == load_config(tmp_path / "c.json")
 
 
 @pytest.mark.parametrize(
     "text,match",
     [
-        ('max_num_seq = 8\n', "max_num_seq: unknown RuntimeConfig field"),
-        ('[speculative]\nk = 3\n', "k: unknown speculative field"),
-        ('max_num_seqs = 0\n', "max_num_seqs"),
-        ('max_num_seqs = \n', "cannot read"),
-        ('[speculative]\nnum_speculative_tokens = 9\n', "num_speculative_tokens"),
+        ("max_num_seq = 8\n", "max_num_seq: unknown RuntimeConfig field"),
+        ("[speculative]\nk = 3\n", "k: unknown speculative field"),
+        ("max_num_seqs = 0\n", "max_num_seqs"),
+        ("max_num_seqs = \n", "cannot read"),
+        ("[speculative]\nnum_speculative_tokens = 9\n", "num_speculative_tokens"),
     ],
 )
 def test_bad_files_name_the_field(tmp_path: Path, text: str, match: str) -> None:

@@ -68,8 +68,7 @@ def test_max_bsz_matches_source() -> None:
 
 def test_importing_kernels_does_not_import_cupy() -> None:
     code = (
-        "import sys, spectrio.cuda_kernels, spectrio.wire.record; "
-        "assert 'cupy' not in sys.modules"
+        "import sys, spectrio.cuda_kernels, spectrio.wire.record; assert 'cupy' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
@@ -187,9 +186,17 @@ def test_speculate_save_kernel_accepts_other_dtypes_and_rejects_big_batches(
 
 
 @gpu
-@pytest.mark.parametrize(("num_tokens", "w_max", "max_topn"), [
-    (0, 21, 20), (1, 21, 0), (37, 21, 20), (513, 21, 5), (3072, 21, 20), (100, 4, 3),
-])
+@pytest.mark.parametrize(
+    ("num_tokens", "w_max", "max_topn"),
+    [
+        (0, 21, 20),
+        (1, 21, 0),
+        (37, 21, 20),
+        (513, 21, 5),
+        (3072, 21, 20),
+        (100, 4, 3),
+    ],
+)
 def test_pack_topk_kernel_matches_reference(
     cp_stream: tuple[Any, Any], num_tokens: int, w_max: int, max_topn: int
 ) -> None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import trio
-
 from pipeline_helpers import prompts
+
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
 from spectrio.runtime.messages import PublishedStep
 from spectrio.wire.client import StreamAssembler
@@ -84,8 +84,12 @@ async def test_every_stream_survives_heavy_preemption_exactly(
     # preemptions seen on a busy 2-core machine), so the floor is set below that range.
     tight, tight_records, preemptions = await run(config(num_kv_blocks=9), batch)
     assert free_preemptions == 0 and preemptions >= 10
-    preempted_ids = {rid for pub in tight_records for rid, n in
-                     zip(pub.request_ids, unpack(pub.record).accept_num.tolist()) if n == -9}
+    preempted_ids = {
+        rid
+        for pub in tight_records
+        for rid, n in zip(pub.request_ids, unpack(pub.record).accept_num.tolist(), strict=True)
+        if n == -9
+    }
     assert len(preempted_ids) >= 5
     marked = sum(int(unpack(pub.record).preempted.sum()) for pub in tight_records)
     assert marked >= preemptions  # every preemption is stamped -9 (aborts: none here)

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import paddle
 import pytest
+from conftest import tiny_model
 from safetensors.numpy import load_file, save_file
 
-from conftest import tiny_model
 from spectrio.models import CheckpointError, load, save_checkpoint
 
 IDS = paddle.to_tensor(np.array([[3, 14, 15, 92, 65, 35]], dtype=np.int64))
@@ -44,7 +44,12 @@ def test_hugging_face_names_and_layout(ckpt: Path) -> None:
     assert tensors["model.layers.0.self_attn.k_proj.weight"].shape == (16, 32)
     assert tensors["model.layers.0.mlp.gate_proj.weight"].shape == (64, 32)
     # The MTP layer sits after the target's layers, named as DeepSeek-V3 names it.
-    for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight", "self_attn.o_proj.weight"):
+    for name in (
+        "enorm.weight",
+        "hnorm.weight",
+        "shared_head.norm.weight",
+        "self_attn.o_proj.weight",
+    ):
         assert f"model.layers.2.{name}" in tensors
     assert tensors["model.layers.2.eh_proj.weight"].shape == (32, 64)
 
@@ -57,7 +62,10 @@ def _rewrite(ckpt: Path, edit: object) -> None:
 
 def test_missing_tensor_is_named(ckpt: Path) -> None:
     _rewrite(ckpt, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.1.mlp.up_proj.weight' \(expected shape \[64, 32\]\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"missing tensor 'model.layers.1.mlp.up_proj.weight' \(expected shape \[64, 32\]\)",
+    ):
         load(ckpt)
 
 
@@ -72,7 +80,10 @@ def test_wrong_shape_is_named(ckpt: Path) -> None:
         t["model.layers.0.self_attn.v_proj.weight"] = np.zeros((32, 32), np.float32)
 
     _rewrite(ckpt, edit)
-    with pytest.raises(CheckpointError, match=r"'model.layers.0.self_attn.v_proj.weight' has shape \[32, 32\], expected \[16, 32\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"'model.layers.0.self_attn.v_proj.weight' has shape \[32, 32\], expected \[16, 32\]",
+    ):
         load(ckpt)
 
 
@@ -81,7 +92,9 @@ def test_unexpected_tensor_is_named(ckpt: Path) -> None:
         t["model.layers.7.mlp.up_proj.weight"] = np.zeros((2, 2), np.float32)
 
     _rewrite(ckpt, edit)
-    with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.7.mlp.up_proj.weight'"):
+    with pytest.raises(
+        CheckpointError, match="unexpected tensor 'model.layers.7.mlp.up_proj.weight'"
+    ):
         load(ckpt)
 
 
@@ -151,8 +164,17 @@ def _hf_llama_config(ckpt: Path, **extra: object) -> None:
     cfg = json.loads((ckpt / "config.json").read_text())
     for key in ("num_nextn_predict_layers", "model_type"):
         cfg.pop(key)
-    cfg.update({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-                "attention_bias": False, "rope_scaling": None, "torch_dtype": "float32", **extra})
+    cfg.update(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "rope_scaling": None,
+            "torch_dtype": "float32",
+            **extra,
+        }
+    )
     (ckpt / "config.json").write_text(json.dumps(cfg))
 
 
@@ -173,7 +195,9 @@ def test_plain_hugging_face_llama_checkpoint_loads_without_mtp(ckpt: Path) -> No
         ({"head_dim": 16}, "head_dim"),
     ],
 )
-def test_features_we_do_not_implement_are_refused(ckpt: Path, extra: dict[str, object], field: str) -> None:
+def test_features_we_do_not_implement_are_refused(
+    ckpt: Path, extra: dict[str, object], field: str
+) -> None:
     _hf_llama_config(ckpt, **extra)
     with pytest.raises(CheckpointError, match=f"{field}=.* is not supported"):
         load(ckpt)
@@ -184,7 +208,9 @@ def test_checkpoint_is_written_as_a_llama_with_the_mtp_layer_riding_along(ckpt: 
     assert cfg["model_type"] == "llama" and cfg["architectures"] == ["LlamaForCausalLM"]
     assert cfg["num_nextn_predict_layers"] == 1
     # What a Llama loader needs to build exactly this model.
-    assert cfg["hidden_act"] == "silu" and cfg["attention_bias"] is False and cfg["mlp_bias"] is False
+    assert (
+        cfg["hidden_act"] == "silu" and cfg["attention_bias"] is False and cfg["mlp_bias"] is False
+    )
     assert cfg["rope_scaling"] is None and cfg["head_dim"] == 8 and cfg["torch_dtype"] == "float32"
     loaded = load(ckpt)
     assert loaded.model.mtp is not None and loaded.config.num_nextn_predict_layers == 1
@@ -200,7 +226,14 @@ def test_checkpoint_is_written_as_a_llama_with_the_mtp_layer_riding_along(ckpt: 
 def test_first_bundled_naming_still_loads(ckpt: Path) -> None:
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg.update({"model_type": "spectrio_mtp", "architectures": ["SpectrioMTPForCausalLM"]})
-    for key in ("hidden_act", "attention_bias", "mlp_bias", "rope_scaling", "head_dim", "torch_dtype"):
+    for key in (
+        "hidden_act",
+        "attention_bias",
+        "mlp_bias",
+        "rope_scaling",
+        "head_dim",
+        "torch_dtype",
+    ):
         cfg.pop(key)
     (ckpt / "config.json").write_text(json.dumps(cfg))
     loaded = load(ckpt)

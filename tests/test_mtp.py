@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import paddle
 import pytest
-
 from conftest import tiny_model
+
 from spectrio.models import PackedBatch, PagedKVCache, reference
 
 BLOCK = 4
@@ -19,14 +19,16 @@ def test_paged_mtp_substeps_match_dense_drafts(num_steps: int) -> None:
     rng = np.random.default_rng(2)
     prompts = [rng.integers(1, 97, size=n).tolist() for n in (9, 14)]
     tables = [np.array([5, 0, 9, 3, 12]), np.array([1, 7, 2, 11, 4, 6])]
-    target_cache = PagedKVCache(cfg.num_hidden_layers, 16, BLOCK, cfg.num_key_value_heads, cfg.head_dim, "float64")
+    target_cache = PagedKVCache(
+        cfg.num_hidden_layers, 16, BLOCK, cfg.num_key_value_heads, cfg.head_dim, "float64"
+    )
     mtp_cache = PagedKVCache(1, 16, BLOCK, cfg.num_key_value_heads, cfg.head_dim, "float64")
     with paddle.no_grad():
         out = model.forward(PackedBatch.from_sequences(prompts, [0, 0], tables), target_cache)
         last = out.logits.numpy()[[len(prompts[0]) - 1, -1]]
         g1 = last.argmax(-1).tolist()
         # MTP prefill: entry p pairs h_p with token p+1 (the prompt shifted, then g1).
-        shifted = [p[1:] + [g] for p, g in zip(prompts, g1)]
+        shifted = [p[1:] + [g] for p, g in zip(prompts, g1, strict=True)]
         batch = PackedBatch.from_sequences(shifted, [0, 0], tables)
         batch.logits_indices = batch.last_rows()
         step = model.mtp_forward(batch, out.hidden, mtp_cache)
@@ -40,7 +42,7 @@ def test_paged_mtp_substeps_match_dense_drafts(num_steps: int) -> None:
             batch = PackedBatch.from_sequences([[t] for t in tokens], positions, tables)
             step = model.mtp_forward(batch, prev, mtp_cache)
             positions = [p + 1 for p in positions]
-    for prompt, mine, first in zip(prompts, drafts, g1):
+    for prompt, mine, first in zip(prompts, drafts, g1, strict=True):
         target, dense = reference.greedy_mtp_drafts(model, [prompt], num_steps)
         assert mine == dense[0].tolist()
         assert target.shape == (1, num_steps + 1) and target[0, 0] == first
@@ -53,10 +55,16 @@ def test_paged_mtp_logits_close_to_dense_in_float32() -> None:
     table = np.array([3, 1, 2, 0])
     with paddle.no_grad():
         _, hidden, _ = model.forward_dense(paddle.to_tensor([ids]))
-        dense_logits, dense_hidden, _ = model.mtp_forward_dense(paddle.to_tensor([ids[1:]]), hidden[:, :-1])
+        dense_logits, dense_hidden, _ = model.mtp_forward_dense(
+            paddle.to_tensor([ids[1:]]), hidden[:, :-1]
+        )
         cache = PagedKVCache(1, 4, BLOCK, cfg.num_key_value_heads, cfg.head_dim, "float32")
-        first = model.mtp_forward(PackedBatch.from_sequences([ids[1:7]], [0], [table]), hidden[0, :6], cache)
-        rest = model.mtp_forward(PackedBatch.from_sequences([ids[7:]], [6], [table]), hidden[0, 6:12], cache)
+        first = model.mtp_forward(
+            PackedBatch.from_sequences([ids[1:7]], [0], [table]), hidden[0, :6], cache
+        )
+        rest = model.mtp_forward(
+            PackedBatch.from_sequences([ids[7:]], [6], [table]), hidden[0, 6:12], cache
+        )
     paged = np.concatenate([first.logits.numpy(), rest.logits.numpy()])
     assert np.abs(paged - dense_logits.numpy()[0]).max() <= 1e-4
 
@@ -64,8 +72,15 @@ def test_paged_mtp_logits_close_to_dense_in_float32() -> None:
 def test_mtp_requires_an_mtp_layer() -> None:
     from spectrio.models import ModelConfig, build_model
 
-    cfg = ModelConfig(vocab_size=11, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, intermediate_size=8, num_nextn_predict_layers=0)
+    cfg = ModelConfig(
+        vocab_size=11,
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=8,
+        num_nextn_predict_layers=0,
+    )
     model = build_model(cfg)
     assert model.mtp is None
     with pytest.raises(RuntimeError, match="no MTP layer"):

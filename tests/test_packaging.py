@@ -6,9 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import spectrio
 import spectrio.models
-import pytest
 
 SUBPACKAGES = ("runtime", "stages", "models", "cuda_kernels", "wire", "tools")
 
@@ -32,11 +33,26 @@ def test_no_bare_top_level_packages(tmp_path: Path) -> None:
 
 
 def test_models_exports_are_pinned() -> None:
-    assert sorted(spectrio.models.__all__) == sorted([
-        "BUNDLED_DIR", "CheckpointError", "ForwardOutput", "IncrementalDetokenizer", "LoadedModel",
-        "ModelConfig", "ModelConfigError", "PackedBatch", "PagedKVCache", "SpectrioForCausalLM",
-        "TextTokenizer", "build_model", "load", "reference", "save_checkpoint", "slots_for_positions",
-    ])
+    assert sorted(spectrio.models.__all__) == sorted(
+        [
+            "BUNDLED_DIR",
+            "CheckpointError",
+            "ForwardOutput",
+            "IncrementalDetokenizer",
+            "LoadedModel",
+            "ModelConfig",
+            "ModelConfigError",
+            "PackedBatch",
+            "PagedKVCache",
+            "SpectrioForCausalLM",
+            "TextTokenizer",
+            "build_model",
+            "load",
+            "reference",
+            "save_checkpoint",
+            "slots_for_positions",
+        ]
+    )
     for name in spectrio.models.__all__:
         assert hasattr(spectrio.models, name)
 
@@ -50,10 +66,21 @@ def test_console_script_is_declared() -> None:
 
 
 def test_top_level_exports_are_pinned() -> None:
-    assert sorted(spectrio.__all__) == sorted([
-        "ConfigError", "Delta", "InvalidRequest", "PublishedStep", "Runtime", "RuntimeConfig",
-        "SamplingParams", "SpeculativeConfig", "TokenLogprob", "__version__", "open_runtime",
-    ])
+    assert sorted(spectrio.__all__) == sorted(
+        [
+            "ConfigError",
+            "Delta",
+            "InvalidRequest",
+            "PublishedStep",
+            "Runtime",
+            "RuntimeConfig",
+            "SamplingParams",
+            "SpeculativeConfig",
+            "TokenLogprob",
+            "__version__",
+            "open_runtime",
+        ]
+    )
     assert issubclass(spectrio.ConfigError, ValueError)
     assert issubclass(spectrio.InvalidRequest, ValueError)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import paddle
 import pytest
-
 from conftest import tiny_model
+
 from spectrio.models import PackedBatch, PagedKVCache, SpectrioForCausalLM
 
 BLOCK = 4
@@ -29,15 +29,25 @@ def _dense(model: SpectrioForCausalLM, ids: list[int]) -> tuple[np.ndarray, np.n
 def test_mixed_batch_matches_dense(dtype: str, tol: float) -> None:
     model = tiny_model(dtype)
     rng = np.random.default_rng(0)
-    seqs = {name: rng.integers(1, 97, size=n).tolist() for name, n in [("a", 21), ("b", 10), ("c", 17)]}
+    seqs = {
+        name: rng.integers(1, 97, size=n).tolist() for name, n in [("a", 21), ("b", 10), ("c", 17)]
+    }
     # Scattered, non-contiguous blocks so every lookup goes through the table.
     tables = {"a": [40, 3, 17, 9, 22, 5], "b": [11, 30, 2], "c": [8, 61, 14, 27, 33]}
     cache = _cache(model)
     with paddle.no_grad():
         # Earlier steps: b's first 9 tokens and c's first 13, in two chunks for c.
-        model.forward(PackedBatch.from_sequences([seqs["b"][:9], seqs["c"][:6]], [0, 0],
-                                                 [np.array(tables["b"]), np.array(tables["c"])]), cache)
-        model.forward(PackedBatch.from_sequences([seqs["c"][6:13]], [6], [np.array(tables["c"])]), cache)
+        model.forward(
+            PackedBatch.from_sequences(
+                [seqs["b"][:9], seqs["c"][:6]],
+                [0, 0],
+                [np.array(tables["b"]), np.array(tables["c"])],
+            ),
+            cache,
+        )
+        model.forward(
+            PackedBatch.from_sequences([seqs["c"][6:13]], [6], [np.array(tables["c"])]), cache
+        )
         # This step: a prefills 21 positions, b decodes 1, c verifies 4 across a block boundary.
         batch = PackedBatch.from_sequences(
             [seqs["a"], seqs["b"][9:], seqs["c"][13:]],
@@ -159,7 +169,9 @@ def test_decode_rows_of_different_context_lengths_match_dense() -> None:
     cache = _cache(model)
     with paddle.no_grad():
         model.forward(PackedBatch.from_sequences([s[:-1] for s in seqs], [0, 0, 0], tables), cache)
-        step = PackedBatch.from_sequences([s[-1:] for s in seqs], [len(s) - 1 for s in seqs], tables)
+        step = PackedBatch.from_sequences(
+            [s[-1:] for s in seqs], [len(s) - 1 for s in seqs], tables
+        )
         logits = model.forward(step, cache).logits.numpy()
     for i, s in enumerate(seqs):
         assert np.abs(logits[i] - _dense(model, s)[0][-1]).max() <= 1e-10

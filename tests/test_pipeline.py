@@ -10,8 +10,8 @@ import math
 
 import pytest
 import trio
-
 from pipeline_helpers import collect, oracle, prompts
+
 from spectrio import (
     InvalidRequest,
     RuntimeConfig,
@@ -33,14 +33,20 @@ def spec(k: int | str | None) -> SpeculativeConfig:
 
 
 def config(k: int | str | None, **kw: object) -> RuntimeConfig:
-    fields: dict[str, object] = {"dtype": "float64", "max_model_len": 256, "max_num_seqs": 32,
-                                 "max_num_batched_tokens": 512, "speculative": spec(k)}
+    fields: dict[str, object] = {
+        "dtype": "float64",
+        "max_model_len": 256,
+        "max_num_seqs": 32,
+        "max_num_batched_tokens": 512,
+        "speculative": spec(k),
+    }
     fields.update(kw)
     return RuntimeConfig(**fields)  # type: ignore[arg-type]
 
 
-async def run_all(cfg: RuntimeConfig, batch: list[list[int]], max_tokens: int = MAX_TOKENS,
-                  encoded: bool = True) -> tuple[list[list[int]], object]:
+async def run_all(
+    cfg: RuntimeConfig, batch: list[list[int]], max_tokens: int = MAX_TOKENS, encoded: bool = True
+) -> tuple[list[list[int]], object]:
     results: list[list[int]] = [[] for _ in batch]
     with trio.fail_after(300):
         async with open_runtime(cfg, encoded_channels=encoded) as rt:
@@ -58,11 +64,13 @@ async def run_all(cfg: RuntimeConfig, batch: list[list[int]], max_tokens: int = 
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, "auto", None], ids=["k1", "k2", "k3", "auto", "no-spec"])
-async def test_greedy_output_equals_reference_in_float64(k: int | str | None, bundled64: object) -> None:
+async def test_greedy_output_equals_reference_in_float64(
+    k: int | str | None, bundled64: object
+) -> None:
     batch = prompts(bundled64.tokenizer)  # type: ignore[attr-defined]
     assert len(batch) >= 20
     results, rt = await run_all(config(k), batch)
-    for prompt, got in zip(batch, results):
+    for prompt, got in zip(batch, results, strict=True):
         assert got == oracle("float64", prompt, MAX_TOKENS)
     if k is None:
         assert rt.num_drafts_proposed == 0  # type: ignore[attr-defined]
@@ -175,7 +183,9 @@ async def test_shutdown_aborts_in_flight_requests(bundled: object) -> None:
                 started = trio.Event()
 
                 async def consume() -> None:
-                    async for delta in rt.generate("def f():", SamplingParams(max_tokens=200, ignore_eos=True)):
+                    async for delta in rt.generate(
+                        "def f():", SamplingParams(max_tokens=200, ignore_eos=True)
+                    ):
                         started.set()
                         if delta.finished:
                             reasons.append(delta.abort_reason)
@@ -195,7 +205,9 @@ async def test_runtime_refuses_settings_it_cannot_honour() -> None:
                 pass
 
 
-async def test_overlap_scheduling_gives_identical_tokens_and_publishes_every_step(bundled64: object) -> None:
+async def test_overlap_scheduling_gives_identical_tokens_and_publishes_every_step(
+    bundled64: object,
+) -> None:
     """With enable_overlap the scheduler plans step N+1 from the sampler's result while
     the publisher still delivers step N; tokens and records must not change."""
     batch = prompts(bundled64.tokenizer)[:8]  # type: ignore[attr-defined]

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import trio
-
 from pipeline_helpers import collect, oracle
+
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
 from spectrio.models import reference
 
 
 async def test_one_token_prompt_and_max_model_len(bundled64: object) -> None:
-    cfg = RuntimeConfig(dtype="float64", max_model_len=40, speculative=SpeculativeConfig(num_speculative_tokens=3, adaptive=False))
+    cfg = RuntimeConfig(
+        dtype="float64",
+        max_model_len=40,
+        speculative=SpeculativeConfig(num_speculative_tokens=3, adaptive=False),
+    )
     with trio.fail_after(120):
         async with open_runtime(cfg, encoded_channels=True) as rt:
             got = await collect(rt, [42], SamplingParams(max_tokens=12))
@@ -35,8 +39,12 @@ async def test_abort_of_the_only_request_is_published(bundled64: object) -> None
     marks: list[tuple[list[str], list[int]]] = []
     with trio.fail_after(60):
         async with open_runtime(cfg, encoded_channels=True) as rt:
-            rt.add_record_observer(lambda pub: marks.append((pub.request_ids, unpack(pub.record).accept_num.tolist())))
-            async for delta in rt.generate("def f():", SamplingParams(max_tokens=100, ignore_eos=True), request_id="only"):
+            rt.add_record_observer(
+                lambda pub: marks.append((pub.request_ids, unpack(pub.record).accept_num.tolist()))
+            )
+            async for delta in rt.generate(
+                "def f():", SamplingParams(max_tokens=100, ignore_eos=True), request_id="only"
+            ):
                 if not delta.finished:
                     await rt.abort("only")
             await rt.wait_idle()

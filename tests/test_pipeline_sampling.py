@@ -16,8 +16,8 @@ import numpy as np
 import paddle
 import pytest
 import trio
-
 from pipeline_helpers import oracle, prompts
+
 from spectrio import Delta, RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
 from spectrio.models import BUNDLED_DIR, load
 from spectrio.runtime.messages import PublishedStep
@@ -28,7 +28,9 @@ MAX_TOKENS = 24
 
 def config(k: int | None = 2, **kw: object) -> RuntimeConfig:
     spec = (
-        SpeculativeConfig(method=None) if k is None else SpeculativeConfig(num_speculative_tokens=k, adaptive=False)
+        SpeculativeConfig(method=None)
+        if k is None
+        else SpeculativeConfig(num_speculative_tokens=k, adaptive=False)
     )
     fields: dict[str, object] = {
         "dtype": "float64",

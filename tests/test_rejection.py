@@ -34,9 +34,7 @@ def point_masses(tokens: list[int], v: int = V) -> np.ndarray:
     return probs
 
 
-def greedy(
-    drafts: list[list[int]], argmaxes: list[list[int]], bonus: list[int]
-) -> np.ndarray:
+def greedy(drafts: list[list[int]], argmaxes: list[list[int]], bonus: list[int]) -> np.ndarray:
     """Run greedy rows: drafts[i], the target argmax at each draft position, and at the
     bonus position."""
     flat_d = [t for row in drafts for t in row]
@@ -89,9 +87,7 @@ def test_greedy_ragged_batch_with_zero_drafts_and_several_mismatches() -> None:
 
 def test_greedy_rows_take_logits() -> None:
     logits = np.array([[0.0, -np.inf, 3.0, 1.0, 2.0], [5.0, 0.0, 0.0, 0.0, 0.0]])
-    out = rejection_sample(
-        np.array([2]), np.array([1]), logits, np.array([True]), None, *zeros(1)
-    )
+    out = rejection_sample(np.array([2]), np.array([1]), logits, np.array([True]), None, *zeros(1))
     np.testing.assert_array_equal(out, [[2, 0]])
 
 
@@ -244,6 +240,7 @@ def test_keyed_uniforms_are_numpys_philox_keyed_by_request_and_purpose() -> None
 def test_a_uniform_depends_on_key_position_and_purpose_only() -> None:
     """However rows group into calls (alone, beside other rows of the same key, with
     gaps, far apart), every (key, position) gets the same uniform."""
+
     def single(key: int, pos: int) -> float:
         one = keyed_uniforms(
             np.array([key], dtype=np.uint64), np.array([pos]), np.array([1]), Purpose.ACCEPT
@@ -254,7 +251,11 @@ def test_a_uniform_depends_on_key_position_and_purpose_only() -> None:
     starts = np.array([10, 10, 0, 390, 200, 10**9])
     counts = np.array([5, 3, 2, 10, 1, 2])
     got = keyed_uniforms(keys, starts, counts, Purpose.ACCEPT)
-    want = [single(int(k), int(s) + j) for k, s, c in zip(keys, starts, counts) for j in range(c)]
+    want = [
+        single(int(k), int(s) + j)
+        for k, s, c in zip(keys, starts, counts, strict=True)
+        for j in range(c)
+    ]
     assert got.tolist() == want
     near = keyed_uniforms(keys[:5], starts[:5], counts[:5], Purpose.ACCEPT)
     assert near.tolist() == want[: int(counts[:5].sum())]
@@ -287,8 +288,13 @@ def test_a_row_decides_the_same_alone_and_in_any_batch(dense_q: bool) -> None:
         dsel = np.concatenate([np.arange(d_start[i], d_start[i] + n[i]) for i in rows]).astype(int)
         tsel = np.concatenate([np.arange(t_start[i], t_start[i] + n[i] + 1) for i in rows])
         return rejection_sample(
-            d[dsel], n[rows], p[tsel], greedy_mask[rows], q[dsel] if dense_q else None,
-            keys[rows], positions[rows] + step,
+            d[dsel],
+            n[rows],
+            p[tsel],
+            greedy_mask[rows],
+            q[dsel] if dense_q else None,
+            keys[rows],
+            positions[rows] + step,
         )
 
     full = run(list(range(b)))

@@ -105,8 +105,9 @@ def wire_error(prompt: object, params: dict[str, Any], request_id: object) -> Wi
     try:
         submit = decode_request(frame)
         assert isinstance(submit, Submit)
-        check_submit(submit, vocab_size=VOCAB, max_model_len=MAX_MODEL_LEN,
-                     tokenize=TOKENIZER.encode)
+        check_submit(
+            submit, vocab_size=VOCAB, max_model_len=MAX_MODEL_LEN, tokenize=TOKENIZER.encode
+        )
     except WireError as exc:
         return exc
     raise AssertionError(f"the wire path accepted {body}")
@@ -134,8 +135,10 @@ async def test_api_and_wire_refuse_each_bad_field_with_the_same_error(bundled: o
                 wire = wire_error(prompt, params, rid)
                 case = f"{prompt!r:.30} {params} {rid!r:.20}"
                 if str(api) != wire.reason or api.code != wire.code.value:
-                    mismatches.append(f"{case}:\n  api  {api.code}: {api}"
-                                      f"\n  wire {wire.code.value}: {wire.reason}")
+                    mismatches.append(
+                        f"{case}:\n  api  {api.code}: {api}"
+                        f"\n  wire {wire.code.value}: {wire.reason}"
+                    )
                 # The error names the bad field first.
                 bad = "request_id" if rid is not _ else "prompt" if not params else None
                 if not str(api).startswith(f"{api.field}: ") or (

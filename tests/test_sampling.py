@@ -302,7 +302,10 @@ def test_logprobs_of_a_request_do_not_depend_on_its_neighbours() -> None:
     greedy = SamplingParams(logprobs=3)
     masked = SamplingParams(temperature=1.0, top_k=2, seed=9, logprobs=5, logprobs_mode="processed")
     wide = SamplingParams(logprobs=20)
-    subjects = [(work(0, [], greedy, seq_id=1), tied[:1]), (work(0, [], masked, seq_id=2), tied[1:2])]
+    subjects = [
+        (work(0, [], greedy, seq_id=1), tied[:1]),
+        (work(0, [], masked, seq_id=2), tied[1:2]),
+    ]
 
     def logprobs_of(batch: list[tuple[SeqWork, np.ndarray]], seq_id: int) -> object:
         works = [msgspec.structs.replace(w, slot=i) for i, (w, _) in enumerate(batch)]
@@ -319,7 +322,9 @@ def test_logprobs_of_a_request_do_not_depend_on_its_neighbours() -> None:
         assert alone == logprobs_of([(w, logits), *neighbours[::-1]], w.seq_id)
         (entry,) = alone  # type: ignore[misc]
         # Best first, ties by lower id.
-        assert all((a, -i) > (b, -j) for (i, a), (j, b) in zip(entry.top, entry.top[1:]))
+        assert all(
+            (a, -i) > (b, -j) for (i, a), (j, b) in zip(entry.top, entry.top[1:], strict=False)
+        )
         assert len(entry.top) == w.params.logprobs
     (entry,) = logprobs_of([subjects[1]], 2)  # type: ignore[misc]
     assert [v for _, v in entry.top][2:] == [-np.inf] * 3

@@ -97,7 +97,9 @@ def test_refusals_carry_field_rule_and_class() -> None:
     with pytest.raises(InvalidRequest) as err:
         SamplingParams(max_tokens=2.0).validate(VOCAB)  # type: ignore[arg-type]
     assert (err.value.field, err.value.rule, err.value.code) == (
-        "max_tokens", "must be an int >= 1", "wrong_type"
+        "max_tokens",
+        "must be an int >= 1",
+        "wrong_type",
     )
     # A plain message still works, for code that raises it by hand.
     assert InvalidRequest("prompt: must not be empty").field == "prompt"

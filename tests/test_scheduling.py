@@ -11,24 +11,40 @@ from spectrio.stages.scheduling import Scheduler, Sequence
 
 
 def make(k: int = 2, blocks: int = 64, **kw: object) -> Scheduler:
-    fields: dict[str, object] = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "max_model_len": 64,
-                                 "block_size": 4, "num_kv_blocks": blocks,
-                                 "speculative": SpeculativeConfig(num_speculative_tokens=k)}
+    fields: dict[str, object] = {
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 32,
+        "max_model_len": 64,
+        "block_size": 4,
+        "num_kv_blocks": blocks,
+        "speculative": SpeculativeConfig(num_speculative_tokens=k),
+    }
     fields.update(kw)
     cfg = RuntimeConfig(**fields)  # type: ignore[arg-type]
     return Scheduler(cfg, BlockManager(blocks, 4))
 
 
 def seq(i: int, n: int, max_tokens: int = 16) -> Sequence:
-    return Sequence(seq_id=i, request_id=f"r{i}", prompt_ids=list(range(1, n + 1)),
-                    params=SamplingParams(max_tokens=max_tokens), eos_token_ids=[0], speculative=True)
+    return Sequence(
+        seq_id=i,
+        request_id=f"r{i}",
+        prompt_ids=list(range(1, n + 1)),
+        params=SamplingParams(max_tokens=max_tokens),
+        eos_token_ids=[0],
+        speculative=True,
+    )
 
 
 def finish_step(s: Scheduler, plan: StepPlan, emit: int = 1, accepted: int = 0) -> None:
     results = [
-        SeqResult(slot=w.slot, seq_id=w.seq_id, request_id=w.request_id, num_drafts=w.num_drafts,
-                  num_accepted=accepted if w.sample else 0,
-                  token_ids=[7] * (accepted + emit) if w.sample else [])
+        SeqResult(
+            slot=w.slot,
+            seq_id=w.seq_id,
+            request_id=w.request_id,
+            num_drafts=w.num_drafts,
+            num_accepted=accepted if w.sample else 0,
+            token_ids=[7] * (accepted + emit) if w.sample else [],
+        )
         for w in plan.seqs
     ]
     s.update(StepResult(step=plan.step, results=results))
@@ -105,7 +121,12 @@ def test_preemption_frees_the_newest_and_recomputes_everything() -> None:
     assert p is not None
     w = p.seqs[0]
     # Recompute from prompt plus generated tokens, then sample the next token.
-    assert (w.request_id, w.start_pos, w.token_ids, w.sample) == ("r2", 0, list(range(1, 11)) + [7], True)
+    assert (w.request_id, w.start_pos, w.token_ids, w.sample) == (
+        "r2",
+        0,
+        list(range(1, 11)) + [7],
+        True,
+    )
     s.blocks.check_invariants()
 
 
@@ -130,8 +151,22 @@ def test_finish_frees_blocks() -> None:
     s.add(seq(1, 8, max_tokens=1))
     p = s.schedule()
     assert p is not None
-    s.update(StepResult(step=p.step, results=[SeqResult(slot=0, seq_id=1, request_id="r1", num_drafts=0,
-                                                          num_accepted=0, token_ids=[5], finish_reason="length")]))
+    s.update(
+        StepResult(
+            step=p.step,
+            results=[
+                SeqResult(
+                    slot=0,
+                    seq_id=1,
+                    request_id="r1",
+                    num_drafts=0,
+                    num_accepted=0,
+                    token_ids=[5],
+                    finish_reason="length",
+                )
+            ],
+        )
+    )
     assert s.blocks.num_used_blocks == 0 and s.schedule() is None
 
 
@@ -157,9 +192,14 @@ def test_one_token_prompt_gets_no_drafts_until_the_mtp_has_a_hidden_state() -> N
 
 def test_plans_carry_what_the_sampler_and_record_need() -> None:
     s = make(k=2, max_num_batched_tokens=12, max_num_seqs=4)
-    penalised = Sequence(seq_id=1, request_id="r1", prompt_ids=list(range(1, 21)),
-                         params=SamplingParams(max_tokens=8, repetition_penalty=1.2), eos_token_ids=[0],
-                         speculative=True)
+    penalised = Sequence(
+        seq_id=1,
+        request_id="r1",
+        prompt_ids=list(range(1, 21)),
+        params=SamplingParams(max_tokens=8, repetition_penalty=1.2),
+        eos_token_ids=[0],
+        speculative=True,
+    )
     s.add(penalised)
     p = s.schedule()
     assert p is not None
@@ -242,10 +282,17 @@ def test_no_plan_lists_a_request_twice_under_kv_pressure() -> None:
         results = []
         for w in p.seqs:  # every sampling slot accepts one of its drafts
             n = min(1 + min(w.num_drafts, 1), w.max_new_tokens) if w.sample else 0
-            results.append(SeqResult(
-                slot=w.slot, seq_id=w.seq_id, request_id=w.request_id, num_drafts=w.num_drafts,
-                num_accepted=max(n - 1, 0), token_ids=[7] * n,
-                finish_reason="length" if w.sample and n == w.max_new_tokens else None))
+            results.append(
+                SeqResult(
+                    slot=w.slot,
+                    seq_id=w.seq_id,
+                    request_id=w.request_id,
+                    num_drafts=w.num_drafts,
+                    num_accepted=max(n - 1, 0),
+                    token_ids=[7] * n,
+                    finish_reason="length" if w.sample and n == w.max_new_tokens else None,
+                )
+            )
         s.update(StepResult(step=p.step, results=results))
         s.blocks.check_invariants()
     assert s.num_preemptions >= 5 and s.blocks.num_used_blocks == 0
@@ -271,20 +318,41 @@ def test_drafts_depend_on_the_sequence_not_on_where_the_budget_cut_its_prompt() 
 def test_adaptive_policy_sets_the_drafts_of_every_decoding_sequence() -> None:
     """The scheduler drafts what the policy chooses for the step: once its measurements
     say one draft is fastest, decoding sequences get one (three on a probe step)."""
-    cfg = RuntimeConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
-                        speculative=SpeculativeConfig(num_speculative_tokens=3, adaptive=True))
+    cfg = RuntimeConfig(
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        speculative=SpeculativeConfig(num_speculative_tokens=3, adaptive=True),
+    )
     sched = Scheduler(cfg, BlockManager(64, cfg.block_size))
     for i in range(2):
-        sched.add(Sequence(seq_id=i, request_id=f"r{i}", prompt_ids=[5, 6, 7], params=SamplingParams(max_tokens=200),
-                           eos_token_ids=[], speculative=True))
+        sched.add(
+            Sequence(
+                seq_id=i,
+                request_id=f"r{i}",
+                prompt_ids=[5, 6, 7],
+                params=SamplingParams(max_tokens=200),
+                eos_token_ids=[],
+                speculative=True,
+            )
+        )
     seen: list[list[int]] = []
     for _ in range(40):
         plan = sched.schedule()
         assert plan is not None
         seen.append([w.num_drafts for w in plan.seqs])
-        results = [SeqResult(slot=w.slot, seq_id=w.seq_id, request_id=w.request_id, num_drafts=w.num_drafts,
-                             num_accepted=w.num_drafts, token_ids=[9] * (w.num_drafts + 1) if w.sample else [],
-                             num_computed=w.start_pos + len(w.token_ids)) for w in plan.seqs]
+        results = [
+            SeqResult(
+                slot=w.slot,
+                seq_id=w.seq_id,
+                request_id=w.request_id,
+                num_drafts=w.num_drafts,
+                num_accepted=w.num_drafts,
+                token_ids=[9] * (w.num_drafts + 1) if w.sample else [],
+                num_computed=w.start_pos + len(w.token_ids),
+            )
+            for w in plan.seqs
+        ]
         k = plan.seqs[0].num_drafts
         sched.update(StepResult(step=plan.step, results=results), seconds=[1.0, 0.2, 1.0, 1.0][k])
     assert seen[0] == [0, 0]  # the prompt step never drafts

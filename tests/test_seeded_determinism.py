@@ -123,7 +123,9 @@ async def test_seeded_output_is_independent_of_the_batch(k: int) -> None:
     with trio.fail_after(300):
         async with open_runtime(config(k, num_kv_blocks=20), encoded_channels=True) as rt:
             plans = spy_plans(rt)
-            got = await run_in_order(rt, [("long", LONG_PROMPT, LONG), ("s-c", SEEDED_PROMPT, SEEDED)])
+            got = await run_in_order(
+                rt, [("long", LONG_PROMPT, LONG), ("s-c", SEEDED_PROMPT, SEEDED)]
+            )
             assert got["s-c"] == alone
             assert rt.scheduler.num_preemptions >= 1
             assert any("s-c" in p.preempted for p in plans)
@@ -140,13 +142,24 @@ async def test_seeded_output_is_independent_of_speculation_and_overlap() -> None
         (
             "knobs",
             LONG_PROMPT,
-            SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, repetition_penalty=1.2,
-                           seed=5, ignore_eos=True),
+            SamplingParams(
+                max_tokens=20,
+                temperature=0.8,
+                top_p=0.9,
+                repetition_penalty=1.2,
+                seed=5,
+                ignore_eos=True,
+            ),
         ),
     ]
     outputs = []
     runs: list[tuple[int | str, bool]] = [
-        (0, False), (1, False), (2, True), (3, False), (3, True), ("auto", False)
+        (0, False),
+        (1, False),
+        (2, True),
+        (3, False),
+        (3, True),
+        ("auto", False),
     ]
     for k, overlap in runs:
         with trio.fail_after(120):
@@ -159,8 +172,15 @@ async def test_logprobs_do_not_depend_on_the_batch() -> None:
     """Issue 9, item 3, end to end: a request's top-N alternatives (here mostly -inf ties,
     top_k=3 in processed mode) are the same alone and beside requests asking for 20.
     Values agree to rounding (a batched forward pass rounds differently in the last bits)."""
-    params = SamplingParams(max_tokens=16, temperature=0.7, top_k=3, seed=3, logprobs=5,
-                            logprobs_mode="processed", ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=16,
+        temperature=0.7,
+        top_k=3,
+        seed=3,
+        logprobs=5,
+        logprobs_mode="processed",
+        ignore_eos=True,
+    )
     wide = SamplingParams(max_tokens=16, logprobs=20, ignore_eos=True)
 
     async def logprobs(
@@ -185,7 +205,11 @@ async def test_logprobs_do_not_depend_on_the_batch() -> None:
             alone = await logprobs(rt, [("s", SEEDED_PROMPT, params)])
             batched = await logprobs(
                 rt,
-                [("n", NEIGHBOUR_PROMPT, wide), ("s", SEEDED_PROMPT, params), ("m", LONG_PROMPT, wide)],
+                [
+                    ("n", NEIGHBOUR_PROMPT, wide),
+                    ("s", SEEDED_PROMPT, params),
+                    ("m", LONG_PROMPT, wide),
+                ],
             )
     assert len(alone) == len(batched) == 16
     for a, b in zip(alone, batched, strict=True):

@@ -32,7 +32,10 @@ class Server:
         self.stderr_path = tmp_path / f"{name}-{time.monotonic_ns()}.err"
         self._err = self.stderr_path.open("w")
         self.proc = subprocess.Popen(
-            [*SERVE, *args], stdout=subprocess.PIPE, stderr=self._err, text=True,
+            [*SERVE, *args],
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            text=True,
         )
         self.endpoints: dict[str, str] | None = None
 
@@ -94,7 +97,11 @@ def ping(requests: str) -> None:
 
 def short_generation(eps: dict[str, str]) -> list[int]:
     with Client(eps["requests"], eps["outputs"], timeout_s=60) as client:
-        return [t for c in client.generate("def f(x):", SamplingParams(max_tokens=4)) for t in c.token_ids]
+        return [
+            t
+            for c in client.generate("def f(x):", SamplingParams(max_tokens=4))
+            for t in c.token_ids
+        ]
 
 
 # ---- item 7: the run directory ------------------------------------------------------------
@@ -109,8 +116,9 @@ def test_second_server_exits_at_once_naming_the_first_which_keeps_serving(
     eps = first.wait_endpoints()
     assert eps["requests"] == f"ipc://{run}/requests"
     t0 = time.monotonic()
-    second = subprocess.run([*SERVE, "serve", "--run-dir", str(run)], capture_output=True,
-                            text=True, timeout=120)
+    second = subprocess.run(
+        [*SERVE, "serve", "--run-dir", str(run)], capture_output=True, text=True, timeout=120
+    )
     took = time.monotonic() - t0
     assert second.returncode == 2, second.stderr
     assert f"pid {first.pid}" in second.stderr and str(run) in second.stderr
@@ -146,16 +154,20 @@ def test_a_path_that_is_not_a_socket_is_never_deleted(tmp_path: Path) -> None:
     run = private_dir(tmp_path / "run")
     (run / "requests").write_text("precious")
     (run / "outputs").mkdir()
-    proc = subprocess.run([*SERVE, "serve", "--run-dir", str(run)], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [*SERVE, "serve", "--run-dir", str(run)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2
     assert "not a socket" in proc.stderr and str(run / "requests") in proc.stderr
     assert (run / "requests").read_text() == "precious"
     assert (run / "outputs").is_dir()
     # The same for an explicit ipc endpoint.
-    proc = subprocess.run([*SERVE, "serve", "--requests", f"ipc://{run}/requests",
-                           "--outputs", f"ipc://{run}/out"], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [*SERVE, "serve", "--requests", f"ipc://{run}/requests", "--outputs", f"ipc://{run}/out"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "not a socket" in proc.stderr
     assert (run / "requests").read_text() == "precious"
 
@@ -166,8 +178,9 @@ def test_a_live_socket_of_another_program_is_not_taken_over(tmp_path: Path) -> N
     other.bind(str(run / "requests"))
     other.listen()
     try:
-        proc = subprocess.run([*SERVE, "serve", "--run-dir", str(run)], capture_output=True,
-                              text=True, timeout=120)
+        proc = subprocess.run(
+            [*SERVE, "serve", "--run-dir", str(run)], capture_output=True, text=True, timeout=120
+        )
         assert proc.returncode == 2 and "in use" in proc.stderr
         assert (run / "requests").is_socket()
     finally:
@@ -186,15 +199,23 @@ def test_refused_endpoints_and_run_directories_fail_before_loading(tmp_path: Pat
         (["--requests", "tcp://10.9.8.7:5555", "--outputs", "tcp://127.0.0.1:*"], "not loopback"),
     ]
     for args, why in cases:
-        proc = subprocess.run([*SERVE, "serve", *args], capture_output=True, text=True,
-                              timeout=120)
+        proc = subprocess.run([*SERVE, "serve", *args], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, (args, proc.stderr)
         assert why in proc.stderr and "model loaded" not in proc.stderr, (args, proc.stderr)
 
 
 def test_public_without_curve_warns(tmp_path: Path, servers: list[Server]) -> None:
-    server = Server(tmp_path, "serve", "--requests", "tcp://0.0.0.0:*", "--outputs",
-                    "tcp://127.0.0.1:*", "--allow-public", "--max-model-len", "128")
+    server = Server(
+        tmp_path,
+        "serve",
+        "--requests",
+        "tcp://0.0.0.0:*",
+        "--outputs",
+        "tcp://127.0.0.1:*",
+        "--allow-public",
+        "--max-model-len",
+        "128",
+    )
     servers.append(server)
     eps = server.wait_endpoints()
     assert eps["requests"].startswith("tcp://0.0.0.0:")
@@ -270,7 +291,9 @@ def test_one_sigterm_with_the_default_grace_exits_within_15_s(
     tmp_path: Path, servers: list[Server]
 ) -> None:
     """The longest sequence: one signal, the default 10 s grace outlived by every request."""
-    server = Server(tmp_path, "serve", "--run-dir", str(tmp_path / "run"), "--max-model-len", "2000")
+    server = Server(
+        tmp_path, "serve", "--run-dir", str(tmp_path / "run"), "--max-model-len", "2000"
+    )
     servers.append(server)
     eps = server.wait_endpoints()
     ids = [f"r{i}" for i in range(16)]

@@ -21,8 +21,14 @@ def _step_time(k: int, b: int, cost: dict[str, float]) -> float:
     return verify + draft
 
 
-def _simulate(policy: SpecPolicy, b: int, accept: list[float], cost: dict[str, float],
-              steps: int, seed: int = 0) -> collections.Counter[int]:
+def _simulate(
+    policy: SpecPolicy,
+    b: int,
+    accept: list[float],
+    cost: dict[str, float],
+    steps: int,
+    seed: int = 0,
+) -> collections.Counter[int]:
     """Run the policy against a device with the given cost model and acceptance."""
     rng = np.random.default_rng(seed)
     chosen: collections.Counter[int] = collections.Counter()

@@ -49,9 +49,7 @@ def head(kind: int = KIND_TARGET, width: int = 0) -> np.ndarray:
 
 
 def record(**kw: Any) -> bytes:
-    return pack_step_record(
-        TOKENS, COUNTS, PREEMPTED_FLAGS, SEQ_LENS_DECODER, PROMPT_LENS, **kw
-    )
+    return pack_step_record(TOKENS, COUNTS, PREEMPTED_FLAGS, SEQ_LENS_DECODER, PROMPT_LENS, **kw)
 
 
 def topk_inputs(num_tokens: int, w_max: int = 21) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -263,8 +261,16 @@ def test_unpack_round_trip_random() -> None:
         ranks = rng.integers(1, 100, size=n).astype(np.int32)
         kind = KIND_DRAFT if rng.random() < 0.5 else KIND_TARGET
         buf = pack_step_record(
-            tokens, counts, pre, dec, plen, kind=kind, logprobs=logprobs,
-            topk_ids=ids, topk_vals=vals, ranks=ranks,
+            tokens,
+            counts,
+            pre,
+            dec,
+            plen,
+            kind=kind,
+            logprobs=logprobs,
+            topk_ids=ids,
+            topk_vals=vals,
+            ranks=ranks,
         )
         rec = unpack(buf)
         width = record_width(logprobs)

@@ -124,7 +124,7 @@ def test_matcher_rejects_empty_stop_strings(tok: TextTokenizer) -> None:
 
 
 def test_stop_string_across_a_split_multibyte_character(tok: TextTokenizer) -> None:
-    """" —" spans a token holding the space and the dash's first bytes, and the next token
+    """ " —" spans a token holding the space and the dash's first bytes, and the next token
     holding its last byte: the stop completes on the second and the text is cut before it."""
     text = "a = 1 — b = 2\n"
     ids = tok.encode(text)

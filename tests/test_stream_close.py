@@ -85,8 +85,9 @@ async def test_break_out_of_async_with_aborts_at_once(bundled: object) -> None:
 
             # A held stream that is neither closed nor dropped keeps running: the hazard
             # the documented way avoids (and the id is not reusable meanwhile).
-            stream = rt.generate("x = 1\n", SamplingParams(max_tokens=12, ignore_eos=True),
-                                 request_id="held")
+            stream = rt.generate(
+                "x = 1\n", SamplingParams(max_tokens=12, ignore_eos=True), request_id="held"
+            )
             async for _ in stream:
                 break
             await rt.wait_idle()

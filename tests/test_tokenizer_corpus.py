@@ -109,8 +109,10 @@ def test_streamed_text_equals_decode_for_any_tokens(tok: TextTokenizer) -> None:
     byte_tokens = [i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd"]
     assert len(byte_tokens) > 50
     for _ in range(300):
-        ids = [rng.choice(byte_tokens) if rng.random() < 0.4 else rng.randrange(tok.vocab_size)
-               for _ in range(rng.randint(1, 40))]
+        ids = [
+            rng.choice(byte_tokens) if rng.random() < 0.4 else rng.randrange(tok.vocab_size)
+            for _ in range(rng.randint(1, 40))
+        ]
         stream = tok.stream()
         pos, out = 0, []
         while pos < len(ids):

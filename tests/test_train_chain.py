@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import paddle
 import pytest
-
 from conftest import tiny_model
+
 from spectrio.models import reference
 from spectrio.tools.train import chain_accepted, chain_mask, lr_at, mtp_chain, target_chain
 
@@ -20,12 +20,18 @@ DEPTH = 3
 
 def test_chain_mask_layout() -> None:
     # MTP form: real entries strictly before the chain's start (one fewer than the rows)
-    np.testing.assert_array_equal(np.isfinite(chain_mask(3, 2, "float64").numpy()), [[0, 0], [1, 0], [1, 1]])
+    np.testing.assert_array_equal(
+        np.isfinite(chain_mask(3, 2, "float64").numpy()), [[0, 0], [1, 0], [1, 1]]
+    )
     # target form: real entries up to and including the row
-    np.testing.assert_array_equal(np.isfinite(chain_mask(3, 3, "float64").numpy()), np.tril(np.ones((3, 3), bool)))
+    np.testing.assert_array_equal(
+        np.isfinite(chain_mask(3, 3, "float64").numpy()), np.tril(np.ones((3, 3), bool))
+    )
 
 
-def _chains(model: object, ids: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+def _chains(
+    model: object, ids: np.ndarray
+) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
     with paddle.no_grad():
         t_logits, hidden, tokens = target_chain(model, paddle.to_tensor(ids), DEPTH + 1)  # type: ignore[arg-type]
         m_logits = mtp_chain(model, paddle.to_tensor(ids), hidden, tokens, DEPTH)  # type: ignore[arg-type]
@@ -35,7 +41,9 @@ def _chains(model: object, ids: np.ndarray) -> tuple[list[np.ndarray], list[np.n
 def test_parallel_chains_equal_the_runtime_drafts() -> None:
     """Chain s of the parallel pass is what the runtime drafts after context ids[:s+1]."""
     model = tiny_model("float64", seed=3)
-    ids = np.random.default_rng(0).integers(1, model.config.vocab_size, size=(2, 12)).astype(np.int64)
+    ids = (
+        np.random.default_rng(0).integers(1, model.config.vocab_size, size=(2, 12)).astype(np.int64)
+    )
     _, tokens, m_logits = _chains(model, ids)
     for s in range(ids.shape[1]):
         target, drafts = reference.greedy_mtp_drafts(model, ids[:, : s + 1].tolist(), DEPTH)
@@ -47,14 +55,17 @@ def test_parallel_chains_equal_the_runtime_drafts() -> None:
             # chains greedy verification keeps (the training feeds exactly those). A random
             # model rarely gets there; the logit-level test below covers every substep.
             fed_target = np.all(drafts[:, :j] == target[:, 1 : j + 1], axis=1)
-            np.testing.assert_array_equal(drafts[fed_target, j], m_logits[j][fed_target, s].argmax(-1))
-
+            np.testing.assert_array_equal(
+                drafts[fed_target, j], m_logits[j][fed_target, s].argmax(-1)
+            )
 
 
 def test_parallel_chain_logits_equal_incremental_logits() -> None:
     """Logit-level check against one-token-at-a-time passes fed the target's tokens."""
     model = tiny_model("float64", seed=5)
-    ids = np.random.default_rng(1).integers(1, model.config.vocab_size, size=(1, 9)).astype(np.int64)
+    ids = (
+        np.random.default_rng(1).integers(1, model.config.vocab_size, size=(1, 9)).astype(np.int64)
+    )
     t_logits, tokens, m_logits = _chains(model, ids)
     s = 5
     with paddle.no_grad():
@@ -76,8 +87,10 @@ def test_parallel_chain_logits_equal_incremental_logits() -> None:
 def test_chain_accepted_is_a_prefix_rate() -> None:
     v = 5
     target = [paddle.to_tensor(np.array([[a, b]])) for a, b in ((9, 9), (1, 2), (3, 4), (0, 0))]
+
     def onehot(xs: list[int]) -> paddle.Tensor:
         return paddle.to_tensor(np.eye(v)[np.array([xs])])
+
     drafts = [onehot([1, 0]), onehot([3, 4]), onehot([0, 0])]  # chain 2 misses substep 1
     np.testing.assert_allclose(chain_accepted(drafts, target), [0.5, 0.5, 0.5])
 

@@ -11,11 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from typecheck import ROOT, lay_out_package, run_mypy
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mypy") is None, reason="mypy is part of the test extras")
+@pytest.mark.skipif(
+    importlib.util.find_spec("mypy") is None, reason="mypy is part of the test extras"
+)
 def test_mypy_is_clean_on_the_installed_layout() -> None:
     proc = run_mypy()
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -38,16 +39,26 @@ def test_the_installed_layout_resolves_spectrio_imports(tmp_path: Path) -> None:
     )
     proc = subprocess.run(
         [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), str(probe)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
         env={"MYPYPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
     )
     assert re.search(r'Revealed type is "(builtins\.)?int"', proc.stdout), proc.stdout
     assert "Incompatible types in assignment" in proc.stdout, proc.stdout
 
 
-@pytest.mark.skipif(shutil.which("ruff") is None and importlib.util.find_spec("ruff") is None,
-                    reason="ruff is part of the test extras")
+@pytest.mark.skipif(
+    shutil.which("ruff") is None and importlib.util.find_spec("ruff") is None,
+    reason="ruff is part of the test extras",
+)
 def test_ruff_is_clean() -> None:
-    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr

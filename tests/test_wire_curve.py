@@ -38,14 +38,19 @@ async def test_curve_client_is_served_and_a_plain_client_is_not(tmp_path: Path) 
             async with trio.open_nursery() as nursery:
                 server = await nursery.start(
                     lambda task_status=trio.TASK_STATUS_IGNORED: serve(  # type: ignore[misc]
-                        rt, "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", context=ctx,
-                        curve=load_server_keys(secret), task_status=task_status,
+                        rt,
+                        "tcp://127.0.0.1:*",
+                        "tcp://127.0.0.1:*",
+                        context=ctx,
+                        curve=load_server_keys(secret),
+                        task_status=task_status,
                     )
                 )
                 assert isinstance(server, WireServer)
                 eps = server.endpoints
-                async with open_client(eps.requests, eps.outputs, context=ctx,
-                                       curve=client_keys(public)) as client:
+                async with open_client(
+                    eps.requests, eps.outputs, context=ctx, curve=client_keys(public)
+                ) as client:
                     rid = await client.submit("def fib(n):", SamplingParams(max_tokens=8))
                     chunks = (await client.collect([rid]))[rid]
                     assert [t for c in chunks for t in c.token_ids] == want
@@ -77,8 +82,12 @@ async def test_abort_is_scoped_to_the_curve_key(tmp_path: Path) -> None:
             async with trio.open_nursery() as nursery:
                 server = await nursery.start(
                     lambda task_status=trio.TASK_STATUS_IGNORED: serve(  # type: ignore[misc]
-                        rt, "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", context=ctx,
-                        curve=load_server_keys(secret), task_status=task_status,
+                        rt,
+                        "tcp://127.0.0.1:*",
+                        "tcp://127.0.0.1:*",
+                        context=ctx,
+                        curve=load_server_keys(secret),
+                        task_status=task_status,
                     )
                 )
                 assert isinstance(server, WireServer) and server.endpoints is not None

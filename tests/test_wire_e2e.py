@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import trio
 import zmq
-
 from pipeline_helpers import oracle, prompts
+
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
 from spectrio.wire.client import Client, StreamAssembler
 
@@ -30,13 +30,20 @@ def params_for(i: int) -> SamplingParams:
 
 
 def config_text() -> str:
-    return ('dtype = "float64"\nmax_model_len = 256\nmax_num_seqs = 64\n'
-            'max_num_batched_tokens = 1024\n[speculative]\nnum_speculative_tokens = 2\n')
+    return (
+        'dtype = "float64"\nmax_model_len = 256\nmax_num_seqs = 64\n'
+        "max_num_batched_tokens = 1024\n[speculative]\nnum_speculative_tokens = 2\n"
+    )
 
 
 async def in_process(batch: list[list[int]]) -> list[list[int]]:
-    cfg = RuntimeConfig(dtype="float64", max_model_len=256, max_num_seqs=64, max_num_batched_tokens=1024,
-                        speculative=SpeculativeConfig(num_speculative_tokens=2))
+    cfg = RuntimeConfig(
+        dtype="float64",
+        max_model_len=256,
+        max_num_seqs=64,
+        max_num_batched_tokens=1024,
+        speculative=SpeculativeConfig(num_speculative_tokens=2),
+    )
     out: list[list[int]] = [[] for _ in batch]
     with trio.fail_after(300):
         async with open_runtime(cfg) as rt:
@@ -58,11 +65,24 @@ def test_64_concurrent_requests_through_a_serve_subprocess(
     base = prompts(bundled64.tokenizer)  # type: ignore[attr-defined]
     batch = [base[i % len(base)][: 4 + i % 29] for i in range(N)]
     (tmp_path / "c.toml").write_text(config_text())
-    endpoints = (["--run-dir", str(tmp_path / "run")] if transport == "ipc" else
-                 ["--requests", "tcp://127.0.0.1:*", "--outputs", "tcp://127.0.0.1:*"])
+    endpoints = (
+        ["--run-dir", str(tmp_path / "run")]
+        if transport == "ipc"
+        else ["--requests", "tcp://127.0.0.1:*", "--outputs", "tcp://127.0.0.1:*"]
+    )
     server = subprocess.Popen(
-        [sys.executable, "-m", "spectrio.tools.cli", "serve", "--config", str(tmp_path / "c.toml"), *endpoints],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        [
+            sys.executable,
+            "-m",
+            "spectrio.tools.cli",
+            "serve",
+            "--config",
+            str(tmp_path / "c.toml"),
+            *endpoints,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     try:
         assert server.stdout is not None
@@ -75,7 +95,9 @@ def test_64_concurrent_requests_through_a_serve_subprocess(
         assembler = StreamAssembler(bundled64.tokenizer)  # type: ignore[attr-defined]
         got: dict[str, list[int]] = {}
         with Client(eps["requests"], None, context=ctx) as client:
-            rids = [client.submit(p, params_for(i), request_id=f"r{i}") for i, p in enumerate(batch)]
+            rids = [
+                client.submit(p, params_for(i), request_id=f"r{i}") for i, p in enumerate(batch)
+            ]
             done: set[str] = set()
             while len(done) < N:
                 for chunk in assembler.feed(pull.recv_multipart()):

@@ -355,7 +355,9 @@ def test_params_out_of_range_are_refused_while_decoding(
     with pytest.raises(WireError) as info:
         decode_request(mp(submit_map(params=params)))
     assert (info.value.code, info.value.reason, info.value.request_id) == (
-        ErrorCode.INVALID_PARAMS, reason, "r1"
+        ErrorCode.INVALID_PARAMS,
+        reason,
+        "r1",
     )
 
 

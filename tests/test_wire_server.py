@@ -13,6 +13,7 @@ import pytest
 import trio
 import trio.lowlevel
 import zmq
+
 from spectrio.runtime.api import Runtime, open_runtime
 from spectrio.runtime.config import RuntimeConfig
 from spectrio.runtime.params import SamplingParams
@@ -90,7 +91,10 @@ async def start_server(
 ) -> WireServer:
     server = await nursery.start(
         lambda task_status=trio.TASK_STATUS_IGNORED: serve(  # type: ignore[misc]
-            rt, *endpoints, context=ctx, max_request_bytes=MAX_REQUEST_BYTES,
+            rt,
+            *endpoints,
+            context=ctx,
+            max_request_bytes=MAX_REQUEST_BYTES,
             task_status=task_status,
         )
     )
@@ -103,14 +107,31 @@ GARBAGE: list[tuple[bytes, str]] = [
     (encode(Submit(v=SCHEMA_VERSION, request_id="t", prompt="hi"))[:-3], "bad_frame"),
     (msgspec.msgpack.encode([1, 2, 3]), "wrong_type"),
     (msgspec.msgpack.encode({"type": "launch", "v": SCHEMA_VERSION}), "unknown_type"),
-    (msgspec.msgpack.encode({"type": "submit", "v": 99, "request_id": "x", "prompt": "a"}),
-     "schema_version"),
-    (msgspec.msgpack.encode({"type": "submit", "v": SCHEMA_VERSION, "request_id": "x",
-                             "prompt": "a", "extra": 1}), "unknown_field"),
-    (msgspec.msgpack.encode({"type": "submit", "v": SCHEMA_VERSION, "prompt": "a"}),
-     "missing_field"),
-    (encode(Submit(v=SCHEMA_VERSION, request_id="bad-temp", prompt="hi",
-                   params=SamplingParams(temperature=-1.0))), "invalid_params"),
+    (
+        msgspec.msgpack.encode({"type": "submit", "v": 99, "request_id": "x", "prompt": "a"}),
+        "schema_version",
+    ),
+    (
+        msgspec.msgpack.encode(
+            {"type": "submit", "v": SCHEMA_VERSION, "request_id": "x", "prompt": "a", "extra": 1}
+        ),
+        "unknown_field",
+    ),
+    (
+        msgspec.msgpack.encode({"type": "submit", "v": SCHEMA_VERSION, "prompt": "a"}),
+        "missing_field",
+    ),
+    (
+        encode(
+            Submit(
+                v=SCHEMA_VERSION,
+                request_id="bad-temp",
+                prompt="hi",
+                params=SamplingParams(temperature=-1.0),
+            )
+        ),
+        "invalid_params",
+    ),
     (encode(Submit(v=SCHEMA_VERSION, request_id="empty", prompt="")), "empty_prompt"),
     (encode(Submit(v=SCHEMA_VERSION, request_id="long", prompt=[5] * 300)), "prompt_too_long"),
     (encode(Submit(v=SCHEMA_VERSION, request_id="vocab", prompt=[10**9])), "invalid_field"),
@@ -227,8 +248,11 @@ async def test_sync_client(ctx: Context, tmp_path: Path) -> None:
     eps = ipc_endpoints(tmp_path)
     with trio.fail_after(TIMEOUT):
         async with open_runtime(RuntimeConfig(dtype="float64", max_model_len=256)) as rt:
-            want = [t async for d in rt.generate("hello", SamplingParams(max_tokens=8))
-                    for t in d.token_ids]
+            want = [
+                t
+                async for d in rt.generate("hello", SamplingParams(max_tokens=8))
+                for t in d.token_ids
+            ]
             async with trio.open_nursery() as nursery:
                 server = await start_server(rt, nursery, eps, ctx)
                 assert server.endpoints is not None
@@ -239,8 +263,11 @@ async def test_sync_client(ctx: Context, tmp_path: Path) -> None:
                         client.ping()
                         with pytest.raises(RequestRefused):
                             client.submit("", SamplingParams())
-                        return [t for c in client.generate("hello", SamplingParams(max_tokens=8))
-                                for t in c.token_ids]
+                        return [
+                            t
+                            for c in client.generate("hello", SamplingParams(max_tokens=8))
+                            for t in c.token_ids
+                        ]
 
                 got = await trio.to_thread.run_sync(run_sync)
                 nursery.cancel_scope.cancel()
@@ -257,8 +284,9 @@ async def test_sequence_gap_is_detected(ctx: Context, tmp_path: Path) -> None:
                 assert server.endpoints is not None
                 ep = server.endpoints
                 async with open_client(ep.requests, ep.outputs, context=ctx) as client:
-                    rid = await client.submit("hello", SamplingParams(max_tokens=30,
-                                                                      ignore_eos=True))
+                    rid = await client.submit(
+                        "hello", SamplingParams(max_tokens=30, ignore_eos=True)
+                    )
                     assert client._outputs is not None
                     assembler = StreamAssembler(track=[rid])
                     with pytest.raises(SequenceGap) as gap:
@@ -325,20 +353,29 @@ async def test_slow_consumer_backpressure(ctx: Context, tmp_path: Path) -> None:
     eps = default_endpoints(tmp_path / "rt")
     with trio.fail_after(TIMEOUT):
         async with open_runtime(RuntimeConfig(dtype="float64", max_model_len=256)) as rt:
-            want = [t async for d in rt.generate("once upon a time",
-                                                 SamplingParams(max_tokens=40, ignore_eos=True))
-                    for t in d.token_ids]
+            want = [
+                t
+                async for d in rt.generate(
+                    "once upon a time", SamplingParams(max_tokens=40, ignore_eos=True)
+                )
+                for t in d.token_ids
+            ]
             async with trio.open_nursery() as nursery:
                 server = await nursery.start(
                     lambda task_status=trio.TASK_STATUS_IGNORED: serve(  # type: ignore[misc]
-                        rt, eps.requests, eps.outputs, context=ctx, output_high_water=2,
+                        rt,
+                        eps.requests,
+                        eps.outputs,
+                        context=ctx,
+                        output_high_water=2,
                         task_status=task_status,
                     )
                 )
                 assert isinstance(server, WireServer)
                 async with open_client(eps.requests, context=ctx) as client:
-                    rid = await client.submit("once upon a time",
-                                              SamplingParams(max_tokens=40, ignore_eos=True))
+                    rid = await client.submit(
+                        "once upon a time", SamplingParams(max_tokens=40, ignore_eos=True)
+                    )
                     while server.backlog <= 2:  # noqa: ASYNC110 - polling a counter
                         await trio.sleep(0.01)
                     with trio.move_on_after(0.5) as paused:
@@ -364,15 +401,30 @@ def test_serve_and_client_subprocesses(tmp_path: Path) -> None:
 
     async def in_process() -> list[int]:
         async with open_runtime(RuntimeConfig(dtype="float64", max_model_len=256)) as rt:
-            return [t async for d in rt.generate("hello", SamplingParams(max_tokens=12))
-                    for t in d.token_ids]
+            return [
+                t
+                async for d in rt.generate("hello", SamplingParams(max_tokens=12))
+                for t in d.token_ids
+            ]
 
     want = trio.run(in_process)
     cli = [sys.executable, "-m", "spectrio.tools.serve_cli"]
     server = subprocess.Popen(
-        [*cli, "serve", "--dtype", "float64", "--max-model-len", "256",
-         "--requests", "tcp://127.0.0.1:*", "--outputs", "tcp://127.0.0.1:*"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            *cli,
+            "serve",
+            "--dtype",
+            "float64",
+            "--max-model-len",
+            "256",
+            "--requests",
+            "tcp://127.0.0.1:*",
+            "--outputs",
+            "tcp://127.0.0.1:*",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert server.stdout is not None
@@ -381,15 +433,31 @@ def test_serve_and_client_subprocesses(tmp_path: Path) -> None:
         ep = json.loads(line)
         assert ep["requests"].startswith("tcp://127.0.0.1:")
         done = subprocess.run(
-            [*cli, "client", "hello", "--requests", ep["requests"], "--outputs", ep["outputs"],
-             "--max-tokens", "12", "--json", "--timeout", "60"],
-            capture_output=True, text=True, timeout=TIMEOUT,
+            [
+                *cli,
+                "client",
+                "hello",
+                "--requests",
+                ep["requests"],
+                "--outputs",
+                ep["outputs"],
+                "--max-tokens",
+                "12",
+                "--json",
+                "--timeout",
+                "60",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
         )
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["token_ids"] == want
         refused = subprocess.run(
             [*cli, "client", "", "--requests", ep["requests"], "--outputs", ep["outputs"]],
-            capture_output=True, text=True, timeout=TIMEOUT,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
         )
         assert refused.returncode == 2 and "empty_prompt" in refused.stderr
         # SIGTERM with a request in flight: it finishes within the grace period.
@@ -415,8 +483,13 @@ async def test_rate_limit_per_client(ctx: Context, tmp_path: Path) -> None:
             async with trio.open_nursery() as nursery:
                 server = await nursery.start(
                     lambda task_status=trio.TASK_STATUS_IGNORED: serve(  # type: ignore[misc]
-                        rt, eps.requests, eps.outputs, context=ctx, max_requests_per_s=1.0,
-                        request_burst=3, task_status=task_status,
+                        rt,
+                        eps.requests,
+                        eps.outputs,
+                        context=ctx,
+                        max_requests_per_s=1.0,
+                        request_burst=3,
+                        task_status=task_status,
                     )
                 )
                 assert isinstance(server, WireServer)
@@ -445,15 +518,19 @@ async def test_64_concurrent_requests_tcp(ctx: Context) -> None:
             want: dict[str, list[int]] = {}
 
             async def local(i: int) -> None:
-                want[prompts[i]] = [t async for d in rt.generate(prompts[i], params_for(i % 6))
-                                    for t in d.token_ids]
+                want[prompts[i]] = [
+                    t async for d in rt.generate(prompts[i], params_for(i % 6)) for t in d.token_ids
+                ]
 
             async with trio.open_nursery() as ref:
                 for i in range(n):
                     ref.start_soon(local, i)
             async with trio.open_nursery() as nursery:
                 server = await start_server(
-                    rt, nursery, ("tcp://127.0.0.1:*",) * 3, ctx  # type: ignore[arg-type]
+                    rt,
+                    nursery,
+                    ("tcp://127.0.0.1:*",) * 3,
+                    ctx,  # type: ignore[arg-type]
                 )
                 assert server.endpoints is not None
                 ep = server.endpoints
@@ -485,8 +562,14 @@ def malformed_frames(n: int, seed: int = 1234) -> list[bytes]:
     rng = random.Random(seed)
     bases = [
         encode(Abort(v=SCHEMA_VERSION, request_id="fuzz-unknown")),
-        encode(Submit(v=SCHEMA_VERSION, request_id="fuzz", prompt="",
-                      params=SamplingParams(temperature=-1.0))),
+        encode(
+            Submit(
+                v=SCHEMA_VERSION,
+                request_id="fuzz",
+                prompt="",
+                params=SamplingParams(temperature=-1.0),
+            )
+        ),
         *(frame for frame, _ in GARBAGE[:-1]),
     ]
     frames: list[bytes] = []
@@ -557,8 +640,7 @@ async def test_consumer_reconnect_gets_no_duplicates(ctx: Context, tmp_path: Pat
     params = SamplingParams(max_tokens=80, ignore_eos=True)
     with trio.fail_after(TIMEOUT):
         async with open_runtime(RuntimeConfig(dtype="float64", max_model_len=256)) as rt:
-            want = [t async for d in rt.generate("once upon a time", params)
-                    for t in d.token_ids]
+            want = [t async for d in rt.generate("once upon a time", params) for t in d.token_ids]
             async with trio.open_nursery() as nursery:
                 await start_server(rt, nursery, (eps.requests, eps.outputs, str(eps.tap)), ctx)
                 async with open_client(eps.requests, context=ctx) as client:
@@ -592,12 +674,18 @@ async def test_drain_aborts_what_outlives_the_grace_and_consumers_see_it(
             async with trio.open_nursery() as nursery:
                 server = await nursery.start(
                     lambda task_status=trio.TASK_STATUS_IGNORED: serve(  # type: ignore[misc]
-                        rt, eps.requests, eps.outputs, context=ctx, task_status=task_status,
+                        rt,
+                        eps.requests,
+                        eps.outputs,
+                        context=ctx,
+                        task_status=task_status,
                     )
                 )
                 assert isinstance(server, WireServer)
                 async with open_client(eps.requests, eps.outputs, context=ctx) as client:
-                    rid = await client.submit("def f():", SamplingParams(max_tokens=200, ignore_eos=True))
+                    rid = await client.submit(
+                        "def f():", SamplingParams(max_tokens=200, ignore_eos=True)
+                    )
                     first = await client.next_chunks()
                     assert first and first[0].request_id == rid
                     clean = await server.drain(0.05)

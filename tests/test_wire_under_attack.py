@@ -57,7 +57,11 @@ async def start(rt: Runtime, nursery: trio.Nursery, tmp_path: Path, ctx: Context
     d = run_dir(tmp_path)
     server = await nursery.start(
         lambda task_status=trio.TASK_STATUS_IGNORED: serve(  # type: ignore[misc]
-            rt, f"ipc://{d}/req", f"ipc://{d}/out", context=ctx, task_status=task_status,
+            rt,
+            f"ipc://{d}/req",
+            f"ipc://{d}/out",
+            context=ctx,
+            task_status=task_status,
         )
     )
     assert isinstance(server, WireServer) and server.endpoints is not None
@@ -72,7 +76,8 @@ def code_text(size: int) -> str:
 
 FLOOD_SCRIPT = r"""
 import json, selectors, struct, sys, time, msgspec, zmq
-endpoint, frames_path, read, pause = sys.argv[1], sys.argv[2], sys.argv[3] == "1", float(sys.argv[4])
+endpoint, frames_path = sys.argv[1], sys.argv[2]
+read, pause = sys.argv[3] == "1", float(sys.argv[4])
 data = open(frames_path, "rb").read()
 frames, i = [], 0
 while i < len(data):
@@ -110,12 +115,26 @@ class Flooder:
     """A hostile client in its own process: sends ``frames`` round-robin in a loop,
     waiting for each reply (``read=True``) or never reading one (``read=False``)."""
 
-    def __init__(self, tmp_path: Path, endpoint: str, frames: list[bytes], *, read: bool,
-                 pause_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        endpoint: str,
+        frames: list[bytes],
+        *,
+        read: bool,
+        pause_s: float = 0.0,
+    ) -> None:
         path = tmp_path / f"frames-{time.monotonic_ns()}"
         path.write_bytes(b"".join(struct.pack("<I", len(f)) + f for f in frames))
-        self._args = [sys.executable, "-c", FLOOD_SCRIPT, endpoint, str(path),
-                      "1" if read else "0", str(pause_s)]
+        self._args = [
+            sys.executable,
+            "-c",
+            FLOOD_SCRIPT,
+            endpoint,
+            str(path),
+            "1" if read else "0",
+            str(pause_s),
+        ]
         self.sent = 0
         self.codes: set[str] = set()  # the reply codes it read ("ack" for an Ack)
         self._proc: trio.Process | None = None
@@ -187,8 +206,14 @@ def test_the_text_bound_never_exceeds_the_real_token_count(bundled: object) -> N
     import random
 
     rng = random.Random(9)
-    texts = [code_text(20_000), "\n" + " " * 4000, ("\n" + " " * 40) * 200, "<|endoftext|>" * 300,
-             "é中🙂" * 2000, "x" * 5000]
+    texts = [
+        code_text(20_000),
+        "\n" + " " * 4000,
+        ("\n" + " " * 40) * 200,
+        "<|endoftext|>" * 300,
+        "é中🙂" * 2000,
+        "x" * 5000,
+    ]
     texts += ["".join(chr(rng.randrange(32, 0x2FFF)) for _ in range(3000)) for _ in range(3)]
     texts += [bytes(rng.randrange(256) for _ in range(4000)).decode("latin-1") for _ in range(3)]
     for text in texts:
@@ -207,8 +232,9 @@ async def test_huge_prompts_do_not_stall_another_stream(ctx: Context, tmp_path: 
     is what the per-client rate limit (``--max-requests-per-s``) is for."""
     params = SamplingParams(max_tokens=100, ignore_eos=True)
     huge = code_text(900_000)
-    frames = [encode(Submit(v=SCHEMA_VERSION, request_id=f"big-{i}", prompt=huge[i:]))
-              for i in range(3)]
+    frames = [
+        encode(Submit(v=SCHEMA_VERSION, request_id=f"big-{i}", prompt=huge[i:])) for i in range(3)
+    ]
     with trio.fail_after(TIMEOUT):
         async with open_runtime(RuntimeConfig(max_model_len=2000)) as rt:
             prompt = rt.tokenizer.encode("def fib(n):")
@@ -225,7 +251,9 @@ async def test_huge_prompts_do_not_stall_another_stream(ctx: Context, tmp_path: 
                     for _ in range(3):  # interleaved, so both see the same machine load
                         alone += await token_gaps(client, prompt, params)
                         seen = server.stats.requests
-                        async with Flooder(tmp_path, ep.requests, frames, read=True, pause_s=0.01) as flood:
+                        async with Flooder(
+                            tmp_path, ep.requests, frames, read=True, pause_s=0.01
+                        ) as flood:
                             while server.stats.requests < seen + 3:  # noqa: ASYNC110
                                 await trio.sleep(0.01)
                             attacked += await token_gaps(client, prompt, params)
@@ -233,9 +261,12 @@ async def test_huge_prompts_do_not_stall_another_stream(ctx: Context, tmp_path: 
                         assert set(flood.codes) == {"prompt_too_long"}
                 nursery.cancel_scope.cancel()
     gc.unfreeze()
-    print(f"gaps alone: median {statistics.median(alone) * 1e3:.1f} ms, max {max(alone) * 1e3:.1f} ms; "
-          f"under attack: median {statistics.median(attacked) * 1e3:.1f} ms, "
-          f"max {max(attacked) * 1e3:.1f} ms; {sent} huge prompts")
+    print(
+        f"gaps alone: median {statistics.median(alone) * 1e3:.1f} ms, "
+        f"max {max(alone) * 1e3:.1f} ms; "
+        f"under attack: median {statistics.median(attacked) * 1e3:.1f} ms, "
+        f"max {max(attacked) * 1e3:.1f} ms; {sent} huge prompts"
+    )
     assert sent >= 30
     assert server.stats.prompts_tokenized == 0  # refused by the byte bound, never tokenized
     assert max(attacked) <= 2 * max(alone)
@@ -263,8 +294,10 @@ async def test_tokenizing_runs_off_the_event_loop(ctx: Context, tmp_path: Path) 
                     busy = await loop_lags(2.0)
                 per_prompt = (time.perf_counter() - t0) / max(flood.sent, 1)
                 nursery.cancel_scope.cancel()
-    print(f"loop lag quiet: max {max(quiet) * 1e3:.2f} ms; while tokenizing: max "
-          f"{max(busy) * 1e3:.2f} ms; {flood.sent} prompts, {per_prompt * 1e3:.0f} ms each")
+    print(
+        f"loop lag quiet: max {max(quiet) * 1e3:.2f} ms; while tokenizing: max "
+        f"{max(busy) * 1e3:.2f} ms; {flood.sent} prompts, {per_prompt * 1e3:.0f} ms each"
+    )
     assert set(flood.codes) == {"prompt_too_long"}
     assert server.stats.prompts_tokenized == flood.sent >= 5
     # On the loop (or holding the GIL), each prompt would hold it for all of that time.
@@ -312,8 +345,11 @@ async def test_a_client_that_never_reads_loses_only_its_own_replies(
 ) -> None:
     """A hostile client floods pings and garbage without reading a reply. Another
     client's 200 submits are acknowledged with a p99 under 50 ms."""
-    hostile = [encode(Ping(v=SCHEMA_VERSION)), b"\xc1garbage",
-               encode(Abort(v=SCHEMA_VERSION, request_id="nobody"))]
+    hostile = [
+        encode(Ping(v=SCHEMA_VERSION)),
+        b"\xc1garbage",
+        encode(Abort(v=SCHEMA_VERSION, request_id="nobody")),
+    ]
     params = SamplingParams(max_tokens=1)
     with trio.fail_after(TIMEOUT):
         async with open_runtime(RuntimeConfig(dtype="float64", max_model_len=256)) as rt:
@@ -335,9 +371,11 @@ async def test_a_client_that_never_reads_loses_only_its_own_replies(
                     got = await client.collect(ids)
                 nursery.cancel_scope.cancel()
     p99 = statistics.quantiles(latencies, n=100)[98]
-    print(f"submit-to-ack: median {statistics.median(latencies) * 1e3:.2f} ms, "
-          f"p99 {p99 * 1e3:.2f} ms; hostile sent {flood.sent}, "
-          f"{server.stats.replies_dropped} of its replies dropped")
+    print(
+        f"submit-to-ack: median {statistics.median(latencies) * 1e3:.2f} ms, "
+        f"p99 {p99 * 1e3:.2f} ms; hostile sent {flood.sent}, "
+        f"{server.stats.replies_dropped} of its replies dropped"
+    )
     assert p99 < 0.050
     assert server.stats.replies_dropped > 0
     assert all(chunks[-1].finish_reason == "length" for chunks in got.values())
@@ -368,8 +406,9 @@ async def test_abort_is_scoped_to_the_submitting_client(ctx: Context, tmp_path: 
                     # Exactly the reply for an id that does not exist: nothing leaks.
                     assert theirs.value.error.code == missing.value.error.code
                     assert theirs.value.error.code.value == "unknown_request"
-                    assert (theirs.value.error.reason.replace("'mine'", "X")
-                            == missing.value.error.reason.replace("'mine-not'", "X"))
+                    assert theirs.value.error.reason.replace(
+                        "'mine'", "X"
+                    ) == missing.value.error.reason.replace("'mine-not'", "X")
                     # Still running: the owner reads more tokens, then aborts it.
                     more = await owner.next_chunks()
                     assert any(c.request_id == rid and c.token_ids for c in more)
@@ -404,8 +443,13 @@ async def test_an_abort_sent_right_behind_its_submit_ends_the_request(
                         async with open_client(ep.requests, context=ctx) as client:
                             sock = client._requests
                             assert sock is not None
-                            await sock.send(encode(Submit(v=SCHEMA_VERSION, request_id=rid,
-                                                          prompt=text, params=params)))
+                            await sock.send(
+                                encode(
+                                    Submit(
+                                        v=SCHEMA_VERSION, request_id=rid, prompt=text, params=params
+                                    )
+                                )
+                            )
                             await sock.send(encode(Abort(v=SCHEMA_VERSION, request_id=rid)))
                             replies = [decode_reply(await sock.recv()) for _ in range(2)]
                         assert all(not isinstance(r, Error) for r in replies), replies

@@ -48,7 +48,9 @@ async def test_finished_requests_leave_no_state_before_the_next_plan(bundled64: 
             sched.schedule = checked  # type: ignore[method-assign]
 
             async def one(prompt: str, max_tokens: int) -> None:
-                async for _ in rt.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)):
+                async for _ in rt.generate(
+                    prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+                ):
                     pass
 
             async with trio.open_nursery() as nursery:
@@ -88,12 +90,22 @@ async def test_the_scheduler_drops_an_aborted_requests_state_before_planning(
         async with trio.open_nursery() as nursery:
             await nursery.start(
                 functools.partial(run_scheduler, release=ws.release),
-                sched, control_rx, plan_tx, feedback_rx,
+                sched,
+                control_rx,
+                plan_tx,
+                feedback_rx,
             )
             for seq_id in (1, 2):
-                control_tx.send_nowait(NewRequest(
-                    seq_id=seq_id, request_id=f"r{seq_id}", prompt_ids=list(range(40, 50)),
-                    params=SamplingParams(max_tokens=20), eos_token_ids=[], speculative=True))
+                control_tx.send_nowait(
+                    NewRequest(
+                        seq_id=seq_id,
+                        request_id=f"r{seq_id}",
+                        prompt_ids=list(range(40, 50)),
+                        params=SamplingParams(max_tokens=20),
+                        eos_token_ids=[],
+                        speculative=True,
+                    )
+                )
             for _ in range(2):
                 await feedback_tx.send(device(await plan_rx.receive()))
             # Abort r1 while a step runs: its state goes once the step is back...

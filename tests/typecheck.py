@@ -45,9 +45,21 @@ def run_mypy() -> subprocess.CompletedProcess[str]:
         back = lay_out_package(Path(tmp))
         env = dict(os.environ, MYPYPATH=tmp)
         proc = subprocess.run(
-            [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
-             "--no-incremental", "-p", "spectrio"],
-            cwd=tmp, capture_output=True, text=True, env=env, timeout=900,
+            [
+                sys.executable,
+                "-m",
+                "mypy",
+                "--config-file",
+                str(ROOT / "pyproject.toml"),
+                "--no-incremental",
+                "-p",
+                "spectrio",
+            ],
+            cwd=tmp,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=900,
         )
     out = proc.stdout
     # Longest prefixes first, so spectrio/runtime/ wins over spectrio/.

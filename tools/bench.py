@@ -66,18 +66,33 @@ def spec_config(k: int | str, k_max: int = 3) -> SpeculativeConfig:
     return SpeculativeConfig(num_speculative_tokens=int(k), adaptive=False)
 
 
-async def run_case(model: str, dtype: str, k: int | str, batch: int, prompts: list[list[int]],
-                   max_tokens: int, logprobs: int | None = None, overlap: bool = False,
-                   k_max: int = 3) -> dict[str, object]:
+async def run_case(
+    model: str,
+    dtype: str,
+    k: int | str,
+    batch: int,
+    prompts: list[list[int]],
+    max_tokens: int,
+    logprobs: int | None = None,
+    overlap: bool = False,
+    k_max: int = 3,
+) -> dict[str, object]:
     spec = spec_config(k, k_max)
-    cfg = RuntimeConfig(model=model, dtype=dtype, speculative=spec, max_num_seqs=max(batch, 1),
-                        max_num_batched_tokens=max(2048, batch * spec.tokens_per_seq),
-                        max_model_len=512, enable_overlap=overlap)
+    cfg = RuntimeConfig(
+        model=model,
+        dtype=dtype,
+        speculative=spec,
+        max_num_seqs=max(batch, 1),
+        max_num_batched_tokens=max(2048, batch * spec.tokens_per_seq),
+        max_model_len=512,
+        enable_overlap=overlap,
+    )
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
     record_bytes: list[int] = []
 
     def observe(pub: PublishedStep) -> None:
         record_bytes.append(len(pub.record))
+
     async with open_runtime(cfg) as rt:
         async for _ in rt.generate(prompts[0][:8], SamplingParams(max_tokens=4)):  # warm-up
             pass
@@ -125,10 +140,12 @@ def _median_run(runs: list[dict[str, object]]) -> dict[str, object]:
     return row
 
 
-def agreement(model: str, prompts: list[list[int]], outputs: list[list[int]], max_tokens: int) -> float:
+def agreement(
+    model: str, prompts: list[list[int]], outputs: list[list[int]], max_tokens: int
+) -> float:
     loaded = load(model, dtype="float32")
     same = total = 0
-    for prompt, got in zip(prompts, outputs):
+    for prompt, got in zip(prompts, outputs, strict=False):
         want = reference.greedy_generate(loaded.model, prompt, max_tokens).token_ids
         n = min(len(want), len(got))
         first_diff = next((i for i in range(n) if want[i] != got[i]), n)
@@ -138,18 +155,33 @@ def agreement(model: str, prompts: list[list[int]], outputs: list[list[int]], ma
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="spectrio bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="spectrio bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", default="bundled")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--k", nargs="+", default=["0", "1", "2", "3", "auto"],
-                   help="0 means --no-spec, N a fixed k, 'auto' the adaptive policy up to --k-max")
+    p.add_argument(
+        "--k",
+        nargs="+",
+        default=["0", "1", "2", "3", "auto"],
+        help="0 means --no-spec, N a fixed k, 'auto' the adaptive policy up to --k-max",
+    )
     p.add_argument("--k-max", type=int, default=3, help="largest k the adaptive policy may use")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="run every case this many times, interleaved, and report medians")
-    p.add_argument("--logprobs", nargs="+", default=["off"],
-                   help="logprob settings to run: 'off' or N in 0..20 (top alternatives)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run every case this many times, interleaved, and report medians",
+    )
+    p.add_argument(
+        "--logprobs",
+        nargs="+",
+        default=["off"],
+        help="logprob settings to run: 'off' or N in 0..20 (top alternatives)",
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=48)
     p.add_argument("--agreement", action="store_true", help="float32 agreement with the reference")
@@ -171,21 +203,42 @@ def main(argv: list[str] | None = None) -> int:
     cases = [(b, k, lp) for b in args.batch for k in ks for lp in settings]
     runs: dict[tuple[int, int | str, int | None], list[dict[str, object]]] = {c: [] for c in cases}
     # Rounds alternate the cases, so a busy machine slows every case alike.
-    for _round, (b, k, lp) in tqdm([(r, c) for r in range(args.repeat) for c in cases],
-                                   desc="bench", unit="case"):
-        runs[(b, k, lp)].append(trio.run(run_case, args.model, args.dtype, k, b, prompts,
-                                         args.max_tokens, lp, args.overlap, args.k_max))
+    for _round, (b, k, lp) in tqdm(
+        [(r, c) for r in range(args.repeat) for c in cases], desc="bench", unit="case"
+    ):
+        runs[(b, k, lp)].append(
+            trio.run(
+                run_case,
+                args.model,
+                args.dtype,
+                k,
+                b,
+                prompts,
+                args.max_tokens,
+                lp,
+                args.overlap,
+                args.k_max,
+            )
+        )
     rows = [_median_run(runs[c]) for c in cases]
-    machine = f"{platform.machine()} {platform.processor() or ''} cores={__import__('os').cpu_count()}".strip()
-    print(f"machine: {machine}; model={args.model} dtype={args.dtype} max_tokens={args.max_tokens} "
-          f"overlap={args.overlap}")
-    print(f"{'batch':>5} {'k':>3} {'logprobs':>8} {'tok/s':>8} {'accept_len':>10} {'overhead':>9} "
-          f"{'steps':>6} {'record B/step':>13} {'fixed B (batch)':>15} {'fixed B (512)':>13}")
+    cores = __import__("os").cpu_count()
+    machine = f"{platform.machine()} {platform.processor() or ''} cores={cores}".strip()
+    print(
+        f"machine: {machine}; model={args.model} dtype={args.dtype} max_tokens={args.max_tokens} "
+        f"overlap={args.overlap}"
+    )
+    print(
+        f"{'batch':>5} {'k':>3} {'logprobs':>8} {'tok/s':>8} {'accept_len':>10} {'overhead':>9} "
+        f"{'steps':>6} {'record B/step':>13} {'fixed B (batch)':>15} {'fixed B (512)':>13}"
+    )
     for r in rows:
         k_label = "off" if r["k"] == 0 else str(r["k"])
-        print(f"{r['batch']:>5} {k_label:>3} {r['logprobs']:>8} {r['tokens_per_second']:>8} "
-              f"{r['mean_accept_len']:>10} {r['overhead_share']:>9.1%} {r['pipeline_steps']:>6} "
-              f"{r['record_bytes_per_step']:>13} {r['fixed_bytes_same_batch']:>15} {r['fixed_bytes_512']:>13}")
+        print(
+            f"{r['batch']:>5} {k_label:>3} {r['logprobs']:>8} {r['tokens_per_second']:>8} "
+            f"{r['mean_accept_len']:>10} {r['overhead_share']:>9.1%} {r['pipeline_steps']:>6} "
+            f"{r['record_bytes_per_step']:>13} {r['fixed_bytes_same_batch']:>15} "
+            f"{r['fixed_bytes_512']:>13}"
+        )
     if args.agreement:
         if args.dtype != "float32":
             p.error("--agreement compares float32 runs")
@@ -194,7 +247,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"agreement batch={r['batch']} k={r['k']}: {r['agreement']:.2%}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"machine": machine, "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}, fh, indent=1)
+            json.dump(
+                {
+                    "machine": machine,
+                    "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
+                },
+                fh,
+                indent=1,
+            )
     return 0
 
 

@@ -60,7 +60,9 @@ def _count_ops(fn: Callable[[], object], calls: int = 5) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="bundled")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--rounds", type=int, default=7)
@@ -73,9 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     import paddle
 
     from spectrio.models import PackedBatch, PagedKVCache, load
-    from spectrio.tools.logging_setup import configure_logging
-
     from spectrio.models.paddle_setup import configure_paddle
+    from spectrio.tools.logging_setup import configure_logging
 
     configure_logging("warning")
     configure_paddle(args.threads)
@@ -88,26 +89,45 @@ def main(argv: list[str] | None = None) -> int:
     cases: dict[str, Callable[[], object]] = {}
     for rows in args.rows:
         per_seq = -(-(CONTEXT + 1) // BLOCK)
-        cache = PagedKVCache(cfg.num_hidden_layers, rows * per_seq + 1, BLOCK,
-                             cfg.num_key_value_heads, cfg.head_dim, model.dtype)
-        mtp_cache = PagedKVCache(1, rows * per_seq + 1, BLOCK,
-                                 cfg.num_key_value_heads, cfg.head_dim, model.dtype)
+        cache = PagedKVCache(
+            cfg.num_hidden_layers,
+            rows * per_seq + 1,
+            BLOCK,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            model.dtype,
+        )
+        mtp_cache = PagedKVCache(
+            1, rows * per_seq + 1, BLOCK, cfg.num_key_value_heads, cfg.head_dim, model.dtype
+        )
         tables = [np.arange(1 + i * per_seq, 1 + (i + 1) * per_seq) for i in range(rows)]
         ctx = rng.integers(1, cfg.vocab_size, size=(rows, CONTEXT))
         nxt = rng.integers(1, cfg.vocab_size, size=rows)
         with paddle.no_grad():
-            model.forward(PackedBatch.from_sequences([list(r) for r in ctx], [0] * rows, tables), cache)
+            model.forward(
+                PackedBatch.from_sequences([list(r) for r in ctx], [0] * rows, tables), cache
+            )
 
-        def target(cache: PagedKVCache = cache, tables: list = tables, nxt: np.ndarray = nxt) -> object:
-            batch = PackedBatch.from_sequences([[int(t)] for t in nxt], [CONTEXT] * rows, tables)
+        def target(
+            cache: PagedKVCache = cache, tables: list = tables, nxt: np.ndarray = nxt
+        ) -> object:
+            batch = PackedBatch.from_sequences(
+                [[int(t)] for t in nxt], [CONTEXT] * len(nxt), tables
+            )
             with paddle.no_grad():
                 return model.forward(batch, cache).logits
 
         hidden = paddle.randn([rows, cfg.hidden_size]).astype(model.dtype)
 
-        def mtp(cache: PagedKVCache = mtp_cache, tables: list = tables, nxt: np.ndarray = nxt,
-                hidden: object = hidden) -> object:
-            batch = PackedBatch.from_sequences([[int(t)] for t in nxt], [CONTEXT] * rows, tables)
+        def mtp(
+            cache: PagedKVCache = mtp_cache,
+            tables: list = tables,
+            nxt: np.ndarray = nxt,
+            hidden: object = hidden,
+        ) -> object:
+            batch = PackedBatch.from_sequences(
+                [[int(t)] for t in nxt], [CONTEXT] * len(nxt), tables
+            )
             with paddle.no_grad():
                 return model.mtp_forward(batch, hidden, cache).logits  # type: ignore[arg-type]
 
@@ -156,7 +176,9 @@ def _reference_speed(model_name: str, max_tokens: int) -> dict[str, float]:
         assert loaded.tokenizer is not None
         tokens, t0 = 0, time.perf_counter()
         for prompt in prompts:
-            run = reference.greedy_generate(loaded.model, loaded.tokenizer.encode(prompt), max_tokens)
+            run = reference.greedy_generate(
+                loaded.model, loaded.tokenizer.encode(prompt), max_tokens
+            )
             tokens += len(run.token_ids)
         out[f"reference_tokens_per_second_{dtype}"] = round(tokens / (time.perf_counter() - t0), 1)
     return out

@@ -28,14 +28,31 @@ from spectrio.tools.bench import bench_prompts
 from spectrio.wire.client import Client, StreamAssembler
 
 
-def run_case(batch: int, k: int, logprobs: int | None, max_tokens: int, prompt_tokens: int) -> dict[str, object]:
+def run_case(
+    batch: int, k: int, logprobs: int | None, max_tokens: int, prompt_tokens: int
+) -> dict[str, object]:
     prompts = bench_prompts(batch, prompt_tokens, "bundled")
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "c.toml"
-        cfg.write_text(f"max_num_seqs = {batch}\nmax_num_batched_tokens = {max(2048, batch * (k + 1))}\n"
-                       f"max_model_len = 512\n[speculative]\nnum_speculative_tokens = {k}\n")
-        server = subprocess.Popen([sys.executable, "-m", "spectrio.tools.cli", "serve", "--config", str(cfg),
-                                   "--run-dir", tmp], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        cfg.write_text(
+            f"max_num_seqs = {batch}\nmax_num_batched_tokens = {max(2048, batch * (k + 1))}\n"
+            f"max_model_len = 512\n[speculative]\nnum_speculative_tokens = {k}\n"
+        )
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "spectrio.tools.cli",
+                "serve",
+                "--config",
+                str(cfg),
+                "--run-dir",
+                tmp,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         try:
             assert server.stdout is not None
             endpoints = json.loads(server.stdout.readline())
@@ -63,22 +80,37 @@ def run_case(batch: int, k: int, logprobs: int | None, max_tokens: int, prompt_t
         finally:
             server.terminate()
             server.wait(timeout=30)
-    return {"batch": batch, "k": k, "logprobs": logprobs, "tokens": tokens, "seconds": round(wall, 2),
-            "tokens_per_second": round(tokens / wall, 1), "steps": steps, "bytes_per_step": round(nbytes / steps, 1)}
+    return {
+        "batch": batch,
+        "k": k,
+        "logprobs": logprobs,
+        "tokens": tokens,
+        "seconds": round(wall, 2),
+        "tokens_per_second": round(tokens / wall, 1),
+        "steps": steps,
+        "bytes_per_step": round(nbytes / steps, 1),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--batch", type=int, nargs="+", default=[64, 256])
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--logprobs", nargs="+", default=["off", "5"])
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=32)
     args = p.parse_args(argv)
-    print(f"machine: {platform.machine()} cores={os.cpu_count()}; k={args.k} max_tokens={args.max_tokens}")
+    print(
+        f"machine: {platform.machine()} cores={os.cpu_count()}; "
+        f"k={args.k} max_tokens={args.max_tokens}"
+    )
     for b in args.batch:
         for lp in args.logprobs:
-            row = run_case(b, args.k, None if lp == "off" else int(lp), args.max_tokens, args.prompt_tokens)
+            row = run_case(
+                b, args.k, None if lp == "off" else int(lp), args.max_tokens, args.prompt_tokens
+            )
             print(json.dumps(row), flush=True)
     return 0
 

@@ -60,7 +60,8 @@ def _generate(args: argparse.Namespace) -> int:
         print()
         print(
             f"[{len(result['token_ids'])} tokens in {result['num_steps']} steps, "  # type: ignore[arg-type]
-            f"mean accepted length {result['mean_accept_len']}, finish_reason={result['finish_reason']}, "
+            f"mean accepted length {result['mean_accept_len']}, "
+            f"finish_reason={result['finish_reason']}, "
             f"{result['tokens_per_second']} tok/s]",
             file=sys.stderr,
         )
@@ -68,7 +69,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spectrio", description="Speculative decoding with MTP heads")
+    parser = argparse.ArgumentParser(
+        prog="spectrio", description="Speculative decoding with MTP heads"
+    )
     parser.add_argument("--log-level", default="warning", help="structlog level (default: warning)")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -85,8 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_parser(sub)
     add_keys_parser(sub)
 
-    sub.add_parser("train", help="train the bundled model (see `spectrio train --help`)", add_help=False)
-    sub.add_parser("bench", help="throughput benchmark (see `spectrio bench --help`)", add_help=False)
+    sub.add_parser(
+        "train", help="train the bundled model (see `spectrio train --help`)", add_help=False
+    )
+    sub.add_parser(
+        "bench", help="throughput benchmark (see `spectrio bench --help`)", add_help=False
+    )
     return parser
 
 

@@ -45,7 +45,9 @@ def _hf_model(folder: Path, dtype: str) -> Any:
     return model
 
 
-def hf_generate(model: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
+def hf_generate(
+    model: Any, prompts: list[list[int]], max_tokens: int
+) -> tuple[list[list[int]], float]:
     """Greedy continuation of every prompt in one batch; returns (tokens, seconds)."""
     import torch
 
@@ -74,10 +76,14 @@ def spectrio_generate(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="bundled")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--k", type=int, nargs="+", default=[0, 2], help="spectrio settings; 0 is no speculation")
+    p.add_argument(
+        "--k", type=int, nargs="+", default=[0, 2], help="spectrio settings; 0 is no speculation"
+    )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=3)
@@ -91,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     configure_paddle(args.threads)
     folder = resolve_path(args.model)
-    prompts = bench_prompts(max(max(args.batch), args.equality_prompts), args.prompt_tokens, args.model)
+    prompts = bench_prompts(
+        max(max(args.batch), args.equality_prompts), args.prompt_tokens, args.model
+    )
     result: dict[str, Any] = {
         "machine": f"{platform.machine()} cores={os.cpu_count()}",
         "threads": args.threads,

@@ -33,32 +33,42 @@ from typing import cast
 import numpy as np
 from tqdm import tqdm
 
-from spectrio.models import SpectrioForCausalLM, load, reference
+from spectrio.models import SpectrioForCausalLM, TextTokenizer, load, reference
 from spectrio.models.config import DType
 from spectrio.tools.corpus import corpus_files, read_texts
 from spectrio.tools.logging_setup import configure_logging
 
 
-def held_out_contexts(tokenizer: object, count: int, length: int, seed: int) -> np.ndarray:
+def held_out_contexts(
+    tokenizer: TextTokenizer | None, count: int, length: int, seed: int
+) -> np.ndarray:
     """``count`` windows of ``length`` tokens from the held-out files, at random offsets."""
-    streams = [np.asarray(tokenizer.encode(t), dtype=np.int64) for t in read_texts(corpus_files("heldout"))]  # type: ignore[attr-defined]
+    assert tokenizer is not None, "held-out contexts need the checkpoint's tokenizer"
+    texts = read_texts(corpus_files("heldout"))
+    streams = [np.asarray(tokenizer.encode(t), dtype=np.int64) for t in texts]
     streams = [s for s in streams if s.size > length]
     weights = np.array([s.size - length for s in streams], dtype=np.float64)
     rng = np.random.default_rng(seed)
     picks = rng.choice(len(streams), size=count, p=weights / weights.sum())
-    return np.stack([
-        streams[i][o : o + length]
-        for i, o in ((i, int(rng.integers(0, streams[i].size - length))) for i in picks)
-    ])
+    return np.stack(
+        [
+            streams[i][o : o + length]
+            for i, o in ((i, int(rng.integers(0, streams[i].size - length))) for i in picks)
+        ]
+    )
 
 
-def evaluate(model_name: str, dtype: str, count: int, length: int, max_steps: int, batch: int, seed: int) -> dict[str, object]:
+def evaluate(
+    model_name: str, dtype: str, count: int, length: int, max_steps: int, batch: int, seed: int
+) -> dict[str, object]:
     loaded = load(model_name, dtype=cast(DType, dtype))
     contexts = held_out_contexts(loaded.tokenizer, count, length, seed)
     matches = []
     t0 = time.perf_counter()
     for start in tqdm(range(0, count, batch), desc="eval", unit="batch"):
-        target, drafts = reference.greedy_mtp_drafts(loaded.model, contexts[start : start + batch].tolist(), max_steps)
+        target, drafts = reference.greedy_mtp_drafts(
+            loaded.model, contexts[start : start + batch].tolist(), max_steps
+        )
         matches.append(drafts == target[:, 1:])
     hits = np.concatenate(matches)  # [count, max_steps]
     prefix = np.cumprod(hits, axis=1)
@@ -88,7 +98,9 @@ def draft_cost(model: SpectrioForCausalLM, context: int = 64, reps: int = 300) -
     cfg = model.config
     block = 16
     blocks = context // block + 2
-    target_cache = PagedKVCache(cfg.num_hidden_layers, blocks, block, cfg.num_key_value_heads, cfg.head_dim, model.dtype)
+    target_cache = PagedKVCache(
+        cfg.num_hidden_layers, blocks, block, cfg.num_key_value_heads, cfg.head_dim, model.dtype
+    )
     mtp_cache = PagedKVCache(1, blocks, block, cfg.num_key_value_heads, cfg.head_dim, model.dtype)
     table = [np.arange(blocks)]
 
@@ -114,7 +126,8 @@ def draft_cost(model: SpectrioForCausalLM, context: int = 64, reps: int = 300) -
                 mtp_s.append(t2 - t1)
     t, m = float(np.median(target_s)), float(np.median(mtp_s))
     return {
-        "machine": f"{platform.machine()} cores={os.cpu_count()} OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}",
+        "machine": f"{platform.machine()} cores={os.cpu_count()} "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}",
         "layers": cfg.num_hidden_layers,
         "hidden_size": cfg.hidden_size,
         "context": context,
@@ -126,7 +139,9 @@ def draft_cost(model: SpectrioForCausalLM, context: int = 64, reps: int = 300) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="bundled")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     p.add_argument("--contexts", type=int, default=512)
@@ -134,10 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-steps", type=int, default=3)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cost", action="store_true", help="measure substep cost / target forward instead")
+    p.add_argument(
+        "--cost", action="store_true", help="measure substep cost / target forward instead"
+    )
     p.add_argument("--cost-context", type=int, default=64)
     p.add_argument("--cost-reps", type=int, default=300)
-    p.add_argument("--model-json", default=None, help="with --cost: a random model with these fields")
+    p.add_argument(
+        "--model-json", default=None, help="with --cost: a random model with these fields"
+    )
     args = p.parse_args(argv)
     configure_logging("warning")
     if args.cost:
@@ -150,7 +169,15 @@ def main(argv: list[str] | None = None) -> int:
             model = load(args.model, dtype=args.dtype).model
         print(json.dumps(draft_cost(model, args.cost_context, args.cost_reps), indent=2))
         return 0
-    result = evaluate(args.model, args.dtype, args.contexts, args.context_len, args.max_steps, args.batch, args.seed)
+    result = evaluate(
+        args.model,
+        args.dtype,
+        args.contexts,
+        args.context_len,
+        args.max_steps,
+        args.batch,
+        args.seed,
+    )
     print(json.dumps(result, indent=2))
     return 0
 

@@ -34,4 +34,4 @@ class GenerationStats:
     @property
     def accepted_per_position(self) -> list[float]:
         """Share of steps in which draft position i was accepted, of those that proposed it."""
-        return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
+        return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed, strict=False)]

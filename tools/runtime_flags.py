@@ -10,14 +10,24 @@ from spectrio.runtime.config import RuntimeConfig, SpeculativeConfig
 def add_runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="bundled", help="'bundled' or a checkpoint folder")
     p.add_argument("--k", type=int, default=2, help="speculative tokens per step (1..5)")
-    p.add_argument("--num-model-steps", type=int, default=None, help="MTP substeps (1..k; default k)")
+    p.add_argument(
+        "--num-model-steps", type=int, default=None, help="MTP substeps (1..k; default k)"
+    )
     p.add_argument("--no-spec", action="store_true", help="turn speculation off")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU math threads (default: every core this process may use)")
-    p.add_argument("--config", type=str, default=None,
-                   help="RuntimeConfig as a TOML or JSON file (replaces the flags above)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU math threads (default: every core this process may use)",
+    )
+    p.add_argument(
+        "--config",
+        type=str,
+        default=None,
+        help="RuntimeConfig as a TOML or JSON file (replaces the flags above)",
+    )
 
 
 def runtime_config(args: argparse.Namespace) -> RuntimeConfig:

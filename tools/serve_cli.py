@@ -54,19 +54,36 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--requests", help="ROUTER endpoint (default: ipc:// under --run-dir)")
     p.add_argument("--outputs", help="PUSH endpoint, lossless (default: ipc:// under --run-dir)")
     p.add_argument("--tap", help="optional PUB endpoint for observers (may drop)")
-    p.add_argument("--run-dir", help="folder for default ipc:// endpoints "
-                   "(default: $XDG_RUNTIME_DIR/spectrio or <tmp>/spectrio-<uid>)")
-    p.add_argument("--allow-public", action="store_true",
-                   help="allow endpoints other hosts or users can reach: a non-loopback address, "
-                   "a wildcard (binds every interface), an abstract ipc://@name; use CURVE with it")
+    p.add_argument(
+        "--run-dir",
+        help="folder for default ipc:// endpoints "
+        "(default: $XDG_RUNTIME_DIR/spectrio or <tmp>/spectrio-<uid>)",
+    )
+    p.add_argument(
+        "--allow-public",
+        action="store_true",
+        help="allow endpoints other hosts or users can reach: a non-loopback address, "
+        "a wildcard (binds every interface), an abstract ipc://@name; use CURVE with it",
+    )
     p.add_argument("--max-request-bytes", type=int, default=1 << 20)
-    p.add_argument("--grace", type=float, default=10.0,
-                   help="seconds running requests get to finish on SIGINT/SIGTERM; a second "
-                   "signal cuts it to zero (the abort step and flush take at most 3 s more)")
-    p.add_argument("--max-requests-per-s", type=float, default=None,
-                   help="per-client request-rate cap (token bucket, burst 64)")
-    p.add_argument("--curve-secret", default=None,
-                   help="CURVE: the server's NAME.key_secret (from `spectrio keys`); encrypts every socket")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=10.0,
+        help="seconds running requests get to finish on SIGINT/SIGTERM; a second "
+        "signal cuts it to zero (the abort step and flush take at most 3 s more)",
+    )
+    p.add_argument(
+        "--max-requests-per-s",
+        type=float,
+        default=None,
+        help="per-client request-rate cap (token bucket, burst 64)",
+    )
+    p.add_argument(
+        "--curve-secret",
+        default=None,
+        help="CURVE: the server's NAME.key_secret (from `spectrio keys`); encrypts every socket",
+    )
     p.set_defaults(func=serve_main)
 
 
@@ -83,8 +100,11 @@ def add_client_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for any reply")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--curve-server-key", default=None,
-                   help="CURVE: the server's public NAME.key, for a server run with --curve-secret")
+    p.add_argument(
+        "--curve-server-key",
+        default=None,
+        help="CURVE: the server's public NAME.key, for a server run with --curve-secret",
+    )
     p.set_defaults(func=client_main)
 
 
@@ -187,9 +207,16 @@ async def _serve_async(
                     stopper.startup = None  # from here a signal drains instead
                     server = await nursery.start(
                         lambda task_status=trio.TASK_STATUS_IGNORED: serve(
-                            rt, requests, outputs, tap, allow_public=args.allow_public,
-                            context=ctx, claim=claim, max_request_bytes=args.max_request_bytes,
-                            max_requests_per_s=args.max_requests_per_s, curve=curve,
+                            rt,
+                            requests,
+                            outputs,
+                            tap,
+                            allow_public=args.allow_public,
+                            context=ctx,
+                            claim=claim,
+                            max_request_bytes=args.max_request_bytes,
+                            max_requests_per_s=args.max_requests_per_s,
+                            curve=curve,
                             task_status=task_status,
                         )
                     )
@@ -199,8 +226,10 @@ async def _serve_async(
                     # only what serving allocates (tens of ms less per pause).
                     gc.freeze()
                     ep = server.endpoints
-                    print(json.dumps({"requests": ep.requests, "outputs": ep.outputs, "tap": ep.tap}),
-                          flush=True)
+                    print(
+                        json.dumps({"requests": ep.requests, "outputs": ep.outputs, "tap": ep.tap}),
+                        flush=True,
+                    )
                     await stopper.requested.wait()
                     await server.drain(args.grace, cut=stopper.cut)
                     nursery.cancel_scope.cancel()
@@ -215,12 +244,19 @@ def serve_main(args: argparse.Namespace) -> int:
     model is loaded)."""
     with _StartupSignals() as early:
         from spectrio.runtime.config import ConfigError
-        from spectrio.runtime.server import EndpointRefused, ServerRunning, claim_endpoints, default_endpoints
+        from spectrio.runtime.server import (
+            EndpointRefused,
+            ServerRunning,
+            claim_endpoints,
+            default_endpoints,
+        )
         from spectrio.wire.curve import CurveError, load_server_keys
 
         try:
             config = runtime_config(args)
-            defaults = default_endpoints(args.run_dir) if not (args.requests and args.outputs) else None
+            defaults = (
+                default_endpoints(args.run_dir) if not (args.requests and args.outputs) else None
+            )
             requests = args.requests or (defaults.requests if defaults else None)
             outputs = args.outputs or (defaults.outputs if defaults else None)
             assert requests is not None and outputs is not None
@@ -233,8 +269,16 @@ def serve_main(args: argparse.Namespace) -> int:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         try:
             with claim:
-                trio.run(_serve_async, args, config, (requests, outputs, args.tap), claim, curve,
-                         ctx, early)
+                trio.run(
+                    _serve_async,
+                    args,
+                    config,
+                    (requests, outputs, args.tap),
+                    claim,
+                    curve,
+                    ctx,
+                    early,
+                )
                 ctx.term()  # waits for the PUSH socket's last steps, for the time drain left
         except BaseExceptionGroup as group:  # from the task nurseries
             refused, other = group.split((ConfigError, ValueError))
@@ -260,12 +304,18 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 
 def client_main(args: argparse.Namespace) -> int:
     import zmq
+
     from spectrio.runtime.params import SamplingParams
     from spectrio.wire.client import Client, RequestRefused
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            ignore_eos=args.ignore_eos)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
     ids: list[int] = []
     text = ""
     reason: str | None = None

@@ -87,7 +87,9 @@ def encode_split(tokenizer: Any, split: str) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def sample_windows(data: np.ndarray, rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
+def sample_windows(
+    data: np.ndarray, rng: np.random.Generator, batch: int, length: int
+) -> np.ndarray:
     starts = rng.integers(0, data.size - length, size=batch)
     return np.stack([data[s : s + length] for s in starts]).astype(np.int64)
 
@@ -117,7 +119,9 @@ def _rope(model: SpectrioForCausalLM, start: int, n: int) -> tuple[paddle.Tensor
     from spectrio.models.layers import rope_cos_sin
 
     cfg = model.config
-    return rope_cos_sin(paddle.arange(start, start + n, dtype="int64"), cfg.head_dim, cfg.rope_theta, model.dtype)
+    return rope_cos_sin(
+        paddle.arange(start, start + n, dtype="int64"), cfg.head_dim, cfg.rope_theta, model.dtype
+    )
 
 
 def chain_layer(
@@ -225,7 +229,9 @@ def mtp_chain(
     return out
 
 
-def chain_accepted(mtp_logits: list[paddle.Tensor], target_tokens: list[paddle.Tensor]) -> np.ndarray:
+def chain_accepted(
+    mtp_logits: list[paddle.Tensor], target_tokens: list[paddle.Tensor]
+) -> np.ndarray:
     """Share of chains whose drafts 1..j all equal the target's greedy tokens, per j.
 
     ``mtp_logits[j]`` drafts ``target_tokens[j + 1]``. This is what greedy verification
@@ -236,7 +242,7 @@ def chain_accepted(mtp_logits: list[paddle.Tensor], target_tokens: list[paddle.T
 
     hits = [
         (paddle.argmax(lg, axis=-1) == tok).numpy().reshape(-1)
-        for lg, tok in zip(mtp_logits, target_tokens[1:])
+        for lg, tok in zip(mtp_logits, target_tokens[1:], strict=False)
     ]
     return np.cumprod(np.stack(hits, axis=1), axis=1).mean(axis=0)
 
@@ -257,7 +263,9 @@ def heldout_eval(model: SpectrioForCausalLM, windows: np.ndarray, depth: int) ->
             w = paddle.to_tensor(windows[i : i + 8])
             logits, hidden, tokens = target_chain(model, w[:, :-1], depth + 1)
             losses.append(float(F.cross_entropy(logits[0], w[:, 1:].unsqueeze(-1)).mean()))
-            accepted.append(chain_accepted(mtp_chain(model, w[:, :-1], hidden, tokens, depth), tokens))
+            accepted.append(
+                chain_accepted(mtp_chain(model, w[:, :-1], hidden, tokens, depth), tokens)
+            )
     if was_training:
         model.train()
     loss = float(np.mean(losses))
@@ -306,7 +314,13 @@ def _optimizer(params: list[Any], lr: float) -> Any:
 
 
 class Trainer:
-    def __init__(self, args: argparse.Namespace, model: SpectrioForCausalLM, data: np.ndarray, heldout: np.ndarray) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        model: SpectrioForCausalLM,
+        data: np.ndarray,
+        heldout: np.ndarray,
+    ) -> None:
         self.args, self.model, self.data, self.heldout = args, model, data, heldout
         self.rng = np.random.default_rng(args.seed)
         self.curve: list[dict[str, Any]] = []
@@ -315,7 +329,11 @@ class Trainer:
         self.last_save = time.perf_counter()
 
     def evaluate(self, phase: str, step: int) -> None:
-        row = {"phase": phase, "step": step, "seconds": round(time.perf_counter() - self.t_start, 1)}
+        row = {
+            "phase": phase,
+            "step": step,
+            "seconds": round(time.perf_counter() - self.t_start, 1),
+        }
         row.update(heldout_eval(self.model, self.heldout, self.args.draft_steps))
         self.evals.append(row)
         log.info("held-out eval", **row)
@@ -323,9 +341,14 @@ class Trainer:
     def _record(self, row: dict[str, Any], bar: Any) -> None:
         row["seconds"] = round(time.perf_counter() - self.t_start, 2)
         self.curve.append(row)
-        bar.set_postfix({k: f"{v:.3f}" for k, v in row.items() if k.endswith("loss")}, refresh=False)
+        bar.set_postfix(
+            {k: f"{v:.3f}" for k, v in row.items() if k.endswith("loss")}, refresh=False
+        )
         if row["step"] % 25 == 0:
-            log.info("train step", **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
+            log.info(
+                "train step",
+                **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()},
+            )
         if time.perf_counter() - self.last_save > self.args.save_every_minutes * 60:
             self.save()
 
@@ -338,7 +361,9 @@ class Trainer:
         model.train()
         opt = _optimizer(model.parameters(), a.p1_lr)
         ph = Phase("target", a.p1_steps, a.p1_minutes, a.p1_lr, a.warmup)
-        bar = tqdm(total=a.p1_steps, desc="phase 1 (target)", unit="step", mininterval=a.bar_interval)
+        bar = tqdm(
+            total=a.p1_steps, desc="phase 1 (target)", unit="step", mininterval=a.bar_interval
+        )
         step = 0
         while step < a.p1_steps and ph.progress(step) < 1.0:
             w = paddle.to_tensor(sample_windows(self.data, self.rng, a.batch_size, a.seq_len + 1))
@@ -354,8 +379,17 @@ class Trainer:
             loss.backward()
             opt.step()
             opt.clear_grad()
-            self._record({"phase": "target", "step": step, "lr": lr, "loss": float(loss),
-                          "main_loss": float(main_loss), "mtp_loss": float(mtp_loss)}, bar)
+            self._record(
+                {
+                    "phase": "target",
+                    "step": step,
+                    "lr": lr,
+                    "loss": float(loss),
+                    "main_loss": float(main_loss),
+                    "mtp_loss": float(mtp_loss),
+                },
+                bar,
+            )
             step += 1
             bar.update(1)
             if step % a.eval_every == 0:
@@ -381,9 +415,13 @@ class Trainer:
         opt = _optimizer(mtp_params, a.p2_lr)
         weights = [float(x) for x in a.substep_weights.split(",")]
         if len(weights) != a.draft_steps:
-            raise SystemExit(f"--substep-weights needs {a.draft_steps} values, got {a.substep_weights!r}")
+            raise SystemExit(
+                f"--substep-weights needs {a.draft_steps} values, got {a.substep_weights!r}"
+            )
         ph = Phase("draft", a.p2_steps, a.p2_minutes, a.p2_lr, a.p2_warmup)
-        bar = tqdm(total=a.p2_steps, desc="phase 2 (draft)", unit="step", mininterval=a.bar_interval)
+        bar = tqdm(
+            total=a.p2_steps, desc="phase 2 (draft)", unit="step", mininterval=a.bar_interval
+        )
         step = 0
         while step < a.p2_steps and ph.progress(step) < 1.0:
             w = paddle.to_tensor(sample_windows(self.data, self.rng, a.p2_batch_size, a.seq_len))
@@ -396,9 +434,11 @@ class Trainer:
             # slower (fwd+bwd) on [B, T, 4096] and would dominate the step.
             per_step = [
                 F.cross_entropy(lg / a.distill_temperature, lab, soft_label=True).mean()
-                for lab, lg in zip(labels, m_logits)
+                for lab, lg in zip(labels, m_logits, strict=False)
             ]
-            loss = paddle.add_n([wt * l for wt, l in zip(weights, per_step)]) / sum(weights)
+            loss = paddle.add_n([wt * sl for wt, sl in zip(weights, per_step, strict=False)]) / sum(
+                weights
+            )
             lr = ph.lr(step)
             opt.set_lr(lr)
             loss.backward()
@@ -406,8 +446,8 @@ class Trainer:
             opt.clear_grad()
             acc = chain_accepted([lg.detach() for lg in m_logits], tokens)
             row: dict[str, Any] = {"phase": "draft", "step": step, "lr": lr, "loss": float(loss)}
-            for j, (l, ac) in enumerate(zip(per_step, acc), start=1):
-                row[f"substep{j}_loss"] = float(l)
+            for j, (sl, ac) in enumerate(zip(per_step, acc, strict=False), start=1):
+                row[f"substep{j}_loss"] = float(sl)
                 row[f"substep{j}_accepted"] = float(ac)
             self._record(row, bar)
             step += 1
@@ -476,8 +516,19 @@ def plot_curves(meta: dict[str, Any], path: Path) -> bool:
         xs = list(range(len(evals)))
         depth = len(evals[0]["accepted"])
         for j in range(depth):
-            ax.plot(xs, [e["accepted"][j] for e in evals], marker="o", label=f"accepted through substep {j + 1}")
-        ax.plot(xs, [e["heldout_loss"] / 10 for e in evals], ls="--", color="gray", label="held-out loss / 10")
+            ax.plot(
+                xs,
+                [e["accepted"][j] for e in evals],
+                marker="o",
+                label=f"accepted through substep {j + 1}",
+            )
+        ax.plot(
+            xs,
+            [e["heldout_loss"] / 10 for e in evals],
+            ls="--",
+            color="gray",
+            label="held-out loss / 10",
+        )
         ax.set_xticks(xs, [f"{e['phase'][0]}{e['step']}" for e in evals], rotation=60, fontsize=7)
         ax.legend(fontsize=8)
     ax.set(title="held-out (t = phase 1, d = phase 2)", ylim=(0, 1))
@@ -493,17 +544,28 @@ def plot_curves(meta: dict[str, Any], path: Path) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     from spectrio.models.loader import BUNDLED_DIR, STORAGE_DTYPES
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", type=Path, default=Path("models/bundled"))
-    p.add_argument("--tokenizer", default=str(BUNDLED_DIR / "tokenizer.json"),
-                   help="tokenizer.json to reuse, or 'train' to train a new BPE on the training split")
+    p.add_argument(
+        "--tokenizer",
+        default=str(BUNDLED_DIR / "tokenizer.json"),
+        help="tokenizer.json to reuse, or 'train' to train a new BPE on the training split",
+    )
     p.add_argument("--vocab-size", type=int, default=4096, help="only with --tokenizer train")
     p.add_argument("--model-json", type=str, default=None, help="override model fields (JSON)")
-    p.add_argument("--init-from", type=Path, default=None, help="start from this checkpoint's weights")
+    p.add_argument(
+        "--init-from", type=Path, default=None, help="start from this checkpoint's weights"
+    )
     p.add_argument("--phases", default="12", choices=("12", "1", "2"), help="which phases to run")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU math threads (default: every core this process may use)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU math threads (default: every core this process may use)",
+    )
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--save-dtype", default="float16", choices=STORAGE_DTYPES)
     # phase 1
@@ -527,7 +589,9 @@ def build_parser() -> argparse.ArgumentParser:
     # bookkeeping
     p.add_argument("--heldout-windows", type=int, default=32)
     p.add_argument("--save-every-minutes", type=float, default=10.0)
-    p.add_argument("--bar-interval", type=float, default=10.0, help="seconds between progress-bar redraws")
+    p.add_argument(
+        "--bar-interval", type=float, default=10.0, help="seconds between progress-bar redraws"
+    )
     return p
 
 
@@ -564,8 +628,12 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer.save(str(args.out / "tokenizer.json"))
     eos = tokenizer.token_to_id(EOS_TOKEN)
     data = encode_split(tokenizer, "train")
-    heldout = held_out_contexts(TextTokenizer(tokenizer, eos), args.heldout_windows, args.seq_len + 1, seed=args.seed)
-    log.info("corpus encoded", train_tokens=int(data.size), seconds=round(time.perf_counter() - t0, 1))
+    heldout = held_out_contexts(
+        TextTokenizer(tokenizer, eos), args.heldout_windows, args.seq_len + 1, seed=args.seed
+    )
+    log.info(
+        "corpus encoded", train_tokens=int(data.size), seconds=round(time.perf_counter() - t0, 1)
+    )
 
     if args.init_from is not None:
         from spectrio.models import load
@@ -581,7 +649,12 @@ def main(argv: list[str] | None = None) -> int:
     if not cfg.has_mtp:
         raise SystemExit("the model needs an MTP layer (num_nextn_predict_layers: 1)")
     n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
-    log.info("model ready", params=n_params, init_from=str(args.init_from), **cfg.to_dict(args.save_dtype))
+    log.info(
+        "model ready",
+        params=n_params,
+        init_from=str(args.init_from),
+        **cfg.to_dict(args.save_dtype),
+    )
 
     trainer = Trainer(args, model, data, heldout)
     if "1" in args.phases:

@@ -163,16 +163,25 @@ class StreamAssembler:
             else:
                 self._received[rid] = expected + len(token_ids)
             chunks.append(
-                Chunk(request_id=rid, step=env.step, seqno=seqno, token_ids=token_ids,
-                      text=text, finish_reason=reason)
+                Chunk(
+                    request_id=rid,
+                    step=env.step,
+                    seqno=seqno,
+                    token_ids=token_ids,
+                    text=text,
+                    finish_reason=reason,
+                )
             )
         return chunks
 
 
 def _submit_frame(prompt: Prompt, params: SamplingParams | None, request_id: str) -> bytes:
     body: str | list[int] = prompt if isinstance(prompt, str) else [int(t) for t in prompt]
-    return encode(Submit(v=SCHEMA_VERSION, request_id=request_id, prompt=body,
-                         params=params or SamplingParams()))
+    return encode(
+        Submit(
+            v=SCHEMA_VERSION, request_id=request_id, prompt=body, params=params or SamplingParams()
+        )
+    )
 
 
 def _check(frame: bytes) -> Ack:
@@ -330,14 +339,15 @@ async def open_client(
     try:
         if outputs is not None:
             kind = zmq.SUB if tap else zmq.PULL
-            out = open_socket(
-                ctx, kind, connect=outputs, max_msg_size=None, configure=configure
-            )
+            out = open_socket(ctx, kind, connect=outputs, max_msg_size=None, configure=configure)
             if tap:
                 out.socket.setsockopt(zmq.SUBSCRIBE, b"")
         client = AsyncClient(
-            req, out, StreamAssembler(tokenizer, track=() if requests else None),
-            timeout_s=timeout_s, reconnect=connect_requests if requests else None,
+            req,
+            out,
+            StreamAssembler(tokenizer, track=() if requests else None),
+            timeout_s=timeout_s,
+            reconnect=connect_requests if requests else None,
         )
         yield client
     finally:

@@ -116,4 +116,3 @@ async def run_zap_handler(sock: TrioSocket) -> None:
     while True:
         request = await sock.recv_multipart()
         await sock.send_multipart(zap_reply(request))
-

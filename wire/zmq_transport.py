@@ -239,14 +239,18 @@ def _ip_reach(host: str) -> Reach | None:
         if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
             addr = addr.ipv4_mapped
         this = (
-            Reach.WILDCARD if addr.is_unspecified else Reach.LOCAL if addr.is_loopback else Reach.PUBLIC
+            Reach.WILDCARD
+            if addr.is_unspecified
+            else Reach.LOCAL
+            if addr.is_loopback
+            else Reach.PUBLIC
         )
         reach = max(reach, this, key=_WORST.index)
     return reach
 
 
 def _tcp_host(endpoint: str) -> str:
-    host, sep, _port = endpoint[len("tcp://"):].rpartition(":")
+    host, sep, _port = endpoint[len("tcp://") :].rpartition(":")
     if not sep or not host:
         raise EndpointRefused(f"{endpoint!r}: a tcp:// endpoint is tcp://HOST:PORT")
     if host.startswith("[") and host.endswith("]"):
@@ -282,7 +286,7 @@ def endpoint_reach(endpoint: str) -> Reach:
     if endpoint.startswith("inproc://"):
         return Reach.LOCAL
     if endpoint.startswith("ipc://"):
-        return Reach.PUBLIC if endpoint[len("ipc://"):].startswith("@") else Reach.LOCAL
+        return Reach.PUBLIC if endpoint[len("ipc://") :].startswith("@") else Reach.LOCAL
     if not endpoint.startswith("tcp://"):
         raise EndpointRefused(f"unsupported endpoint {endpoint!r}: use ipc:// or tcp://")
     host = _tcp_host(endpoint)
@@ -297,7 +301,7 @@ def ipc_path(endpoint: str) -> Path | None:
     endpoint and for an abstract name (``ipc://@name``, which has no file)."""
     if not endpoint.startswith("ipc://"):
         return None
-    rest = endpoint[len("ipc://"):]
+    rest = endpoint[len("ipc://") :]
     if rest.startswith("@"):
         return None
     if rest in ("", "*"):
