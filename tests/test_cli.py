@@ -39,7 +39,8 @@ def test_generate_json_matches_the_reference() -> None:
     assert out["token_ids"] == oracle("float64", tok.encode("def fib(n):"), 12)
     assert out["text"] == tok.decode(out["token_ids"])
     assert len(out["accepted_per_position"]) == 3
-    assert out["mean_accept_len"] == len(out["token_ids"]) / out["num_steps"]
+    # The CLI rounds to 4 decimals; with adaptive k the step count varies run to run.
+    assert out["mean_accept_len"] == round(len(out["token_ids"]) / out["num_steps"], 4)
 
 
 def test_generate_streams_text_without_speculation() -> None:
