@@ -79,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     from spectrio.tools.logging_setup import configure_logging
 
     configure_logging("warning")
-    configure_paddle(args.threads)
+    from spectrio.runtime.config import RuntimeConfig
+
+    threads = configure_paddle(RuntimeConfig(num_threads=args.threads).resolve_num_threads())
     t0 = time.perf_counter()
     loaded = load(args.model)
     load_seconds = time.perf_counter() - t0
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, object] = {
         "machine": f"{platform.machine()} cores={os.cpu_count()}",
         "paddle": paddle.__version__,
-        "threads": args.threads or os.environ.get("OMP_NUM_THREADS"),
+        "threads": threads,
         "model": args.model,
         "layers": cfg.num_hidden_layers,
         "params": sum(int(p.numel()) for p in model.parameters()),
