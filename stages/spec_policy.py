@@ -15,7 +15,8 @@ The rule: pick the k that maximises expected tokens per second,
   with ``B`` decoding sequences in the same power-of-two bucket and k drafts each.
 
 Every (bucket, k) pair is tried once before it can be ranked, and one step in
-``probe_every`` uses the full k so that the acceptance of late positions keeps being
+``probe_every`` re-measures the least measured k of its bucket (the larger on ties), so a
+noisy early timing is corrected and the acceptance of late positions keeps being
 measured even while the policy prefers fewer drafts. At a large batch the device is
 busy anyway and verification rows cost real time, so the measured T grows with k and
 the policy settles on small k or 0; at batch 1 extra rows are nearly free and it keeps
@@ -111,12 +112,17 @@ class SpecPolicy:
         if not self.adaptive or self.k_max == 0 or num_seqs <= 0:
             return self.k_max
         self._num_choices += 1
-        if self._num_choices % self.probe_every == 0:
-            return self.k_max
         bucket = _bucket(num_seqs)
         for k in range(self.k_max, -1, -1):
             if (bucket, k) not in self._step_time:
                 return k
+        if self._num_choices % self.probe_every == 0:
+            # Re-measure the least measured k (ties: the larger, which also measures the
+            # acceptance of late positions), so one unlucky early timing cannot keep a
+            # good k out of use for good.
+            return max(
+                range(self.k_max + 1), key=lambda k: (-self._step_time[(bucket, k)].weight, k)
+            )
         return max(
             range(self.k_max + 1),
             key=lambda k: self.expected_tokens(k) / self._step_time[(bucket, k)].mean,

@@ -317,7 +317,7 @@ def test_drafts_depend_on_the_sequence_not_on_where_the_budget_cut_its_prompt() 
 
 def test_adaptive_policy_sets_the_drafts_of_every_decoding_sequence() -> None:
     """The scheduler drafts what the policy chooses for the step: once its measurements
-    say one draft is fastest, decoding sequences get one (three on a probe step)."""
+    say one draft is fastest, decoding sequences get one (another k on a probe step)."""
     cfg = RuntimeConfig(
         max_model_len=256,
         max_num_seqs=4,
@@ -360,4 +360,5 @@ def test_adaptive_policy_sets_the_drafts_of_every_decoding_sequence() -> None:
     assert sorted(first) == [0, 1, 2, 3]  # every k is measured once
     late = seen[10:]
     assert all(row[0] == row[1] for row in late)
-    assert {row[0] for row in late} == {1, 3} and sum(row[0] == 3 for row in late) <= 3
+    # One step in 16 re-measures the least measured other k; every other step drafts one.
+    assert sum(row[0] != 1 for row in late) <= 2 and late.count([1, 1]) >= len(late) - 2

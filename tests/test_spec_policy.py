@@ -98,3 +98,21 @@ def test_fixed_policy_and_edges() -> None:
     assert SpecPolicy(0).choose(4) == 0
     with pytest.raises(ValueError, match="k_max"):
         SpecPolicy(-1)
+
+
+def test_probes_re_measure_the_least_measured_k() -> None:
+    """An unlucky first timing of the best k is corrected: probes go to the k measured
+    least, so the policy finds its way back to it."""
+    policy = SpecPolicy(2, probe_every=4)
+    true_time = {0: 1.0, 1: 0.6, 2: 0.8}
+    first = True
+    for _ in range(80):
+        k = policy.choose(1)
+        seconds = true_time[k]
+        if k == 1 and first:
+            seconds, first = 5.0, False  # a one-off stall the first time k = 1 runs
+        policy.observe_step(1, k, seconds)
+        policy.observe_acceptance(k, k)  # every draft accepted: E(k) = 1 + k
+    # E/T: k=0 1.0, k=1 3.33, k=2 3.75 -> k = 2 is best, but k = 1 must have been re-measured.
+    assert policy.step_times()[(1, 1)] < 5.0
+    assert [policy.choose(1) for _ in range(3)] == [2, 2, 2]
