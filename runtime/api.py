@@ -292,17 +292,7 @@ class Runtime:
         stream = self._streams.get(request_id)
         if stream is None:
             return False
-        stream.send_nowait(
-            Delta(
-                request_id=request_id,
-                token_ids=[],
-                text="",
-                finished=True,
-                finish_reason="abort",
-                abort_reason=reason,
-            )
-        )
-        self._send_abort(request_id, reason)
+        self._end_with_abort(request_id, stream, reason)
         return True
 
     def generate(
@@ -345,17 +335,23 @@ class Runtime:
             return
         self._closed = True
         for rid, stream in list(self._streams.items()):
-            stream.send_nowait(
-                Delta(
-                    request_id=rid,
-                    token_ids=[],
-                    text="",
-                    finished=True,
-                    finish_reason="abort",
-                    abort_reason=reason,
-                )
+            self._end_with_abort(rid, stream, reason)
+
+    def _end_with_abort(
+        self, request_id: str, stream: trio.MemorySendChannel[Delta | SeqResult], reason: str
+    ) -> None:
+        """Give a stream its final ``abort`` delta and abort its request in the scheduler."""
+        stream.send_nowait(
+            Delta(
+                request_id=request_id,
+                token_ids=[],
+                text="",
+                finished=True,
+                finish_reason="abort",
+                abort_reason=reason,
             )
-            self._send_abort(rid, reason)
+        )
+        self._send_abort(request_id, reason)
 
 
 class RequestStream:

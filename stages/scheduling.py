@@ -293,8 +293,8 @@ class Scheduler:
         if seconds is not None and self._inflight:
             works = list(self._inflight.values())
             if all(w.sample and len(w.token_ids) == 1 for w in works):
-                drafting = [w for w in works if w.num_drafts]
-                self.policy.observe_step(len(works), self._step_k if drafting else 0, seconds)
+                drafted = any(w.num_drafts for w in works)
+                self.policy.observe_step(len(works), self._step_k if drafted else 0, seconds)
         for r in result.results:
             if r.num_drafts:
                 self.policy.observe_acceptance(r.num_drafts, r.num_accepted)
