@@ -1,7 +1,7 @@
 """spectrio.cuda_kernels: CUDA sources, the CuPy loader and NumPy references.
 
 Two kernels build the publisher's per-step record (layout in
-:mod:`spectrio.wire.record`): ``speculate_save`` (header, accept_num, CSR
+:mod:`spectrio.core.record`): ``speculate_save`` (header, accept_num, CSR
 token ids) and ``pack_topk`` (the logprob block, exactly ``width`` columns).
 Each has a byte-identical NumPy reference in :mod:`.reference`, which is the
 CPU path. The GPU entry points in :mod:`.loader` take any ``__dlpack__``

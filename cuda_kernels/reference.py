@@ -9,7 +9,7 @@ its output is byte-identical to the kernel's on valid input:
   ``width`` columns wide.
 
 The record layout they produce is documented field by field in
-:mod:`spectrio.wire.record`, which assembles and parses whole records.
+:mod:`spectrio.core.record`, which assembles and parses whole records.
 The references validate their input and raise ``ValueError``; the kernels
 trust theirs (the loader checks shapes and dtypes, and the kernels clamp
 counts into range only so a bad input cannot write out of bounds).

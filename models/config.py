@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
+from spectrio.errors import ModelConfigError
+
 BUNDLED_DIR = Path(__file__).resolve().parent / "bundled"
 """The checkpoint shipped with spectrio (``load("bundled")``)."""
 
@@ -40,10 +42,6 @@ _UNSUPPORTED_UNLESS: dict[str, object] = {
     "hidden_act": "silu",
     "sliding_window": None,
 }
-
-
-class ModelConfigError(ValueError):
-    """A config.json that does not describe a model this package can build."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ import structlog
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
+from spectrio.errors import CheckpointError
 from spectrio.models.config import BUNDLED_DIR, DType, ModelConfig, ModelConfigError
 from spectrio.models.model import SpectrioForCausalLM, build_model
 from spectrio.models.tokenizer import TextTokenizer
@@ -26,10 +27,6 @@ log = structlog.get_logger("spectrio.models")
 # DeepSeek-V3 stores copies of the shared embedding and head inside the MTP layer;
 # spectrio shares the target's, so those copies are shape-checked and not loaded.
 _SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded completely and exactly."""
 
 
 @dataclasses.dataclass

@@ -13,16 +13,16 @@ _EXPORTS = {
     "RequestStream": "spectrio.runtime.api",
     "Runtime": "spectrio.runtime.api",
     "open_runtime": "spectrio.runtime.api",
-    "ChannelReceiver": "spectrio.runtime.channels",
-    "ChannelSender": "spectrio.runtime.channels",
-    "open_channel": "spectrio.runtime.channels",
-    "ConfigError": "spectrio.runtime.config",
-    "RuntimeConfig": "spectrio.runtime.config",
-    "SpeculativeConfig": "spectrio.runtime.config",
-    "PublishedStep": "spectrio.runtime.messages",
-    "TokenLogprob": "spectrio.runtime.messages",
-    "InvalidRequest": "spectrio.runtime.params",
-    "SamplingParams": "spectrio.runtime.params",
+    "ChannelReceiver": "spectrio.core.channels",
+    "ChannelSender": "spectrio.core.channels",
+    "open_channel": "spectrio.core.channels",
+    "ConfigError": "spectrio.errors",
+    "RuntimeConfig": "spectrio.core.config",
+    "SpeculativeConfig": "spectrio.core.config",
+    "PublishedStep": "spectrio.core.messages",
+    "TokenLogprob": "spectrio.core.messages",
+    "InvalidRequest": "spectrio.errors",
+    "SamplingParams": "spectrio.core.params",
 }
 
 __all__ = [
@@ -48,9 +48,10 @@ __all__ = [
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
+    from spectrio.core.channels import ChannelReceiver, ChannelSender, open_channel
+    from spectrio.core.config import RuntimeConfig, SpeculativeConfig
+    from spectrio.core.messages import PublishedStep, TokenLogprob
+    from spectrio.core.params import SamplingParams
+    from spectrio.errors import ConfigError, InvalidRequest
     from spectrio.runtime.aio import AsyncioRequestStream, AsyncioRuntime, open_runtime_asyncio
     from spectrio.runtime.api import Delta, RequestStream, Runtime, open_runtime
-    from spectrio.runtime.channels import ChannelReceiver, ChannelSender, open_channel
-    from spectrio.runtime.config import ConfigError, RuntimeConfig, SpeculativeConfig
-    from spectrio.runtime.messages import PublishedStep, TokenLogprob
-    from spectrio.runtime.params import InvalidRequest, SamplingParams

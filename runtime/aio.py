@@ -29,9 +29,9 @@ from typing import Any
 
 import trio
 
+from spectrio.core.config import RuntimeConfig
+from spectrio.core.params import SamplingParams
 from spectrio.runtime.api import Delta, Runtime, open_runtime
-from spectrio.runtime.config import RuntimeConfig
-from spectrio.runtime.params import SamplingParams
 
 __all__ = ["AsyncioRequestStream", "AsyncioRuntime", "open_runtime_asyncio"]
 

@@ -13,11 +13,9 @@ import msgspec
 import structlog
 import trio
 
-from spectrio.models import LoadedModel, load
-from spectrio.models.paddle_setup import configure_paddle
-from spectrio.runtime.channels import ChannelReceiver, ChannelSender, open_channel
-from spectrio.runtime.config import ConfigError, RuntimeConfig
-from spectrio.runtime.messages import (
+from spectrio.core.channels import ChannelReceiver, ChannelSender, open_channel
+from spectrio.core.config import ConfigError, RuntimeConfig
+from spectrio.core.messages import (
     AbortRequest,
     Control,
     NewRequest,
@@ -27,14 +25,15 @@ from spectrio.runtime.messages import (
     StepResult,
     TokenLogprob,
 )
-from spectrio.runtime.params import (
+from spectrio.core.params import (
     InvalidRequest,
     SamplingParams,
     check_params,
     check_prompt,
     check_request_id,
 )
-from spectrio.runtime.workspace import Workspace
+from spectrio.models import LoadedModel, load
+from spectrio.models.paddle_setup import configure_paddle
 from spectrio.stages.block_manager import BlockManager
 from spectrio.stages.draft import run_draft
 from spectrio.stages.publisher import run_publisher
@@ -43,6 +42,7 @@ from spectrio.stages.sampling import Sampler
 from spectrio.stages.scheduler import run_scheduler
 from spectrio.stages.scheduling import Scheduler
 from spectrio.stages.verify import run_verify
+from spectrio.stages.workspace import Workspace
 
 log = structlog.get_logger("spectrio.runtime")
 
@@ -161,7 +161,7 @@ class Runtime:
 
     def add_record_observer(self, observer: Callable[[PublishedStep], None]) -> Callable[[], None]:
         """Call ``observer`` with every step's packed record (:class:`PublishedStep`, layout in
-        :mod:`spectrio.wire.record`) from now on. It runs in the publisher's task and must not
+        :mod:`spectrio.core.record`) from now on. It runs in the publisher's task and must not
         block; an exception it raises is logged and otherwise ignored. Returns a function that
         removes the observer."""
         self._observers.append(observer)
@@ -201,7 +201,7 @@ class Runtime:
     def _prepare(
         self, prompt: object, params: object, request_id: object
     ) -> tuple[list[int], SamplingParams, str]:
-        """Check a request with the rules of :mod:`spectrio.runtime.params` (the wire
+        """Check a request with the rules of :mod:`spectrio.core.params` (the wire
         codec runs the same ones). Returns the prompt's token ids, the parameters and the
         request id (a fresh one for ``None``). Raises :class:`InvalidRequest`."""
         params = check_params(

@@ -18,7 +18,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from spectrio.runtime.config import ConfigError, RuntimeConfig, SpeculativeConfig
+from spectrio.core.config import ConfigError, RuntimeConfig, SpeculativeConfig
 
 
 def _check_keys(table: dict[str, Any], cls: type, where: str) -> None:

@@ -2,7 +2,7 @@
 
 Public names: ``open_runtime``, ``Runtime``, ``Delta``, ``RuntimeConfig``,
 ``SpeculativeConfig``, ``SamplingParams``, ``TokenLogprob``, ``PublishedStep``,
-``ConfigError``, ``InvalidRequest``.
+``SpectrioError`` and its ``ConfigError``, ``InvalidRequest``, ``EngineDead``.
 Each sub-package (``spectrio.models``, ``spectrio.runtime`` ...) lives in its own folder.
 """
 
@@ -17,22 +17,26 @@ _EXPORTS = {
     "PublishedStep": "spectrio.runtime.api",
     "Runtime": "spectrio.runtime.api",
     "open_runtime": "spectrio.runtime.api",
-    "ConfigError": "spectrio.runtime.config",
-    "RuntimeConfig": "spectrio.runtime.config",
-    "SpeculativeConfig": "spectrio.runtime.config",
-    "TokenLogprob": "spectrio.runtime.messages",
-    "InvalidRequest": "spectrio.runtime.params",
-    "SamplingParams": "spectrio.runtime.params",
+    "ConfigError": "spectrio.errors",
+    "RuntimeConfig": "spectrio.core.config",
+    "SpeculativeConfig": "spectrio.core.config",
+    "TokenLogprob": "spectrio.core.messages",
+    "EngineDead": "spectrio.errors",
+    "SpectrioError": "spectrio.errors",
+    "InvalidRequest": "spectrio.errors",
+    "SamplingParams": "spectrio.core.params",
 }
 
 __all__ = [
     "ConfigError",
     "Delta",
+    "EngineDead",
     "InvalidRequest",
     "PublishedStep",
     "Runtime",
     "RuntimeConfig",
     "SamplingParams",
+    "SpectrioError",
     "SpeculativeConfig",
     "TokenLogprob",
     "__version__",
@@ -42,7 +46,8 @@ __all__ = [
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
+    from spectrio.core.config import RuntimeConfig, SpeculativeConfig
+    from spectrio.core.messages import TokenLogprob
+    from spectrio.core.params import SamplingParams
+    from spectrio.errors import ConfigError, EngineDead, InvalidRequest, SpectrioError
     from spectrio.runtime.api import Delta, PublishedStep, Runtime, open_runtime
-    from spectrio.runtime.config import ConfigError, RuntimeConfig, SpeculativeConfig
-    from spectrio.runtime.messages import TokenLogprob
-    from spectrio.runtime.params import InvalidRequest, SamplingParams

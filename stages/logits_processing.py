@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from spectrio.runtime.params import SamplingParams
+from spectrio.core.params import SamplingParams
 
 __all__ = [
     "History",

@@ -6,8 +6,8 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from spectrio.runtime.channels import ChannelReceiver, ChannelSender
-from spectrio.runtime.messages import PublishedStep, StepResult
+from spectrio.core.channels import ChannelReceiver, ChannelSender
+from spectrio.core.messages import PublishedStep, StepResult
 from spectrio.stages.records import publish_step
 
 

@@ -1,6 +1,6 @@
 """Packing a step's results into the per-step record (pure; the NumPy reference path).
 
-The record layout is :mod:`spectrio.wire.record`'s. Slot ``i < len(results)`` is the
+The record layout is :mod:`spectrio.core.record`'s. Slot ``i < len(results)`` is the
 plan's slot ``i``; after them come one slot per request preempted while planning the step
 and one per request aborted since the last step, all stamped ``-9``. A slot still in
 chunked prefill (``num_computed < context_len``) is stamped ``0``.
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from spectrio.core.messages import PublishedStep, StepResult
+from spectrio.core.record import pack_step_record
 from spectrio.cuda_kernels.reference import record_width
-from spectrio.runtime.messages import PublishedStep, StepResult
-from spectrio.wire.record import pack_step_record
 
 __all__ = ["publish_step"]
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import trio
 
-from spectrio.runtime.channels import ChannelReceiver, ChannelSender
-from spectrio.runtime.messages import StepPlan, StepResult
-from spectrio.runtime.workspace import Workspace
+from spectrio.core.channels import ChannelReceiver, ChannelSender
+from spectrio.core.messages import StepPlan, StepResult
 from spectrio.stages.sampling import Sampler
+from spectrio.stages.workspace import Workspace
 
 
 async def run_sampler(

@@ -30,9 +30,9 @@ import dataclasses
 
 import numpy as np
 
+from spectrio.core.messages import SeqResult, SeqWork, StepPlan, StepResult, TokenLogprob
+from spectrio.core.params import SamplingParams
 from spectrio.models import TextTokenizer
-from spectrio.runtime.messages import SeqResult, SeqWork, StepPlan, StepResult, TokenLogprob
-from spectrio.runtime.params import SamplingParams
 from spectrio.stages.logits_processing import History, log_softmax, process_rows, token_logprobs
 from spectrio.stages.rejection import rejection_sample
 from spectrio.stages.stops import StopStringMatcher, truncate_run

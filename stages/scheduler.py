@@ -8,8 +8,8 @@ from collections.abc import Callable
 import structlog
 import trio
 
-from spectrio.runtime.channels import ChannelReceiver, ChannelSender
-from spectrio.runtime.messages import AbortRequest, Control, NewRequest, StepPlan, StepResult
+from spectrio.core.channels import ChannelReceiver, ChannelSender
+from spectrio.core.messages import AbortRequest, Control, NewRequest, StepPlan, StepResult
 from spectrio.stages.scheduling import Scheduler, Sequence
 
 _log = structlog.get_logger("spectrio.stages.scheduler")

@@ -34,9 +34,9 @@ import dataclasses
 import enum
 from collections import deque
 
-from spectrio.runtime.config import RuntimeConfig
-from spectrio.runtime.messages import SeqWork, StepPlan, StepResult
-from spectrio.runtime.params import SamplingParams
+from spectrio.core.config import RuntimeConfig
+from spectrio.core.messages import SeqWork, StepPlan, StepResult
+from spectrio.core.params import SamplingParams
 from spectrio.stages.block_manager import BlockManager
 from spectrio.stages.spec_policy import SpecPolicy
 

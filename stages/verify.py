@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import trio
 
-from spectrio.runtime.channels import ChannelReceiver, ChannelSender
-from spectrio.runtime.messages import StepPlan
-from spectrio.runtime.workspace import Workspace
+from spectrio.core.channels import ChannelReceiver, ChannelSender
+from spectrio.core.messages import StepPlan
+from spectrio.stages.workspace import Workspace
 
 
 async def run_verify(

@@ -68,7 +68,7 @@ def test_max_bsz_matches_source() -> None:
 
 def test_importing_kernels_does_not_import_cupy() -> None:
     code = (
-        "import sys, spectrio.cuda_kernels, spectrio.wire.record; assert 'cupy' not in sys.modules"
+        "import sys, spectrio.cuda_kernels, spectrio.core.record; assert 'cupy' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
@@ -215,7 +215,7 @@ def test_pack_topk_kernel_matches_reference(
 
 @gpu
 def test_full_record_from_kernels_matches_pack_step_record(cp_stream: tuple[Any, Any]) -> None:
-    from spectrio.wire.record import pack_step_record, unpack
+    from spectrio.core.record import pack_step_record, unpack
 
     cp, stream = cp_stream
     rng = np.random.default_rng(11)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from spectrio.runtime.server import check_endpoint, claim_endpoints, default_endpoints
+from spectrio.wire.server import check_endpoint, claim_endpoints, default_endpoints
 from spectrio.wire.zmq_transport import EndpointRefused, Reach, check_bind, open_socket
 
 Context = zmq.Context[zmq.Socket[bytes]]

@@ -12,10 +12,10 @@ import trio
 from pipeline_helpers import prompts
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
-from spectrio.runtime.messages import PublishedStep
+from spectrio.core.messages import PublishedStep
+from spectrio.core.record import unpack
 from spectrio.wire.client import StreamAssembler
 from spectrio.wire.codec import SequenceCounter, encode_step
-from spectrio.wire.record import unpack
 
 MAX_TOKENS = 32
 

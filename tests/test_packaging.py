@@ -70,11 +70,13 @@ def test_top_level_exports_are_pinned() -> None:
         [
             "ConfigError",
             "Delta",
+            "EngineDead",
             "InvalidRequest",
             "PublishedStep",
             "Runtime",
             "RuntimeConfig",
             "SamplingParams",
+            "SpectrioError",
             "SpeculativeConfig",
             "TokenLogprob",
             "__version__",

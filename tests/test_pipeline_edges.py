@@ -33,7 +33,7 @@ async def test_one_token_prompt_and_max_model_len(bundled64: object) -> None:
 
 
 async def test_abort_of_the_only_request_is_published(bundled64: object) -> None:
-    from spectrio.wire.record import unpack
+    from spectrio.core.record import unpack
 
     cfg = RuntimeConfig(dtype="float64", max_model_len=128)
     marks: list[tuple[list[str], list[int]]] = []

@@ -19,9 +19,9 @@ import trio
 from pipeline_helpers import oracle, prompts
 
 from spectrio import Delta, RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
+from spectrio.core.messages import PublishedStep
+from spectrio.core.record import PREEMPTED, unpack
 from spectrio.models import BUNDLED_DIR, load
-from spectrio.runtime.messages import PublishedStep
-from spectrio.wire.record import PREEMPTED, unpack
 
 MAX_TOKENS = 24
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from spectrio.runtime.messages import PublishedStep, SeqResult, StepResult, TokenLogprob
+from spectrio.core.messages import PublishedStep, SeqResult, StepResult, TokenLogprob
+from spectrio.core.record import KIND_TARGET, PREEMPTED, record_nbytes, unpack
 from spectrio.stages.records import publish_step
-from spectrio.wire.record import KIND_TARGET, PREEMPTED, record_nbytes, unpack
 
 
 def result(

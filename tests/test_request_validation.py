@@ -16,8 +16,8 @@ import numpy as np
 import trio
 
 from spectrio import InvalidRequest, RuntimeConfig, SamplingParams, open_runtime
+from spectrio.core.params import field_rule
 from spectrio.models import BUNDLED_DIR, TextTokenizer
-from spectrio.runtime.params import field_rule
 from spectrio.wire.codec import WireError, check_submit, decode_request
 from spectrio.wire.schema import ErrorCode, Submit
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from spectrio.core.config import BASE_CAPTURE_SIZES, kv_bytes_per_block
 from spectrio.runtime import ConfigError, RuntimeConfig, SpeculativeConfig
-from spectrio.runtime.config import BASE_CAPTURE_SIZES, kv_bytes_per_block
 
 
 def spec(k: int, **kwargs: Any) -> SpeculativeConfig:

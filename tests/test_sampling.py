@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from spectrio import SamplingParams
+from spectrio.core.messages import SeqWork, StepPlan
 from spectrio.models import load
-from spectrio.runtime.messages import SeqWork, StepPlan
 from spectrio.stages.logits_processing import log_softmax, sampling_probs
 from spectrio.stages.sampling import Sampler
 

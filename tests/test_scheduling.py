@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig
-from spectrio.runtime.messages import SeqResult, StepPlan, StepResult
+from spectrio.core.messages import SeqResult, StepPlan, StepResult
 from spectrio.stages.block_manager import BlockManager
 from spectrio.stages.scheduling import Scheduler, Sequence
 

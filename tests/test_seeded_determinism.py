@@ -16,7 +16,7 @@ import trio
 import trio.testing
 
 from spectrio import Runtime, RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
-from spectrio.runtime.messages import StepPlan, TokenLogprob
+from spectrio.core.messages import StepPlan, TokenLogprob
 
 BUDGET = 16  # max_num_batched_tokens: max_num_seqs * (k + 1) for k = 3
 SEEDED_PROMPT = list(range(300, 311))  # 11 tokens: fits one step alone

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from spectrio.runtime.params import SamplingParams
+from spectrio.core.params import SamplingParams
 from spectrio.wire.client import Client, StreamAssembler
 
 SERVE = [sys.executable, "-m", "spectrio.tools.cli"]

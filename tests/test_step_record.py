@@ -8,14 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from spectrio.cuda_kernels.reference import (
-    pack_header,
-    pack_topk_ref,
-    record_width,
-    speculate_save_ref,
-    unpack_header,
-)
-from spectrio.wire.record import (
+from spectrio.core.record import (
     KIND_DRAFT,
     KIND_TARGET,
     PREEMPTED,
@@ -24,6 +17,13 @@ from spectrio.wire.record import (
     pack_step_record,
     record_nbytes,
     unpack,
+)
+from spectrio.cuda_kernels.reference import (
+    pack_header,
+    pack_topk_ref,
+    record_width,
+    speculate_save_ref,
+    unpack_header,
 )
 
 # Five slots, k = 2 (3 columns):

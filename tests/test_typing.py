@@ -33,7 +33,7 @@ def test_the_installed_layout_resolves_spectrio_imports(tmp_path: Path) -> None:
         pytest.skip("mypy is part of the test extras")
     probe = tmp_path / "probe.py"
     probe.write_text(
-        "from spectrio.runtime.params import SamplingParams\n"
+        "from spectrio.core.params import SamplingParams\n"
         "reveal_type(SamplingParams(max_tokens=3).max_tokens)\n"
         "x: str = SamplingParams().max_tokens\n"
     )

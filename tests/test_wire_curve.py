@@ -10,9 +10,9 @@ import zmq
 import zmq.utils.z85
 
 from spectrio import RuntimeConfig, SamplingParams, open_runtime
-from spectrio.runtime.server import WireServer, serve
 from spectrio.wire.client import Client, RequestRefused, open_client
 from spectrio.wire.curve import CurveError, client_keys, create_keys, load_server_keys, zap_reply
+from spectrio.wire.server import WireServer, serve
 
 
 def test_key_files(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from spectrio import Delta, RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
-from spectrio.runtime.messages import PublishedStep, SeqResult, StepResult, TokenLogprob
+from spectrio.core.messages import PublishedStep, SeqResult, StepResult, TokenLogprob
 from spectrio.stages.records import publish_step
 from spectrio.wire.codec import (
     SequenceCounter,

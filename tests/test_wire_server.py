@@ -1,5 +1,5 @@
 """End to end over real ZeroMQ sockets (ipc:// and tcp://127.0.0.1): the bundled model
-served by ``runtime/server.py`` and read with ``wire/client.py``. Outputs must equal the
+served by ``wire/server.py`` and read with ``wire/client.py``. Outputs must equal the
 in-process ``Runtime.generate`` token for token, while garbage frames get ``Error``
 replies and the valid requests carry on unchanged."""
 
@@ -14,10 +14,9 @@ import trio
 import trio.lowlevel
 import zmq
 
+from spectrio.core.config import RuntimeConfig
+from spectrio.core.params import SamplingParams
 from spectrio.runtime.api import Runtime, open_runtime
-from spectrio.runtime.config import RuntimeConfig
-from spectrio.runtime.params import SamplingParams
-from spectrio.runtime.server import WireServer, check_endpoint, default_endpoints, serve
 from spectrio.wire.client import (
     AsyncClient,
     Chunk,
@@ -29,6 +28,7 @@ from spectrio.wire.client import (
 )
 from spectrio.wire.codec import decode_reply, encode
 from spectrio.wire.schema import SCHEMA_VERSION, Abort, Ack, Error, Submit
+from spectrio.wire.server import WireServer, check_endpoint, default_endpoints, serve
 
 TIMEOUT = 120
 MAX_REQUEST_BYTES = 4096

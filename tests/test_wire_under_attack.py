@@ -27,14 +27,14 @@ import pytest
 import trio
 import zmq
 
+from spectrio.core.config import RuntimeConfig
+from spectrio.core.params import SamplingParams
 from spectrio.runtime.api import Runtime, open_runtime
-from spectrio.runtime.config import RuntimeConfig
-from spectrio.runtime.params import SamplingParams
-from spectrio.runtime.server import PromptTokenizer, WireServer, serve
 from spectrio.tools.corpus import corpus_files, read_texts
 from spectrio.wire.client import AsyncClient, RequestRefused, open_client
 from spectrio.wire.codec import decode_reply, encode
 from spectrio.wire.schema import SCHEMA_VERSION, Abort, Error, Ping, Submit
+from spectrio.wire.server import PromptTokenizer, WireServer, serve
 
 Context = zmq.Context[zmq.Socket[bytes]]
 TIMEOUT = 240

@@ -9,13 +9,13 @@ import math
 import trio
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
-from spectrio.runtime.channels import open_channel
-from spectrio.runtime.messages import AbortRequest, Control, NewRequest, StepPlan, StepResult
-from spectrio.runtime.workspace import Workspace
+from spectrio.core.channels import open_channel
+from spectrio.core.messages import AbortRequest, Control, NewRequest, StepPlan, StepResult
 from spectrio.stages.block_manager import BlockManager
 from spectrio.stages.sampling import Sampler
 from spectrio.stages.scheduler import run_scheduler
 from spectrio.stages.scheduling import Scheduler
+from spectrio.stages.workspace import Workspace
 
 
 def config(**kw: object) -> RuntimeConfig:

@@ -29,8 +29,8 @@ import trio
 from tqdm import tqdm
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
+from spectrio.core.messages import PublishedStep
 from spectrio.models import load, reference
-from spectrio.runtime.messages import PublishedStep
 from spectrio.tools.corpus import corpus_files, read_texts
 from spectrio.tools.generation_stats import GenerationStats
 

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from spectrio.tools.logging_setup import configure_logging
 
     configure_logging("warning")
-    from spectrio.runtime.config import RuntimeConfig
+    from spectrio.core.config import RuntimeConfig
 
     threads = configure_paddle(RuntimeConfig(num_threads=args.threads).resolve_num_threads())
     t0 = time.perf_counter()

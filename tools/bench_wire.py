@@ -22,8 +22,8 @@ from pathlib import Path
 
 import zmq
 
+from spectrio.core.params import SamplingParams
 from spectrio.models import load
-from spectrio.runtime.params import SamplingParams
 from spectrio.tools.bench import bench_prompts
 from spectrio.wire.client import Client, StreamAssembler
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from spectrio.runtime.config import RuntimeConfig, SpeculativeConfig
+from spectrio.core.config import RuntimeConfig, SpeculativeConfig
 
 
 def add_runtime_flags(p: argparse.ArgumentParser) -> None:

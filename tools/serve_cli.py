@@ -32,9 +32,9 @@ from spectrio.tools.logging_setup import configure_logging
 from spectrio.tools.runtime_flags import add_runtime_flags, runtime_config
 
 if TYPE_CHECKING:
-    from spectrio.runtime.config import RuntimeConfig
-    from spectrio.runtime.server import EndpointClaim
+    from spectrio.core.config import RuntimeConfig
     from spectrio.wire.curve import CurveServerKeys
+    from spectrio.wire.server import EndpointClaim
 
 log = structlog.get_logger("spectrio.serve")
 
@@ -190,7 +190,7 @@ async def _serve_async(
     early: _StartupSignals,
 ) -> None:
     from spectrio.runtime.api import open_runtime
-    from spectrio.runtime.server import WireServer, serve
+    from spectrio.wire.server import WireServer, serve
 
     requests, outputs, tap = endpoints
     stopper = _Stopper()
@@ -243,14 +243,14 @@ def serve_main(args: argparse.Namespace) -> int:
     2 when the configuration, the endpoints or the run directory are refused (before the
     model is loaded)."""
     with _StartupSignals() as early:
-        from spectrio.runtime.config import ConfigError
-        from spectrio.runtime.server import (
+        from spectrio.core.config import ConfigError
+        from spectrio.wire.curve import CurveError, load_server_keys
+        from spectrio.wire.server import (
             EndpointRefused,
             ServerRunning,
             claim_endpoints,
             default_endpoints,
         )
-        from spectrio.wire.curve import CurveError, load_server_keys
 
         try:
             config = runtime_config(args)
@@ -305,7 +305,7 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 def client_main(args: argparse.Namespace) -> int:
     import zmq
 
-    from spectrio.runtime.params import SamplingParams
+    from spectrio.core.params import SamplingParams
     from spectrio.wire.client import Client, RequestRefused
 
     params = SamplingParams(

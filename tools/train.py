@@ -612,8 +612,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     np.random.seed(args.seed)
     paddle.seed(args.seed)
+    from spectrio.core.config import RuntimeConfig
     from spectrio.models.paddle_setup import configure_paddle
-    from spectrio.runtime.config import RuntimeConfig
 
     # Paddle pins itself to one thread when imported; set the count it really uses.
     threads = configure_paddle(RuntimeConfig(num_threads=args.threads).resolve_num_threads())

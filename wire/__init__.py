@@ -2,11 +2,12 @@
 
 * :mod:`spectrio.wire.schema`: the v1 message Structs and error codes;
 * :mod:`spectrio.wire.codec`: request decoding that classifies bad frames, step encoding;
-* :mod:`spectrio.wire.record`: the per-step record carried raw in frame 1.
+* :mod:`spectrio.wire.server`: the ZeroMQ server in front of a runtime.
+* :mod:`spectrio.wire.record`: the per-step record carried raw in frame 1 (its layout
+  lives in :mod:`spectrio.core.record`).
 
-Submodules are imported explicitly (``from spectrio.wire.codec import decode_request``):
-the runtime imports :mod:`spectrio.wire.record` while it is itself being imported, so this
-package must not import the runtime-dependent modules eagerly.
+Submodules are imported explicitly (``from spectrio.wire.codec import decode_request``),
+so ``import spectrio.wire.schema`` needs neither Paddle nor the runtime.
 """
 
-__all__ = ["codec", "record", "schema"]
+__all__ = ["client", "codec", "curve", "record", "schema", "server", "zmq_transport"]

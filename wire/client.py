@@ -33,9 +33,9 @@ import msgspec
 import trio
 import zmq
 
+from spectrio.core.params import SamplingParams
 from spectrio.models import BUNDLED_DIR, TextTokenizer
 from spectrio.models.tokenizer import IncrementalDetokenizer
-from spectrio.runtime.params import SamplingParams
 from spectrio.wire.codec import decode_reply, decode_step, encode
 from spectrio.wire.curve import CurveClientKeys
 from spectrio.wire.schema import SCHEMA_VERSION, Abort, Ack, Error, Ping, Submit

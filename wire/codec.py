@@ -5,9 +5,9 @@ raises :class:`WireError` with a specific :class:`~spectrio.wire.schema.ErrorCod
 raises anything else, whatever the bytes. Server-side checks that need the model
 (vocabulary, ``max_model_len``, the tokenizer) are in :func:`check_submit`.
 
-Every rule about a request's fields has one home, :mod:`spectrio.runtime.params` (msgspec
-``Meta`` constraints plus :func:`~spectrio.runtime.params.check_params` and
-:func:`~spectrio.runtime.params.check_prompt`), which the embedding API uses too: a bad
+Every rule about a request's fields has one home, :mod:`spectrio.core.params` (msgspec
+``Meta`` constraints plus :func:`~spectrio.core.params.check_params` and
+:func:`~spectrio.core.params.check_prompt`), which the embedding API uses too: a bad
 field gets the same reason here as the API's ``InvalidRequest``.
 
 Output: :func:`encode_step` turns one published step into its multipart frames
@@ -24,14 +24,14 @@ from typing import Any, Final
 import msgspec
 import numpy as np
 
-from spectrio.runtime.messages import PublishedStep
-from spectrio.runtime.params import (
+from spectrio.core.messages import PublishedStep
+from spectrio.core.params import (
     InvalidRequest,
     check_params,
     check_prompt,
     invalid_from_validation_error,
 )
-from spectrio.wire.record import RecordError, unpack
+from spectrio.core.record import RecordError, unpack
 from spectrio.wire.schema import (
     MAX_REQUEST_ID_LEN,
     SCHEMA_VERSION,
@@ -317,8 +317,8 @@ def check_submit(
     tokenize: Callable[[str], list[int]],
 ) -> list[int]:
     """The server-side checks of a decoded :class:`Submit` that need the model: the same
-    :func:`~spectrio.runtime.params.check_params` and
-    :func:`~spectrio.runtime.params.check_prompt` the embedding API runs. Returns the
+    :func:`~spectrio.core.params.check_params` and
+    :func:`~spectrio.core.params.check_prompt` the embedding API runs. Returns the
     prompt's token ids; raises :class:`WireError` whose code is the refusal's
     (``invalid_params``, ``invalid_field`` for a token id outside the vocabulary,
     ``empty_prompt`` or ``prompt_too_long``) and whose reason is its text."""

@@ -29,7 +29,7 @@ from typing import Any, Final, Literal
 
 import msgspec
 
-from spectrio.runtime.params import (
+from spectrio.core.params import (
     MAX_REQUEST_ID_LEN,
     Prompt,
     RequestId,
@@ -60,7 +60,7 @@ SCHEMA_VERSION: Final = 1
 ``tests/test_wire_schema.py`` fails until you do)."""
 
 # The field types of a request body (``TokenId``, ``RequestId``, ``Prompt``) and the
-# constraints of ``SamplingParams`` live in ``spectrio.runtime.params``: the embedding API
+# constraints of ``SamplingParams`` live in ``spectrio.core.params``: the embedding API
 # checks requests with the same rules, and gives the same reasons.
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -74,7 +74,7 @@ class ErrorCode(enum.StrEnum):
     (:func:`spectrio.wire.codec.check_submit` and the request endpoint) raise
     ``invalid_field`` for a token id outside the vocabulary, and the codes after
     ``too_large``. Where a field is named, the reason is the text the embedding API's
-    :class:`~spectrio.runtime.params.InvalidRequest` has for the same field."""
+    :class:`~spectrio.core.params.InvalidRequest` has for the same field."""
 
     BAD_FRAME = "bad_frame"
     """Not one complete msgpack value: random bytes, truncated data, trailing bytes, bad UTF-8."""
@@ -98,7 +98,7 @@ class ErrorCode(enum.StrEnum):
     """A map in the frame has the same key twice (the reason names it). msgpack
     libraries disagree on which value wins, so such a frame is never guessed at."""
     INVALID_PARAMS = "invalid_params"
-    """A ``params`` value breaks its rule (:func:`~spectrio.runtime.params.check_params`;
+    """A ``params`` value breaks its rule (:func:`~spectrio.core.params.check_params`;
     the reason names the field)."""
     EMPTY_PROMPT = "empty_prompt"
     """The prompt is empty (``""``, ``[]``, or text that tokenises to nothing)."""
@@ -175,7 +175,7 @@ Reply = Ack | Error
 
 
 class StepEnvelope(_Message, tag="step", frozen=True, kw_only=True):
-    """Frame 0 of a step message; frame 1 is the step record (``wire/record.py``).
+    """Frame 0 of a step message; frame 1 is the step record (``core/record.py``).
 
     The four per-slot lists have one entry per record slot (``bsz`` in the record
     header), in slot order.

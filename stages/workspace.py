@@ -14,8 +14,8 @@ import time
 import numpy as np
 import paddle
 
+from spectrio.core.messages import StepPlan
 from spectrio.models import PackedBatch, PagedKVCache, SpectrioForCausalLM
-from spectrio.runtime.messages import StepPlan
 
 
 @dataclasses.dataclass

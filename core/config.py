@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast, overload
 
+from spectrio.errors import ConfigError
 from spectrio.models.config import DType
 
 __all__ = [
@@ -56,10 +57,6 @@ def _base_capture_sizes() -> tuple[int, ...]:
 
 BASE_CAPTURE_SIZES: tuple[int, ...] = _base_capture_sizes()
 """{1, 2, 4} ∪ {8..128 step 8} ∪ {144..256 step 16} ∪ {288..1024 step 32}, ascending."""
-
-
-class ConfigError(ValueError):
-    """A configuration value breaks a rule; the message names the field and the rule."""
 
 
 def _is_int(value: object) -> bool:

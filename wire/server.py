@@ -67,9 +67,9 @@ import zmq
 from tokenizers import Tokenizer
 from tokenizers.pre_tokenizers import ByteLevel
 
+from spectrio.core.messages import PublishedStep
+from spectrio.core.params import InvalidRequest
 from spectrio.runtime.api import Runtime
-from spectrio.runtime.messages import PublishedStep
-from spectrio.runtime.params import InvalidRequest
 from spectrio.wire.codec import (
     DEFAULT_MAX_REQUEST_BYTES,
     SequenceCounter,

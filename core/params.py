@@ -40,6 +40,8 @@ import msgspec
 import numpy as np
 from msgspec import inspect as mi
 
+from spectrio.errors import InvalidRequest, RefusalCode
+
 __all__ = [
     "MAX_LOGPROBS",
     "MAX_REQUEST_ID_LEN",
@@ -72,45 +74,6 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
 Prompt = str | list[TokenId]
 """Text (tokenised by the runtime) or token ids."""
-
-RefusalCode = Literal[
-    "wrong_type", "invalid_field", "invalid_params", "empty_prompt", "prompt_too_long"
-]
-"""Which class of refusal an :class:`InvalidRequest` is. The values are the wire's
-:class:`spectrio.wire.schema.ErrorCode` values, so the server reports it unchanged."""
-
-
-class InvalidRequest(ValueError):
-    """A request the runtime refuses. ``str(exc)`` is ``"<field>: <rule>, got <value>"``;
-    ``field`` names the field (``"prompt"``, ``"request_id"`` or a :class:`SamplingParams`
-    field), ``rule`` states what it must be, ``code`` classifies the refusal."""
-
-    def __init__(
-        self,
-        field: str,
-        rule: str | None = None,
-        *,
-        got: object = ...,
-        at: int | None = None,
-        code: RefusalCode = "invalid_field",
-    ) -> None:
-        if rule is None:  # InvalidRequest("field: rule ...") as a plain message
-            field, _, rule = field.partition(": ")
-        message = f"{field}: {rule}"
-        if got is not ...:
-            message += f", got {_show(got)}"
-            if at is not None:
-                message += f" at index {at}"
-        super().__init__(message)
-        self.field = field
-        self.rule = rule
-        self.code: RefusalCode = code
-
-
-def _show(value: object, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
 
 _Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
-from spectrio.runtime.params import SamplingParams
+from spectrio.core.params import SamplingParams
 
 
 class SeqWork(msgspec.Struct, kw_only=True):
@@ -100,7 +100,7 @@ Control = NewRequest | AbortRequest
 class PublishedStep(msgspec.Struct, kw_only=True):
     """What the publisher hands record observers once per step (rank 0 only).
 
-    ``record`` is the packed step record (layout: :mod:`spectrio.wire.record`); its slot
+    ``record`` is the packed step record (layout: :mod:`spectrio.core.record`); its slot
     ``i`` belongs to ``request_ids[i]``. Slots are the step's sequences in plan order,
     then requests preempted while planning it, then requests aborted since the last step.
     """

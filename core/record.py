@@ -1,0 +1,232 @@
+"""The per-step output record: packing (NumPy reference) and unpacking.
+
+The publisher sends one record per step as frame 1 of its multipart output
+message (frame 0 is the msgpack envelope with the slot -> request-id map).
+It is one contiguous, little-endian byte string of 4-byte words, so a
+consumer in any language can read it with plain array views.
+
+Layout, in order (``i32`` = little-endian int32, ``f32`` = little-endian
+IEEE-754 float32; every field starts on a 4-byte boundary)::
+
+    offset (words)              field        type   shape
+    0                           header       i32    [4]
+    4                           accept_num   i32    [bsz]
+    4 + bsz                     token_ids    i32    [num_tokens]
+    -- only when width > 0 --
+    4 + bsz + N                 lp_ids       i32    [num_tokens, width]  row-major
+    4 + bsz + N + N*W           lp_vals      f32    [num_tokens, width]  row-major
+    4 + bsz + N + 2*N*W         ranks        i32    [num_tokens]
+
+    (N = num_tokens, W = width; total bytes = 4 * (4 + bsz + N + (2*N*W + N if W else 0)))
+
+``header`` i32[4]
+    ``[0]`` version: ``RECORD_VERSION`` (1). A reader rejects other versions.
+    ``[1]`` packed: ``kind | (width << 8)``. ``kind = packed & 0xFF`` is
+    3 (``KIND_TARGET``, verified tokens) or 4 (``KIND_DRAFT``, draft tokens);
+    the writer refuses kinds above 255. ``width = packed >> 8`` is the number of
+    logprob columns: 0 when no slot wants logprobs, otherwise 1 + the largest
+    top-N any slot of the batch asked for.
+    ``[2]`` bsz: number of slots.
+    ``[3]`` num_tokens: emitted tokens in this record, the sum of the
+    positive ``accept_num`` entries.
+
+``accept_num`` i32[bsz]
+    Tokens emitted by each slot this step. ``-9`` (``PREEMPTED``): the slot was
+    preempted or aborted; the consumer reschedules or recycles it. ``0``: no
+    output (chunked prefill still in progress, stopped, or empty slot).
+
+``token_ids`` i32[num_tokens]
+    Only the emitted tokens, slot after slot (CSR by ``max(accept_num, 0)``).
+    Slot ``i``'s tokens are ``token_ids[off[i]:off[i+1]]`` with ``off`` the
+    exclusive prefix sum. No padding is ever sent.
+
+``lp_ids`` i32[num_tokens, width] / ``lp_vals`` f32[num_tokens, width]
+    Column 0: the emitted token and its logprob. Columns 1..: the top
+    alternatives, best first. Only ``width`` columns are sent; columns beyond
+    what a token's request asked for hold ``-1`` / ``0.0``, and every column
+    of a token whose request asked for no logprobs holds ``-1`` / ``0.0``.
+
+``ranks`` i32[num_tokens]
+    Rank of each emitted token in its distribution (-1 when its request asked
+    for no logprobs).
+
+The kernels in :mod:`spectrio.cuda_kernels` (``speculate_save``,
+``pack_topk``) produce these fields on the GPU; their NumPy references live in
+:mod:`spectrio.cuda_kernels.reference` and :func:`pack_step_record` combines
+them. :func:`unpack` returns zero-copy NumPy views with no per-row loops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from spectrio.cuda_kernels.reference import (
+    HEADER_WORDS,
+    KIND_DRAFT,
+    KIND_TARGET,
+    PREEMPTED,
+    RECORD_VERSION,
+    expand_per_token,
+    pack_topk_ref,
+    record_width,
+    speculate_save_ref,
+    unpack_header,
+)
+
+__all__ = [
+    "HEADER_WORDS",
+    "KIND_DRAFT",
+    "KIND_TARGET",
+    "PREEMPTED",
+    "RECORD_VERSION",
+    "RecordError",
+    "StepRecord",
+    "pack_step_record",
+    "record_nbytes",
+    "unpack",
+]
+
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+
+
+class RecordError(ValueError):
+    """A byte string is not a well-formed step record."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """A parsed step record. Array fields are views of the buffer (read-only
+    when it was ``bytes``)."""
+
+    version: int
+    kind: int
+    width: int
+    bsz: int
+    num_tokens: int
+    accept_num: np.ndarray
+    token_ids: np.ndarray
+    lp_ids: np.ndarray | None
+    lp_vals: np.ndarray | None
+    ranks: np.ndarray | None
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """CSR offsets int64 [bsz + 1]: slot ``i`` owns ``token_ids[off[i]:off[i+1]]``."""
+        off = np.zeros(self.bsz + 1, dtype=np.int64)
+        np.cumsum(np.maximum(self.accept_num, 0), out=off[1:])
+        return off
+
+    @property
+    def preempted(self) -> np.ndarray:
+        """bool [bsz]: slots preempted or aborted this step."""
+        return self.accept_num == PREEMPTED
+
+    @property
+    def slot_of_token(self) -> np.ndarray:
+        """int64 [num_tokens]: the slot each emitted token belongs to."""
+        return np.repeat(np.arange(self.bsz), np.maximum(self.accept_num, 0))
+
+
+def record_nbytes(bsz: int, num_tokens: int, width: int) -> int:
+    """Size in bytes of a record with these dimensions."""
+    words = HEADER_WORDS + bsz + num_tokens
+    if width:
+        words += 2 * num_tokens * width + num_tokens
+    return 4 * words
+
+
+def pack_step_record(
+    accepted_tokens: np.ndarray,
+    accept_counts: np.ndarray,
+    preempted: np.ndarray,
+    seq_lens_decoder: np.ndarray,
+    prompt_lens: np.ndarray,
+    *,
+    kind: int = KIND_TARGET,
+    logprobs: np.ndarray | None = None,
+    topk_ids: np.ndarray | None = None,
+    topk_vals: np.ndarray | None = None,
+    ranks: np.ndarray | None = None,
+) -> bytes:
+    """Pack one step into a record (the CPU path of both kernels combined).
+
+    Args:
+        accepted_tokens, accept_counts, preempted, seq_lens_decoder,
+            prompt_lens, kind: as in
+            :func:`spectrio.cuda_kernels.reference.speculate_save_ref`.
+        logprobs: int [bsz], the top-N each slot asked for (-1 or None: none;
+            0: the sampled token only). Sets the record width.
+        topk_ids, topk_vals: [num_tokens, W_max] logprob candidates of the
+            emitted tokens in record order (column 0 the emitted token).
+        ranks: int [num_tokens].
+    """
+    width = record_width(logprobs)
+    head = speculate_save_ref(
+        accepted_tokens, accept_counts, preempted, seq_lens_decoder, prompt_lens, kind, width
+    )
+    if width == 0:
+        return head.tobytes()
+    if topk_ids is None or topk_vals is None or ranks is None:
+        raise ValueError("a slot asked for logprobs: topk_ids, topk_vals and ranks are required")
+    assert logprobs is not None
+    bsz = int(head[2])
+    if np.shape(logprobs) != (bsz,):
+        raise ValueError(f"logprobs must have shape [{bsz}], got {np.shape(logprobs)}")
+    accept_num = head[HEADER_WORDS : HEADER_WORDS + bsz]
+    rows = np.shape(topk_ids)[0]
+    if rows != int(head[3]):
+        raise ValueError(f"logprob arrays have {rows} rows for {int(head[3])} emitted tokens")
+    topn = expand_per_token(np.asarray(logprobs), accept_num)
+    lp_ids, lp_vals, out_ranks = pack_topk_ref(topk_ids, topk_vals, ranks, topn, width)
+    return b"".join((head.tobytes(), lp_ids.tobytes(), lp_vals.tobytes(), out_ranks.tobytes()))
+
+
+def unpack(buf: bytes | bytearray | memoryview | np.ndarray) -> StepRecord:
+    """Split a record into NumPy views (no copies, no per-row loops)."""
+    raw = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
+    raw = raw.reshape(-1).view(np.uint8)
+    if raw.size % 4 or raw.size < 4 * HEADER_WORDS:
+        raise RecordError(f"record of {raw.size} bytes is not a whole number of >= 4 words")
+    words = raw.view(_I32)
+    version, packed, bsz, num_tokens = (int(x) for x in words[:HEADER_WORDS])
+    if version != RECORD_VERSION:
+        raise RecordError(f"unsupported record version {version} (expected {RECORD_VERSION})")
+    kind, width = unpack_header(packed)
+    if bsz < 0 or num_tokens < 0 or width < 0:
+        raise RecordError(f"negative size in header: bsz={bsz} num_tokens={num_tokens}")
+    expected = record_nbytes(bsz, num_tokens, width)
+    if raw.size != expected:
+        raise RecordError(
+            f"record is {raw.size} bytes, header says {expected} "
+            f"(bsz={bsz}, num_tokens={num_tokens}, width={width})"
+        )
+    at = HEADER_WORDS
+    accept_num = words[at : at + bsz]
+    at += bsz
+    if int(np.maximum(accept_num, 0).sum()) != num_tokens:
+        raise RecordError("accept_num does not sum to num_tokens")
+    token_ids = words[at : at + num_tokens]
+    at += num_tokens
+    lp_ids = lp_vals = ranks = None
+    if width:
+        block = num_tokens * width
+        lp_ids = words[at : at + block].reshape(num_tokens, width)
+        at += block
+        lp_vals = words[at : at + block].view(_F32).reshape(num_tokens, width)
+        at += block
+        ranks = words[at : at + num_tokens]
+    return StepRecord(
+        version=version,
+        kind=kind,
+        width=width,
+        bsz=bsz,
+        num_tokens=num_tokens,
+        accept_num=accept_num,
+        token_ids=token_ids,
+        lp_ids=lp_ids,
+        lp_vals=lp_vals,
+        ranks=ranks,
+    )

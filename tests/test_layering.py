@@ -1,0 +1,70 @@
+"""Sub-packages import one way (README "Layout"): a module may import its own package and
+the layers below it, never a layer above or a sibling of the same rank. Imports inside
+functions and under ``TYPE_CHECKING`` count too: a cycle is a design bug wherever it hides."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# package -> (folder, rank); a module may import packages of a lower rank, and its own.
+LAYERS: dict[str, tuple[str, int]] = {
+    "errors": ("spectrio_root/errors.py", 0),
+    "_lazy": ("spectrio_root/_lazy.py", 0),
+    "models": ("models", 1),
+    "cuda_kernels": ("cuda_kernels", 1),
+    "core": ("core", 2),
+    "stages": ("stages", 3),
+    "runtime": ("runtime", 4),
+    "wire": ("wire", 5),
+    "tools": ("tools", 6),
+}
+
+
+def _imported_packages(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+            if node.module == "spectrio":  # the facade re-exports runtime-level names
+                names = [
+                    f"spectrio.{a.name if a.name in LAYERS else 'runtime'}" for a in node.names
+                ]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "spectrio" and len(parts) > 1:
+                found.add(parts[1])
+    return found
+
+
+def _modules(package: str) -> list[Path]:
+    where = ROOT / LAYERS[package][0]
+    return [where] if where.is_file() else sorted(where.rglob("*.py"))
+
+
+def test_every_import_goes_down() -> None:
+    bad: list[str] = []
+    for package, (_, rank) in LAYERS.items():
+        for path in _modules(package):
+            for other in _imported_packages(path):
+                if other == package:
+                    continue
+                if other not in LAYERS:
+                    bad.append(f"{path.relative_to(ROOT)} imports unknown spectrio.{other}")
+                elif LAYERS[other][1] >= rank:
+                    bad.append(
+                        f"{path.relative_to(ROOT)} imports spectrio.{other} (rank "
+                        f"{LAYERS[other][1]} >= {rank})"
+                    )
+    assert not bad, "\n".join(bad)
+
+
+def test_the_check_sees_a_violation(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from spectrio.runtime.api import Runtime\n")
+    assert _imported_packages(probe) == {"runtime"}
