@@ -109,3 +109,19 @@ class PublishedStep(msgspec.Struct, kw_only=True):
     request_ids: list[str]
     finish_reasons: list[str | None]
     record: bytes
+
+
+class RuntimeStats(msgspec.Struct, kw_only=True):
+    """A snapshot of a runtime's counters and gauges (:meth:`Runtime.stats`)."""
+
+    running: int  # requests holding a batch slot
+    waiting: int  # requests queued (new, or preempted for recompute)
+    num_kv_blocks: int
+    free_kv_blocks: int
+    num_steps: int  # steps published
+    num_preemptions: int
+    drafts_proposed: int
+    drafts_accepted: int
+    accepted_per_position: list[int]  # drafts accepted at draft position 1, 2, ...
+    proposed_per_position: list[int]  # drafts proposed at draft position 1, 2, ...
+    finished: dict[str, int]  # requests ended, by finish reason ("stop", "length", "abort")

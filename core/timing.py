@@ -1,0 +1,87 @@
+"""Per-step timings of the pipeline, for benchmarks and metrics.
+
+Every field is a ``time.perf_counter()`` reading in seconds, taken where the work
+happens. A step's phases:
+
+* ``schedule``: the scheduler planning it (``planned_at - plan_start``), off the device;
+* ``draft``, ``verify``, ``sample``: the device worker's work for it, back to back
+  (``device_start`` .. ``draft_end`` .. ``verify_end`` .. ``device_end``);
+* ``publish``: packing its record and handing it to sinks, off the device.
+
+The device worker is *busy* from ``device_start`` to ``device_end``; the gap between one
+step's ``device_end`` and the next step's ``device_start`` is device idle time (a
+pipeline *bubble* when work was waiting)."""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["StepTiming", "device_summary"]
+
+
+class StepTiming(msgspec.Struct, kw_only=True):
+    step: int
+    num_seqs: int  # sequences in the step
+    num_rows: int  # target rows verified (prefill tokens + 1 + drafts per sampling seq)
+    num_drafts: int  # drafts proposed, all sequences
+    plan_start: float = 0.0
+    planned_at: float = 0.0
+    device_start: float = 0.0
+    draft_end: float = 0.0
+    verify_end: float = 0.0
+    device_end: float = 0.0
+    model_seconds: float = 0.0  # inside the model's forward calls (draft and verify)
+    publish_start: float = 0.0
+    publish_end: float = 0.0
+
+    @property
+    def schedule(self) -> float:
+        return self.planned_at - self.plan_start
+
+    @property
+    def draft(self) -> float:
+        return self.draft_end - self.device_start
+
+    @property
+    def verify(self) -> float:
+        return self.verify_end - self.draft_end
+
+    @property
+    def sample(self) -> float:
+        return self.device_end - self.verify_end
+
+    @property
+    def publish(self) -> float:
+        return self.publish_end - self.publish_start
+
+    @property
+    def device(self) -> float:
+        return self.device_end - self.device_start
+
+
+def device_summary(timings: list[StepTiming], wall: float) -> dict[str, float]:
+    """``efficiency`` (device busy time over ``wall``), ``bubble`` (device idle between
+    consecutive steps, over ``wall``), ``model_share`` (time in model forwards over
+    ``wall``) and the mean per-step breakdown in milliseconds (``schedule``, ``draft``,
+    ``verify``, ``sample``, ``publish``, ``idle``). ``timings`` are one run's steps in
+    step order."""
+    if not timings or wall <= 0:
+        return {}
+    busy = sum(t.device for t in timings)
+    gaps = [
+        max(0.0, b.device_start - a.device_end) for a, b in zip(timings, timings[1:], strict=False)
+    ]
+    n = len(timings)
+    ms = 1000.0 / n
+    return {
+        "efficiency": busy / wall,
+        "bubble": sum(gaps) / wall,
+        "model_share": sum(t.model_seconds for t in timings) / wall,
+        "steps": float(n),
+        "schedule_ms": sum(t.schedule for t in timings) * ms,
+        "draft_ms": sum(t.draft for t in timings) * ms,
+        "verify_ms": sum(t.verify for t in timings) * ms,
+        "sample_ms": sum(t.sample for t in timings) * ms,
+        "publish_ms": sum(t.publish for t in timings) * ms,
+        "idle_ms": sum(gaps) * 1000.0 / max(1, n - 1),
+    }
