@@ -88,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_parser(sub)
     add_keys_parser(sub)
 
+    from spectrio.tools.diff import add_diff_parser
+    from spectrio.tools.replay import add_replay_parser
+    from spectrio.tools.trace import add_trace_parser
+
+    add_trace_parser(sub)
+    add_replay_parser(sub)
+    add_diff_parser(sub)
+
     sub.add_parser(
         "train", help="train the bundled model (see `spectrio train --help`)", add_help=False
     )
