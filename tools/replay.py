@@ -209,6 +209,12 @@ def add_replay_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="arrival speed: 1 as recorded, N times as fast, inf all at once (default: 1)",
     )
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument(
+        "--same-config",
+        action="store_true",
+        help="run with the runtime configuration recorded in the trace's header (the run "
+        "that produced its results) instead of the runtime flags",
+    )
     add_runtime_flags(p)
     remote = p.add_argument_group(
         "against a running server (the runtime flags above are then ignored)"
@@ -266,8 +272,14 @@ def replay_main(args: argparse.Namespace) -> int:
             model, runtime = None, None
         else:
             from spectrio.tools.runtime_flags import runtime_config
+            from spectrio.tools.trace import config_from_fields
 
-            config = runtime_config(args)
+            if args.same_config:
+                if trace.header.runtime is None:
+                    raise TraceError(f"{args.trace}: the header records no runtime configuration")
+                config = config_from_fields(trace.header.runtime)
+            else:
+                config = runtime_config(args)
             run = trio.run(_replay_in_process, config, trace, args.speed)
             model, runtime = config.model, runtime_fields(config)
     except (SpectrioError, OSError, ValueError) as exc:

@@ -203,6 +203,29 @@ def runtime_fields(config: object) -> dict[str, Any]:
     return msgspec.to_builtins(dataclasses.asdict(config))  # type: ignore[call-overload, no-any-return]
 
 
+def config_from_fields(fields: dict[str, Any]) -> Any:
+    """The RuntimeConfig :func:`runtime_fields` wrote (raises ConfigError for a field this
+    version does not know), so a replay can run with the recorded run's configuration."""
+    from spectrio.core.config import RuntimeConfig, SpeculativeConfig
+    from spectrio.errors import ConfigError
+
+    try:
+        return _build_config(fields, RuntimeConfig, SpeculativeConfig)
+    except TypeError as exc:
+        raise ConfigError(f"runtime: the trace's configuration is not readable: {exc}") from None
+
+
+def _build_config(fields: dict[str, Any], cfg: Any, spec_cls: Any) -> Any:
+    f = dict(fields)
+    spec = f.pop("speculative", None)
+    if spec is not None:
+        f["speculative"] = spec_cls(**spec)
+    for key, value in list(f.items()):
+        if isinstance(value, list):
+            f[key] = tuple(value)
+    return cfg(**f)
+
+
 class TraceWriter:
     """Writes a trace, one flushed line per call, so a reader (or a crash) never sees a
     partial line of an earlier call.
