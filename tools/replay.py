@@ -79,9 +79,10 @@ async def _paced(
     """Call ``start_one(i, request)`` for each request at its submit time."""
     times = submit_times(requests, speed)
     t0 = trio.current_time()
-    for i, (req, at) in enumerate(zip(requests, times, strict=True)):
-        await trio.sleep_until(t0 + at)
-        start_one(i, req)
+    # A recorded trace lists requests as they finished; submit them as they arrived.
+    for i in sorted(range(len(requests)), key=lambda j: times[j]):
+        await trio.sleep_until(t0 + times[i])
+        start_one(i, requests[i])
 
 
 async def replay_runtime(

@@ -245,9 +245,12 @@ class TraceWriter:
     ) -> None:
         self.path = Path(path)
         self._ids: set[str] = set()
+        self.last_arrival_s = 0.0  # of the requests in the file already (append)
         existing = append and self.path.exists() and self.path.stat().st_size > 0
         if existing:
-            self._ids = {r.request_id for r in read_trace(self.path).requests}
+            old = read_trace(self.path).requests
+            self._ids = {r.request_id for r in old}
+            self.last_arrival_s = max((r.arrival_s for r in old), default=0.0)
         try:
             self._fh: IO[bytes] = self.path.open("ab" if existing else "wb")
         except OSError as exc:
@@ -387,6 +390,52 @@ class ResultBuilder:
             e2e_s=round(self._end - self.start, 6) if self._end is not None else None,
             error=self.error,
         )
+
+
+class TraceRecorder:
+    """Request hooks (:class:`spectrio.tools.metrics.RequestHooks`) that append every
+    request a server accepts, with its result, to a :class:`TraceWriter` when the request
+    finishes. Arrival offsets count from the recorder's creation; a trace continued with
+    ``append=True`` goes on after its last arrival. A refused request is not recorded."""
+
+    def __init__(self, writer: TraceWriter, now: float) -> None:
+        self.writer = writer
+        self._t0 = now - writer.last_arrival_s
+        self._open: dict[str, tuple[TraceRequest, ResultBuilder]] = {}
+
+    def on_start(self, request_id: str, prompt: Any, params: Any, now: float) -> None:
+        ids = [int(t) for t in prompt] if not isinstance(prompt, str) else []
+        req = TraceRequest(
+            request_id=request_id,
+            arrival_s=round(now - self._t0, 6),
+            prompt_ids=ids,
+            prompt_text=prompt if isinstance(prompt, str) else None,
+            params=params if params is not None else SamplingParams(),
+        )
+        self._open[request_id] = (req, ResultBuilder(request_id, now))
+
+    def on_delta(self, request_id: str, delta: Any, now: float) -> None:
+        entry = self._open.get(request_id)
+        if entry is None:
+            return
+        req, builder = entry
+        builder.add(delta, now)
+        if builder.finished:
+            del self._open[request_id]
+            rid = self.writer.unique_id(request_id)
+            self.writer.add_request(
+                rid,
+                req.prompt_ids,
+                req.params,
+                arrival_s=req.arrival_s,
+                prompt_text=req.prompt_text,
+            )
+            result = builder.result()
+            result.request_id = rid
+            self.writer.add_result(result)
+
+    def on_refused(self, request_id: str, error: Exception, now: float) -> None:
+        self._open.pop(request_id, None)
 
 
 # ---- summaries (pure) ---------------------------------------------------------------------
