@@ -121,7 +121,7 @@ class Runtime:
         enc = self._encoded
         control_tx, control_rx = open_channel(Control, math.inf, enc)
         events_tx, events_rx = trio.open_memory_channel[object](math.inf)
-        published_tx, published_rx = open_channel(StepResult, 2, enc)
+        published_tx, published_rx = open_channel(StepResult, 1, enc)
         self._control, self._events_tx = control_tx, events_tx
         self._token = trio.lowlevel.current_trio_token()
         self.worker.start()
@@ -133,7 +133,13 @@ class Runtime:
 
         async def publisher() -> None:
             await self._guard(
-                "publisher", run_publisher(published_rx, self._deliver, self._publish)
+                "publisher",
+                run_publisher(
+                    published_rx,
+                    self._deliver,
+                    self._publish,
+                    prepare=self.scheduler.published,
+                ),
             )
 
         async def scheduler() -> None:

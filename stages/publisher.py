@@ -16,6 +16,7 @@ async def run_publisher(
     deliver: Callable[[StepResult], None],
     publish: Callable[[PublishedStep], Awaitable[None]],
     *,
+    prepare: Callable[[StepResult], StepResult] = lambda result: result,
     rank: int = 0,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -23,9 +24,11 @@ async def run_publisher(
     must not block; ``publish`` hands the packed step record to observers and awaits
     record sinks, so a slow sink (a wire consumer) holds the publisher and, through its
     bounded inbox, the scheduler: backpressure, nothing dropped. Only rank 0 delivers
-    and publishes."""
+    and publishes. ``prepare`` (the scheduler's ``published``) drops requests aborted
+    while the step waited in the inbox."""
     task_status.started()
     async for result in inbox:
+        result = prepare(result)
         if rank == 0:
             deliver(result)
             await publish(publish_step(result))

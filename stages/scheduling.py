@@ -98,6 +98,9 @@ class Scheduler:
         self._released: list[int] = []
         self._aborted: list[str] = []  # request ids aborted since the last plan
         self._retired: list[int] = []  # their seq ids (the sampler drops their state)
+        # aborted seq id -> the last step planned when it was aborted: results of steps up
+        # to that one may still carry it, and must not be published (see published()).
+        self._aborted_at: dict[int, int] = {}
         self._step = 0
         self.num_preemptions = 0
         self.finished_by_reason: dict[str, int] = {}
@@ -134,8 +137,29 @@ class Scheduler:
         self.finished_by_reason["abort"] = self.finished_by_reason.get("abort", 0) + 1
         self._aborted.append(seq.request_id)
         self._retired.append(seq_id)
+        self._aborted_at[seq_id] = self._step
         self._release(seq)
         return seq
+
+    def published(self, result: StepResult) -> StepResult:
+        """``result`` without requests aborted since it was folded in: the publisher calls
+        this right before publishing, so once ``abort`` has returned no token of the
+        request is published, even from a step already on its way to the publisher."""
+        if not self._aborted_at:
+            return result
+        keep = [r for r in result.results if r.seq_id not in self._aborted_at]
+        for seq_id, step in list(self._aborted_at.items()):
+            if step <= result.step:  # no later result can carry it
+                del self._aborted_at[seq_id]
+        if len(keep) == len(result.results):
+            return result
+        return StepResult(
+            step=result.step,
+            results=keep,
+            preempted=result.preempted,
+            aborted=result.aborted,
+            device_seconds=result.device_seconds,
+        )
 
     def has_work(self) -> bool:
         """Requests to run, or aborts still to be reported in a step."""

@@ -378,3 +378,30 @@ def test_adaptive_policy_sets_the_drafts_of_every_decoding_sequence() -> None:
     assert all(row[0] == row[1] for row in late)
     # One step in 16 re-measures the least measured other k; every other step drafts one.
     assert sum(row[0] != 1 for row in late) <= 2 and late.count([1, 1]) >= len(late) - 2
+
+
+def test_a_result_already_folded_in_is_not_published_after_an_abort() -> None:
+    """The publisher asks the scheduler right before publishing: a step folded in before
+    the abort, still waiting for the publisher, loses the aborted request's tokens."""
+    s = make()
+    s.add(seq(1, 8))
+    s.add(seq(2, 8))
+    p = s.schedule()
+    assert p is not None
+    results = [
+        SeqResult(
+            slot=w.slot,
+            seq_id=w.seq_id,
+            request_id=w.request_id,
+            num_drafts=0,
+            num_accepted=0,
+            token_ids=[7],
+        )
+        for w in p.seqs
+    ]
+    folded = s.update(StepResult(step=p.step, results=results))
+    assert [r.seq_id for r in folded.results] == [1, 2]
+    s.abort(1)
+    assert [r.seq_id for r in s.published(folded).results] == [2]
+    later = s.schedule()
+    assert later is not None and later.aborted == ["r1"]

@@ -17,10 +17,10 @@ from spectrio.runtime import PublishedStep, RequestStream, Runtime
 
 LONG = SamplingParams(max_tokens=200, ignore_eos=True)
 # Steps published between the close and the step that carries the abort. The consumer wakes
-# when step N is delivered; the scheduler, woken by the same step's feedback, may plan N+1
-# before the consumer runs, so the abort rides on N+2 at the latest. A stream left running
-# would go on for ~100 more steps.
-MAX_STEPS_AFTER_CLOSE = 2
+# when step N is delivered; by then the scheduler may have folded in N+1 (waiting in the
+# publisher's one-step inbox) and planned N+2, so the abort rides on N+3 at the latest
+# (one more with overlap). A stream left running would go on for ~100 more steps.
+MAX_STEPS_AFTER_CLOSE = 3
 
 
 class Ends:

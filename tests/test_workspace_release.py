@@ -76,8 +76,12 @@ async def test_an_aborted_requests_state_goes_with_the_next_step(bundled64: obje
             used = rt.blocks.num_used_blocks
             assert await rt.abort(streams[0].request_id)
             assert rt.blocks.num_used_blocks < used  # freed at once
-            await streams[1].__anext__()
-            await streams[1].__anext__()
+            # Steps planned before the abort may still be in flight (two with overlap) and
+            # their deltas may be queued already; a step planned after it drops the state.
+            for _ in range(12):
+                if not ws.holds(seqs[0]):
+                    break
+                await streams[1].__anext__()
             assert not ws.holds(seqs[0]) and ws.holds(seqs[1])
             assert await rt.abort(streams[1].request_id)
             await rt.wait_idle()
