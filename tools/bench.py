@@ -376,7 +376,8 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> str:
     for r in rows:
         lines.append(" ".join(f"{str(get(r)):>{w}}" for _, w, get in cols))
     accept = [
-        f"batch={r['batch']} k={r['k']}: " + " ".join(f"{x:.3f}" for x in r["acceptance_per_position"])
+        f"batch={r['batch']} k={r['k']}: "
+        + " ".join(f"{x:.3f}" for x in r["acceptance_per_position"])
         for r in rows
         if r["acceptance_per_position"]
     ]

@@ -86,8 +86,9 @@ def plot_rows(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> Non
 
     labels = []
     if not any(row["_raw"]["timings"] for row in rows):
-        ax_time.text(0.5, 0.5, "no step timings from this runtime", ha="center",
-                     transform=ax_time.transAxes)
+        ax_time.text(
+            0.5, 0.5, "no step timings from this runtime", ha="center", transform=ax_time.transAxes
+        )
     for i, row in enumerate(rows):
         bars = timeline_bars(row["_raw"]["timings"], row["_raw"]["t0"])
         for name, colour in PHASES:
