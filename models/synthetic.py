@@ -12,7 +12,9 @@ Select it like any model: ``--model synthetic:step_ms=10,per_row_us=20,accept=0.
   ``1..i-1`` were all right (a draft after a wrong one is rejected anyway);
 * ``draft_cost`` (0.1): an MTP forward costs ``draft_cost * (a + b * rows)``, i.e. the
   draft layer is a tenth of the target by default (one layer against many);
-* ``seed`` (0): keys every decision below; the same seed gives the same tokens.
+* ``seed`` (0): keys every decision below; the same seed gives the same tokens;
+* ``vocab`` (512): the vocabulary size, 3..4096 (the bundled tokenizer's). The default
+  keeps the sampler's per-row host work small; ``vocab=4096`` accepts any text prompt.
 
 Why a backend and not a mock: the scheduler, KV blocks, sampler, records and wire all
 run for real over it; only the device is replaced, by one whose cost is exactly known.
@@ -39,10 +41,11 @@ target rows) drafts position 1 and each later substep the next one, however the
 caller batches them.
 
 The KV caches are allocated for real from :data:`SYNTHETIC_CONFIG` (one layer, one KV
-head of width 8: tiny) but never read; a forward checks every row's block table reaches
-its position, as the real attention plan does. The tokenizer is the bundled model's;
-ids below 512 decode to text. There is no dense path (training, the reference
-generator): those raise :class:`~spectrio.errors.ConfigError`.
+head of width 8: tiny; ``vocab`` replaces its vocabulary size) but never read; a
+forward checks every row's block table reaches its position, as the real attention
+plan does. The tokenizer is the bundled model's; every id decodes to text. There is no
+dense path (training, the reference generator): those raise
+:class:`~spectrio.errors.ConfigError`.
 """
 
 from __future__ import annotations
@@ -90,7 +93,10 @@ SYNTHETIC_CONFIG = ModelConfig(
     num_nextn_predict_layers=1,
     eos_token_id=0,
 )
-"""The shape the runtime sizes its caches and checks requests from (vocab 512)."""
+"""The shape the runtime sizes its caches and checks requests from (at the default vocab)."""
+
+MAX_VOCAB = 4096
+"""The bundled tokenizer's size: every synthetic token id must decode."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +106,14 @@ class SyntheticSpec:
     accept: tuple[float, ...] = (0.8, 0.6, 0.4)
     draft_cost: float = 0.1
     seed: int = 0
+    vocab: int = SYNTHETIC_CONFIG.vocab_size
+
+    @property
+    def config(self) -> ModelConfig:
+        """The model config this spec serves (:data:`SYNTHETIC_CONFIG` at its vocab)."""
+        if self.vocab == SYNTHETIC_CONFIG.vocab_size:
+            return SYNTHETIC_CONFIG
+        return dataclasses.replace(SYNTHETIC_CONFIG, vocab_size=self.vocab)
 
     def target_seconds(self, rows: int) -> float:
         """Wall time of a target forward over ``rows`` packed rows."""
@@ -175,16 +189,17 @@ def parse_spec(name: str) -> SyntheticSpec:
             if any(r > 1 for r in rates):
                 raise ConfigError(f"model: synthetic key accept: rates must be in [0, 1]: {rates}")
             kwargs[key] = rates
-        elif key == "seed":
+        elif key in ("seed", "vocab"):
             try:
-                seed = int(raws[0])
+                value = int(raws[0])
             except ValueError:
                 raise ConfigError(
-                    f"model: synthetic key seed: not an integer: {raws[0]!r}"
+                    f"model: synthetic key {key}: not an integer: {raws[0]!r}"
                 ) from None
-            if not 0 <= seed < 2**63:
-                raise ConfigError(f"model: synthetic key seed: must be in [0, 2**63): {raws[0]}")
-            kwargs[key] = seed
+            lo, hi = (0, 2**63 - 1) if key == "seed" else (3, MAX_VOCAB)
+            if not lo <= value <= hi:
+                raise ConfigError(f"model: synthetic key {key}: must be in {lo}..{hi}: {raws[0]}")
+            kwargs[key] = value
         else:
             kwargs[key] = _number(key, raws[0])
     return SyntheticSpec(**kwargs)  # type: ignore[arg-type]
@@ -280,7 +295,7 @@ class SyntheticModel(SpectrioForCausalLM):
     it; its (tiny, random) weights only give ``dtype`` and are never used."""
 
     def __init__(self, spec: SyntheticSpec, dtype: DType = "float32") -> None:
-        super().__init__(SYNTHETIC_CONFIG)
+        super().__init__(spec.config)
         if dtype not in ("float32", "float64"):
             raise ConfigError(f"dtype: must be 'float32' or 'float64', got {dtype!r}")
         if dtype != "float32":
@@ -370,7 +385,7 @@ def load_synthetic(name: str, dtype: DType = "float32") -> LoadedModel:
     )
     return LoadedModel(
         model=model,
-        config=SYNTHETIC_CONFIG,
+        config=model.config,
         tokenizer=tokenizer,
         path=Path(name),
         load_seconds=time.perf_counter() - t0,

@@ -114,7 +114,7 @@ async def test_bench_json_plot_and_table(
     for r in rows:
         assert set(r) == ROW_KEYS
         assert r["tokens"] == r["requests"] * 24 == r["batch"] * 24
-        assert r["requests_per_second"] == pytest.approx(r["requests"] / r["seconds"], rel=0.01)
+        assert r["requests_per_second"] == pytest.approx(r["requests"] / r["seconds"], rel=0.02)
         assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
         assert r["itl_ms"]["p50"] <= r["itl_ms"]["p90"] <= r["itl_ms"]["p99"]
         assert set(r["breakdown_ms"]) == set(bench.BREAKDOWN)

@@ -35,6 +35,7 @@ def test_spec_exact_spelling_and_defaults() -> None:
     got = parse_spec("synthetic:accept=0.5,seed=3,draft_cost=0")
     assert (got.accept, got.seed, got.draft_cost, got.step_ms) == ((0.5,), 3, 0.0, 10.0)
     assert got.accept_at(0) == got.accept_at(5) == 0.5
+    assert parse_spec("synthetic:vocab=4096").config.vocab_size == 4096
 
 
 @pytest.mark.parametrize(
@@ -50,6 +51,8 @@ def test_spec_exact_spelling_and_defaults() -> None:
         ("synthetic:step_ms=1,step_ms=2", "step_ms"),
         ("synthetic:seed=1.5", "seed"),
         ("synthetic:draft_cost=", "draft_cost"),
+        ("synthetic:vocab=2", "vocab"),
+        ("synthetic:vocab=5000", "vocab"),
     ],
 )
 def test_spec_errors_name_the_key(name: str, key: str) -> None:
@@ -193,6 +196,20 @@ async def test_greedy_through_the_runtime_is_the_true_chain_at_the_requested_rat
     # Unconditional: position i is accepted when all of 1..i are.
     want = np.cumprod(accept)
     assert all(abs(g - w) < 0.05 for g, w in zip(total.accepted_per_position, want, strict=True))
+
+
+async def test_text_prompts_with_the_full_vocab() -> None:
+    cfg = RuntimeConfig(model="synthetic:step_ms=0.1,per_row_us=0,vocab=4096", max_model_len=128)
+    with trio.fail_after(60):
+        async with open_runtime(cfg) as rt:
+            prompt = rt.tokenizer.encode("def main():")
+            assert max(prompt) >= 512  # the bundled tokenizer's ids, not the default vocab's
+            text, toks = "", []
+            async for delta in rt.generate("def main():", SamplingParams(max_tokens=12)):
+                text += delta.text
+                toks += delta.token_ids
+    assert toks == true_chain(prompt, 12, vocab=4096)
+    assert text == rt.tokenizer.decode(toks)
 
 
 @pytest.mark.parametrize("k", [0, 2])

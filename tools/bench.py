@@ -69,7 +69,7 @@ from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runt
 from spectrio.core.messages import PublishedStep
 from spectrio.core.timing import StepTiming, device_summary
 from spectrio.models import load, reference
-from spectrio.models.synthetic import SYNTHETIC_CONFIG, is_synthetic
+from spectrio.models.synthetic import is_synthetic, parse_spec
 from spectrio.runtime.api import Runtime
 from spectrio.tools.corpus import corpus_files, read_texts
 from spectrio.tools.generation_stats import GenerationStats
@@ -94,7 +94,7 @@ def bench_prompts(count: int, prompt_tokens: int, model: str, seed: int = 0) -> 
     synthetic device seeded random ids (no EOS) within its vocabulary."""
     if is_synthetic(model):
         rng = np.random.default_rng(seed)
-        ids = rng.integers(1, SYNTHETIC_CONFIG.vocab_size, size=(count, prompt_tokens))
+        ids = rng.integers(1, parse_spec(model).vocab, size=(count, prompt_tokens))
         return [[int(t) for t in row] for row in ids]
     tok = load(model).tokenizer
     assert tok is not None
@@ -296,7 +296,7 @@ async def run_case(
         "requests": count,
         "max_tokens": max_tokens,
         "tokens": tokens,
-        "seconds": round(wall, 3),
+        "seconds": round(wall, 4),
         "tokens_per_second": round(tokens / wall, 1),
         "requests_per_second": round(count / wall, 3),
         **latency_summary(traces),
