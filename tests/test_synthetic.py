@@ -141,8 +141,8 @@ def test_cost_is_a_plus_b_rows_and_releases_the_gil() -> None:
     t0 = time.perf_counter()
     model.mtp_forward(batch, out.hidden, cache)
     draft = time.perf_counter() - t0
-    assert 0.100 <= target < 0.100 + 0.05
-    assert 0.050 <= draft < 0.050 + 0.05
+    assert 0.099 <= target < 0.100 + 0.05  # the sleeper may end a little early
+    assert 0.049 <= draft < 0.050 + 0.05
     # Two threads' forwards overlap: each sleeps without the GIL.
     threads = [threading.Thread(target=model.forward, args=(batch, cache)) for _ in range(2)]
     t0 = time.perf_counter()
