@@ -157,13 +157,17 @@ def _fixed(k: int) -> SpeculativeConfig:
     return SpeculativeConfig(num_speculative_tokens=k, adaptive=False)
 
 
-async def test_greedy_through_the_runtime_is_the_true_chain_at_the_requested_rates() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_greedy_through_the_runtime_is_the_true_chain_at_the_requested_rates(
+    overlap: bool,
+) -> None:
     accept = (0.8, 0.6, 0.4)
     cfg = RuntimeConfig(
         model="synthetic:step_ms=0.2,per_row_us=0,accept=0.8,0.6,0.4,seed=5",
         max_model_len=256,
         max_num_seqs=64,
         speculative=_fixed(3),
+        enable_overlap=overlap,
     )
     rng = np.random.default_rng(0)
     lens = rng.integers(4, 40, 64)
