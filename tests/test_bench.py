@@ -89,6 +89,8 @@ def test_timing_summary_keys() -> None:
     assert empty["efficiency"] is None and set(empty["breakdown_ms"]) == set(bench.BREAKDOWN)
     bars = timeline_bars(steps, 0.0, window=0.015)
     assert [round(x, 3) for x, _ in bars["verify"]] == [1.0, 12.0]
+    assert [(round(x, 3), round(w, 3)) for x, w in bars["schedule"]] == [(-2.0, 1.0), (9.0, 1.0)]
+    assert [round(w, 3) for _, w in bars["publish"]] == [0.5, 0.5]
 
 
 async def _main(argv: list[str], seconds: float) -> int:

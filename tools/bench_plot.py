@@ -6,7 +6,8 @@
   all accepted), one line per speculating case;
 * a step timeline: per case, the device's busy intervals (draft, verify, sample in
   their own colours) over the first :data:`TIMELINE_SECONDS` of the measured window,
-  so gaps between steps (bubbles) are visible.
+  so gaps between steps (bubbles) are visible; thin bars below and above them show the
+  host's schedule and publish intervals, so overlap with the device shows too.
 
 Matplotlib runs headless (Agg); nothing here is imported unless ``--plot`` is given.
 """
@@ -28,6 +29,7 @@ TIMELINE_SECONDS = 0.25
 that a 100 us bubble is still a visible gap."""
 
 PHASES = (("draft", "tab:orange"), ("verify", "tab:blue"), ("sample", "tab:green"))
+HOST = (("schedule", "dimgray", -0.45), ("publish", "tab:purple", 0.3))  # name, colour, y
 
 
 def _label(row: dict[str, Any]) -> str:
@@ -41,7 +43,8 @@ def timeline_bars(
 ) -> dict[str, list[tuple[float, float]]]:
     """Per phase, ``(start_ms, width_ms)`` of every step interval that starts within
     ``window`` seconds of ``t0`` (pure: the figure's data)."""
-    out: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in PHASES}
+    names = [name for name, _ in PHASES] + [name for name, _, _ in HOST]
+    out: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     for t in timings:
         if t.device_start - t0 > window:
             break
@@ -49,6 +52,8 @@ def timeline_bars(
             "draft": (t.device_start, t.draft_end),
             "verify": (t.draft_end, t.verify_end),
             "sample": (t.verify_end, t.device_end),
+            "schedule": (t.plan_start, t.planned_at),
+            "publish": (t.publish_start, t.publish_end),
         }
         for name, (a, b) in spans.items():
             if b > a:
@@ -93,7 +98,11 @@ def plot_rows(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> Non
         bars = timeline_bars(row["_raw"]["timings"], row["_raw"]["t0"])
         for name, colour in PHASES:
             ax_time.broken_barh(
-                bars[name], (i - 0.4, 0.8), color=colour, label=name if i == 0 else None
+                bars[name], (i - 0.3, 0.6), color=colour, label=name if i == 0 else None
+            )
+        for name, colour, y in HOST:
+            ax_time.broken_barh(
+                bars[name], (i + y, 0.15), color=colour, label=name if i == 0 else None
             )
         labels.append(_label(row))
     ax_time.set_yticks(range(len(rows)), labels)
