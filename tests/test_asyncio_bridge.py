@@ -7,6 +7,7 @@ import asyncio
 from pipeline_helpers import oracle
 
 from spectrio import Delta, InvalidRequest, RuntimeConfig, SamplingParams
+from spectrio.errors import EngineDead
 from spectrio.runtime.aio import open_runtime_asyncio
 
 
@@ -116,13 +117,14 @@ def test_leaving_the_bridge_ends_every_running_stream_with_a_shutdown_delta(
         assert all(not d.finished for d in ds[:-1])
 
 
-def test_waiting_tasks_are_cancelled_when_the_runtime_dies(bundled: object) -> None:
+def test_waiting_tasks_get_engine_dead_when_a_stage_fails(bundled: object) -> None:
     class Boom(Exception):
         pass
 
-    async def main() -> tuple[list[bool], BaseException | None]:
+    async def main() -> tuple[list[BaseException | None], BaseException | None]:
         first = [asyncio.Event() for _ in PROMPTS]
         crash: BaseException | None = None
+        errors: list[BaseException | None] = []
         try:
             async with open_runtime_asyncio(RuntimeConfig(max_model_len=512)) as rt:
 
@@ -137,16 +139,18 @@ def test_waiting_tasks_are_cancelled_when_the_runtime_dies(bundled: object) -> N
                 async def failing_sink(published: object) -> None:
                     raise Boom("a record sink failed")
 
-                rt.runtime.add_record_sink(failing_sink)  # the Trio run dies at the next step
+                rt.runtime.add_record_sink(failing_sink)  # the engine dies at the next step
                 await asyncio.wait(tasks, timeout=30)
-                cancelled = [t.cancelled() for t in tasks]
-        except BaseException as exc:  # the run's failure surfaces when the bridge is left
+                errors = [t.exception() if t.done() else None for t in tasks]
+        except BaseException as exc:  # the engine's failure surfaces when the bridge is left
             crash = exc
-        return cancelled, crash
+        return errors, crash
 
-    cancelled, crash = asyncio.run(asyncio.wait_for(main(), timeout=120))
-    assert cancelled == [True] * len(PROMPTS)
-    assert crash is not None and find(crash, Boom)
+    errors, crash = asyncio.run(asyncio.wait_for(main(), timeout=120))
+    for err in errors:
+        assert isinstance(err, EngineDead) and err.stage == "publisher"
+        assert isinstance(err.cause, Boom)
+    assert crash is not None and find(crash, EngineDead)
 
 
 def test_closing_or_cancelling_a_stream_aborts_it_at_once(bundled: object) -> None:
