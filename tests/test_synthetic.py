@@ -191,6 +191,11 @@ async def test_greedy_through_the_runtime_is_the_true_chain_at_the_requested_rat
             async with trio.open_nursery() as nursery:
                 for i in range(len(prompts)):
                     nursery.start_soon(one, i)
+            await rt.wait_idle()
+            stats = rt.stats()
+    # The runtime's own counters agree with what the deltas reported.
+    assert stats.proposed_per_position == total.proposed
+    assert stats.accepted_per_position == total.accepted
     for i, prompt in enumerate(prompts):
         assert outputs[i] == true_chain(prompt, max_tokens, seed=5), f"prompt {i}"
     assert sum(total.proposed) > 3000

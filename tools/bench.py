@@ -70,7 +70,6 @@ from spectrio.core.messages import PublishedStep
 from spectrio.core.timing import StepTiming, device_summary
 from spectrio.models import load, reference
 from spectrio.models.synthetic import is_synthetic, parse_spec
-from spectrio.runtime.api import Runtime
 from spectrio.tools.corpus import corpus_files, read_texts
 from spectrio.tools.generation_stats import GenerationStats
 
@@ -200,19 +199,6 @@ def timing_summary(timings: Sequence[StepTiming], wall: float) -> dict[str, Any]
     }
 
 
-def _forward_seconds(rt: Runtime) -> float | None:
-    """The workspace's clock of time inside model forwards, where it keeps one (the
-    fallback for ``overhead_share`` when the runtime has no step timings)."""
-    value = getattr(getattr(rt, "workspace", None), "forward_seconds", None)
-    return None if value is None else float(value)
-
-
-def _step_timings(rt: Runtime) -> list[StepTiming] | None:
-    """``rt.step_timings()`` where the runtime has it."""
-    fn = getattr(rt, "step_timings", None)
-    return None if fn is None else list(fn())
-
-
 async def run_case(
     model: str,
     dtype: str,
@@ -261,9 +247,9 @@ async def run_case(
         await rt.wait_idle()
         stats = [GenerationStats() for _ in range(count)]
         outputs: list[list[int]] = [[] for _ in range(count)]
-        fwd0, steps0 = _forward_seconds(rt), rt.num_steps
-        before = _step_timings(rt)
-        timings0 = 0 if before is None else len(before)
+        steps0 = rt.num_steps
+        before = rt.step_timings()
+        last_warm_step = before[-1].step if before else -1  # the window: later steps
         rt.add_record_observer(observe)
         t0 = time.perf_counter()
         traces = [RequestTrace(arrival=t0 + a) for a in arrivals]
@@ -280,19 +266,15 @@ async def run_case(
             for i in range(count):
                 nursery.start_soon(one, i)
         wall = time.perf_counter() - t0
-        fwd1 = _forward_seconds(rt)
         steps = rt.num_steps - steps0
         await rt.wait_idle()
-        after = _step_timings(rt)
+        timings = [t for t in rt.step_timings() if t.step > last_warm_step]
     bar.close()
-    timings = [] if after is None else after[timings0:]
     total = GenerationStats()
     for s in stats:
         total.merge(s)
     tokens = total.num_tokens
     device = timing_summary(timings, wall)
-    if device["overhead_share"] is None and fwd0 is not None and fwd1 is not None:
-        device["overhead_share"] = round(1.0 - (fwd1 - fwd0) / wall, 4)
     return {
         "batch": batch,
         "k": k,
