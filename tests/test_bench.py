@@ -10,9 +10,13 @@ import numpy as np
 import pytest
 import trio
 
+from spectrio import RuntimeConfig, open_runtime
 from spectrio.core.timing import StepTiming
+from spectrio.models.synthetic import true_chain
 from spectrio.tools import bench
 from spectrio.tools.bench_plot import timeline_bars
+from spectrio.tools.replay import replay_runtime
+from spectrio.tools.trace import config_from_fields, read_trace
 
 SYNTH = "synthetic:step_ms=0.3,per_row_us=2,accept=0.9,0.5,0.2"
 
@@ -159,3 +163,41 @@ def test_bench_synthetic_prompts_are_seeded_ids_in_vocab() -> None:
     a = bench.bench_prompts(5, 7, SYNTH, seed=3)
     assert a == bench.bench_prompts(5, 7, SYNTH, seed=3)
     assert len(a) == 5 and all(len(p) == 7 and 1 <= min(p) and max(p) < 512 for p in a)
+
+
+async def test_bench_save_trace_replays_to_the_same_tokens(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    argv = [
+        "--model", SYNTH, "--batch", "3", "--k", "2", "--max-tokens", "10", "--prompt-tokens",
+        "5", "--num-requests", "5", "--request-rate", "500", "--save-trace", str(path),
+        "--progress", "off",
+    ]  # fmt: skip
+    assert await _main(argv, 60) == 0
+    trace = read_trace(path)
+    assert trace.header.source == "bench" and trace.header.model == SYNTH
+    prompts = bench.bench_prompts(5, 5, SYNTH)
+    assert [r.prompt_ids for r in trace.requests] == prompts
+    assert [r.arrival_s for r in trace.requests] == pytest.approx(
+        bench.poisson_arrivals(5, 500.0), abs=1e-6
+    )
+    results = trace.ordered_results()
+    assert [r.token_ids for r in results] == [true_chain(p, 10) for p in prompts]
+    assert all(r.finish_reason == "length" and r.ttft_s is not None for r in results)
+    assert trace.summary is not None and trace.summary.stats["tokens"] == 50
+    # The recorded configuration replays in-process to the same tokens.
+    config = config_from_fields(trace.header.runtime or {})
+    assert isinstance(config, RuntimeConfig) and config.model == SYNTH
+    with trio.fail_after(60):
+        async with open_runtime(config) as rt:
+            run = await replay_runtime(rt, trace.requests, speed=float("inf"))
+    assert sorted((r.request_id, r.token_ids) for r in run.results) == sorted(
+        (r.request_id, r.token_ids) for r in results
+    )
+
+
+def test_trace_paths_per_run() -> None:
+    assert bench.trace_path(None, 1, 0, None, 0, False) is None
+    assert bench.trace_path("a/run.jsonl", 16, 3, None, 0, True) == "a/run.jsonl"
+    assert bench.trace_path("a/run.jsonl", 16, "auto", 5, 1, False) == (
+        "a/run.b16.kauto.lp5.r1.jsonl"
+    )

@@ -16,10 +16,13 @@ bytes per step next to FastDeploy's fixed 512 x 6 x 21 message (530,444 bytes) a
 pipeline's token agreement with the float32 one-token-at-a-time reference (not for the
 synthetic device, which has no reference path). ``--plot out.png`` draws an inter-token
 latency histogram, acceptance per draft position and a step timeline (device busy
-intervals) per case.
+intervals) per case. ``--save-trace PATH`` saves each run as a request trace
+(``docs/trace.md``: the planned arrivals, each request's result, and a summary) for
+``spectrio replay`` and ``spectrio diff``.
 
 Run: ``spectrio bench [--model M] [--batch 1 16] [--k 0 1 2 3 auto] [--request-rate R]
-[--logprobs off 0 20] [--max-tokens 64] [--overlap] [--json out.json] [--plot out.png]``.
+[--logprobs off 0 20] [--max-tokens 64] [--overlap] [--json out.json] [--plot out.png]
+[--save-trace run.jsonl]``.
 
 JSON (``--json``; stable, for scripts that compare runs): ``{"schema": 2, "machine",
 "args" (the options), "rows": [...]}`` with one row per case, keys:
@@ -59,6 +62,7 @@ import platform
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -72,6 +76,7 @@ from spectrio.models import load, reference
 from spectrio.models.synthetic import is_synthetic, parse_spec
 from spectrio.tools.corpus import corpus_files, read_texts
 from spectrio.tools.generation_stats import GenerationStats
+from spectrio.tools.trace import ResultBuilder, TraceWriter, runtime_fields, summarize
 
 SCHEMA = 2
 """Version of the ``--json`` layout; bumped when a key changes meaning or goes away."""
@@ -213,9 +218,11 @@ async def run_case(
     num_requests: int | None = None,
     seed: int = 0,
     progress: bool = False,
+    trace_path: str | None = None,
 ) -> dict[str, Any]:
     """One case: returns its JSON row, plus ``outputs`` (token ids per request) and
-    ``_raw`` (traces and step timings, for plots) that the JSON leaves out."""
+    ``_raw`` (traces and step timings, for plots) that the JSON leaves out. With
+    ``trace_path``, the run is also saved as a request trace (``docs/trace.md``)."""
     spec = spec_config(k, k_max)
     count = batch if num_requests is None else num_requests
     cfg = RuntimeConfig(
@@ -241,6 +248,12 @@ async def run_case(
         leave=False,
         disable=not progress,
     )
+    writer = (
+        None
+        if trace_path is None
+        else TraceWriter(trace_path, source="bench", model=model, runtime=runtime_fields(cfg))
+    )
+    builders = [ResultBuilder(f"r{i}", start=0.0) for i in range(count)]
     async with open_runtime(cfg) as rt:
         async for _ in rt.generate(prompts[0][:8], SamplingParams(max_tokens=4)):  # warm-up
             pass
@@ -253,14 +266,23 @@ async def run_case(
         rt.add_record_observer(observe)
         t0 = time.perf_counter()
         traces = [RequestTrace(arrival=t0 + a) for a in arrivals]
+        for i, (b, a) in enumerate(zip(builders, arrivals, strict=True)):
+            b.start = t0 + a
+            if writer is not None:  # the planned arrivals, in order
+                writer.add_request(b.request_id, prompts[i % len(prompts)], params, arrival_s=a)
 
         async def one(i: int) -> None:
             await trio.sleep(max(0.0, traces[i].arrival - time.perf_counter()))
-            async for delta in rt.generate(prompts[i % len(prompts)], params):
-                traces[i].add(time.perf_counter(), len(delta.token_ids))
+            rid = builders[i].request_id
+            async for delta in rt.generate(prompts[i % len(prompts)], params, request_id=rid):
+                now = time.perf_counter()
+                traces[i].add(now, len(delta.token_ids))
+                builders[i].add(delta, now)
                 stats[i].add(delta)
                 outputs[i] += delta.token_ids
                 bar.update(len(delta.token_ids))
+            if writer is not None:
+                writer.add_result(builders[i].result())
 
         async with trio.open_nursery() as nursery:
             for i in range(count):
@@ -270,6 +292,9 @@ async def run_case(
         await rt.wait_idle()
         timings = [t for t in rt.step_timings() if t.step > last_warm_step]
     bar.close()
+    if writer is not None:
+        with writer:
+            writer.add_summary(wall, summarize([b.result() for b in builders], wall))
     total = GenerationStats()
     for s in stats:
         total.merge(s)
@@ -376,6 +401,18 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def trace_path(
+    path: str | None, batch: int, k: int | str, logprobs: int | None, round_: int, single: bool
+) -> str | None:
+    """Where ``--save-trace PATH`` saves one run: PATH itself when the command has a
+    single run, else PATH with the run's case and round before its suffix."""
+    if path is None or single:
+        return path
+    p = Path(path)
+    lp = "off" if logprobs is None else logprobs
+    return str(p.with_name(f"{p.stem}.b{batch}.k{k}.lp{lp}.r{round_}{p.suffix}"))
+
+
 def _machine() -> str:
     cores = os.cpu_count()
     return f"{platform.machine()} {platform.processor() or ''} cores={cores}".strip()
@@ -434,6 +471,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=str, default=None, help="write results to this file")
     p.add_argument("--plot", type=str, default=None, help="write a figure (PNG) to this file")
     p.add_argument(
+        "--save-trace",
+        type=str,
+        default=None,
+        metavar="PATH",
+        help="save each run as a request trace (docs/trace.md); with several runs, "
+        "PATH gets .b<batch>.k<k>.lp<logprobs>.r<round> before its suffix",
+    )
+    p.add_argument(
         "--progress",
         choices=("auto", "on", "off"),
         default="auto",
@@ -469,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     cases = [(b, k, lp) for b in args.batch for k in ks for lp in settings]
     runs: dict[tuple[int, int | str, int | None], list[dict[str, Any]]] = {c: [] for c in cases}
     # Rounds alternate the cases, so a busy machine slows every case alike.
-    for _round, (b, k, lp) in tqdm(
+    single = len(cases) * args.repeat == 1
+    for round_, (b, k, lp) in tqdm(
         [(r, c) for r in range(args.repeat) for c in cases],
         desc="bench",
         unit="case",
@@ -491,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.num_requests,
                 args.seed,
                 progress,
+                trace_path(args.save_trace, b, k, lp, round_, single),
             )
         )
     rows = [_median_run(runs[c]) for c in cases]
