@@ -226,7 +226,13 @@ class ObservedRuntime:
         *,
         request_id: str | None = None,
     ) -> _ObservedStream:
-        stream = self._rt.generate(prompt, params, request_id=request_id)
+        try:  # the runtime checks the request here, so a refusal is counted here
+            stream = self._rt.generate(prompt, params, request_id=request_id)
+        except Exception as exc:
+            now = time.perf_counter()
+            for h in self.hooks:
+                h.on_refused(request_id or "", exc, now)
+            raise
         return _ObservedStream(stream, self.hooks, prompt, params)
 
 
@@ -372,7 +378,7 @@ class ServeMetrics:
     def attach(self, rt: Runtime) -> Callable[[], None]:
         """Count every published token (a record observer); returns the remover."""
         self.up.set(1)
-        self._seen_steps = len(rt.step_timings()) if hasattr(rt, "step_timings") else 0
+        self._seen_steps = len(rt.step_timings())
         return rt.add_record_observer(self.on_record)
 
     def on_record(self, pub: PublishedStep) -> None:
@@ -381,29 +387,25 @@ class ServeMetrics:
 
     def update(self, rt: Runtime) -> None:
         """Take a stats snapshot and observe the steps completed since the last update."""
-        stats_fn = getattr(rt, "stats", None)
-        if stats_fn is not None:
-            s = stats_fn()
-            self.stats = s
-            for i in self.drift.update(s.proposed_per_position, s.accepted_per_position):
-                if self.drift.alarm[i]:
-                    self.drift_alarms.inc()
-                    log.warning(
-                        "acceptance drift: draft position far below its baseline",
-                        position=i + 1,
-                        recent=round(self.drift.recent[i] or 0.0, 3),
-                        baseline=round(self.drift.baseline[i] or 0.0, 3),
-                    )
-                else:
-                    log.info("acceptance drift cleared", position=i + 1)
-        timings_fn = getattr(rt, "step_timings", None)
-        if timings_fn is not None:
-            timings = timings_fn()
-            for t in timings[self._seen_steps :]:
-                self.step.observe(t.device)
-                for phase in STEP_PHASES:
-                    self.phase.labels(phase).observe(max(0.0, getattr(t, phase)))
-            self._seen_steps = len(timings)
+        s = rt.stats()
+        self.stats = s
+        for i in self.drift.update(s.proposed_per_position, s.accepted_per_position):
+            if self.drift.alarm[i]:
+                self.drift_alarms.inc()
+                log.warning(
+                    "acceptance drift: draft position far below its baseline",
+                    position=i + 1,
+                    recent=round(self.drift.recent[i] or 0.0, 3),
+                    baseline=round(self.drift.baseline[i] or 0.0, 3),
+                )
+            else:
+                log.info("acceptance drift cleared", position=i + 1)
+        timings = rt.step_timings()
+        for t in timings[self._seen_steps :]:
+            self.step.observe(t.device)
+            for phase in STEP_PHASES:
+                self.phase.labels(phase).observe(max(0.0, getattr(t, phase)))
+        self._seen_steps = len(timings)
 
     async def run(self, rt: Runtime) -> None:
         """Update every ``interval`` seconds until cancelled (then marks the runtime down)."""

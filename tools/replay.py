@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from spectrio.core.timing import device_summary
 from spectrio.tools.trace import (
     ResultBuilder,
     Trace,
@@ -92,8 +93,7 @@ async def replay_runtime(
     recorded prompt ids, params and request id). A request the runtime refuses gets
     ``finish_reason="error"``. Cancellation aborts the requests still running."""
     builders: list[ResultBuilder | None] = [None] * len(requests)
-    timings = getattr(rt, "step_timings", None)
-    n0 = len(timings()) if timings is not None else 0
+    n0 = len(rt.step_timings())
     from spectrio.errors import InvalidRequest
 
     async def one(i: int, req: TraceRequest) -> None:
@@ -109,11 +109,7 @@ async def replay_runtime(
     async with trio.open_nursery() as nursery:
         await _paced(requests, speed, lambda i, r: nursery.start_soon(one, i, r))
     wall = trio.current_time() - t0
-    device = None
-    if timings is not None:
-        from spectrio.core.timing import device_summary
-
-        device = device_summary(list(timings())[n0:], wall) or None
+    device = device_summary(rt.step_timings()[n0:], wall) or None
     return ReplayRun([b.result() for b in builders if b is not None], wall, device)
 
 
