@@ -54,6 +54,7 @@ JSON (``--json``; stable, for scripts that compare runs): ``{"schema": 2, "machi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -236,6 +237,39 @@ async def run_case(
     )
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
     arrivals = poisson_arrivals(count, request_rate, seed)
+    with contextlib.ExitStack() as stack:
+        writer = (
+            None
+            if trace_path is None
+            else stack.enter_context(
+                TraceWriter(trace_path, source="bench", model=model, runtime=runtime_fields(cfg))
+            )
+        )
+        measured = await _measure(cfg, params, prompts, arrivals, writer, progress, batch, k)
+    return {
+        "batch": batch,
+        "k": k,
+        "logprobs": "off" if logprobs is None else logprobs,
+        "dtype": dtype,
+        "overlap": overlap,
+        "request_rate": request_rate,
+        **measured,
+    }
+
+
+async def _measure(
+    cfg: RuntimeConfig,
+    params: SamplingParams,
+    prompts: list[list[int]],
+    arrivals: list[float],
+    writer: TraceWriter | None,
+    progress: bool,
+    batch: int,
+    k: int | str,
+) -> dict[str, Any]:
+    """Run one case's requests on a fresh runtime; the row's measured keys (run_case)."""
+    count = len(arrivals)
+    max_tokens = params.max_tokens
     record_bytes: list[int] = []
 
     def observe(pub: PublishedStep) -> None:
@@ -247,11 +281,6 @@ async def run_case(
         unit="tok",
         leave=False,
         disable=not progress,
-    )
-    writer = (
-        None
-        if trace_path is None
-        else TraceWriter(trace_path, source="bench", model=model, runtime=runtime_fields(cfg))
     )
     builders = [ResultBuilder(f"r{i}", start=0.0) for i in range(count)]
     async with open_runtime(cfg) as rt:
@@ -293,20 +322,13 @@ async def run_case(
         timings = [t for t in rt.step_timings() if t.step > last_warm_step]
     bar.close()
     if writer is not None:
-        with writer:
-            writer.add_summary(wall, summarize([b.result() for b in builders], wall))
+        writer.add_summary(wall, summarize([b.result() for b in builders], wall))
     total = GenerationStats()
     for s in stats:
         total.merge(s)
     tokens = total.num_tokens
     device = timing_summary(timings, wall)
     return {
-        "batch": batch,
-        "k": k,
-        "logprobs": "off" if logprobs is None else logprobs,
-        "dtype": dtype,
-        "overlap": overlap,
-        "request_rate": request_rate,
         "requests": count,
         "max_tokens": max_tokens,
         "tokens": tokens,
