@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import paddle
@@ -110,10 +111,17 @@ class AttentionPlan:
     max_ctx: int
     pad_rows: paddle.Tensor | None
     unpad_rows: paddle.Tensor | None
+    stage: Callable[[np.ndarray], paddle.Tensor] = paddle.to_tensor
     _group_masks: dict[int, paddle.Tensor] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def build(cls, batch: PackedBatch, block_size: int, dtype: str) -> AttentionPlan:
+    def build(
+        cls,
+        batch: PackedBatch,
+        block_size: int,
+        dtype: str,
+        stage: Callable[[np.ndarray], paddle.Tensor] = paddle.to_tensor,
+    ) -> AttentionPlan:
         cu = batch.cu_seqlens_q
         b = batch.num_seqs
         q_lens = np.diff(cu)
@@ -146,24 +154,25 @@ class AttentionPlan:
         pad_rows = unpad_rows = None
         if not valid.all():
             padded = cu[:-1, None] + t[None, :]
-            pad_rows = paddle.to_tensor(np.where(valid, padded, 0).reshape(-1))
-            unpad_rows = paddle.to_tensor(np.flatnonzero(valid.reshape(-1)))
+            pad_rows = stage(np.where(valid, padded, 0).reshape(-1))
+            unpad_rows = stage(np.flatnonzero(valid.reshape(-1)))
         return cls(
-            write_slots=paddle.to_tensor(write),
-            context_slots=paddle.to_tensor(ctx_slots.reshape(-1)),
+            write_slots=stage(write),
+            context_slots=stage(ctx_slots.reshape(-1)),
             mask=mask,
             num_seqs=b,
             max_q=max_q,
             max_ctx=max_ctx,
             pad_rows=pad_rows,
             unpad_rows=unpad_rows,
+            stage=stage,
         )
 
     def mask_for_groups(self, group: int) -> paddle.Tensor:
         """The mask as ``[B, 1, group * max_q, max_ctx]``, built once per group size."""
         cached = self._group_masks.get(group)
         if cached is None:
-            cached = paddle.to_tensor(np.tile(self.mask, (1, 1, group, 1)))
+            cached = self.stage(np.tile(self.mask, (1, 1, group, 1)))
             self._group_masks[group] = cached
         return cached
 

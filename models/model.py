@@ -20,6 +20,7 @@ from spectrio.models.layers import (
     rope_matrices,
 )
 from spectrio.models.paddle_setup import configure_paddle
+from spectrio.models.staging import Staging
 
 
 @dataclasses.dataclass
@@ -78,6 +79,7 @@ class SpectrioForCausalLM(nn.Layer):
         )
         self.mtp = MTPLayer(cfg) if cfg.has_mtp else None
         self._rope_table: paddle.Tensor | None = None  # [max_position_embeddings, D, D]
+        self.staging = Staging()  # persistent input buffers (models/staging.py)
 
     def train(self) -> SpectrioForCausalLM:  # type: ignore[override]
         """Training changes the weights, so the fused serving copies of them are dropped."""
@@ -118,22 +120,23 @@ class SpectrioForCausalLM(nn.Layer):
             span = paddle.arange(cfg.max_position_embeddings, dtype="int64")
             cos, sin = rope_cos_sin(span, cfg.head_dim, cfg.rope_theta, self.dtype)
             self._rope_table = paddle.to_tensor(rope_matrices(cos.numpy(), sin.numpy()))
-        return RopeRows(paddle.gather(self._rope_table, paddle.to_tensor(positions)))
+        return RopeRows(paddle.gather(self._rope_table, self.staging.put(positions)))
 
     def _select(self, hidden: paddle.Tensor, batch: PackedBatch) -> paddle.Tensor:
         if batch.logits_indices is None:
             return hidden
         if batch.logits_indices.size == 0:
             return hidden[:0]
-        return paddle.gather(hidden, paddle.to_tensor(batch.logits_indices), axis=0)
+        return paddle.gather(hidden, self.staging.put(batch.logits_indices), axis=0)
 
     # ---- serving: packed rows over a paged cache -------------------------------------
 
     def forward(self, batch: PackedBatch, cache: PagedKVCache) -> ForwardOutput:
         """Target pass: writes K/V of every row, returns logits and final hidden states."""
-        plan = AttentionPlan.build(batch, cache.block_size, self.dtype)
+        self.staging.reset()
+        plan = AttentionPlan.build(batch, cache.block_size, self.dtype, self.staging.put)
         rope = self._rope_rows(batch.positions)
-        x = self.model.embed_tokens(paddle.to_tensor(batch.input_ids))
+        x = self.model.embed_tokens(self.staging.put(batch.input_ids))
         for i, layer in enumerate(self.model.layers):
             x = layer.forward_paged(x, rope, plan, cache, i)
         hidden = self.model.norm(x)
@@ -147,9 +150,10 @@ class SpectrioForCausalLM(nn.Layer):
         predict the token at p+2. The returned hidden states feed the next substep."""
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP layer (num_nextn_predict_layers=0)")
-        plan = AttentionPlan.build(batch, cache.block_size, self.dtype)
+        self.staging.reset()
+        plan = AttentionPlan.build(batch, cache.block_size, self.dtype, self.staging.put)
         rope = self._rope_rows(batch.positions)
-        x = self.mtp.fuse(self.model.embed_tokens(paddle.to_tensor(batch.input_ids)), prev_hidden)
+        x = self.mtp.fuse(self.model.embed_tokens(self.staging.put(batch.input_ids)), prev_hidden)
         x = self.mtp.forward_paged(x, rope, plan, cache, 0)
         logits = self.compute_logits(self.mtp.shared_head.norm(self._select(x, batch)))
         return ForwardOutput(logits=logits, hidden=x)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import gc
 import itertools
 import math
 import time
@@ -102,7 +103,7 @@ class Runtime:
         self._dead: EngineDead | None = None
         self._changed = trio.Event()  # set (and replaced) whenever the pipeline may be idle
         self._stopped = trio.Event()  # every stage has ended
-        self._timings: collections.deque[StepTiming] = collections.deque(maxlen=1 << 16)
+        self._timings: collections.deque[StepTiming] = collections.deque(maxlen=4096)
         self._unpublished: dict[int, StepTiming] = {}
         self.num_steps = 0  # pipeline steps published
         self.num_drafts_proposed = 0
@@ -304,7 +305,8 @@ class Runtime:
         )
 
     def step_timings(self) -> list[StepTiming]:
-        """The published steps' timings, oldest first (the last 65,536 steps)."""
+        """The published steps' timings, oldest first: the last 4,096 steps (a ring, so a
+        long-running server does not grow; read it at least that often)."""
         return list(self._timings)
 
     # ---- requests ---------------------------------------------------------------------
@@ -642,6 +644,9 @@ async def open_runtime(
             config.max_model_len,
         )
         log.info("warm-up pass done", tokens=config.warmup_num_tokens(), seconds=round(seconds, 3))
+    # Everything loaded so far (the model, Paddle's and the host's modules) lives as long
+    # as the process: move it out of the collector's way, so full collections stay short.
+    gc.freeze()
     async with trio.open_nursery() as nursery:
         await rt._start(nursery)
         try:

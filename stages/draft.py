@@ -42,7 +42,7 @@ def draft(ws: Workspace, plan: StepPlan) -> StepPlan:
         out = ws.model.mtp_forward(batch, paddle.concat(prev_rows, axis=0), ws.mtp_cache)
         active = [catch_up[i] for i in wanting]
         hidden = (
-            paddle.gather(out.hidden, paddle.to_tensor(batch.logits_indices), axis=0)
+            paddle.gather(out.hidden, ws.model.staging.put(batch.logits_indices), axis=0)
             if active
             else None
         )
@@ -59,7 +59,7 @@ def draft(ws: Workspace, plan: StepPlan) -> StepPlan:
             active = [active[i] for i in keep]
             assert hidden is not None
             hidden = paddle.gather(
-                hidden, paddle.to_tensor(np.asarray(keep, dtype=np.int64)), axis=0
+                hidden, ws.model.staging.put(np.asarray(keep, dtype=np.int64)), axis=0
             )
             step_batch = PackedBatch.from_sequences(
                 [[drafts[w.slot][-1]] for w in active],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from pipeline_helpers import oracle
 
 from spectrio import Delta, InvalidRequest, RuntimeConfig, SamplingParams
@@ -199,5 +200,31 @@ def test_closing_or_cancelling_a_stream_aborts_it_at_once(bundled: object) -> No
                 pass
             assert task.cancelled()
             await idle()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=120))
+
+
+def test_the_asyncio_api_matches_the_trio_api(bundled: object) -> None:
+    """Issue 15, item 13: abort returns a bool, wait_idle and stats exist, generate checks
+    at once, and a second runtime in the same thread is refused clearly."""
+    from spectrio.errors import InvalidRequest, SpectrioError
+
+    async def main() -> None:
+        async with open_runtime_asyncio(RuntimeConfig(max_model_len=512)) as rt:
+            with pytest.raises(InvalidRequest):
+                rt.generate(None, LONG)  # type: ignore[arg-type]
+            stream = rt.generate(PROMPTS[0], LONG)
+            first = await stream.__anext__()
+            assert first.token_ids
+            assert await rt.abort(stream.request_id) is True
+            assert await rt.abort(stream.request_id) is False
+            assert await rt.abort("no such request") is False
+            await rt.wait_idle()
+            stats = rt.stats()
+            assert stats.running == 0 and stats.free_kv_blocks == stats.num_kv_blocks
+            assert stats.finished.get("abort") == 1 and rt.step_timings()
+            with pytest.raises(SpectrioError, match="per thread"):
+                async with open_runtime_asyncio(RuntimeConfig(max_model_len=512)):
+                    pass
 
     asyncio.run(asyncio.wait_for(main(), timeout=120))
