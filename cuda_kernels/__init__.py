@@ -5,18 +5,22 @@ Two kernels build the publisher's per-step record (layout in
 token ids) and ``pack_topk`` (the logprob block, exactly ``width`` columns).
 Each has a byte-identical NumPy reference in :mod:`.reference`, which is the
 CPU path. The GPU entry points in :mod:`.loader` take any ``__dlpack__``
-array and an explicit ``stream=``; CuPy is imported only when they run.
+array and an explicit ``stream=``; CuPy is imported only when they run, and
+device arrays without an importable CuPy raise :class:`KernelUnavailable`.
+:func:`to_host` reads any array (host or device) back as NumPy.
 """
 
 from .loader import (
     KERNEL_SOURCES,
     SPECULATE_SAVE_MAX_BSZ,
+    KernelUnavailable,
     is_host_array,
     kernel_source,
     pack_topk,
     pack_topk_any,
     speculate_save,
     speculate_save_any,
+    to_host,
 )
 from .reference import (
     HEADER_WORDS,
@@ -42,6 +46,7 @@ __all__ = [
     "PREEMPTED",
     "RECORD_VERSION",
     "SPECULATE_SAVE_MAX_BSZ",
+    "KernelUnavailable",
     "expand_per_token",
     "is_host_array",
     "kernel_source",
@@ -53,5 +58,6 @@ __all__ = [
     "speculate_save",
     "speculate_save_any",
     "speculate_save_ref",
+    "to_host",
     "unpack_header",
 ]

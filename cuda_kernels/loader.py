@@ -6,9 +6,10 @@ an explicit ``stream=`` (CuPy's current stream is thread-local, and the
 runtime launches from worker threads). They return CuPy arrays and never
 synchronise.
 
-The ``*_any`` helpers run the NumPy reference when the inputs live on the host
-and the kernel otherwise, and always return host NumPy arrays (what the
-publisher sends), synchronising on ``stream`` in the GPU case.
+The ``*_any`` helpers run the NumPy reference when every input lives on the
+host and the kernel otherwise (uploading any host inputs), and always return
+host NumPy arrays (what the publisher sends), synchronising on ``stream`` in
+the GPU case. Device inputs without CuPy raise :class:`KernelUnavailable`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from spectrio.errors import SpectrioError
 
 from .reference import (
     HEADER_WORDS,
@@ -35,12 +38,14 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "KERNEL_SOURCES",
     "SPECULATE_SAVE_MAX_BSZ",
+    "KernelUnavailable",
     "is_host_array",
     "kernel_source",
     "pack_topk",
     "pack_topk_any",
     "speculate_save",
     "speculate_save_any",
+    "to_host",
 ]
 
 KERNEL_SOURCES: dict[str, str] = {
@@ -58,6 +63,11 @@ _PACK_TOPK_MAX_BLOCKS = 4096
 _DLPACK_CPU = 1  # kDLCPU in DLPack's DLDeviceType
 
 
+class KernelUnavailable(SpectrioError, RuntimeError):
+    """Device arrays reached a kernel but CuPy cannot be imported. Raised instead of
+    falling back to the host, which would hide a deployment error behind a slow path."""
+
+
 def kernel_source(name: str) -> str:
     """CUDA C source of kernel ``name``."""
     return resources.files(__package__).joinpath(KERNEL_SOURCES[name]).read_text()
@@ -72,8 +82,13 @@ def _source_max_bsz() -> int:
 
 @functools.cache
 def _cupy() -> Any:
-    import cupy  # lazy by design: CPU installs never import it
-
+    try:
+        import cupy  # lazy by design: CPU installs never import it
+    except ImportError as exc:
+        raise KernelUnavailable(
+            f"arrays on a GPU need CuPy for the step-record kernels, but it cannot be "
+            f"imported ({exc}); install spectrio[gpu] or pass host (NumPy) arrays"
+        ) from exc
     return cupy
 
 
@@ -97,17 +112,34 @@ def is_host_array(x: Any) -> bool:
     return int(device()[0]) == _DLPACK_CPU
 
 
-def _to_host(x: Any) -> np.ndarray:
-    if isinstance(x, np.ndarray) or not hasattr(x, "__dlpack__"):
-        return np.asarray(x)
-    return np.from_dlpack(x)
+def to_host(x: Any, *, stream: Any = None) -> np.ndarray:
+    """``x`` as a host NumPy array: host data as it is (a DLPack view where it has one),
+    device data copied on ``stream`` (the stream its producer ordered on) and
+    synchronised."""
+    if is_host_array(x):
+        if isinstance(x, np.ndarray) or not hasattr(x, "__dlpack__"):
+            return np.asarray(x)
+        return np.from_dlpack(x)
+    cp = _cupy()
+    if stream is None:
+        raise ValueError("device inputs need an explicit stream=")
+    with stream:
+        host = cp.asnumpy(x if isinstance(x, cp.ndarray) else cp.from_dlpack(x), stream=stream)
+    stream.synchronize()
+    return np.asarray(host)
 
 
 def _device(x: Any, dtype: Any) -> cupy.ndarray:
-    """A contiguous CuPy array of ``dtype`` viewing (or converted from) ``x``.
+    """A contiguous CuPy array of ``dtype`` viewing (or converted from) ``x``; host
+    inputs are uploaded, so a step may mix host and device arrays.
     Must be called inside ``with stream:`` so DLPack exchange orders on it."""
     cp = _cupy()
-    arr = x if isinstance(x, cp.ndarray) else cp.from_dlpack(x)
+    if isinstance(x, cp.ndarray):
+        arr = x
+    elif is_host_array(x):
+        arr = cp.asarray(to_host(x))
+    else:
+        arr = cp.from_dlpack(x)
     return cp.ascontiguousarray(arr.astype(dtype, copy=False))
 
 
@@ -252,12 +284,13 @@ def speculate_save_any(
     kernel (on ``stream``, then synchronised) for device inputs."""
     inputs = (accepted_tokens, accept_counts, preempted, seq_lens_decoder, prompt_lens)
     if all(is_host_array(x) for x in inputs):
-        tokens, counts, pre, dec, plen = (_to_host(x) for x in inputs)
+        tokens, counts, pre, dec, plen = (to_host(x) for x in inputs)
         return speculate_save_ref(tokens, counts, pre, dec, plen, kind, width)
+    cp = _cupy()
     if stream is None:
         raise ValueError("device inputs need an explicit stream=")
     out = speculate_save(*inputs, kind=kind, width=width, stream=stream)
-    host = _cupy().asnumpy(out, stream=stream)
+    host = cp.asnumpy(out, stream=stream)
     stream.synchronize()
     bsz = int(host[2])
     return host[: HEADER_WORDS + bsz + int(host[3])].astype("<i4", copy=False)
@@ -276,11 +309,11 @@ def pack_topk_any(
     (on ``stream``, then synchronised) for device inputs."""
     inputs = (topk_ids, topk_vals, ranks, topn)
     if all(is_host_array(x) for x in inputs):
-        ids, vals, rk, n = (_to_host(x) for x in inputs)
+        ids, vals, rk, n = (to_host(x) for x in inputs)
         return pack_topk_ref(ids, vals, rk, n, width)
+    cp = _cupy()
     if stream is None:
         raise ValueError("device inputs need an explicit stream=")
-    cp = _cupy()
     lp_ids, lp_vals, out_ranks = pack_topk(*inputs, width, stream=stream)
     result = (
         cp.asnumpy(lp_ids, stream=stream),
