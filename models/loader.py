@@ -109,7 +109,14 @@ def load(path_or_name: str | Path = "bundled", dtype: DType = "float32") -> Load
 
     Every parameter must be present with its exact shape; anything missing, misshapen,
     unexpected or unreadable raises :class:`CheckpointError` naming it.
+
+    ``"synthetic[:key=value,...]"`` loads the synthetic benchmark device instead
+    (:mod:`spectrio.models.synthetic`).
     """
+    if isinstance(path_or_name, str) and path_or_name.split(":", 1)[0] == "synthetic":
+        from spectrio.models.synthetic import load_synthetic
+
+        return load_synthetic(path_or_name, dtype)
     t0 = time.perf_counter()
     folder = resolve_path(path_or_name)
     try:

@@ -1,38 +1,88 @@
-"""Throughput benchmark of the pipeline on a model (default: the bundled one).
+"""Benchmark of the pipeline on a model: throughput, latency, acceptance and where each
+step's time goes.
 
-For each batch size and speculation setting it runs ``batch`` concurrent requests of
-held-out stdlib prompts (``ignore_eos``, fixed ``max_tokens``) and reports output tokens
-per second, the mean accepted length (tokens emitted per verify step), and the share of
-wall time spent outside Paddle forward calls (the pipeline's own overhead: scheduling,
-channels, threads, sampling, detokenisation).
+For each batch size and speculation setting it runs ``--num-requests`` requests (default:
+the batch size) with at most ``batch`` running at once (``max_num_seqs``), each
+``ignore_eos`` with a fixed ``--max-tokens``. Requests arrive all at once, or as a
+seeded Poisson process with ``--request-rate R`` requests per second. Prompts are
+held-out corpus text for real models and seeded random token ids for
+``--model synthetic:...`` (the synthetic device, :mod:`spectrio.models.synthetic`,
+which measures the runtime alone: ``--model synthetic:step_ms=10,per_row_us=20``).
 
 ``--logprobs off 0 20`` repeats every case with each logprob setting (``off``: none; N: the
 sampled token plus N alternatives, in every request) and reports the step record's mean
 bytes per step next to FastDeploy's fixed 512 x 6 x 21 message (530,444 bytes) and a fixed
-``batch x 6 x 21`` layout of the same batch.
+``batch x 6 x 21`` layout of the same batch. ``--agreement`` also reports the float32
+pipeline's token agreement with the float32 one-token-at-a-time reference (not for the
+synthetic device, which has no reference path). ``--plot out.png`` draws an inter-token
+latency histogram, acceptance per draft position and a step timeline (device busy
+intervals) per case. ``--save-trace PATH`` saves each run as a request trace
+(``docs/trace.md``: the planned arrivals, each request's result, and a summary) for
+``spectrio replay`` and ``spectrio diff``.
 
-``--agreement`` also reports the float32 pipeline's token agreement with the float32
-one-token-at-a-time reference (batched verification rounds differently in float32).
+Run: ``spectrio bench [--model M] [--batch 1 16] [--k 0 1 2 3 auto] [--request-rate R]
+[--logprobs off 0 20] [--max-tokens 64] [--overlap] [--json out.json] [--plot out.png]
+[--save-trace run.jsonl]``.
 
-Run: ``spectrio bench [--batch 1 16] [--k 0 1 2 3] [--logprobs off 0 20] [--max-tokens 64]
-[--json out.json]``.
+JSON (``--json``; stable, for scripts that compare runs): ``{"schema": 2, "machine",
+"args" (the options), "rows": [...]}`` with one row per case, keys:
+
+* case: ``batch``, ``k`` (int or "auto"), ``logprobs`` ("off" or N), ``dtype``,
+  ``overlap``, ``request_rate`` (null: all at once), ``requests``, ``max_tokens``;
+* throughput: ``tokens`` (output tokens), ``seconds`` (wall, first arrival to last
+  token), ``tokens_per_second``, ``requests_per_second``, ``tokens_per_second_runs``
+  (every ``--repeat`` run; the row is the median one);
+* latency, each ``{"p50", "p90", "p99", "mean"}`` in ms (null when there is no sample):
+  ``ttft_ms`` (arrival to first token), ``itl_ms`` (gap between consecutive deltas of a
+  request; a delta carries every token a step emitted), ``tpot_ms`` (per request:
+  (last token - first token) / (tokens - 1));
+* speculation: ``mean_accept_len`` (tokens per request per step), ``mean_accepted``
+  (drafts accepted per request per step), ``acceptance_per_position`` (position i:
+  accepted / proposed with drafts 1..i-1 accepted, the draft model's conditional rate),
+  ``accepted_per_position`` (accepted / proposed), ``drafts_proposed``,
+  ``drafts_accepted``;
+* device (from ``Runtime.step_timings()`` over the measured steps, after the warm-up;
+  :func:`spectrio.core.timing.device_summary`): ``efficiency`` (device busy / wall),
+  ``bubble`` (device idle between steps / wall), ``model_share`` (model forwards /
+  wall), ``overhead_share`` (1 - model_share), ``pipeline_steps``, ``breakdown_ms``:
+  mean per step of ``schedule``, ``draft``, ``verify``, ``sample``, ``publish``,
+  ``idle`` (idle: mean gap between steps);
+* records: ``record_bytes_per_step``, ``fixed_bytes_same_batch``, ``fixed_bytes_512``;
+* ``agreement`` with ``--agreement`` only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
+import math
+import os
 import platform
+import sys
 import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import trio
 from tqdm import tqdm
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
 from spectrio.core.messages import PublishedStep
+from spectrio.core.timing import StepTiming, device_summary
 from spectrio.models import load, reference
+from spectrio.models.synthetic import is_synthetic, parse_spec
 from spectrio.tools.corpus import corpus_files, read_texts
 from spectrio.tools.generation_stats import GenerationStats
+from spectrio.tools.trace import ResultBuilder, TraceWriter, runtime_fields, summarize
+
+SCHEMA = 2
+"""Version of the ``--json`` layout; bumped when a key changes meaning or goes away."""
+
+BREAKDOWN = ("schedule", "draft", "verify", "sample", "publish", "idle")
 
 FIXED_512_BYTES = 4 * (3 + 512) + 512 * (6 * 21 * 4 * 2 + 6 * 4)
 """FastDeploy's speculative top-k message: meta[3 + 512] plus 512 slots of
@@ -44,14 +94,20 @@ def fixed_layout_bytes(batch: int) -> int:
     return 4 * (3 + batch) + batch * (6 * 21 * 4 * 2 + 6 * 4)
 
 
-def bench_prompts(count: int, prompt_tokens: int, model: str) -> list[list[int]]:
+def bench_prompts(count: int, prompt_tokens: int, model: str, seed: int = 0) -> list[list[int]]:
+    """``count`` prompts of ``prompt_tokens`` ids: held-out corpus text, or for the
+    synthetic device seeded random ids (no EOS) within its vocabulary."""
+    if is_synthetic(model):
+        rng = np.random.default_rng(seed)
+        ids = rng.integers(1, parse_spec(model).vocab, size=(count, prompt_tokens))
+        return [[int(t) for t in row] for row in ids]
     tok = load(model).tokenizer
     assert tok is not None
     out: list[list[int]] = []
     for text in read_texts(corpus_files("heldout")):
-        ids = tok.encode(text)
-        for start in range(0, len(ids) - prompt_tokens, 997):
-            out.append(ids[start : start + prompt_tokens])
+        ids_ = tok.encode(text)
+        for start in range(0, len(ids_) - prompt_tokens, 997):
+            out.append(ids_[start : start + prompt_tokens])
             if len(out) == count:
                 return out
     raise RuntimeError("held-out split too small for the requested prompts")
@@ -66,6 +122,89 @@ def spec_config(k: int | str, k_max: int = 3) -> SpeculativeConfig:
     return SpeculativeConfig(num_speculative_tokens=int(k), adaptive=False)
 
 
+def poisson_arrivals(count: int, rate: float | None, seed: int = 0) -> list[float]:
+    """Arrival offsets in seconds of ``count`` requests: a seeded Poisson process of
+    ``rate`` per second (the first at 0), or every one at 0 when ``rate`` is None."""
+    if rate is None or count == 0:
+        return [0.0] * count
+    if not rate > 0 or math.isinf(rate):
+        raise ValueError(f"request rate must be a positive number, got {rate}")
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=count - 1)
+    return [0.0, *np.cumsum(gaps).tolist()]
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float | None]:
+    """p50, p90, p99 and mean of ``values`` (linear interpolation); None when empty."""
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    arr = np.asarray(values, dtype=np.float64)
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+    return {
+        "p50": round(float(p50), 3),
+        "p90": round(float(p90), 3),
+        "p99": round(float(p99), 3),
+        "mean": round(float(arr.mean()), 3),
+    }
+
+
+@dataclasses.dataclass
+class RequestTrace:
+    """When one request arrived and when each of its token-carrying deltas came."""
+
+    arrival: float
+    delta_times: list[float] = dataclasses.field(default_factory=list)
+    num_tokens: int = 0
+
+    def add(self, now: float, num_tokens: int) -> None:
+        if num_tokens:
+            self.delta_times.append(now)
+            self.num_tokens += num_tokens
+
+    @property
+    def ttft(self) -> float | None:
+        return self.delta_times[0] - self.arrival if self.delta_times else None
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.delta_times, self.delta_times[1:], strict=False)]
+
+    @property
+    def tpot(self) -> float | None:
+        if self.num_tokens < 2:
+            return None
+        return (self.delta_times[-1] - self.delta_times[0]) / (self.num_tokens - 1)
+
+
+def latency_summary(traces: Sequence[RequestTrace]) -> dict[str, dict[str, float | None]]:
+    """``ttft_ms``, ``itl_ms`` and ``tpot_ms`` percentiles over the requests."""
+    ttft = [t.ttft * 1e3 for t in traces if t.ttft is not None]
+    itl = [g * 1e3 for t in traces for g in t.itls]
+    tpot = [t.tpot * 1e3 for t in traces if t.tpot is not None]
+    return {"ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl), "tpot_ms": percentiles(tpot)}
+
+
+def timing_summary(timings: Sequence[StepTiming], wall: float) -> dict[str, Any]:
+    """The device keys of a row (``efficiency``, ``bubble``, ``model_share``,
+    ``overhead_share``, ``breakdown_ms``) from the measured steps' timings; every value
+    None when there are none."""
+    summary = device_summary(list(timings), wall)
+    if not summary:
+        return {
+            "efficiency": None,
+            "bubble": None,
+            "model_share": None,
+            "overhead_share": None,
+            "breakdown_ms": dict.fromkeys(BREAKDOWN),
+        }
+    return {
+        "efficiency": round(summary["efficiency"], 4),
+        "bubble": round(summary["bubble"], 4),
+        "model_share": round(summary["model_share"], 4),
+        "overhead_share": round(1.0 - summary["model_share"], 4),
+        "breakdown_ms": {name: round(summary[f"{name}_ms"], 4) for name in BREAKDOWN},
+    }
+
+
 async def run_case(
     model: str,
     dtype: str,
@@ -76,65 +215,146 @@ async def run_case(
     logprobs: int | None = None,
     overlap: bool = False,
     k_max: int = 3,
-) -> dict[str, object]:
+    request_rate: float | None = None,
+    num_requests: int | None = None,
+    seed: int = 0,
+    progress: bool = False,
+    trace_path: str | None = None,
+) -> dict[str, Any]:
+    """One case: returns its JSON row, plus ``outputs`` (token ids per request) and
+    ``_raw`` (traces and step timings, for plots) that the JSON leaves out. With
+    ``trace_path``, the run is also saved as a request trace (``docs/trace.md``)."""
     spec = spec_config(k, k_max)
+    count = batch if num_requests is None else num_requests
     cfg = RuntimeConfig(
         model=model,
         dtype=dtype,
         speculative=spec,
         max_num_seqs=max(batch, 1),
         max_num_batched_tokens=max(2048, batch * spec.tokens_per_seq),
-        max_model_len=512,
+        max_model_len=max(512, len(max(prompts, key=len)) + max_tokens + 1),
         enable_overlap=overlap,
     )
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
-    record_bytes: list[int] = []
-
-    def observe(pub: PublishedStep) -> None:
-        record_bytes.append(len(pub.record))
-
-    async with open_runtime(cfg) as rt:
-        async for _ in rt.generate(prompts[0][:8], SamplingParams(max_tokens=4)):  # warm-up
-            pass
-        stats = [GenerationStats() for _ in range(batch)]
-        outputs: list[list[int]] = [[] for _ in range(batch)]
-        fwd0, steps0 = rt.workspace.forward_seconds, rt.num_steps
-        rt.add_record_observer(observe)
-        t0 = time.perf_counter()
-
-        async def one(i: int) -> None:
-            async for delta in rt.generate(prompts[i], params):
-                stats[i].add(delta)
-                outputs[i] += delta.token_ids
-
-        async with trio.open_nursery() as nursery:
-            for i in range(batch):
-                nursery.start_soon(one, i)
-        wall = time.perf_counter() - t0
-        forward = rt.workspace.forward_seconds - fwd0
-        steps = rt.num_steps - steps0
-    tokens = sum(s.num_tokens for s in stats)
+    arrivals = poisson_arrivals(count, request_rate, seed)
+    with contextlib.ExitStack() as stack:
+        writer = (
+            None
+            if trace_path is None
+            else stack.enter_context(
+                TraceWriter(trace_path, source="bench", model=model, runtime=runtime_fields(cfg))
+            )
+        )
+        measured = await _measure(cfg, params, prompts, arrivals, writer, progress, batch, k)
     return {
         "batch": batch,
         "k": k,
         "logprobs": "off" if logprobs is None else logprobs,
         "dtype": dtype,
+        "overlap": overlap,
+        "request_rate": request_rate,
+        **measured,
+    }
+
+
+async def _measure(
+    cfg: RuntimeConfig,
+    params: SamplingParams,
+    prompts: list[list[int]],
+    arrivals: list[float],
+    writer: TraceWriter | None,
+    progress: bool,
+    batch: int,
+    k: int | str,
+) -> dict[str, Any]:
+    """Run one case's requests on a fresh runtime; the row's measured keys (run_case)."""
+    count = len(arrivals)
+    max_tokens = params.max_tokens
+    record_bytes: list[int] = []
+
+    def observe(pub: PublishedStep) -> None:
+        record_bytes.append(len(pub.record))
+
+    bar = tqdm(
+        total=count * max_tokens,
+        desc=f"batch={batch} k={k}",
+        unit="tok",
+        leave=False,
+        disable=not progress,
+    )
+    builders = [ResultBuilder(f"r{i}", start=0.0) for i in range(count)]
+    async with open_runtime(cfg) as rt:
+        async for _ in rt.generate(prompts[0][:8], SamplingParams(max_tokens=4)):  # warm-up
+            pass
+        await rt.wait_idle()
+        stats = [GenerationStats() for _ in range(count)]
+        outputs: list[list[int]] = [[] for _ in range(count)]
+        steps0 = rt.num_steps
+        before = rt.step_timings()
+        last_warm_step = before[-1].step if before else -1  # the window: later steps
+        rt.add_record_observer(observe)
+        t0 = time.perf_counter()
+        traces = [RequestTrace(arrival=t0 + a) for a in arrivals]
+        for i, (b, a) in enumerate(zip(builders, arrivals, strict=True)):
+            b.start = t0 + a
+            if writer is not None:  # the planned arrivals, in order
+                writer.add_request(b.request_id, prompts[i % len(prompts)], params, arrival_s=a)
+
+        async def one(i: int) -> None:
+            await trio.sleep(max(0.0, traces[i].arrival - time.perf_counter()))
+            rid = builders[i].request_id
+            async for delta in rt.generate(prompts[i % len(prompts)], params, request_id=rid):
+                now = time.perf_counter()
+                traces[i].add(now, len(delta.token_ids))
+                builders[i].add(delta, now)
+                stats[i].add(delta)
+                outputs[i] += delta.token_ids
+                bar.update(len(delta.token_ids))
+            if writer is not None:
+                writer.add_result(builders[i].result())
+
+        async with trio.open_nursery() as nursery:
+            for i in range(count):
+                nursery.start_soon(one, i)
+        wall = time.perf_counter() - t0
+        steps = rt.num_steps - steps0
+        await rt.wait_idle()
+        timings = [t for t in rt.step_timings() if t.step > last_warm_step]
+    bar.close()
+    if writer is not None:
+        writer.add_summary(wall, summarize([b.result() for b in builders], wall))
+    total = GenerationStats()
+    for s in stats:
+        total.merge(s)
+    tokens = total.num_tokens
+    device = timing_summary(timings, wall)
+    return {
+        "requests": count,
+        "max_tokens": max_tokens,
         "tokens": tokens,
-        "seconds": round(wall, 3),
+        "seconds": round(wall, 4),
         "tokens_per_second": round(tokens / wall, 1),
-        "mean_accept_len": round(tokens / max(1, sum(s.num_steps for s in stats)), 3),
+        "requests_per_second": round(count / wall, 3),
+        **latency_summary(traces),
+        "mean_accept_len": round(total.mean_accept_len, 3),
+        "mean_accepted": round(total.mean_accepted, 3),
+        "acceptance_per_position": [round(x, 4) for x in total.conditional_acceptance],
+        "accepted_per_position": [round(x, 4) for x in total.accepted_per_position],
+        "drafts_proposed": sum(total.proposed),
+        "drafts_accepted": sum(total.accepted),
         "pipeline_steps": steps,
-        "overhead_share": round(1.0 - forward / wall, 4),
+        **device,
         "record_bytes_per_step": round(sum(record_bytes) / max(1, len(record_bytes)), 1),
         "fixed_bytes_same_batch": fixed_layout_bytes(batch),
         "fixed_bytes_512": FIXED_512_BYTES,
         "outputs": outputs,
+        "_raw": {"traces": traces, "timings": timings, "t0": t0},
     }
 
 
-def _median_run(runs: list[dict[str, object]]) -> dict[str, object]:
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The run with the median tokens per second, with every run's figure attached."""
-    ordered = sorted(runs, key=lambda r: float(r["tokens_per_second"]))  # type: ignore[arg-type]
+    ordered = sorted(runs, key=lambda r: float(r["tokens_per_second"]))
     row = dict(ordered[len(ordered) // 2])
     row["tokens_per_second_runs"] = [r["tokens_per_second"] for r in runs]
     return row
@@ -154,15 +374,86 @@ def agreement(
     return same / total if total else 1.0
 
 
+def json_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A row as ``--json`` writes it (no outputs, no raw traces)."""
+    return {k: v for k, v in row.items() if k not in ("outputs", "_raw")}
+
+
+def _fmt(value: object, spec: str = "") -> str:
+    if value is None:
+        return "-"
+    return format(value, spec)
+
+
+def summary_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The rows as an aligned text table, one line per case."""
+    cols: list[tuple[str, int, Any]] = [
+        ("batch", 5, lambda r: r["batch"]),
+        ("k", 4, lambda r: "off" if r["k"] == 0 else r["k"]),
+        ("lp", 4, lambda r: r["logprobs"]),
+        ("tok/s", 9, lambda r: r["tokens_per_second"]),
+        ("req/s", 8, lambda r: _fmt(r["requests_per_second"], ".2f")),
+        ("ttft50", 8, lambda r: _fmt(r["ttft_ms"]["p50"], ".1f")),
+        ("ttft99", 8, lambda r: _fmt(r["ttft_ms"]["p99"], ".1f")),
+        ("itl50", 7, lambda r: _fmt(r["itl_ms"]["p50"], ".2f")),
+        ("itl99", 7, lambda r: _fmt(r["itl_ms"]["p99"], ".2f")),
+        ("acc_len", 7, lambda r: r["mean_accept_len"]),
+        ("eff", 6, lambda r: _fmt(r["efficiency"], ".1%")),
+        ("bubble", 6, lambda r: _fmt(r["bubble"], ".1%")),
+        ("ovh", 6, lambda r: _fmt(r["overhead_share"], ".1%")),
+        *[
+            (f"{name[:5]}ms", 8, lambda r, n=name: _fmt(r["breakdown_ms"][n], ".3f"))
+            for name in BREAKDOWN
+        ],
+        ("steps", 6, lambda r: r["pipeline_steps"]),
+        ("rec B", 8, lambda r: r["record_bytes_per_step"]),
+    ]
+    lines = [" ".join(f"{name:>{w}}" for name, w, _ in cols)]
+    for r in rows:
+        lines.append(" ".join(f"{str(get(r)):>{w}}" for _, w, get in cols))
+    accept = [
+        f"batch={r['batch']} k={r['k']}: "
+        + " ".join(f"{x:.3f}" for x in r["acceptance_per_position"])
+        for r in rows
+        if r["acceptance_per_position"]
+    ]
+    if accept:
+        lines.append("acceptance per draft position (conditional):")
+        lines += ["  " + a for a in accept]
+    return "\n".join(lines)
+
+
+def trace_path(
+    path: str | None, batch: int, k: int | str, logprobs: int | None, round_: int, single: bool
+) -> str | None:
+    """Where ``--save-trace PATH`` saves one run: PATH itself when the command has a
+    single run, else PATH with the run's case and round before its suffix."""
+    if path is None or single:
+        return path
+    p = Path(path)
+    lp = "off" if logprobs is None else logprobs
+    return str(p.with_name(f"{p.stem}.b{batch}.k{k}.lp{lp}.r{round_}{p.suffix}"))
+
+
+def _machine() -> str:
+    cores = os.cpu_count()
+    return f"{platform.machine()} {platform.processor() or ''} cores={cores}".strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="spectrio bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="bundled")
+    p.add_argument(
+        "--model",
+        default="bundled",
+        help="'bundled', a checkpoint folder, or the synthetic device "
+        "'synthetic:step_ms=10,per_row_us=20,accept=0.8,0.6,0.4'",
+    )
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="max running requests")
     p.add_argument(
         "--k",
         nargs="+",
@@ -184,9 +475,37 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=48)
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="requests per case (default: the batch size)",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="Poisson arrivals at this many requests per second (default: all at once)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seeds arrivals and synthetic prompts")
     p.add_argument("--agreement", action="store_true", help="float32 agreement with the reference")
     p.add_argument("--overlap", action="store_true", help="run with enable_overlap=True")
     p.add_argument("--json", type=str, default=None, help="write results to this file")
+    p.add_argument("--plot", type=str, default=None, help="write a figure (PNG) to this file")
+    p.add_argument(
+        "--save-trace",
+        type=str,
+        default=None,
+        metavar="PATH",
+        help="save each run as a request trace (docs/trace.md); with several runs, "
+        "PATH gets .b<batch>.k<k>.lp<logprobs>.r<round> before its suffix",
+    )
+    p.add_argument(
+        "--progress",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="progress bars (auto: when stderr is a terminal)",
+    )
     args = p.parse_args(argv)
 
     try:
@@ -199,12 +518,30 @@ def main(argv: list[str] | None = None) -> int:
         ks: list[int | str] = [v if v == "auto" else int(v) for v in args.k]
     except ValueError:
         p.error("--k takes integers and 'auto'")
-    prompts = bench_prompts(max(args.batch), args.prompt_tokens, args.model)
+    if any(b < 1 for b in args.batch):
+        p.error("--batch sizes must be positive")
+    if args.num_requests is not None and args.num_requests < 1:
+        p.error("--num-requests must be positive")
+    if args.request_rate is not None and not 0 < args.request_rate < math.inf:
+        p.error("--request-rate must be a positive number")
+    if args.max_tokens < 1 or args.prompt_tokens < 1 or args.repeat < 1:
+        p.error("--max-tokens, --prompt-tokens and --repeat must be positive")
+    if args.agreement and is_synthetic(args.model):
+        p.error("--agreement needs a reference model; the synthetic device has none")
+    if args.agreement and args.dtype != "float32":
+        p.error("--agreement compares float32 runs")
+    progress = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
+    counts = [b if args.num_requests is None else args.num_requests for b in args.batch]
+    prompts = bench_prompts(max(counts), args.prompt_tokens, args.model, args.seed)
     cases = [(b, k, lp) for b in args.batch for k in ks for lp in settings]
-    runs: dict[tuple[int, int | str, int | None], list[dict[str, object]]] = {c: [] for c in cases}
+    runs: dict[tuple[int, int | str, int | None], list[dict[str, Any]]] = {c: [] for c in cases}
     # Rounds alternate the cases, so a busy machine slows every case alike.
-    for _round, (b, k, lp) in tqdm(
-        [(r, c) for r in range(args.repeat) for c in cases], desc="bench", unit="case"
+    single = len(cases) * args.repeat == 1
+    for round_, (b, k, lp) in tqdm(
+        [(r, c) for r in range(args.repeat) for c in cases],
+        desc="bench",
+        unit="case",
+        disable=not progress,
     ):
         runs[(b, k, lp)].append(
             trio.run(
@@ -218,43 +555,40 @@ def main(argv: list[str] | None = None) -> int:
                 lp,
                 args.overlap,
                 args.k_max,
+                args.request_rate,
+                args.num_requests,
+                args.seed,
+                progress,
+                trace_path(args.save_trace, b, k, lp, round_, single),
             )
         )
     rows = [_median_run(runs[c]) for c in cases]
-    cores = __import__("os").cpu_count()
-    machine = f"{platform.machine()} {platform.processor() or ''} cores={cores}".strip()
+    machine = _machine()
     print(
         f"machine: {machine}; model={args.model} dtype={args.dtype} max_tokens={args.max_tokens} "
-        f"overlap={args.overlap}"
+        f"overlap={args.overlap} request_rate={args.request_rate or 'all at once'}"
     )
-    print(
-        f"{'batch':>5} {'k':>3} {'logprobs':>8} {'tok/s':>8} {'accept_len':>10} {'overhead':>9} "
-        f"{'steps':>6} {'record B/step':>13} {'fixed B (batch)':>15} {'fixed B (512)':>13}"
-    )
-    for r in rows:
-        k_label = "off" if r["k"] == 0 else str(r["k"])
-        print(
-            f"{r['batch']:>5} {k_label:>3} {r['logprobs']:>8} {r['tokens_per_second']:>8} "
-            f"{r['mean_accept_len']:>10} {r['overhead_share']:>9.1%} {r['pipeline_steps']:>6} "
-            f"{r['record_bytes_per_step']:>13} {r['fixed_bytes_same_batch']:>15} "
-            f"{r['fixed_bytes_512']:>13}"
-        )
+    print(summary_table(rows))
     if args.agreement:
-        if args.dtype != "float32":
-            p.error("--agreement compares float32 runs")
         for r in rows:
-            r["agreement"] = round(agreement(args.model, prompts, r["outputs"], args.max_tokens), 4)  # type: ignore[arg-type]
+            r["agreement"] = round(agreement(args.model, prompts, r["outputs"], args.max_tokens), 4)
             print(f"agreement batch={r['batch']} k={r['k']}: {r['agreement']:.2%}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(
                 {
+                    "schema": SCHEMA,
                     "machine": machine,
-                    "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
+                    "args": vars(args),
+                    "rows": [json_row(r) for r in rows],
                 },
                 fh,
                 indent=1,
             )
+    if args.plot:
+        from spectrio.tools.bench_plot import plot_rows
+
+        plot_rows(rows, args.plot, title=f"{args.model} on {machine}")
     return 0
 
 

@@ -13,6 +13,8 @@ class GenerationStats:
     num_tokens: int = 0
     proposed: list[int] = dataclasses.field(default_factory=list)  # per draft position
     accepted: list[int] = dataclasses.field(default_factory=list)
+    # per draft position i: steps that proposed it with drafts 1..i-1 all accepted
+    reached: list[int] = dataclasses.field(default_factory=list)
 
     def add(self, delta: Delta) -> None:
         if not delta.token_ids:
@@ -22,9 +24,24 @@ class GenerationStats:
         while len(self.proposed) < delta.num_drafts:
             self.proposed.append(0)
             self.accepted.append(0)
+            self.reached.append(0)
         for i in range(delta.num_drafts):
             self.proposed[i] += 1
             self.accepted[i] += int(i < delta.num_accepted)
+            self.reached[i] += int(i <= delta.num_accepted)
+
+    def merge(self, other: GenerationStats) -> None:
+        """Add another request's counts (per-position lists are summed)."""
+        self.num_steps += other.num_steps
+        self.num_tokens += other.num_tokens
+        for mine, theirs in (
+            (self.proposed, other.proposed),
+            (self.accepted, other.accepted),
+            (self.reached, other.reached),
+        ):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, v in enumerate(theirs):
+                mine[i] += v
 
     @property
     def mean_accept_len(self) -> float:
@@ -35,3 +52,14 @@ class GenerationStats:
     def accepted_per_position(self) -> list[float]:
         """Share of steps in which draft position i was accepted, of those that proposed it."""
         return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed, strict=False)]
+
+    @property
+    def conditional_acceptance(self) -> list[float]:
+        """Share of drafts at position i that were accepted, among steps that proposed it
+        with every earlier draft accepted: the rate a draft model has at that position."""
+        return [a / r if r else 0.0 for a, r in zip(self.accepted, self.reached, strict=True)]
+
+    @property
+    def mean_accepted(self) -> float:
+        """Drafts accepted per step (``mean_accept_len - 1`` without truncation)."""
+        return sum(self.accepted) / self.num_steps if self.num_steps else 0.0

@@ -8,7 +8,11 @@ from spectrio.core.config import RuntimeConfig, SpeculativeConfig
 
 
 def add_runtime_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="bundled", help="'bundled' or a checkpoint folder")
+    p.add_argument(
+        "--model",
+        default="bundled",
+        help="'bundled', a checkpoint folder or 'synthetic:...' (models/synthetic.py)",
+    )
     p.add_argument("--k", type=int, default=2, help="speculative tokens per step (1..5)")
     p.add_argument(
         "--num-model-steps", type=int, default=None, help="MTP substeps (1..k; default k)"

@@ -1,0 +1,203 @@
+"""``spectrio bench``: its pure summaries, and whole runs on the synthetic device (small and
+fast; no figures here, the numbers are only checked for consistency)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from spectrio import RuntimeConfig, open_runtime
+from spectrio.core.timing import StepTiming
+from spectrio.models.synthetic import true_chain
+from spectrio.tools import bench
+from spectrio.tools.bench_plot import timeline_bars
+from spectrio.tools.replay import replay_runtime
+from spectrio.tools.trace import config_from_fields, read_trace
+
+SYNTH = "synthetic:step_ms=0.3,per_row_us=2,accept=0.9,0.5,0.2"
+
+ROW_KEYS = {
+    "batch", "k", "logprobs", "dtype", "overlap", "request_rate", "requests", "max_tokens",
+    "tokens", "seconds", "tokens_per_second", "requests_per_second", "tokens_per_second_runs",
+    "ttft_ms", "itl_ms", "tpot_ms", "mean_accept_len", "mean_accepted",
+    "acceptance_per_position", "accepted_per_position", "drafts_proposed", "drafts_accepted",
+    "pipeline_steps", "efficiency", "bubble", "model_share", "overhead_share", "breakdown_ms",
+    "record_bytes_per_step", "fixed_bytes_same_batch", "fixed_bytes_512",
+}  # fmt: skip
+
+
+def test_poisson_arrivals_are_seeded_and_at_the_rate() -> None:
+    assert bench.poisson_arrivals(3, None) == [0.0, 0.0, 0.0]
+    a = bench.poisson_arrivals(4000, 50.0, seed=1)
+    assert a == bench.poisson_arrivals(4000, 50.0, seed=1)
+    assert a != bench.poisson_arrivals(4000, 50.0, seed=2)
+    assert a[0] == 0.0 and all(y >= x for x, y in zip(a, a[1:], strict=False))
+    assert abs(np.mean(np.diff(a)) - 1 / 50) < 0.002
+    with pytest.raises(ValueError, match="positive"):
+        bench.poisson_arrivals(2, 0.0)
+
+
+def test_percentiles_and_latencies() -> None:
+    assert bench.percentiles([]) == {"p50": None, "p90": None, "p99": None, "mean": None}
+    got = bench.percentiles([float(x) for x in range(1, 101)])
+    assert got == {"p50": 50.5, "p90": 90.1, "p99": 99.01, "mean": 50.5}
+    tr = bench.RequestTrace(arrival=1.0)
+    tr.add(1.5, 1)
+    tr.add(1.6, 0)  # a delta without tokens (e.g. the final one) is no token event
+    tr.add(1.7, 3)
+    tr.add(2.0, 1)
+    assert tr.ttft == pytest.approx(0.5)
+    assert tr.itls == pytest.approx([0.2, 0.3])
+    assert tr.tpot == pytest.approx(0.5 / 4)
+    lat = bench.latency_summary([tr, bench.RequestTrace(arrival=0.0)])
+    assert lat["ttft_ms"]["p50"] == pytest.approx(500.0)
+    assert lat["itl_ms"]["mean"] == pytest.approx(250.0)
+
+
+def _timing(step: int, start: float, device: float, gap_after: float = 0.0) -> StepTiming:
+    return StepTiming(
+        step=step,
+        num_seqs=1,
+        num_rows=1,
+        num_drafts=0,
+        plan_start=start - 0.002,
+        planned_at=start - 0.001,
+        device_start=start,
+        draft_end=start + device * 0.1,
+        verify_end=start + device * 0.9,
+        device_end=start + device,
+        model_seconds=device * 0.8,
+        publish_start=start + device,
+        publish_end=start + device + 0.0005,
+    )
+
+
+def test_timing_summary_keys() -> None:
+    # Three 10 ms steps with 1 ms gaps over a 32 ms wall.
+    steps = [_timing(i, 0.011 * i, 0.010) for i in range(3)]
+    got = bench.timing_summary(steps, 0.032)
+    assert got["efficiency"] == pytest.approx(0.030 / 0.032, abs=1e-4)
+    assert got["bubble"] == pytest.approx(0.002 / 0.032, abs=1e-4)
+    assert got["overhead_share"] == pytest.approx(1 - 0.024 / 0.032, abs=1e-4)
+    assert got["breakdown_ms"] == pytest.approx(
+        {"schedule": 1.0, "draft": 1.0, "verify": 8.0, "sample": 1.0, "publish": 0.5, "idle": 1.0}
+    )
+    empty = bench.timing_summary([], 1.0)
+    assert empty["efficiency"] is None and set(empty["breakdown_ms"]) == set(bench.BREAKDOWN)
+    bars = timeline_bars(steps, 0.0, window=0.015)
+    assert [round(x, 3) for x, _ in bars["verify"]] == [1.0, 12.0]
+    assert [(round(x, 3), round(w, 3)) for x, w in bars["schedule"]] == [(-2.0, 1.0), (9.0, 1.0)]
+    assert [round(w, 3) for _, w in bars["publish"]] == [0.5, 0.5]
+
+
+async def _main(argv: list[str], seconds: float) -> int:
+    """``bench.main`` (which runs ``trio.run`` per case) in a worker thread, under a
+    deadline: abandoned on timeout, so a hung pipeline fails the test instead of hanging."""
+    with trio.fail_after(seconds):
+        return await trio.to_thread.run_sync(bench.main, argv, abandon_on_cancel=True)
+
+
+async def test_bench_json_plot_and_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, png = tmp_path / "out.json", tmp_path / "out.png"
+    argv = [
+        "--model", SYNTH, "--batch", "1", "8", "--k", "0", "3", "--max-tokens", "24",
+        "--prompt-tokens", "12", "--json", str(out), "--plot", str(png), "--progress", "off",
+    ]  # fmt: skip
+    assert await _main(argv, 120) == 0
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == bench.SCHEMA and doc["args"]["model"] == SYNTH
+    rows = doc["rows"]
+    assert [(r["batch"], r["k"]) for r in rows] == [(1, 0), (1, 3), (8, 0), (8, 3)]
+    for r in rows:
+        assert set(r) == ROW_KEYS
+        assert r["tokens"] == r["requests"] * 24 == r["batch"] * 24
+        assert r["requests_per_second"] == pytest.approx(r["requests"] / r["seconds"], rel=0.02)
+        assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
+        assert r["itl_ms"]["p50"] <= r["itl_ms"]["p90"] <= r["itl_ms"]["p99"]
+        assert set(r["breakdown_ms"]) == set(bench.BREAKDOWN)
+        assert 0 < r["efficiency"] <= 1.0 and 0 <= r["bubble"] < 1.0
+        assert r["overhead_share"] == pytest.approx(1 - r["model_share"], abs=1e-3)
+        assert all(v is not None and v >= 0 for v in r["breakdown_ms"].values())
+        if r["k"] == 0:
+            assert r["mean_accept_len"] == 1.0 and r["acceptance_per_position"] == []
+        else:
+            assert len(r["acceptance_per_position"]) == 3
+            assert r["mean_accept_len"] > 1.5
+            assert r["drafts_accepted"] <= r["drafts_proposed"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = capsys.readouterr().out
+    assert "tok/s" in table and "acceptance per draft position" in table
+
+
+async def test_bench_request_rate(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    argv = [
+        "--model", SYNTH, "--batch", "4", "--k", "2", "--max-tokens", "8", "--prompt-tokens",
+        "6", "--num-requests", "12", "--request-rate", "400", "--json", str(out),
+        "--progress", "off",
+    ]  # fmt: skip
+    assert await _main(argv, 60) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["requests"] == 12 and row["request_rate"] == 400.0 and row["tokens"] == 96
+    # 12 arrivals at 400/s span about 27 ms; the run cannot end before the last arrival.
+    assert row["seconds"] >= bench.poisson_arrivals(12, 400.0)[-1]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--agreement"], ["--request-rate", "0"], ["--batch", "0"], ["--k", "x"]],
+)
+def test_bench_rejects_bad_options(extra: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--model", SYNTH, "--progress", "off", *extra])
+    assert exc.value.code == 2
+
+
+def test_bench_synthetic_prompts_are_seeded_ids_in_vocab() -> None:
+    a = bench.bench_prompts(5, 7, SYNTH, seed=3)
+    assert a == bench.bench_prompts(5, 7, SYNTH, seed=3)
+    assert len(a) == 5 and all(len(p) == 7 and 1 <= min(p) and max(p) < 512 for p in a)
+
+
+async def test_bench_save_trace_replays_to_the_same_tokens(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    argv = [
+        "--model", SYNTH, "--batch", "3", "--k", "2", "--max-tokens", "10", "--prompt-tokens",
+        "5", "--num-requests", "5", "--request-rate", "500", "--save-trace", str(path),
+        "--progress", "off",
+    ]  # fmt: skip
+    assert await _main(argv, 60) == 0
+    trace = read_trace(path)
+    assert trace.header.source == "bench" and trace.header.model == SYNTH
+    prompts = bench.bench_prompts(5, 5, SYNTH)
+    assert [r.prompt_ids for r in trace.requests] == prompts
+    assert [r.arrival_s for r in trace.requests] == pytest.approx(
+        bench.poisson_arrivals(5, 500.0), abs=1e-6
+    )
+    results = trace.ordered_results()
+    assert [r.token_ids for r in results] == [true_chain(p, 10) for p in prompts]
+    assert all(r.finish_reason == "length" and r.ttft_s is not None for r in results)
+    assert trace.summary is not None and trace.summary.stats["tokens"] == 50
+    # The recorded configuration replays in-process to the same tokens.
+    config = config_from_fields(trace.header.runtime or {})
+    assert isinstance(config, RuntimeConfig) and config.model == SYNTH
+    with trio.fail_after(60):
+        async with open_runtime(config) as rt:
+            run = await replay_runtime(rt, trace.requests, speed=float("inf"))
+    assert sorted((r.request_id, r.token_ids) for r in run.results) == sorted(
+        (r.request_id, r.token_ids) for r in results
+    )
+
+
+def test_trace_paths_per_run() -> None:
+    assert bench.trace_path(None, 1, 0, None, 0, False) is None
+    assert bench.trace_path("a/run.jsonl", 16, 3, None, 0, True) == "a/run.jsonl"
+    assert bench.trace_path("a/run.jsonl", 16, "auto", 5, 1, False) == (
+        "a/run.b16.kauto.lp5.r1.jsonl"
+    )
