@@ -41,7 +41,7 @@ class Staging:
             # Grow (rare: the arena settles at the largest pass); views handed out from the
             # old buffer stay valid, since they keep it alive.
             size = max(self._initial, 2 * (used + n), 0 if buf is None else 2 * buf.shape[0])
-            buf = paddle.zeros([size], dtype=key)
+            buf = paddle.zeros([size], dtype=key)  # type: ignore[arg-type]  # a numpy dtype name
             self._buffers[key] = buf
             used = 0
         self._used[key] = used + n

@@ -42,7 +42,7 @@ from spectrio.runtime.device_worker import DeviceWorker
 from spectrio.stages.block_manager import BlockManager
 from spectrio.stages.publisher import run_publisher
 from spectrio.stages.sampling import Sampler
-from spectrio.stages.scheduler import ControlClosed, StageFailure, run_scheduler
+from spectrio.stages.scheduler import ControlClosed, run_scheduler
 from spectrio.stages.scheduling import Scheduler
 from spectrio.stages.workspace import Workspace
 
@@ -89,7 +89,7 @@ class Runtime:
         self.workspace = Workspace(loaded.model, num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.blocks)
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer)
-        self.worker = DeviceWorker(self.workspace, self.sampler, self._post_from_device)
+        self.worker = DeviceWorker(self.workspace, self.sampler)
         self._observers: list[Callable[[PublishedStep], None]] = []
         self._sinks: list[Callable[[PublishedStep], Awaitable[None]]] = []
         self._encoded = encoded_channels
@@ -125,6 +125,16 @@ class Runtime:
         self._control, self._events_tx = control_tx, events_tx
         self._token = trio.lowlevel.current_trio_token()
         self.worker.start()
+
+        async def pump_results() -> None:
+            # Off the device's critical path: a Trio worker thread waits for results.
+            while True:
+                item = await trio.to_thread.run_sync(
+                    self.worker.next_result, abandon_on_cancel=True
+                )
+                if item is None:  # the worker ended
+                    return
+                events_tx.send_nowait(item)
 
         async def forward_control() -> None:
             async for msg in control_rx:
@@ -166,6 +176,7 @@ class Runtime:
                 async with trio.open_nursery() as inner:
                     inner.start_soon(publisher)
                     inner.start_soon(forward_control)
+                    inner.start_soon(pump_results)
                     inner.start_soon(scheduler)
             finally:
                 self._stopped.set()
@@ -206,25 +217,6 @@ class Runtime:
         if self._control is not None:
             self._control.close()
         self._notify()
-
-    def _post_from_device(self, item: StepResult | StageFailure, timing: StepTiming | None) -> None:
-        """Called on the device worker thread: hand a result (or a failure) to the loop."""
-        send = self._events_tx
-        token = self._token
-        if send is None or token is None:
-            return
-        payload: object = item if isinstance(item, StageFailure) else (item, timing)
-
-        def put() -> None:
-            try:
-                send.send_nowait(payload)
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                pass
-
-        try:
-            token.run_sync_soon(put)
-        except trio.RunFinishedError:
-            pass
 
     def _on_result(self, result: StepResult, timing: StepTiming | None) -> None:
         if timing is not None:

@@ -93,7 +93,8 @@ async def replay_runtime(
     recorded prompt ids, params and request id). A request the runtime refuses gets
     ``finish_reason="error"``. Cancellation aborts the requests still running."""
     builders: list[ResultBuilder | None] = [None] * len(requests)
-    n0 = len(rt.step_timings())
+    timings0 = rt.step_timings()
+    last0 = timings0[-1].step if timings0 else 0  # by step number: timings are a ring
     from spectrio.errors import InvalidRequest
 
     async def one(i: int, req: TraceRequest) -> None:
@@ -109,7 +110,7 @@ async def replay_runtime(
     async with trio.open_nursery() as nursery:
         await _paced(requests, speed, lambda i, r: nursery.start_soon(one, i, r))
     wall = trio.current_time() - t0
-    device = device_summary(rt.step_timings()[n0:], wall) or None
+    device = device_summary([t for t in rt.step_timings() if t.step > last0], wall) or None
     return ReplayRun([b.result() for b in builders if b is not None], wall, device)
 
 
