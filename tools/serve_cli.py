@@ -65,7 +65,19 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="allow endpoints other hosts or users can reach: a non-loopback address, "
         "a wildcard (binds every interface), an abstract ipc://@name; use CURVE with it",
     )
-    p.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=1 << 20,
+        help="largest request frame read; a larger one gets too_large (default 1 MiB)",
+    )
+    p.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=None,
+        help="transport limit: libzmq drops the connection of a client that sends a larger "
+        "message, without a reply (default 16x --max-request-bytes, at least 16 MiB)",
+    )
     p.add_argument(
         "--grace",
         type=float,
@@ -215,6 +227,7 @@ async def _serve_async(
                             context=ctx,
                             claim=claim,
                             max_request_bytes=args.max_request_bytes,
+                            max_message_bytes=args.max_message_bytes,
                             max_requests_per_s=args.max_requests_per_s,
                             curve=curve,
                             task_status=task_status,
@@ -250,10 +263,12 @@ def serve_main(args: argparse.Namespace) -> int:
             ServerRunning,
             claim_endpoints,
             default_endpoints,
+            message_cap,
         )
 
         try:
             config = runtime_config(args)
+            message_cap(args.max_request_bytes, args.max_message_bytes)  # ValueError: refused
             defaults = (
                 default_endpoints(args.run_dir) if not (args.requests and args.outputs) else None
             )
