@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import paddle
+
+from spectrio.models.paddle_setup import paddle
 
 
 @dataclasses.dataclass

@@ -136,17 +136,17 @@ def keys_main(args: argparse.Namespace) -> int:
 
 
 class _StartupSignals:
-    """SIGINT and SIGTERM outside Trio's signal receiver. Paddle installs a C-level
-    SIGTERM handler at import that prints a fatal-error banner; these Python handlers
-    replace it and only record the signal, so a stop requested during start-up is
-    honoured once the start-up can be cancelled cleanly (exit 0, quietly).
+    """SIGINT and SIGTERM outside Trio's signal receiver. These Python handlers only
+    record the signal, so a stop requested during start-up is honoured once the start-up
+    can be cancelled cleanly (exit 0, quietly). Paddle installs a C-level SIGTERM handler
+    while it is imported (inside this block), and spectrio puts these back right after
+    (:mod:`spectrio.models.host_state`).
 
     On exit the two signals are ignored: the server is done and the process is exiting,
     and Python's finalization would otherwise put back the default action, so a late
     signal would kill a process that already shut down cleanly.
 
-    Paddle is imported with the ``spectrio`` package, before any CLI code runs; a signal
-    in the last part of that import still meets Paddle's handler."""
+    A signal during Paddle's import itself still meets Paddle's handler."""
 
     def __init__(self) -> None:
         self.received: list[int] = []
