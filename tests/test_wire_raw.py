@@ -488,3 +488,33 @@ def test_the_largest_seed_needs_64_bits(wire: Wire) -> None:
     """*Numbers*: the seed's range is [0, 2^63 - 1]; the largest one is accepted."""
     ids = wire.run(new_id("seed"), PROMPT_IDS, max_tokens=3, temperature=0.7, seed=2**63 - 1)
     assert len(ids) == 3
+
+
+def test_the_transport_limit_is_16_times_the_cap_and_at_least_16_mib(tmp_path: Path) -> None:
+    """*Limits*: the default transport limit, and a limit not above the cap is refused
+    (status 2, before the model is loaded)."""
+    from spectrio.wire.server import message_cap
+
+    assert message_cap(1 << 20) == 16 << 20
+    assert message_cap(4096) == 16 << 20
+    assert message_cap(2 << 20) == 32 << 20
+    assert message_cap(1 << 20, 2 << 20) == 2 << 20
+    with pytest.raises(ValueError, match="must exceed"):
+        message_cap(1 << 20, 1 << 20)
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            *SERVE,
+            "--run-dir",
+            str(run),
+            "--max-request-bytes",
+            "2048",
+            "--max-message-bytes",
+            "2048",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "must exceed" in proc.stderr
+    assert "model loaded" not in proc.stderr
