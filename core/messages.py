@@ -9,8 +9,9 @@ import msgspec
 from spectrio.core.params import SamplingParams
 
 
-class SeqWork(msgspec.Struct, kw_only=True):
-    """One sequence's share of a step. Written by the scheduler, drafts added by the draft stage."""
+class SeqWork(msgspec.Struct, kw_only=True, frozen=True):
+    """One sequence's share of a step. Written by the scheduler; the draft stage returns a
+    copy with ``drafts`` filled in. Immutable: a plan is owned by its step."""
 
     slot: int  # row of this sequence in the step (index into StepPlan.seqs)
     seq_id: int  # scheduler-internal id; keys the workspace's and the sampler's per-sequence state
@@ -30,10 +31,14 @@ class SeqWork(msgspec.Struct, kw_only=True):
     #                       when recomputing after preemption); the record's prefill test
     prompt_ids: list[int] = []  # the prompt, sent once on the first sampling step when a
     #                             repetition penalty needs it (the sampler keeps it)
-    drafts: list[int] = []  # filled in by the draft stage
+    drafts: list[int] = []  # filled in by the draft stage (on a copy)
+    speculative: bool = False  # keeps an MTP cache (catch-up runs even with 0 drafts)
+    pending: bool = False  # planned ahead: inputs come from the previous step's result
+    #                        (stages/overlap.py); token_ids is empty until resolved
+    max_model_len: int = 0  # the runtime's limit, for resolving drafts of pending work
 
 
-class StepPlan(msgspec.Struct, kw_only=True):
+class StepPlan(msgspec.Struct, kw_only=True, frozen=True):
     step: int
     seqs: list[SeqWork]
     preempted: list[str] = []  # request ids preempted while planning this step (record: -9)
@@ -43,6 +48,7 @@ class StepPlan(msgspec.Struct, kw_only=True):
     #                          ended, by the sampler stage or the scheduler actor's release
     #                          hook; dropping again is a no-op)
     retired: list[int] = []  # seq ids that ended outside the sampler (aborts): drop their state
+    k: int = 0  # drafts per decoding sequence the policy chose for this step
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
@@ -76,6 +82,7 @@ class StepResult(msgspec.Struct, kw_only=True):
     results: list[SeqResult]
     preempted: list[str] = []
     aborted: list[str] = []
+    device_seconds: float = 0.0  # the device worker's time on this step (draft+verify+sample)
 
 
 class NewRequest(msgspec.Struct, tag=True, kw_only=True):

@@ -10,8 +10,12 @@ The semantics are Trio's (:func:`spectrio.open_runtime`):
 * leaving the ``async with`` block ends every running stream with a final delta
   (``finish_reason="abort"``, ``abort_reason="shutdown"``); a stream asked for after
   that raises ``RuntimeError``;
-* a task waiting on a stream that can get no more output (the Trio run died) is
-  cancelled the asyncio way, with ``asyncio.CancelledError``;
+* a stage failure raises :class:`~spectrio.EngineDead` in every waiting task, as in
+  Trio; a task waiting on a stream that can get no more output for another reason (the
+  Trio run itself died) is cancelled the asyncio way, with ``asyncio.CancelledError``;
+* ``generate`` checks and submits at once; ``abort`` returns a bool; ``wait_idle``,
+  ``stats`` and ``step_timings`` are Trio's; one asyncio runtime runs per thread (guest
+  mode allows one Trio run per thread), a second one raises ``SpectrioError``;
 * leaving a stream's ``async with`` block, ``aclose()`` or cancelling its consumer aborts
   the request at once.
 """
@@ -21,17 +25,23 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import threading
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
 from spectrio.core.config import RuntimeConfig
+from spectrio.core.messages import RuntimeStats
 from spectrio.core.params import SamplingParams
+from spectrio.core.timing import StepTiming
+from spectrio.errors import SpectrioError
 from spectrio.runtime.api import Delta, Runtime, open_runtime
+
+T = TypeVar("T")
 
 __all__ = ["AsyncioRequestStream", "AsyncioRuntime", "open_runtime_asyncio"]
 
@@ -66,6 +76,7 @@ class AsyncioRequestStream:
         self._bridge = bridge
         self._args = (prompt, params)
         self.request_id = uuid.uuid4().hex if request_id is None else request_id
+        self._start()  # checked and submitted now, as the Trio API does
 
     @property
     def finished(self) -> bool:
@@ -155,11 +166,14 @@ class AsyncioRuntime:
         """Start a request; see :meth:`spectrio.Runtime.generate`. Use the stream as an
         async context manager (``async with rt.generate(...) as stream:``) so that leaving
         the block aborts the request at once. The request is checked and submitted when
-        the stream is entered or first iterated: :class:`~spectrio.InvalidRequest` for a
-        bad request, ``RuntimeError`` once the runtime is shut down."""
+        ``generate`` is called: :class:`~spectrio.InvalidRequest` for a bad request,
+        :class:`~spectrio.EngineDead` if the engine failed, ``RuntimeError`` once the
+        runtime is shut down."""
         return AsyncioRequestStream(self, prompt, params, request_id)
 
     def _submit(self, prompt: object, params: object, request_id: str) -> _Job:
+        if self.runtime._dead is not None:
+            raise self.runtime._dead
         if self._closed:
             raise RuntimeError("the runtime is not running")
         # Checked here, on the caller's side, so a bad request raises where it is made.
@@ -191,15 +205,47 @@ class AsyncioRuntime:
             if job is not None and not job.ended:
                 job.end(_GONE)
 
-    async def abort(self, request_id: str) -> None:
-        """Abort a running request (see :meth:`spectrio.Runtime.abort`); once the runtime
-        has stopped there is nothing to abort."""
+    async def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run ``fn()`` in the Trio run and await its result (or exception) in asyncio."""
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+
+        async def call() -> None:
+            try:
+                value = await fn()
+            except BaseException as exc:
+                if not future.done():
+                    future.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+            else:
+                if not future.done():
+                    future.set_result(value)
+
         try:
-            self._token.run_sync_soon(
-                lambda: trio.lowlevel.spawn_system_task(self.runtime.abort, request_id)
-            )
+            self._token.run_sync_soon(lambda: trio.lowlevel.spawn_system_task(call))
         except trio.RunFinishedError:
-            pass
+            raise RuntimeError("the runtime is not running") from None
+        return await future
+
+    async def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        """Abort a request; the same contract and result as :meth:`spectrio.Runtime.abort`
+        (False for an unknown or finished request, and once the runtime has stopped)."""
+        try:
+            return await self._call(lambda: self.runtime.abort(request_id, reason))
+        except RuntimeError:
+            return False
+
+    async def wait_idle(self) -> None:
+        """:meth:`spectrio.Runtime.wait_idle`: until nothing is queued, running or in flight."""
+        await self._call(self.runtime.wait_idle)
+
+    def stats(self) -> RuntimeStats:
+        """:meth:`spectrio.Runtime.stats` (Trio runs on this thread: a plain call)."""
+        return self.runtime.stats()
+
+    def step_timings(self) -> list[StepTiming]:
+        """:meth:`spectrio.Runtime.step_timings`."""
+        return self.runtime.step_timings()
 
 
 def _end_at_shutdown(job: _Job) -> None:
@@ -240,6 +286,27 @@ async def open_runtime_asyncio(
     On exit every running stream gets its final delta (``finish_reason="abort"``,
     ``abort_reason="shutdown"``) and then ends; the Trio run is then over."""
     loop = asyncio.get_running_loop()
+    thread = threading.get_ident()
+    if thread in _BRIDGED_THREADS:
+        raise SpectrioError(
+            "a spectrio asyncio runtime already runs in this thread: Trio's guest mode runs "
+            "one Trio run per thread, so share that runtime (or open one in another thread)"
+        )
+    _BRIDGED_THREADS.add(thread)
+    try:
+        async with _bridge(loop, config, encoded_channels) as aio_rt:
+            yield aio_rt
+    finally:
+        _BRIDGED_THREADS.discard(thread)
+
+
+_BRIDGED_THREADS: set[int] = set()
+
+
+@asynccontextmanager
+async def _bridge(
+    loop: asyncio.AbstractEventLoop, config: RuntimeConfig | None, encoded_channels: bool
+) -> AsyncIterator[AsyncioRuntime]:
     ready: asyncio.Future[tuple[AsyncioRuntime, trio.Event]] = loop.create_future()
     done: asyncio.Future[Any] = loop.create_future()
     bridge: list[AsyncioRuntime] = []

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import functools
+import collections
 import itertools
 import math
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -13,15 +14,15 @@ import msgspec
 import structlog
 import trio
 
-from spectrio.core.channels import ChannelReceiver, ChannelSender, open_channel
+from spectrio.core.channels import ChannelSender, open_channel
 from spectrio.core.config import ConfigError, RuntimeConfig
 from spectrio.core.messages import (
     AbortRequest,
     Control,
     NewRequest,
     PublishedStep,
+    RuntimeStats,
     SeqResult,
-    StepPlan,
     StepResult,
     TokenLogprob,
 )
@@ -32,16 +33,16 @@ from spectrio.core.params import (
     check_prompt,
     check_request_id,
 )
+from spectrio.core.timing import StepTiming
+from spectrio.errors import EngineDead
 from spectrio.models import LoadedModel, load
 from spectrio.models.paddle_setup import configure_paddle
+from spectrio.runtime.device_worker import DeviceWorker
 from spectrio.stages.block_manager import BlockManager
-from spectrio.stages.draft import run_draft
 from spectrio.stages.publisher import run_publisher
-from spectrio.stages.sampler import run_sampler
 from spectrio.stages.sampling import Sampler
-from spectrio.stages.scheduler import run_scheduler
+from spectrio.stages.scheduler import ControlClosed, StageFailure, run_scheduler
 from spectrio.stages.scheduling import Scheduler
-from spectrio.stages.verify import run_verify
 from spectrio.stages.workspace import Workspace
 
 log = structlog.get_logger("spectrio.runtime")
@@ -87,81 +88,166 @@ class Runtime:
         self.workspace = Workspace(loaded.model, num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.blocks)
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer)
+        self.worker = DeviceWorker(self.workspace, self.sampler, self._post_from_device)
         self._observers: list[Callable[[PublishedStep], None]] = []
         self._sinks: list[Callable[[PublishedStep], Awaitable[None]]] = []
         self._encoded = encoded_channels
-        self._limiter = trio.CapacityLimiter(1)
         self._control: ChannelSender[Control] | None = None
-        self._streams: dict[str, trio.MemorySendChannel[Delta | SeqResult]] = {}
+        self._events_tx: trio.MemorySendChannel[object] | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._streams: dict[str, trio.MemorySendChannel[Delta | SeqResult | EngineDead]] = {}
         self._seq_ids: dict[str, int] = {}
         self._ids = itertools.count(1)
         self._closed = False
+        self._dead: EngineDead | None = None
+        self._changed = trio.Event()  # set (and replaced) whenever the pipeline may be idle
+        self._stopped = trio.Event()  # every stage has ended
+        self._timings: collections.deque[StepTiming] = collections.deque(maxlen=1 << 16)
+        self._unpublished: dict[int, StepTiming] = {}
         self.num_steps = 0  # pipeline steps published
         self.num_drafts_proposed = 0
         self.num_drafts_accepted = 0
+        k = config.speculative.effective_num_model_steps if config.speculative.enabled else 0
+        self._proposed_at = [0] * k
+        self._accepted_at = [0] * k
 
     # ---- assembly ---------------------------------------------------------------------
 
     async def _start(self, nursery: trio.Nursery) -> None:
+        """Start the stages: the publisher, the scheduler actor, the device worker thread,
+        and a task that forwards the control channel into the scheduler's event stream
+        (its end becomes :class:`ControlClosed`)."""
         enc = self._encoded
-        control: tuple[ChannelSender[Control], ChannelReceiver[Control]] = open_channel(
-            Control, math.inf, enc
-        )
-        control_tx, control_rx = control
-        plan_tx, plan_rx = open_channel(StepPlan, 1, enc)
-        draft_tx, draft_rx = open_channel(StepPlan, 1, enc)
-        verified_tx, verified_rx = open_channel(StepPlan, 1, enc)
-        overlap = self.config.enable_overlap
-        # With overlap the publisher may lag a step behind the sampler, hence the slack.
-        sampled_tx, sampled_rx = open_channel(StepResult, 2 if overlap else 1, enc)
-        feedback_tx, feedback_rx = open_channel(StepResult, 1, enc)
-        self._control = control_tx
-        # Downstream first, so every stage is ready before the scheduler plans anything.
-        await nursery.start(
-            run_publisher,
-            sampled_rx,
-            self._deliver,
-            self._publish,
-            None if overlap else feedback_tx,
-        )
-        await nursery.start(
-            functools.partial(run_sampler, feedback=feedback_tx if overlap else None),
-            self.workspace,
-            self.sampler,
-            self._limiter,
-            verified_rx,
-            sampled_tx,
-        )
-        await nursery.start(run_verify, self.workspace, self._limiter, draft_rx, verified_tx)
-        await nursery.start(run_draft, self.workspace, self._limiter, plan_rx, draft_tx)
-        await nursery.start(
-            functools.partial(run_scheduler, release=self.workspace.release),
-            self.scheduler,
-            control_rx,
-            plan_tx,
-            feedback_rx,
-        )
+        control_tx, control_rx = open_channel(Control, math.inf, enc)
+        events_tx, events_rx = trio.open_memory_channel[object](math.inf)
+        published_tx, published_rx = open_channel(StepResult, 2, enc)
+        self._control, self._events_tx = control_tx, events_tx
+        self._token = trio.lowlevel.current_trio_token()
+        self.worker.start()
+
+        async def forward_control() -> None:
+            async for msg in control_rx:
+                events_tx.send_nowait(msg)
+            events_tx.send_nowait(ControlClosed())
+
+        async def publisher() -> None:
+            await self._guard(
+                "publisher", run_publisher(published_rx, self._deliver, self._publish)
+            )
+
+        async def scheduler() -> None:
+            try:
+                await self._guard(
+                    "scheduler",
+                    run_scheduler(
+                        self.scheduler,
+                        events_rx,
+                        self.worker.submit,
+                        published_tx,
+                        on_idle_check=self._notify,
+                        on_result=self._on_result,
+                    ),
+                )
+            finally:
+                published_tx.close()
+                self.worker.stop()
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(self.worker.join, 30.0)
+
+        async def run_all() -> None:
+            try:
+                async with trio.open_nursery() as inner:
+                    inner.start_soon(publisher)
+                    inner.start_soon(forward_control)
+                    inner.start_soon(scheduler)
+            finally:
+                self._stopped.set()
+                self._notify()
+
+        nursery.start_soon(run_all)
         log.info(
             "runtime started",
             num_kv_blocks=self.blocks.num_blocks,
             encoded=enc,
-            overlap=overlap,
+            overlap=self.config.enable_overlap,
             speculative=self.config.speculative.method,
             k=self.config.speculative.num_draft_tokens,
         )
 
+    async def _guard(self, stage: str, body: Awaitable[None]) -> None:
+        """Run a stage; if it raises, the engine is dead: every waiting caller gets
+        :class:`EngineDead` naming the stage and the cause, and the other stages end."""
+        try:
+            await body
+        except EngineDead as exc:
+            self._fail(exc)
+        except Exception as exc:
+            log.exception("stage failed", stage=stage)
+            self._fail(EngineDead(stage, exc))
+            if self._control is not None:
+                self._control.close()
+
+    def _fail(self, exc: EngineDead) -> None:
+        if self._dead is not None:
+            return
+        self._dead = exc
+        self._closed = True
+        for stream in self._streams.values():
+            stream.send_nowait(exc)
+        self._streams.clear()
+        self._seq_ids.clear()
+        if self._control is not None:
+            self._control.close()
+        self._notify()
+
+    def _post_from_device(self, item: StepResult | StageFailure, timing: StepTiming | None) -> None:
+        """Called on the device worker thread: hand a result (or a failure) to the loop."""
+        send = self._events_tx
+        token = self._token
+        if send is None or token is None:
+            return
+        payload: object = item if isinstance(item, StageFailure) else (item, timing)
+
+        def put() -> None:
+            try:
+                send.send_nowait(payload)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                pass
+
+        try:
+            token.run_sync_soon(put)
+        except trio.RunFinishedError:
+            pass
+
+    def _on_result(self, result: StepResult, timing: StepTiming | None) -> None:
+        if timing is not None:
+            self._unpublished[result.step] = timing
+
+    def _notify(self) -> None:
+        """Wake ``wait_idle`` callers to re-check."""
+        self._changed.set()
+        self._changed = trio.Event()
+
     def _deliver(self, result: StepResult) -> None:
+        timing = self._unpublished.pop(result.step, None)
+        if timing is not None:
+            timing.publish_start = time.perf_counter()
+            self._timings.append(timing)
         self.num_steps += 1
         for r in result.results:
             self.num_drafts_proposed += r.num_drafts
             self.num_drafts_accepted += r.num_accepted
+            for i in range(min(r.num_drafts, len(self._proposed_at))):
+                self._proposed_at[i] += 1
+                if i < r.num_accepted:
+                    self._accepted_at[i] += 1
             stream = self._streams.get(r.request_id)
             if stream is not None and (r.token_ids or r.finish_reason):
                 stream.send_nowait(r)
 
     def add_record_observer(self, observer: Callable[[PublishedStep], None]) -> Callable[[], None]:
         """Call ``observer`` with every step's packed record (:class:`PublishedStep`, layout in
-        :mod:`spectrio.core.record`) from now on. It runs in the publisher's task and must not
+        :mod:`spectrio.wire.record`) from now on. It runs in the publisher's task and must not
         block; an exception it raises is logged and otherwise ignored. Returns a function that
         removes the observer."""
         self._observers.append(observer)
@@ -195,6 +281,31 @@ class Runtime:
                 observer(published)
             except Exception:
                 log.exception("record observer failed", step=published.step)
+        if self._timings and self._timings[-1].step == published.step:
+            self._timings[-1].publish_end = time.perf_counter()
+
+    # ---- introspection ----------------------------------------------------------------
+
+    def stats(self) -> RuntimeStats:
+        """Counters and gauges of the runtime now."""
+        sched = self.scheduler
+        return RuntimeStats(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            num_kv_blocks=self.blocks.num_blocks,
+            free_kv_blocks=self.blocks.num_free_blocks,
+            num_steps=self.num_steps,
+            num_preemptions=sched.num_preemptions,
+            drafts_proposed=self.num_drafts_proposed,
+            drafts_accepted=self.num_drafts_accepted,
+            accepted_per_position=list(self._accepted_at),
+            proposed_per_position=list(self._proposed_at),
+            finished=dict(sched.finished_by_reason),
+        )
+
+    def step_timings(self) -> list[StepTiming]:
+        """The published steps' timings, oldest first (the last 65,536 steps)."""
+        return list(self._timings)
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -218,8 +329,10 @@ class Runtime:
 
     def _submit(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
-    ) -> tuple[int, trio.MemoryReceiveChannel[Delta | SeqResult]]:
+    ) -> tuple[int, trio.MemoryReceiveChannel[Delta | SeqResult | EngineDead]]:
         """Hand a checked request to the scheduler; returns its sequence id and stream."""
+        if self._dead is not None:
+            raise self._dead
         if self._closed or self._control is None:
             raise RuntimeError("the runtime is not running")
         self._check_not_running(request_id)
@@ -233,7 +346,7 @@ class Runtime:
         if eos is not None and not params.ignore_eos:
             stops.append(eos)
         seq_id = next(self._ids)
-        send, receive = trio.open_memory_channel[Delta | SeqResult](math.inf)
+        send, receive = trio.open_memory_channel[Delta | SeqResult | EngineDead](math.inf)
         self._streams[request_id] = send
         self._seq_ids[request_id] = seq_id
         self._control.send_nowait(
@@ -267,28 +380,46 @@ class Runtime:
             self._send_abort(request_id, reason)
 
     def _send_abort(self, request_id: str, reason: str) -> None:
+        """Abort in the scheduler now (its blocks are freed, and no token of it computed by
+        a step in flight is published), then wake the scheduler actor, which reports the
+        abort in the next step."""
         seq_id = self._seq_ids.pop(request_id, None)
-        if seq_id is not None and self._control is not None:
-            try:
-                self._control.send_nowait(AbortRequest(seq_id=seq_id, reason=reason))
-            except trio.ClosedResourceError:
-                pass
+        if seq_id is None or self._control is None:
+            return
+        seq = self.scheduler.abort(seq_id)
+        if seq is not None:
+            log.info("request aborted", request_id=request_id, reason=reason)
+        try:
+            self._control.send_nowait(AbortRequest(seq_id=seq_id, reason=reason))
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
+
+    def _is_idle(self) -> bool:
+        sched = self.scheduler
+        pending = 0
+        if self._control is not None:
+            pending = self._control.statistics().current_buffer_used
+        if self._events_tx is not None:
+            pending += self._events_tx.statistics().current_buffer_used
+        return not (sched.has_work() or sched.num_in_flight or pending)
 
     async def wait_idle(self) -> None:
         """Wait until no request is queued or running and no step is in flight, so every
-        finished or aborted request's blocks are back in the pool. Cancellation is safe."""
-        busy = self.scheduler
-        # Polls state that several tasks change; no one event marks "idle".
-        while busy.has_work() or busy.step_in_flight or self._control_pending():  # noqa: ASYNC110
-            await trio.sleep(0.002)
-
-    def _control_pending(self) -> bool:
-        """Requests or aborts sent to the scheduler that it has not read yet."""
-        return self._control is not None and self._control.statistics().current_buffer_used > 0
+        finished or aborted request's blocks are back in the pool. Cancellation is safe.
+        Raises :class:`EngineDead` if the engine failed."""
+        while True:
+            if self._dead is not None:
+                raise self._dead
+            if self._is_idle() or self._stopped.is_set():
+                return
+            await self._changed.wait()
 
     async def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Abort a request: its stream ends with ``finish_reason="abort"`` and its KV
-        blocks are freed. Returns False for an unknown or finished request."""
+        blocks are freed. Once this returns, no further token of the request is delivered
+        or published (tokens of steps in flight are dropped); the next published step
+        stamps its slot ``-9`` with finish reason ``"abort"``. Returns False for an
+        unknown or finished request."""
         stream = self._streams.get(request_id)
         if stream is None:
             return False
@@ -321,10 +452,11 @@ class Runtime:
         finish), so text a stop string later cuts is never streamed. ``delta.logprobs``
         has one entry per token when ``params.logprobs`` is set.
 
-        The request is checked and submitted when the stream is entered or first
-        iterated: that raises :class:`InvalidRequest` for a bad prompt, parameters or
-        request id (floats and bools are not token ids), and ``RuntimeError`` once the
-        runtime has shut down.
+        The request is checked and submitted here, when ``generate`` is called: that
+        raises :class:`InvalidRequest` for a bad prompt, parameters or request id (floats
+        and bools are not token ids), :class:`EngineDead` if the engine failed, and
+        ``RuntimeError`` once the runtime has shut down. If the engine fails while the
+        stream runs, iterating it raises :class:`EngineDead`.
         """
         return RequestStream(self, prompt, params, request_id)
 
@@ -362,7 +494,7 @@ class RequestStream:
     def __init__(
         self, runtime: Runtime, prompt: object, params: object, request_id: str | None
     ) -> None:
-        self._receive: trio.MemoryReceiveChannel[Delta | SeqResult] | None = None
+        self._receive: trio.MemoryReceiveChannel[Delta | SeqResult | EngineDead] | None = None
         self._done = False  # finished, or closed by the consumer
         self._rt = runtime
         self._prompt, self._params = prompt, params
@@ -374,6 +506,7 @@ class RequestStream:
         self._pending = ""  # text decoded but not yet streamed
         self._sent = 0  # characters streamed
         self._hold = 0
+        self._start()  # checked and submitted now: errors reach the caller of generate()
 
     @property
     def request_id(self) -> str:
@@ -396,8 +529,11 @@ class RequestStream:
         self._hold = max((len(s) for s in params.stop), default=1) - 1
 
     async def __aenter__(self) -> RequestStream:
-        await trio.lowlevel.checkpoint()  # before starting: a cancelled entry submits nothing
-        self._start()
+        try:
+            await trio.lowlevel.checkpoint()
+        except BaseException:  # a cancelled entry: the request goes at once
+            self.close()
+            raise
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -418,8 +554,11 @@ class RequestStream:
             raise
         return self._on_item(item)
 
-    def _on_item(self, item: Delta | SeqResult) -> Delta:
+    def _on_item(self, item: Delta | SeqResult | EngineDead) -> Delta:
         rid = self._request_id
+        if isinstance(item, EngineDead):
+            self._done = True
+            raise item
         if isinstance(item, Delta):  # aborted or shut down; the abort is already sent
             self._done = True
             self._rt._release(rid, self._seq_id, None)
@@ -476,13 +615,20 @@ class RequestStream:
 
 @asynccontextmanager
 async def open_runtime(
-    config: RuntimeConfig | None = None, *, encoded_channels: bool = False, warmup: bool = True
+    config: RuntimeConfig | None = None,
+    *,
+    encoded_channels: bool = False,
+    warmup: bool = True,
+    shutdown_timeout: float = 30.0,
 ) -> AsyncIterator[Runtime]:
     """Load the model, run the warm-up pass over ``config.warmup_num_tokens()`` tokens,
     start the five stages, and yield the running :class:`Runtime`.
 
     On exit, requests still streaming end with ``finish_reason="abort"`` (reason
-    ``"shutdown"``) and every stage task is cancelled and awaited.
+    ``"shutdown"``); the control channel closes, the scheduler lets the steps in flight
+    return, and the stages end on their channels' end. A stage that does not end within
+    ``shutdown_timeout`` seconds is cancelled. If the engine died (a stage failed),
+    leaving the block raises its :class:`EngineDead`.
     """
     config = config or RuntimeConfig()
     threads = configure_paddle(config.resolve_num_threads())
@@ -494,7 +640,6 @@ async def open_runtime(
             rt.workspace.warmup,
             config.warmup_num_tokens(),
             config.max_model_len,
-            limiter=rt._limiter,
         )
         log.info("warm-up pass done", tokens=config.warmup_num_tokens(), seconds=round(seconds, 3))
     async with trio.open_nursery() as nursery:
@@ -503,4 +648,13 @@ async def open_runtime(
             yield rt
         finally:
             rt._shutdown("shutdown")
+            if rt._control is not None:
+                rt._control.close()
+            with trio.move_on_after(shutdown_timeout) as waited:
+                waited.shield = True
+                await rt._stopped.wait()
+            if waited.cancelled_caught:
+                log.warning("stages did not end in time; cancelling", seconds=shutdown_timeout)
             nursery.cancel_scope.cancel()
+    if rt._dead is not None:  # also for a caller that never waited on the engine
+        raise rt._dead

@@ -1,25 +1,75 @@
-"""The draft actor: MTP catch-up and substeps, in the workspace's device thread."""
+"""The draft stage: MTP catch-up over the previous step's verified rows, then substeps.
+
+Runs on the device worker. Each substep reads the target hidden state at the last
+position plus the embedding of the token there, and proposes the argmax token; the
+draft of substep ``i + 1`` reads substep ``i``'s output hidden state."""
 
 from __future__ import annotations
 
-import trio
+import time
 
-from spectrio.core.channels import ChannelReceiver, ChannelSender
+import numpy as np
+import paddle
+from msgspec.structs import replace
+
 from spectrio.core.messages import StepPlan
+from spectrio.models import PackedBatch
 from spectrio.stages.workspace import Workspace
 
+__all__ = ["draft"]
 
-async def run_draft(
-    ws: Workspace,
-    limiter: trio.CapacityLimiter,
-    inbox: ChannelReceiver[StepPlan],
-    outbox: ChannelSender[StepPlan],
-    *,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Forward every plan with its drafts filled in. Cancellation waits for the device call."""
-    task_status.started()
-    async for plan in inbox:
-        if plan.released or any(w.mtp_token_ids for w in plan.seqs):
-            plan = await trio.to_thread.run_sync(ws.draft, plan, limiter=limiter)
-        await outbox.send(plan)
+
+def draft(ws: Workspace, plan: StepPlan) -> StepPlan:
+    """``plan`` with ``drafts`` filled in for every sequence that wants them (a copy; the
+    plan is not changed). Writes real MTP cache entries for the catch-up positions."""
+    ws.release(plan.released)
+    catch_up = [w for w in plan.seqs if w.mtp_token_ids]
+    if not catch_up:
+        return plan
+    if ws.mtp_cache is None:
+        raise RuntimeError("speculation needs a checkpoint with an MTP layer")
+    prev_rows = [ws.hidden_rows(w.seq_id, w.mtp_start, len(w.mtp_token_ids)) for w in catch_up]
+    batch = PackedBatch.from_sequences(
+        [w.mtp_token_ids for w in catch_up],
+        [w.mtp_start for w in catch_up],
+        [np.asarray(w.block_table) for w in catch_up],
+    )
+    wanting = [i for i, w in enumerate(catch_up) if w.num_drafts > 0]
+    batch.logits_indices = batch.last_rows()[wanting]
+    drafts: dict[int, list[int]] = {}
+    t0 = time.perf_counter()
+    with paddle.no_grad():
+        out = ws.model.mtp_forward(batch, paddle.concat(prev_rows, axis=0), ws.mtp_cache)
+        active = [catch_up[i] for i in wanting]
+        hidden = (
+            paddle.gather(out.hidden, paddle.to_tensor(batch.logits_indices), axis=0)
+            if active
+            else None
+        )
+        logits = out.logits
+        substep = 0
+        while active:
+            tokens = paddle.argmax(logits, axis=-1).numpy().tolist()
+            for w, tok in zip(active, tokens, strict=True):
+                drafts.setdefault(w.slot, []).append(int(tok))
+            substep += 1
+            keep = [i for i, w in enumerate(active) if w.num_drafts > substep]
+            if not keep:
+                break
+            active = [active[i] for i in keep]
+            assert hidden is not None
+            hidden = paddle.gather(
+                hidden, paddle.to_tensor(np.asarray(keep, dtype=np.int64)), axis=0
+            )
+            step_batch = PackedBatch.from_sequences(
+                [[drafts[w.slot][-1]] for w in active],
+                [w.mtp_start + len(w.mtp_token_ids) - 1 + substep for w in active],
+                [np.asarray(w.block_table) for w in active],
+            )
+            out = ws.model.mtp_forward(step_batch, hidden, ws.mtp_cache)
+            hidden, logits = out.hidden, out.logits
+    ws.forward_seconds += time.perf_counter() - t0
+    if not drafts:
+        return plan
+    seqs = [replace(w, drafts=drafts[w.slot]) if w.slot in drafts else w for w in plan.seqs]
+    return replace(plan, seqs=seqs)

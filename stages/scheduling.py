@@ -26,25 +26,28 @@ Rules that keep a request's output a function of the request alone:
   sequence just preempted, which would be recomputed at once and listed twice, and
   admitting anyone behind it would jump the queue). So a step's plan never lists a
   request both as preempted and as running.
+* **Overlap.** With ``max_in_flight = 2`` the scheduler plans step N+1 while step N runs.
+  A sequence N samples gets a *pending* work item in N+1 (:mod:`.overlap` resolves it on
+  the device worker from N's result); its KV reservation covers N's longest outcome
+  (``length + k_N + 1 + k_{N+1}`` positions). A sequence N only prefills (not its last
+  chunk) is planned as usual: its ``num_computed`` advances when a chunk is planned.
+  Blocks are freed as soon as a request is preempted, finished or aborted, even with
+  steps in flight: device steps run in plan order, so an in-flight step's writes land
+  before any later step that reuses the blocks, which writes a position before reading it.
+  A result that arrives for a request aborted meanwhile is dropped, never published.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections import deque
 
 from spectrio.core.config import RuntimeConfig
-from spectrio.core.messages import SeqWork, StepPlan, StepResult
+from spectrio.core.messages import SeqResult, SeqWork, StepPlan, StepResult
 from spectrio.core.params import SamplingParams
 from spectrio.stages.block_manager import BlockManager
+from spectrio.stages.lifecycle import RequestState, advance
 from spectrio.stages.spec_policy import SpecPolicy
-
-
-class SeqStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 @dataclasses.dataclass(eq=False)
@@ -58,10 +61,11 @@ class Sequence:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0
     mtp_computed: int = 0
-    status: SeqStatus = SeqStatus.WAITING
+    state: RequestState = RequestState.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
     decoding: bool = False  # a step sampled it since its context was last (re)computed
+    pending: SeqWork | None = None  # the in-flight sampling work whose result is unknown
 
     @property
     def tokens(self) -> list[int]:
@@ -75,23 +79,28 @@ class Sequence:
     def remaining_tokens(self) -> int:
         return self.params.max_tokens - len(self.output_ids)
 
+    def move(self, to: RequestState) -> None:
+        self.state = advance(self.state, to, f"request {self.request_id}")
+
 
 class Scheduler:
-    def __init__(self, config: RuntimeConfig, blocks: BlockManager) -> None:
+    def __init__(
+        self, config: RuntimeConfig, blocks: BlockManager, *, max_in_flight: int | None = None
+    ) -> None:
         self.config = config
         self.blocks = blocks
+        self.max_in_flight = max_in_flight or (2 if config.enable_overlap else 1)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order, oldest first
         self._by_id: dict[int, Sequence] = {}
-        self._inflight: dict[int, SeqWork] = {}
-        self._step_in_flight = False
-        self._aborted_inflight: set[int] = set()
+        self._inflight: dict[int, dict[int, SeqWork]] = {}  # step -> seq id -> its work
+        self._inflight_k: dict[int, int] = {}  # step -> the k the policy chose for it
         self._released: list[int] = []
         self._aborted: list[str] = []  # request ids aborted since the last plan
         self._retired: list[int] = []  # their seq ids (the sampler drops their state)
-        self._dropped: list[int] = []  # aborted seq ids no step can touch any more
         self._step = 0
         self.num_preemptions = 0
+        self.finished_by_reason: dict[str, int] = {}
         spec = config.speculative
         self.policy = SpecPolicy(spec.effective_num_model_steps, adaptive=spec.adaptive)
         self._step_k = self.policy.k_max  # drafts per decoding sequence in the planned step
@@ -104,51 +113,54 @@ class Scheduler:
         self._by_id[seq.seq_id] = seq
         self.waiting.append(seq)
 
+    def state(self, seq_id: int) -> RequestState | None:
+        """The lifecycle state of a live sequence; None once it ended (or never existed)."""
+        seq = self._by_id.get(seq_id)
+        return None if seq is None else seq.state
+
     def abort(self, seq_id: int) -> Sequence | None:
-        """Drop a sequence; its blocks are freed now, or when its in-flight step returns."""
+        """End a live sequence now: its blocks are freed, results still in flight for it
+        are dropped, and the next plan reports it (record: -9, finish reason "abort")."""
         seq = self._by_id.pop(seq_id, None)
         if seq is None:
             return None
-        if seq in self.waiting:
+        if seq.state.queued:
             self.waiting.remove(seq)
-        if seq in self.running:
+        else:
             self.running.remove(seq)
-        seq.status = SeqStatus.FINISHED
+        seq.move(RequestState.ABORTED)
         seq.finish_reason = "abort"
+        seq.pending = None
+        self.finished_by_reason["abort"] = self.finished_by_reason.get("abort", 0) + 1
         self._aborted.append(seq.request_id)
         self._retired.append(seq_id)
-        if seq_id in self._inflight:
-            self._aborted_inflight.add(seq_id)  # its step may still write state: wait for it
-        else:
-            self._release(seq)
-            self._dropped.append(seq_id)
+        self._release(seq)
         return seq
-
-    def take_aborted(self) -> list[int]:
-        """Seq ids aborted since the last call whose device state no step can touch any
-        more (an abort during a step counts once the step returned): the scheduler actor
-        drops their workspace state at once. The next plan's ``released`` lists them too,
-        which is harmless (releasing is idempotent)."""
-        dropped, self._dropped = self._dropped, []
-        return dropped
 
     def has_work(self) -> bool:
         """Requests to run, or aborts still to be reported in a step."""
         return bool(self.waiting or self.running or self._aborted)
 
     @property
+    def num_in_flight(self) -> int:
+        """Planned steps whose results have not been folded in yet."""
+        return len(self._inflight)
+
+    @property
     def step_in_flight(self) -> bool:
-        """A planned step has not returned its result yet."""
-        return self._step_in_flight
+        return bool(self._inflight)
+
+    def can_schedule(self) -> bool:
+        return len(self._inflight) < self.max_in_flight and self.has_work()
 
     # ---- planning ---------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
-        """Plan one step, or None when nothing can run."""
-        if self._step_in_flight:
-            raise RuntimeError("schedule() called while a step is in flight")
+        """Plan one step, or None when nothing can run now."""
+        if len(self._inflight) >= self.max_in_flight:
+            raise RuntimeError(f"schedule() called with {len(self._inflight)} steps in flight")
         self._step_k = self.policy.choose(
-            sum(1 for s in self.running if s.decoding and s.speculative)
+            sum(1 for s in self.running if (s.decoding or s.pending) and s.speculative)
         )
         budget = self.config.max_chunk_tokens()
         planned: list[tuple[Sequence, int, int]] = []  # (seq, rows, drafts)
@@ -159,7 +171,7 @@ class Scheduler:
             rows, drafts, cost = self._rows_for(seq, budget)
             if rows == 0:
                 continue
-            need = seq.num_computed + rows + drafts
+            need = self._capacity(seq, rows, drafts)
             while not self.blocks.can_allocate(seq.seq_id, need):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -186,18 +198,18 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.blocks.allocate(seq.seq_id, seq.num_computed + rows + drafts)
-            seq.status = SeqStatus.RUNNING
+            seq.move(RequestState.RUNNING)
             self.running.append(seq)
             budget -= cost
             planned.append((seq, rows, drafts))
         if not planned:
-            if self.running or self.waiting:
+            if (self.running or self.waiting) and not self._inflight:
                 head = (self.running or list(self.waiting))[0]
                 raise RuntimeError(
                     f"no progress possible: request {head.request_id} needs more KV blocks "
                     f"than the pool holds ({self.blocks.num_blocks})"
                 )
-            if not self._aborted:
+            if not self._aborted and not preempted:
                 return None
             # Nothing to run, but aborts must still reach the record: an empty step.
         self._step += 1
@@ -207,9 +219,8 @@ class Scheduler:
         released, self._released = self._released, []
         aborted, self._aborted = self._aborted, []
         retired, self._retired = self._retired, []
-        for w in works:
-            self._inflight[w.seq_id] = w
-        self._step_in_flight = True
+        self._inflight[self._step] = {w.seq_id: w for w in works}
+        self._inflight_k[self._step] = self._step_k
         return StepPlan(
             step=self._step,
             seqs=works,
@@ -217,17 +228,41 @@ class Scheduler:
             aborted=aborted,
             released=released,
             retired=retired,
+            k=self._step_k,
         )
 
     def _rows_for(self, seq: Sequence, budget: int) -> tuple[int, int, int]:
         """(target rows of real tokens, drafts, budget cost) for this step."""
+        if seq.pending is not None:  # decodes after an in-flight step: k + 1 rows reserved
+            if budget < self.config.tokens_per_seq or self._last_step_pending(seq):
+                return 0, 0, 0
+            return 1, self._num_drafts(seq), self.config.tokens_per_seq
         if seq.decoding:  # one pending token: verify it with its drafts, k + 1 rows reserved
             if budget < self.config.tokens_per_seq:
                 return 0, 0, 0
             return 1, self._num_drafts(seq), self.config.tokens_per_seq
+        if seq.num_computed >= seq.length:  # its last chunk is in flight
+            return 0, 0, 0
         # Computing the context (prompt, or prompt + output after preemption): no drafts.
         rows = min(seq.length - seq.num_computed, budget)
         return rows, 0, rows
+
+    def _last_step_pending(self, seq: Sequence) -> bool:
+        """The in-flight step will end the sequence whatever it samples (it emits at least
+        one token and no more may follow), or a step after it is already planned."""
+        assert seq.pending is not None
+        room = min(seq.remaining_tokens, self.config.max_model_len - seq.length)
+        in_newest = seq.seq_id in self._inflight.get(self._step, {})
+        return (
+            room <= 1 or not in_newest or seq.pending is not self._inflight[self._step][seq.seq_id]
+        )
+
+    def _capacity(self, seq: Sequence, rows: int, drafts: int) -> int:
+        """KV positions the step needs reserved for ``seq``."""
+        if seq.pending is not None:  # the longest outcome of the in-flight step, then ours;
+            # resolved drafts never reach past max_model_len (stages/overlap.py)
+            return min(seq.length + seq.pending.num_drafts + 1 + drafts, self.config.max_model_len)
+        return seq.num_computed + rows + drafts
 
     def _num_drafts(self, seq: Sequence) -> int:
         if not seq.speculative:
@@ -237,6 +272,32 @@ class Scheduler:
         )
 
     def _work(self, slot: int, seq: Sequence, rows: int, drafts: int) -> SeqWork:
+        common = dict(
+            slot=slot,
+            seq_id=seq.seq_id,
+            request_id=seq.request_id,
+            block_table=self.blocks.block_table(seq.seq_id),
+            eos_token_ids=seq.eos_token_ids,
+            params=seq.params,
+            speculative=seq.speculative,
+            max_model_len=self.config.max_model_len,
+        )
+        if seq.pending is not None:  # resolved on the device worker (stages/overlap.py)
+            work = SeqWork(
+                **common,  # type: ignore[arg-type]
+                start_pos=seq.num_computed,
+                token_ids=[],
+                sample=True,
+                num_drafts=drafts,
+                mtp_start=seq.mtp_computed,
+                mtp_token_ids=[],
+                max_new_tokens=min(seq.remaining_tokens, self.config.max_model_len - seq.length),
+                num_output=len(seq.output_ids),
+                context_len=seq.length,
+                pending=True,
+            )
+            seq.pending = work
+            return work
         tokens = seq.tokens
         start = seq.num_computed
         sample = start + rows == seq.length
@@ -245,20 +306,15 @@ class Scheduler:
             seq.mtp_computed = start
         else:
             mtp_start, mtp_tokens = start, []
-        return SeqWork(
-            slot=slot,
-            seq_id=seq.seq_id,
-            request_id=seq.request_id,
-            block_table=self.blocks.block_table(seq.seq_id),
+        work = SeqWork(
+            **common,  # type: ignore[arg-type]
             start_pos=start,
             token_ids=tokens[start : start + rows],
             sample=sample,
             num_drafts=drafts,
             mtp_start=mtp_start,
             mtp_token_ids=mtp_tokens,
-            eos_token_ids=seq.eos_token_ids,
             max_new_tokens=min(seq.remaining_tokens, self.config.max_model_len - seq.length),
-            params=seq.params,
             num_output=len(seq.output_ids),
             context_len=seq.length,
             prompt_ids=(
@@ -267,6 +323,11 @@ class Scheduler:
                 else []
             ),
         )
+        if sample:
+            seq.pending = work
+        else:
+            seq.num_computed = start + rows  # a chunk always completes
+        return work
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and requeue it first; it recomputes later."""
@@ -275,7 +336,7 @@ class Scheduler:
         seq.num_computed = 0
         seq.mtp_computed = 0
         seq.decoding = False
-        seq.status = SeqStatus.WAITING
+        seq.move(RequestState.PREEMPTED)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -283,45 +344,77 @@ class Scheduler:
 
     # ---- results ----------------------------------------------------------------------
 
-    def update(self, result: StepResult, seconds: float | None = None) -> list[Sequence]:
-        """Fold a step's results in; returns the sequences that finished in it.
+    def update(self, result: StepResult, seconds: float | None = None) -> StepResult:
+        """Fold the oldest in-flight step's results in. Returns what to publish: the
+        result without requests aborted since it was planned.
 
-        ``seconds``, the step's wall time from plan to result, feeds the adaptive
-        speculation policy when every sequence of the step was decoding (a step with
-        prefill rows says nothing about the cost of drafts)."""
-        self._step_in_flight = False
-        if seconds is not None and self._inflight:
-            works = list(self._inflight.values())
-            if all(w.sample and len(w.token_ids) == 1 for w in works):
-                drafted = any(w.num_drafts for w in works)
-                self.policy.observe_step(len(works), self._step_k if drafted else 0, seconds)
+        ``seconds``, the step's time, feeds the adaptive speculation policy when every
+        sequence of the step was decoding (a step with prefill rows says nothing about the
+        cost of drafts)."""
+        if not self._inflight or result.step != min(self._inflight):
+            raise RuntimeError(f"result of step {result.step}; in flight: {sorted(self._inflight)}")
+        works = self._inflight.pop(result.step)
+        step_k = self._inflight_k.pop(result.step)
+        if seconds is None:
+            seconds = result.device_seconds or None
+        if seconds is not None and works:
+            if all(w.sample and (w.pending or len(w.token_ids) == 1) for w in works.values()):
+                drafted = any(r.num_drafts for r in result.results)
+                self.policy.observe_step(len(works), step_k if drafted else 0, seconds)
         for r in result.results:
             if r.num_drafts:
                 self.policy.observe_acceptance(r.num_drafts, r.num_accepted)
-        finished: list[Sequence] = []
+        published: list[SeqResult] = []
         for r in result.results:
-            work = self._inflight.pop(r.seq_id)
-            if r.seq_id in self._aborted_inflight:
-                self._aborted_inflight.discard(r.seq_id)
-                self.blocks.free(r.seq_id)
-                self._released.append(r.seq_id)
-                self._dropped.append(r.seq_id)
+            work = works.pop(r.seq_id, None)
+            if work is None:
+                raise RuntimeError(f"step {result.step} returned an unplanned sequence {r.seq_id}")
+            seq = self._by_id.get(r.seq_id)
+            if seq is None:  # aborted since: nothing of it is published any more
                 continue
-            seq = self._by_id[r.seq_id]
-            verified = work.start_pos + len(work.token_ids)
-            seq.num_computed = verified + r.num_accepted if work.sample else verified
-            seq.decoding = seq.decoding or work.sample
-            seq.output_ids.extend(r.token_ids)
-            if r.finish_reason is not None:
-                seq.finish_reason = r.finish_reason
-                self.running.remove(seq)
-                del self._by_id[seq.seq_id]
-                seq.status = SeqStatus.FINISHED
-                self._release(seq)
-                finished.append(seq)
-        for seq_id in list(self._inflight):
-            raise RuntimeError(f"step {result.step} returned no result for sequence {seq_id}")
-        return finished
+            published.append(r)
+            if work.sample:
+                self._apply_sample(seq, work, r)
+        for seq_id, work in works.items():
+            seq = self._by_id.get(seq_id)
+            # The device dropped a pending sequence its previous step finished.
+            if seq is not None or not work.pending:
+                raise RuntimeError(f"step {result.step} returned no result for sequence {seq_id}")
+        return StepResult(
+            step=result.step,
+            results=published,
+            preempted=result.preempted,
+            aborted=result.aborted,
+            device_seconds=result.device_seconds,
+        )
+
+    def _apply_sample(self, seq: Sequence, work: SeqWork, r: SeqResult) -> None:
+        seq.output_ids.extend(r.token_ids)
+        if seq.pending is work:
+            seq.pending = None
+        if seq.state is RequestState.RUNNING:
+            # A pending work's positions were resolved on the device: the result has them.
+            verified = r.num_computed if work.pending else work.start_pos + len(work.token_ids)
+            seq.num_computed = verified + r.num_accepted
+            seq.decoding = True
+            if seq.pending is not None and seq.speculative:
+                # The step planned after this one catches the MTP cache up to here.
+                seq.mtp_computed = seq.num_computed
+        if r.finish_reason is not None:
+            self._finish(seq, r.finish_reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.state.queued:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+        seq.move(RequestState.FINISHED)
+        seq.finish_reason = reason
+        self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
+        del self._by_id[seq.seq_id]
+        if seq.pending is not None:  # planned ahead: the device drops it (overlap.py)
+            seq.pending = None
+        self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq.seq_id)

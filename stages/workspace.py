@@ -1,9 +1,10 @@
 """The rank's workspace: the model, the target and MTP paged caches, and the device
-tensors a step leaves behind (hidden states per sequence, logits per step).
+tensors a step leaves behind for the next (the target hidden states of each sequence's
+last verified rows, which the next step's MTP catch-up reads).
 
-Stages never serialise these; messages refer to them by step, slot and seq id. Every
-method is blocking Paddle work, meant for ``trio.to_thread.run_sync`` behind the
-device's ``CapacityLimiter(1)``.
+It holds state and hands it out by seq id; the work on it lives in the stages
+(:mod:`.draft`, :mod:`.verify`, :mod:`.sampler`). Messages never carry these tensors.
+Only the device worker thread (:mod:`spectrio.runtime.device_worker`) touches it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import time
 import numpy as np
 import paddle
 
-from spectrio.core.messages import StepPlan
 from spectrio.models import PackedBatch, PagedKVCache, SpectrioForCausalLM
 
 
@@ -22,12 +22,6 @@ from spectrio.models import PackedBatch, PagedKVCache, SpectrioForCausalLM
 class _StoredHidden:
     start_pos: int
     rows: paddle.Tensor  # [n, d] target hidden states of positions start_pos..start_pos+n-1
-
-
-@dataclasses.dataclass
-class _StepLogits:
-    logits: paddle.Tensor  # [M, V], the sampled rows of every sampling slot
-    offsets: dict[int, tuple[int, int]]  # slot -> (first row, row count)
 
 
 class Workspace:
@@ -51,7 +45,6 @@ class Workspace:
             else None
         )
         self._hidden: dict[int, _StoredHidden] = {}
-        self._logits: dict[int, _StepLogits] = {}
         self.forward_seconds = 0.0  # wall time inside Paddle forward calls
 
     def warmup(self, num_tokens: int, max_seq_len: int) -> float:
@@ -81,9 +74,8 @@ class Workspace:
 
     def release(self, seq_ids: list[int]) -> None:
         """Drop these sequences' stored hidden states (unknown ids are ignored). Called by
-        the sampler stage for requests that finished, by the scheduler actor for aborted
-        ones, and by the draft stage for each plan's ``released`` (preemptions, and the
-        rest again). Each call is a handful of dict pops, atomic under the GIL."""
+        the sampler stage for requests that finished, and by the draft stage for each
+        plan's ``released`` (preemptions, aborts, and finished ones again)."""
         for seq_id in seq_ids:
             self._hidden.pop(seq_id, None)
 
@@ -96,107 +88,18 @@ class Workspace:
         """Sequences whose device state (hidden rows) the workspace stores."""
         return len(self._hidden)
 
-    # ---- draft: MTP catch-up over the last pass's accepted rows, then substeps -------
+    def store_hidden(self, seq_id: int, start_pos: int, rows: paddle.Tensor) -> None:
+        """Keep ``rows``, the target hidden states of positions ``start_pos..``."""
+        self._hidden[seq_id] = _StoredHidden(start_pos, rows)
 
-    def draft(self, plan: StepPlan) -> StepPlan:
-        """Fill ``drafts`` for every sequence that wants them; writes real MTP entries."""
-        self.release(plan.released)
-        catch_up = [w for w in plan.seqs if w.mtp_token_ids]
-        if not catch_up:
-            return plan
-        if self.mtp_cache is None:
-            raise RuntimeError("speculation needs a checkpoint with an MTP layer")
-        prev_rows = []
-        for w in catch_up:
-            stored = self._hidden[w.seq_id]
-            lo = w.mtp_start - stored.start_pos
-            hi = lo + len(w.mtp_token_ids)
-            if lo < 0 or hi > stored.rows.shape[0]:
-                raise RuntimeError(
-                    f"seq {w.seq_id}: MTP catch-up {w.mtp_start}+{len(w.mtp_token_ids)} outside "
-                    f"stored hidden rows {stored.start_pos}+{stored.rows.shape[0]}"
-                )
-            prev_rows.append(stored.rows[lo:hi])
-        batch = PackedBatch.from_sequences(
-            [w.mtp_token_ids for w in catch_up],
-            [w.mtp_start for w in catch_up],
-            [np.asarray(w.block_table) for w in catch_up],
-        )
-        wanting = [i for i, w in enumerate(catch_up) if w.num_drafts > 0]
-        batch.logits_indices = batch.last_rows()[wanting]
-        t0 = time.perf_counter()
-        with paddle.no_grad():
-            out = self.model.mtp_forward(batch, paddle.concat(prev_rows, axis=0), self.mtp_cache)
-            active = [catch_up[i] for i in wanting]
-            hidden = (
-                paddle.gather(out.hidden, paddle.to_tensor(batch.logits_indices), axis=0)
-                if active
-                else None
+    def hidden_rows(self, seq_id: int, start_pos: int, count: int) -> paddle.Tensor:
+        """The stored hidden rows of positions ``start_pos .. start_pos + count - 1``."""
+        stored = self._hidden[seq_id]
+        lo = start_pos - stored.start_pos
+        hi = lo + count
+        if lo < 0 or hi > stored.rows.shape[0]:
+            raise RuntimeError(
+                f"seq {seq_id}: rows {start_pos}+{count} outside stored hidden rows "
+                f"{stored.start_pos}+{stored.rows.shape[0]}"
             )
-            logits = out.logits
-            substep = 0
-            while active:
-                tokens = paddle.argmax(logits, axis=-1).numpy().tolist()
-                for w, tok in zip(active, tokens, strict=True):
-                    w.drafts.append(int(tok))
-                substep += 1
-                keep = [i for i, w in enumerate(active) if w.num_drafts > substep]
-                if not keep:
-                    break
-                active = [active[i] for i in keep]
-                assert hidden is not None
-                hidden = paddle.gather(
-                    hidden, paddle.to_tensor(np.asarray(keep, dtype=np.int64)), axis=0
-                )
-                step_batch = PackedBatch.from_sequences(
-                    [[w.drafts[-1]] for w in active],
-                    [w.mtp_start + len(w.mtp_token_ids) - 1 + substep for w in active],
-                    [np.asarray(w.block_table) for w in active],
-                )
-                out = self.model.mtp_forward(step_batch, hidden, self.mtp_cache)
-                hidden, logits = out.hidden, out.logits
-        self.forward_seconds += time.perf_counter() - t0
-        return plan
-
-    # ---- verify: one target pass over prefill chunks and [last token, drafts...] -----
-
-    def verify(self, plan: StepPlan) -> None:
-        if not plan.seqs:  # a step that only reports aborts: nothing to run
-            self._logits[plan.step] = _StepLogits(paddle.zeros([0]), {})
-            return
-        rows = [w.token_ids + (w.drafts if w.sample else []) for w in plan.seqs]
-        batch = PackedBatch.from_sequences(
-            rows, [w.start_pos for w in plan.seqs], [np.asarray(w.block_table) for w in plan.seqs]
-        )
-        ends = batch.cu_seqlens_q[1:]
-        picks: list[np.ndarray] = []
-        offsets: dict[int, tuple[int, int]] = {}
-        n = 0
-        for w, end in zip(plan.seqs, ends, strict=True):
-            if w.sample:
-                count = len(w.drafts) + 1
-                picks.append(np.arange(end - count, end))
-                offsets[w.slot] = (n, count)
-                n += count
-        batch.logits_indices = np.concatenate(picks) if picks else np.zeros(0, dtype=np.int64)
-        t0 = time.perf_counter()
-        with paddle.no_grad():
-            out = self.model.forward(batch, self.target_cache)
-        self.forward_seconds += time.perf_counter() - t0
-        cu = batch.cu_seqlens_q
-        for i, w in enumerate(plan.seqs):
-            self._hidden[w.seq_id] = _StoredHidden(
-                w.start_pos, out.hidden[int(cu[i]) : int(cu[i + 1])]
-            )
-        self._logits[plan.step] = _StepLogits(out.logits, offsets)
-
-    # ---- sampler access ---------------------------------------------------------------
-
-    def take_logits(self, step: int) -> dict[int, np.ndarray]:
-        """Every sampling slot's verify logits as a host float64 array ``[m + 1, V]``
-        (rows ``[last token, d1..dm]``); frees the step's device logits."""
-        stored = self._logits.pop(step)
-        if not stored.offsets:
-            return {}
-        host = stored.logits.numpy().astype(np.float64, copy=False)
-        return {slot: host[lo : lo + count] for slot, (lo, count) in stored.offsets.items()}
+        return stored.rows[lo:hi]

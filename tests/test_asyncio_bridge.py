@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from pipeline_helpers import oracle
 
 from spectrio import Delta, InvalidRequest, RuntimeConfig, SamplingParams
+from spectrio.errors import EngineDead
 from spectrio.runtime.aio import open_runtime_asyncio
 
 
@@ -116,13 +118,14 @@ def test_leaving_the_bridge_ends_every_running_stream_with_a_shutdown_delta(
         assert all(not d.finished for d in ds[:-1])
 
 
-def test_waiting_tasks_are_cancelled_when_the_runtime_dies(bundled: object) -> None:
+def test_waiting_tasks_get_engine_dead_when_a_stage_fails(bundled: object) -> None:
     class Boom(Exception):
         pass
 
-    async def main() -> tuple[list[bool], BaseException | None]:
+    async def main() -> tuple[list[BaseException | None], BaseException | None]:
         first = [asyncio.Event() for _ in PROMPTS]
         crash: BaseException | None = None
+        errors: list[BaseException | None] = []
         try:
             async with open_runtime_asyncio(RuntimeConfig(max_model_len=512)) as rt:
 
@@ -137,16 +140,18 @@ def test_waiting_tasks_are_cancelled_when_the_runtime_dies(bundled: object) -> N
                 async def failing_sink(published: object) -> None:
                     raise Boom("a record sink failed")
 
-                rt.runtime.add_record_sink(failing_sink)  # the Trio run dies at the next step
+                rt.runtime.add_record_sink(failing_sink)  # the engine dies at the next step
                 await asyncio.wait(tasks, timeout=30)
-                cancelled = [t.cancelled() for t in tasks]
-        except BaseException as exc:  # the run's failure surfaces when the bridge is left
+                errors = [t.exception() if t.done() else None for t in tasks]
+        except BaseException as exc:  # the engine's failure surfaces when the bridge is left
             crash = exc
-        return cancelled, crash
+        return errors, crash
 
-    cancelled, crash = asyncio.run(asyncio.wait_for(main(), timeout=120))
-    assert cancelled == [True] * len(PROMPTS)
-    assert crash is not None and find(crash, Boom)
+    errors, crash = asyncio.run(asyncio.wait_for(main(), timeout=120))
+    for err in errors:
+        assert isinstance(err, EngineDead) and err.stage == "publisher"
+        assert isinstance(err.cause, Boom)
+    assert crash is not None and find(crash, EngineDead)
 
 
 def test_closing_or_cancelling_a_stream_aborts_it_at_once(bundled: object) -> None:
@@ -195,5 +200,31 @@ def test_closing_or_cancelling_a_stream_aborts_it_at_once(bundled: object) -> No
                 pass
             assert task.cancelled()
             await idle()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=120))
+
+
+def test_the_asyncio_api_matches_the_trio_api(bundled: object) -> None:
+    """Issue 15, item 13: abort returns a bool, wait_idle and stats exist, generate checks
+    at once, and a second runtime in the same thread is refused clearly."""
+    from spectrio.errors import InvalidRequest, SpectrioError
+
+    async def main() -> None:
+        async with open_runtime_asyncio(RuntimeConfig(max_model_len=512)) as rt:
+            with pytest.raises(InvalidRequest):
+                rt.generate(None, LONG)  # type: ignore[arg-type]
+            stream = rt.generate(PROMPTS[0], LONG)
+            first = await stream.__anext__()
+            assert first.token_ids
+            assert await rt.abort(stream.request_id) is True
+            assert await rt.abort(stream.request_id) is False
+            assert await rt.abort("no such request") is False
+            await rt.wait_idle()
+            stats = rt.stats()
+            assert stats.running == 0 and stats.free_kv_blocks == stats.num_kv_blocks
+            assert stats.finished.get("abort") == 1 and rt.step_timings()
+            with pytest.raises(SpectrioError, match="per thread"):
+                async with open_runtime_asyncio(RuntimeConfig(max_model_len=512)):
+                    pass
 
     asyncio.run(asyncio.wait_for(main(), timeout=120))

@@ -95,23 +95,30 @@ async def test_break_out_of_async_with_aborts_at_once(bundled: object) -> None:
             await stream.aclose()
 
 
-async def test_stream_errors_are_raised_on_entry(bundled: object) -> None:
+async def test_stream_errors_are_raised_by_generate_itself(bundled: object) -> None:
+    """A web app learns of a bad request when it calls generate(), before it has sent
+    anything to its own client (issue 15, item 11)."""
     with trio.fail_after(120):
         async with open_runtime(RuntimeConfig(max_model_len=256)) as rt:
             from spectrio import InvalidRequest
 
-            stream = rt.generate([1, 2.0], SamplingParams())  # type: ignore[list-item]
+            for bad, field in (([1, 2.0], "prompt"), (None, "prompt"), ({"a": 1}, "prompt")):
+                try:
+                    rt.generate(bad, SamplingParams())  # type: ignore[arg-type]
+                    raise AssertionError(f"generate accepted {bad!r}")
+                except InvalidRequest as exc:
+                    assert exc.field == field
             try:
-                async with stream:
-                    raise AssertionError("entered a stream with a float token id")
+                rt.generate("x", SamplingParams(max_tokens=0))
+                raise AssertionError("generate accepted max_tokens=0")
             except InvalidRequest as exc:
-                assert exc.field == "prompt" and exc.code == "wrong_type"
+                assert exc.field == "max_tokens"
             async with rt.generate("def f():", SamplingParams(max_tokens=4)) as ok:
                 rid = ok.request_id
                 assert rid is not None
                 try:
-                    async with rt.generate("y", SamplingParams(), request_id=rid):
-                        raise AssertionError("a running request id was reused")
+                    rt.generate("y", SamplingParams(), request_id=rid)
+                    raise AssertionError("a running request id was reused")
                 except InvalidRequest as exc:
                     assert exc.field == "request_id"
                 assert sum([len(d.token_ids) async for d in ok]) == 4

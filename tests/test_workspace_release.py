@@ -3,19 +3,10 @@ request finishes or is aborted, not when the next step is planned (float64, real
 
 from __future__ import annotations
 
-import functools
-import math
-
 import trio
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
-from spectrio.core.channels import open_channel
-from spectrio.core.messages import AbortRequest, Control, NewRequest, StepPlan, StepResult
-from spectrio.stages.block_manager import BlockManager
-from spectrio.stages.sampling import Sampler
-from spectrio.stages.scheduler import run_scheduler
-from spectrio.stages.scheduling import Scheduler
-from spectrio.stages.workspace import Workspace
+from spectrio.core.messages import StepPlan
 
 
 def config(**kw: object) -> RuntimeConfig:
@@ -67,64 +58,28 @@ async def test_finished_requests_leave_no_state_before_the_next_plan(bundled64: 
             assert rt.num_steps > steps and ws.num_states == 0
 
 
-async def test_the_scheduler_drops_an_aborted_requests_state_before_planning(
-    bundled64: object,
-) -> None:
-    """The scheduler actor with the workspace's ``release`` hook; the device side of each
-    step (draft, verify, sampler) is run here by hand, with the stages' own code."""
-    cfg = config()
-    model = bundled64.model  # type: ignore[attr-defined]
-    ws = Workspace(model, 32, cfg.block_size)
-    sched = Scheduler(cfg, BlockManager(32, cfg.block_size))
-    sampler = Sampler(model.config.vocab_size)
-    control_tx, control_rx = open_channel(Control, math.inf, True)
-    plan_tx, plan_rx = open_channel(StepPlan, 1, True)
-    feedback_tx, feedback_rx = open_channel(StepResult, 1, True)
-
-    def device(plan: StepPlan) -> StepResult:
-        plan = ws.draft(plan)
-        ws.verify(plan)
-        return sampler.step(plan, ws.take_logits(plan.step))
-
-    with trio.fail_after(60):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(
-                functools.partial(run_scheduler, release=ws.release),
-                sched,
-                control_rx,
-                plan_tx,
-                feedback_rx,
-            )
-            for seq_id in (1, 2):
-                control_tx.send_nowait(
-                    NewRequest(
-                        seq_id=seq_id,
-                        request_id=f"r{seq_id}",
-                        prompt_ids=list(range(40, 50)),
-                        params=SamplingParams(max_tokens=20),
-                        eos_token_ids=[],
-                        speculative=True,
-                    )
-                )
-            for _ in range(2):
-                await feedback_tx.send(device(await plan_rx.receive()))
-            # Abort r1 while a step runs: its state goes once the step is back...
-            plan = await plan_rx.receive()
-            result = device(plan)
-            assert ws.holds(1) and ws.holds(2)
-            control_tx.send_nowait(AbortRequest(seq_id=1))
-            await feedback_tx.send(result)
-            plan = await plan_rx.receive()
-            # ... and before the scheduler plans the next step.
-            assert not ws.holds(1) and ws.holds(2)
-            assert plan.aborted == ["r1"] and [w.seq_id for w in plan.seqs] == [2]
-            await feedback_tx.send(device(plan))
-            # The last request aborted: the abort-only step leaves nothing behind.
-            plan = await plan_rx.receive()
-            control_tx.send_nowait(AbortRequest(seq_id=2))
-            await feedback_tx.send(device(plan))
-            plan = await plan_rx.receive()
-            assert ws.num_states == 0 and plan.seqs == [] and plan.aborted == ["r2"]
-            await feedback_tx.send(device(plan))
-            control_tx.close()
-    assert sched.blocks.num_used_blocks == 0
+async def test_an_aborted_requests_state_goes_with_the_next_step(bundled64: object) -> None:
+    """An abort frees the request's blocks at once; its device state goes at the start of
+    the next step (the plan's ``released``: the device worker alone touches the
+    workspace), which is the step that reports the abort; the last request aborted gets
+    an abort-only step, so nothing is left behind when the runtime is idle."""
+    with trio.fail_after(120):
+        async with open_runtime(config(enable_overlap=True), encoded_channels=True) as rt:
+            ws = rt.workspace
+            streams = [
+                rt.generate(list(range(40, 50)), SamplingParams(max_tokens=40)) for _ in "ab"
+            ]
+            seqs = [rt._seq_ids[s.request_id] for s in streams]
+            for s in streams:
+                await s.__anext__()
+            assert all(ws.holds(q) for q in seqs)
+            used = rt.blocks.num_used_blocks
+            assert await rt.abort(streams[0].request_id)
+            assert rt.blocks.num_used_blocks < used  # freed at once
+            await streams[1].__anext__()
+            await streams[1].__anext__()
+            assert not ws.holds(seqs[0]) and ws.holds(seqs[1])
+            assert await rt.abort(streams[1].request_id)
+            await rt.wait_idle()
+            assert ws.num_states == 0 and rt.blocks.num_used_blocks == 0
+            assert rt.sampler.num_states == 0

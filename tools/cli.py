@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="spectrio", description="Speculative decoding with MTP heads"
     )
     parser.add_argument("--log-level", default="warning", help="structlog level (default: warning)")
+    from spectrio import __version__
+
+    parser.add_argument("--version", action="version", version=f"spectrio {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="stream a greedy continuation through the pipeline")
@@ -87,6 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_client_parser(sub)
     add_keys_parser(sub)
+
+    from spectrio.tools.diff import add_diff_parser
+    from spectrio.tools.replay import add_replay_parser
+    from spectrio.tools.trace import add_trace_parser
+
+    add_trace_parser(sub)
+    add_replay_parser(sub)
+    add_diff_parser(sub)
 
     sub.add_parser(
         "train", help="train the bundled model (see `spectrio train --help`)", add_help=False
@@ -114,7 +125,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if getattr(args, "max_tokens", 1) < 1:
         parser.error("--max-tokens must be >= 1")
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except BrokenPipeError:
+        # stdout closed early (``spectrio diff a b | head``): quiet, like other tools.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

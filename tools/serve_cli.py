@@ -22,7 +22,7 @@ import json
 import signal
 import sys
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import structlog
 import trio
@@ -33,6 +33,8 @@ from spectrio.tools.runtime_flags import add_runtime_flags, runtime_config
 
 if TYPE_CHECKING:
     from spectrio.core.config import RuntimeConfig
+    from spectrio.runtime.api import Runtime
+    from spectrio.tools.metrics import RequestHooks
     from spectrio.wire.curve import CurveServerKeys
     from spectrio.wire.server import EndpointClaim
 
@@ -95,6 +97,19 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--curve-secret",
         default=None,
         help="CURVE: the server's NAME.key_secret (from `spectrio keys`); encrypts every socket",
+    )
+    p.add_argument(
+        "--record",
+        metavar="TRACE",
+        default=None,
+        help="append every accepted request and its result to this trace (docs/trace.md)",
+    )
+    p.add_argument(
+        "--metrics",
+        metavar="[HOST:]PORT",
+        default=None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (host: 127.0.0.1 unless "
+        "given; a non-loopback host needs --allow-public; port 0 picks a free one)",
     )
     p.set_defaults(func=serve_main)
 
@@ -217,9 +232,10 @@ async def _serve_async(
                 log.info("loading the model", model=config.model)
                 async with open_runtime(config) as rt, trio.open_nursery() as nursery:
                     stopper.startup = None  # from here a signal drains instead
+                    served, extra = _observe(rt, args, nursery)
                     server = await nursery.start(
                         lambda task_status=trio.TASK_STATUS_IGNORED: serve(
-                            rt,
+                            served,
                             requests,
                             outputs,
                             tap,
@@ -239,10 +255,8 @@ async def _serve_async(
                     # only what serving allocates (tens of ms less per pause).
                     gc.freeze()
                     ep = server.endpoints
-                    print(
-                        json.dumps({"requests": ep.requests, "outputs": ep.outputs, "tap": ep.tap}),
-                        flush=True,
-                    )
+                    ready = {"requests": ep.requests, "outputs": ep.outputs, "tap": ep.tap}
+                    print(json.dumps({**ready, **extra}), flush=True)
                     await stopper.requested.wait()
                     await server.drain(args.grace, cut=stopper.cut)
                     nursery.cancel_scope.cancel()
@@ -251,10 +265,56 @@ async def _serve_async(
             top.cancel_scope.cancel()
 
 
+def _observe(
+    rt: Runtime, args: argparse.Namespace, nursery: trio.Nursery
+) -> tuple[Runtime, dict[str, str]]:
+    """The runtime the wire server gets: ``rt`` itself, or, with ``--record`` or
+    ``--metrics``, an :class:`~spectrio.tools.metrics.ObservedRuntime` that reports each
+    request to the trace recorder and the metrics. Also starts the metrics task and HTTP
+    server (stopped with the nursery). Returns it and extra keys for the ready line."""
+    import time
+
+    hooks: list[RequestHooks] = []
+    extra: dict[str, str] = {}
+    if args.record_writer is not None:
+        from spectrio.tools.trace import TraceRecorder
+
+        hooks.append(TraceRecorder(args.record_writer, time.perf_counter()))
+    if args.metrics_address is not None:
+        from spectrio.tools.metrics import ServeMetrics
+
+        metrics = ServeMetrics()
+        hooks.append(metrics)
+        remove = metrics.attach(rt)
+        try:
+            http, url = metrics.serve_http(*args.metrics_address)
+        except OSError as exc:
+            remove()
+            raise ValueError(f"--metrics: cannot serve on {args.metrics}: {exc}") from None
+        extra["metrics"] = url
+        log.info("metrics", url=url)
+
+        async def run_metrics() -> None:
+            try:
+                await metrics.run(rt)
+            finally:
+                remove()
+                http.shutdown()
+
+        nursery.start_soon(run_metrics)
+    if not hooks:
+        return rt, extra
+    from spectrio.tools.metrics import ObservedRuntime
+
+    return cast("Runtime", ObservedRuntime(rt, hooks)), extra
+
+
 def serve_main(args: argparse.Namespace) -> int:
     """Exit status: 0 after a clean stop (a signal at any time, start-up included);
     2 when the configuration, the endpoints or the run directory are refused (before the
     model is loaded)."""
+    args.metrics_address = None
+    args.record_writer = None
     with _StartupSignals() as early:
         from spectrio.core.config import ConfigError
         from spectrio.wire.curve import CurveError, load_server_keys
@@ -277,8 +337,26 @@ def serve_main(args: argparse.Namespace) -> int:
             assert requests is not None and outputs is not None
             curve = load_server_keys(args.curve_secret) if args.curve_secret else None
             # Before the model loads: a refused or second server fails at once.
+            if args.metrics is not None:
+                from spectrio.tools.metrics import parse_metrics_address
+
+                args.metrics_address = parse_metrics_address(
+                    args.metrics, allow_public=args.allow_public
+                )
+            if args.record is not None:
+                from spectrio.tools.trace import TraceWriter, runtime_fields
+
+                args.record_writer = TraceWriter(
+                    args.record,
+                    source="serve",
+                    model=config.model,
+                    runtime=runtime_fields(config),
+                    append=True,
+                )
             claim = claim_endpoints(requests, outputs, args.tap, allow_public=args.allow_public)
         except (ConfigError, EndpointRefused, ServerRunning, CurveError, ValueError) as exc:
+            if args.record_writer is not None:
+                args.record_writer.close()
             print(f"error: {exc}", file=sys.stderr)
             return 2
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -307,6 +385,8 @@ def serve_main(args: argparse.Namespace) -> int:
             return 2
         finally:
             ctx.destroy(linger=0)
+            if args.record_writer is not None:
+                args.record_writer.close()
     return 0
 
 

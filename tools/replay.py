@@ -1,0 +1,307 @@
+"""``spectrio replay``: replay a trace's arrivals in-process or against a running server,
+and report what ``bench`` reports (TTFT, ITL and TPOT percentiles, tokens per second,
+acceptance per draft position).
+
+Arrivals are replayed at the recorded speed (``--speed 1``), at a multiple of it
+(``--speed 4`` arrives four times as fast), or all at once (``--speed inf``). Request
+``i`` is submitted at ``arrival_s / speed`` after the start, whatever happened before it:
+a slow run does not delay later arrivals (an open-loop replay, like real clients).
+
+The run's output (``--out``) is a trace itself: the same requests plus one result per
+request and a summary line, so it can be replayed again or compared with ``spectrio
+diff``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from spectrio.core.timing import device_summary
+from spectrio.tools.trace import (
+    ResultBuilder,
+    Trace,
+    TraceError,
+    TraceRequest,
+    TraceResult,
+    TraceWriter,
+    format_summary,
+    read_trace,
+    runtime_fields,
+    summarize,
+)
+
+if TYPE_CHECKING:
+    from spectrio.core.config import RuntimeConfig
+    from spectrio.models import TextTokenizer
+    from spectrio.runtime.api import Runtime
+    from spectrio.wire.curve import CurveClientKeys
+
+__all__ = ["ReplayRun", "add_replay_parser", "replay_runtime", "replay_wire", "submit_times"]
+
+
+@dataclasses.dataclass
+class ReplayRun:
+    """One replay: results in request order, the wall time from the first submission to
+    the last finish, and the device summary of its steps (in-process, when known)."""
+
+    results: list[TraceResult]
+    wall_s: float
+    device: dict[str, float] | None = None
+
+    def summary(self) -> dict[str, Any]:
+        s = summarize(self.results, self.wall_s)
+        if self.device:
+            s["device"] = {k: round(v, 4) for k, v in self.device.items()}
+        return s
+
+
+def submit_times(requests: Sequence[TraceRequest], speed: float) -> list[float]:
+    """Seconds after the start at which each request is submitted (pure)."""
+    if not speed > 0:
+        raise ValueError(f"speed: must be > 0 (inf: as fast as possible), got {speed!r}")
+    if math.isinf(speed):
+        return [0.0] * len(requests)
+    return [r.arrival_s / speed for r in requests]
+
+
+async def _paced(
+    requests: Sequence[TraceRequest],
+    speed: float,
+    start_one: Any,
+) -> None:
+    """Call ``start_one(i, request)`` for each request at its submit time."""
+    times = submit_times(requests, speed)
+    t0 = trio.current_time()
+    # A recorded trace lists requests as they finished; submit them as they arrived.
+    for i in sorted(range(len(requests)), key=lambda j: times[j]):
+        await trio.sleep_until(t0 + times[i])
+        start_one(i, requests[i])
+
+
+async def replay_runtime(
+    rt: Runtime, requests: Sequence[TraceRequest], *, speed: float = 1.0
+) -> ReplayRun:
+    """Replay ``requests`` against a running runtime (each through ``rt.generate`` with its
+    recorded prompt ids, params and request id). A request the runtime refuses gets
+    ``finish_reason="error"``. Cancellation aborts the requests still running."""
+    builders: list[ResultBuilder | None] = [None] * len(requests)
+    n0 = len(rt.step_timings())
+    from spectrio.errors import InvalidRequest
+
+    async def one(i: int, req: TraceRequest) -> None:
+        b = builders[i] = ResultBuilder(req.request_id, trio.current_time())
+        try:
+            async with rt.generate(req.prompt_ids, req.params, request_id=req.request_id) as s:
+                async for delta in s:
+                    b.add(delta, trio.current_time())
+        except InvalidRequest as exc:
+            b.fail(str(exc), trio.current_time())
+
+    t0 = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        await _paced(requests, speed, lambda i, r: nursery.start_soon(one, i, r))
+    wall = trio.current_time() - t0
+    device = device_summary(rt.step_timings()[n0:], wall) or None
+    return ReplayRun([b.result() for b in builders if b is not None], wall, device)
+
+
+async def replay_wire(
+    requests: Sequence[TraceRequest],
+    requests_endpoint: str,
+    outputs_endpoint: str,
+    *,
+    speed: float = 1.0,
+    timeout_s: float = 60.0,
+    curve: CurveClientKeys | None = None,
+    tokenizer: TextTokenizer | None = None,
+) -> ReplayRun:
+    """Replay ``requests`` against a running ``spectrio serve`` (this client must be the
+    only reader of its outputs endpoint). A refused request gets ``finish_reason="error"``;
+    a server that stops answering raises :class:`spectrio.wire.client.ClientTimeout`."""
+    from spectrio.wire.client import RequestRefused, open_client
+
+    builders: dict[str, ResultBuilder] = {}
+    pending: set[str] = set()
+    submitted = 0
+    changed = trio.Event()
+
+    def wake() -> None:
+        nonlocal changed
+        changed.set()
+        changed = trio.Event()
+
+    async with open_client(
+        requests_endpoint, outputs_endpoint, timeout_s=timeout_s, curve=curve, tokenizer=tokenizer
+    ) as client:
+
+        async def reader() -> None:
+            while True:
+                if not pending:
+                    await changed.wait()
+                    continue
+                chunks = await client.next_chunks()
+                now = trio.current_time()
+                for chunk in chunks:
+                    b = builders.get(chunk.request_id)
+                    if b is None:
+                        continue
+                    b.add(chunk, now)
+                    if b.finished:
+                        pending.discard(chunk.request_id)
+                        wake()
+
+        async def one(req: TraceRequest) -> None:
+            nonlocal submitted
+            rid = req.request_id
+            b = builders[rid] = ResultBuilder(rid, trio.current_time())
+            pending.add(rid)
+            wake()
+            try:
+                await client.submit(req.prompt_ids, req.params, request_id=rid)
+            except RequestRefused as exc:
+                b.fail(str(exc), trio.current_time())
+                pending.discard(rid)
+            finally:
+                submitted += 1
+                wake()
+
+        t0 = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            async with trio.open_nursery() as submits:
+                await _paced(requests, speed, lambda i, r: submits.start_soon(one, r))
+            while pending or submitted < len(requests):
+                await changed.wait()
+            nursery.cancel_scope.cancel()
+        wall = trio.current_time() - t0
+    return ReplayRun([builders[r.request_id].result() for r in requests], wall)
+
+
+# ---- the command ------------------------------------------------------------------------
+
+
+def add_replay_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from spectrio.tools.runtime_flags import add_runtime_flags
+
+    p = sub.add_parser(
+        "replay",
+        help="replay a trace in-process or against a server (docs/trace.md)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("trace", help="a trace file (docs/trace.md)")
+    p.add_argument("--out", "-o", help="write the run (requests, results, summary) as a trace")
+    p.add_argument(
+        "--speed",
+        type=float,
+        default=1.0,
+        help="arrival speed: 1 as recorded, N times as fast, inf all at once (default: 1)",
+    )
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument(
+        "--same-config",
+        action="store_true",
+        help="run with the runtime configuration recorded in the trace's header (the run "
+        "that produced its results) instead of the runtime flags",
+    )
+    add_runtime_flags(p)
+    remote = p.add_argument_group(
+        "against a running server (the runtime flags above are then ignored)"
+    )
+    remote.add_argument("--requests", help="the server's requests endpoint")
+    remote.add_argument("--outputs", help="the server's outputs endpoint")
+    remote.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a reply")
+    remote.add_argument("--curve-server-key", help="CURVE: the server's public NAME.key")
+    p.set_defaults(func=replay_main)
+
+
+async def _replay_in_process(config: RuntimeConfig, trace: Trace, speed: float) -> ReplayRun:
+    from spectrio.runtime.api import open_runtime
+
+    async with open_runtime(config) as rt:
+        return await replay_runtime(rt, trace.requests, speed=speed)
+
+
+def replay_main(args: argparse.Namespace) -> int:
+    """Exit status: 0 after the replay (requests the runtime refused are counted under
+    ``finish_reasons.error``); 2 for a bad trace, flag or configuration; 3 when the
+    server stopped answering."""
+    from spectrio.errors import SpectrioError
+
+    if not args.speed > 0:
+        print(f"error: --speed must be > 0 (inf: all at once), got {args.speed}", file=sys.stderr)
+        return 2
+    if bool(args.requests) != bool(args.outputs):
+        print("error: --requests and --outputs go together", file=sys.stderr)
+        return 2
+    try:
+        trace = read_trace(args.trace)
+        if args.requests:
+            import zmq
+
+            curve = None
+            if args.curve_server_key:
+                from spectrio.wire.curve import client_keys
+
+                curve = client_keys(args.curve_server_key)
+            try:
+                run = trio.run(
+                    lambda: replay_wire(
+                        trace.requests,
+                        args.requests,
+                        args.outputs,
+                        speed=args.speed,
+                        timeout_s=args.timeout,
+                        curve=curve,
+                    )
+                )
+            except zmq.Again as exc:  # ClientTimeout
+                print(f"error: {exc}", file=sys.stderr)
+                return 3
+            model, runtime = None, None
+        else:
+            from spectrio.tools.runtime_flags import runtime_config
+            from spectrio.tools.trace import config_from_fields
+
+            if args.same_config:
+                if trace.header.runtime is None:
+                    raise TraceError(f"{args.trace}: the header records no runtime configuration")
+                config = config_from_fields(trace.header.runtime)
+            else:
+                config = runtime_config(args)
+            run = trio.run(_replay_in_process, config, trace, args.speed)
+            model, runtime = config.model, runtime_fields(config)
+    except (SpectrioError, OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    summary = run.summary()
+    if args.out:
+        try:
+            with TraceWriter(args.out, source="replay", model=model, runtime=runtime) as w:
+                for req in trace.requests:
+                    w.add_request(
+                        req.request_id,
+                        req.prompt_ids,
+                        req.params,
+                        arrival_s=req.arrival_s,
+                        prompt_text=req.prompt_text,
+                    )
+                for res in run.results:
+                    w.add_result(res)
+                w.add_summary(run.wall_s, summary)
+        except (TraceError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(format_summary(summary))
+    return 0
