@@ -13,8 +13,7 @@ dependencies)::
 * ``POST /generate`` with ``{"prompt": text or token ids, "params": {SamplingParams}}``
   streams one SSE event per step, ``data: {"text", "token_ids", "finish_reason"}``, then
   ``data: [DONE]``. A bad request is refused with HTTP 400 and the field's reason before
-  any event is sent: the stream is entered (checked and submitted) before the response
-  starts.
+  any event is sent: ``generate`` checks and submits the request when it is called.
 * A client that disconnects cancels the response; leaving the stream's ``async with``
   aborts the request at once, and its KV blocks go back to the pool.
 * ``GET /health`` answers from the event loop without touching the model: the runtime's
@@ -74,10 +73,9 @@ async def generate(request: Request) -> Response:
         params = msgspec.convert(body.get("params") or {}, SamplingParams)
     except msgspec.ValidationError as exc:
         return JSONResponse({"error": "invalid_params", "reason": str(exc)}, 400)
-    stream = _runtime(request).generate(body["prompt"], params)
     try:
-        await stream.__aenter__()  # checked and submitted now: a refusal is a 400
-    except InvalidRequest as exc:
+        stream = _runtime(request).generate(body["prompt"], params)  # checked and submitted
+    except InvalidRequest as exc:  # before any byte of the response: a 400, not a 200
         return _refusal(exc)
 
     async def events() -> AsyncIterator[str]:
@@ -100,18 +98,14 @@ async def generate(request: Request) -> Response:
 
 
 def _stats(rt: AsyncioRuntime) -> dict[str, Any]:
-    stats = getattr(rt, "stats", None)
-    if stats is not None:  # the asyncio runtime's statistics (spectrio issue 15 item 13)
-        snapshot = stats()
-        return {
-            "running": snapshot.running,
-            "waiting": snapshot.waiting,
-            "free_kv_blocks": snapshot.free_kv_blocks,
-            "num_kv_blocks": snapshot.num_kv_blocks,
-            "finished": dict(snapshot.finished),
-        }
-    blocks = rt.runtime.blocks  # releases without AsyncioRuntime.stats()
-    return {"free_kv_blocks": blocks.num_free_blocks}
+    snapshot = rt.stats()  # a plain call: the runtime runs on this thread (Trio guest mode)
+    return {
+        "running": snapshot.running,
+        "waiting": snapshot.waiting,
+        "free_kv_blocks": snapshot.free_kv_blocks,
+        "num_kv_blocks": snapshot.num_kv_blocks,
+        "finished": dict(snapshot.finished),
+    }
 
 
 async def health(request: Request) -> Response:
