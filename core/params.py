@@ -54,8 +54,10 @@ __all__ = [
     "check_params",
     "check_prompt",
     "check_request_id",
+    "check_text_length",
     "field_rule",
     "invalid_from_validation_error",
+    "max_prompt_bytes",
 ]
 
 MAX_LOGPROBS: Final = 20
@@ -308,18 +310,54 @@ def _as_id_list(prompt: object) -> list[Any]:
     raise InvalidRequest("prompt", field_rule("prompt"), got=prompt, code="wrong_type")
 
 
+def max_prompt_bytes(max_model_len: int, max_token_bytes: int) -> int:
+    """The longest text, in UTF-8 bytes, that could still be a prompt under
+    ``max_model_len``: a prompt needs at most ``max_model_len - 1`` tokens, and a token
+    stands for at most ``max_token_bytes`` bytes (the tokenizer's longest vocabulary
+    entry, :attr:`spectrio.models.tokenizer.TextTokenizer.max_token_bytes`). Exact: that
+    many repetitions of the longest entry fit. Longer text cannot fit, whatever it says."""
+    return (max_model_len - 1) * max_token_bytes
+
+
+def check_text_length(text: str, *, max_model_len: int, max_token_bytes: int | None) -> None:
+    """Refuse text that is too long for any prompt under ``max_model_len`` by its length
+    alone (:func:`max_prompt_bytes`), before it costs a tokenizer pass: ``prompt_too_long``.
+    O(1) for ASCII text; other text is measured by encoding it once, unless its
+    character count already proves it. Does nothing when ``max_token_bytes`` is None (a
+    tokenizer that gives no bound)."""
+    if max_token_bytes is None:
+        return
+    limit = max_prompt_bytes(max_model_len, max_token_bytes)
+    size = len(text)  # every character is at least one byte
+    if size <= limit and not text.isascii():
+        size = len(text.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        raise InvalidRequest(
+            "prompt",
+            f"text of {size} bytes is at least {-(-size // max_token_bytes)} tokens "
+            f"(a token is at most {max_token_bytes} bytes), which leaves no room under "
+            f"max_model_len={max_model_len}",
+            code="prompt_too_long",
+        )
+
+
 def check_prompt(
     prompt: object,
     *,
     vocab_size: int,
     max_model_len: int,
     tokenize: Callable[[str], Sequence[int]],
+    max_token_bytes: int | None = None,
 ) -> list[int]:
     """Check a prompt (text, or token ids) and return its token ids, or raise
     :class:`InvalidRequest`: ``wrong_type`` (not text or ints; floats and bools are not
     token ids), ``invalid_field`` (an id outside ``[0, 2^31 - 1]`` or the vocabulary),
-    ``empty_prompt``, or ``prompt_too_long`` (no room left under ``max_model_len``)."""
+    ``empty_prompt``, or ``prompt_too_long`` (no room left under ``max_model_len``).
+
+    With ``max_token_bytes`` (the tokenizer's bound), text too long for any prompt is
+    refused by :func:`check_text_length` before ``tokenize`` runs."""
     if isinstance(prompt, str):
+        check_text_length(prompt, max_model_len=max_model_len, max_token_bytes=max_token_bytes)
         ids = list(tokenize(prompt)) if prompt else []
     else:
         items = _as_id_list(prompt)

@@ -6,7 +6,8 @@ import dataclasses
 from collections.abc import Callable
 
 import numpy as np
-import paddle
+
+from spectrio.models.paddle_setup import paddle
 
 
 @dataclasses.dataclass

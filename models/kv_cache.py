@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
-import paddle
 
 from spectrio.models.config import DType
+from spectrio.models.paddle_setup import paddle
 
 
 class PagedKVCache:

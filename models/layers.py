@@ -10,7 +10,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import paddle
+
+from spectrio.models.paddle_setup import paddle  # first: Paddle is imported there, once
+
+# isort: split
 import paddle.nn.functional as F
 from paddle import nn
 

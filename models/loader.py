@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import paddle
 import structlog
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
@@ -19,6 +18,7 @@ from safetensors.numpy import load_file, save_file
 from spectrio.errors import CheckpointError
 from spectrio.models.config import BUNDLED_DIR, DType, ModelConfig, ModelConfigError
 from spectrio.models.model import SpectrioForCausalLM, build_model
+from spectrio.models.paddle_setup import paddle
 from spectrio.models.tokenizer import TextTokenizer
 
 log = structlog.get_logger("spectrio.models")

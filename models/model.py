@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import paddle
+
+from spectrio.models.paddle_setup import configure_paddle, paddle  # first: imports Paddle
+
+# isort: split
 from paddle import nn
 
 from spectrio.models.batch import AttentionPlan, PackedBatch
@@ -19,7 +22,6 @@ from spectrio.models.layers import (
     rope_cos_sin,
     rope_matrices,
 )
-from spectrio.models.paddle_setup import configure_paddle
 from spectrio.models.staging import Staging
 
 

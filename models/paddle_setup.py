@@ -1,4 +1,11 @@
-"""Process-wide Paddle settings the serving forward relies on.
+"""The one place spectrio imports Paddle, and the process-wide Paddle settings the
+serving forward relies on.
+
+* Import. Every spectrio module takes Paddle from here (``from
+  spectrio.models.paddle_setup import paddle``), so whichever is imported first, Paddle is
+  imported under :func:`spectrio.models.host_state.host_state_kept`: the host's signal
+  handlers (Paddle installs C-level ones for SIGTERM and the fatal signals) and its root
+  logger (Paddle configures it) are as they were before.
 
 * ``FLAGS_use_stride_kernel`` off. With it on (Paddle 3's default) ``transpose`` returns
   a strided view, and the next ``matmul`` copies it through a generic strided kernel:
@@ -11,9 +18,12 @@
 
 from __future__ import annotations
 
-import paddle
+from spectrio.models.host_state import host_state_kept
 
-__all__ = ["configure_paddle"]
+with host_state_kept():  # the host's signal handlers and root logger survive the import
+    import paddle
+
+__all__ = ["configure_paddle", "paddle"]
 
 _threads: int | None = None
 

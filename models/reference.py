@@ -10,9 +10,9 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
-import paddle
 
 from spectrio.models.model import SpectrioForCausalLM
+from spectrio.models.paddle_setup import paddle
 
 
 @dataclasses.dataclass

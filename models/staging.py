@@ -14,7 +14,8 @@ staged: they are computed tensors)."""
 from __future__ import annotations
 
 import numpy as np
-import paddle
+
+from spectrio.models.paddle_setup import paddle
 
 __all__ = ["Staging"]
 

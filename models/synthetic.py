@@ -57,7 +57,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import paddle
 
 from spectrio.errors import ConfigError
 from spectrio.models.batch import PackedBatch
@@ -66,6 +65,7 @@ from spectrio.models.kv_cache import PagedKVCache
 from spectrio.models.layers import KV
 from spectrio.models.loader import LoadedModel
 from spectrio.models.model import ForwardOutput, SpectrioForCausalLM
+from spectrio.models.paddle_setup import paddle
 from spectrio.models.tokenizer import TextTokenizer
 
 __all__ = [

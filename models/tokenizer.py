@@ -1,12 +1,62 @@
-"""The text tokenizer: a Hugging Face ``tokenizers`` BPE model plus incremental decoding."""
+"""The text tokenizer: a Hugging Face ``tokenizers`` BPE model plus incremental decoding,
+and the bound that lets a text prompt be refused by its length before it is tokenized."""
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Final
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+from tokenizers.pre_tokenizers import ByteLevel
+
+__all__ = ["IncrementalDetokenizer", "TextTokenizer", "max_token_bytes", "utf8_len"]
+
+_NON_DROPPING_PRE_TOKENIZERS: Final = frozenset({"ByteLevel", "Split", "Digits", "Punctuation"})
+
+
+def _keeps_every_byte(pre: dict[str, object] | None) -> bool:
+    """Whether a pre-tokenizer only splits (never drops) the text, so every input byte
+    ends up inside some token."""
+    if pre is None:
+        return True
+    kind = pre.get("type")
+    if kind == "Sequence":
+        items = pre.get("pretokenizers")
+        return isinstance(items, list) and all(_keeps_every_byte(p) for p in items)
+    return kind in _NON_DROPPING_PRE_TOKENIZERS and pre.get("behavior") != "Removed"
+
+
+def max_token_bytes(tokenizer: Tokenizer) -> int | None:
+    """The most input bytes one token can stand for: the longest vocabulary entry, in
+    bytes of the text it encodes. None when no such bound holds (a normalizer, a
+    pre-tokenizer that drops text, or fused unknown tokens could make any length of text
+    one token). With a bound L, text of N UTF-8 bytes has at least ceil(N / L) tokens,
+    and text made of the longest entry repeated reaches it, so the bound is exact."""
+    spec = json.loads(tokenizer.to_str())
+    model = spec.get("model") or {}
+    if spec.get("normalizer") is not None or not _keeps_every_byte(spec.get("pre_tokenizer")):
+        return None
+    if model.get("type") != "BPE" or (model.get("unk_token") is not None and model.get("fuse_unk")):
+        return None
+    byte_chars = set(ByteLevel.alphabet())
+    added = {t["content"] for t in spec.get("added_tokens", [])}
+    longest = 4  # an unknown character (one UTF-8 character) as one token
+    for token in tokenizer.get_vocab(with_added_tokens=True):
+        if token not in added and all(c in byte_chars for c in token):
+            size = len(token)  # byte-level alphabet: one character per byte
+        else:
+            size = len(token.encode("utf-8"))  # raw text (or an over-estimate)
+        longest = max(longest, size)
+    return longest
+
+
+def utf8_len(text: str) -> int:
+    """The UTF-8 length of ``text``; O(1) for ASCII text (CPython keeps the flag)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
 class TextTokenizer:
@@ -27,8 +77,20 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size())
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int | None:
+        """The most UTF-8 bytes of text one token stands for (:func:`max_token_bytes`),
+        or None when this tokenizer gives no such bound. Computed once (about 10 ms)."""
+        return max_token_bytes(self._tok)
+
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_releasing_gil(self, text: str) -> list[int]:
+        """:meth:`encode`, for a worker thread: ``Tokenizer.encode`` holds the GIL for the
+        whole call (a 1 MB text stalls every other thread, the event loop included, for
+        about a second), ``encode_batch`` releases it. Same ids."""
+        return list(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))

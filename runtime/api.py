@@ -324,6 +324,7 @@ class Runtime:
             vocab_size=self.loaded.config.vocab_size,
             max_model_len=self.config.max_model_len,
             tokenize=self.tokenizer.encode,
+            max_token_bytes=self.tokenizer.max_token_bytes,
         )
         return ids, params, rid
 

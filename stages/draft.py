@@ -9,11 +9,11 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import paddle
 from msgspec.structs import replace
 
 from spectrio.core.messages import StepPlan
 from spectrio.models import PackedBatch
+from spectrio.models.paddle_setup import paddle
 from spectrio.stages.workspace import Workspace
 
 __all__ = ["draft"]

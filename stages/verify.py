@@ -8,10 +8,10 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import paddle
 
 from spectrio.core.messages import StepPlan
 from spectrio.models import PackedBatch
+from spectrio.models.paddle_setup import paddle
 from spectrio.stages.workspace import Workspace
 
 __all__ = ["verify"]

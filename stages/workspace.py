@@ -13,9 +13,9 @@ import dataclasses
 import time
 
 import numpy as np
-import paddle
 
 from spectrio.models import PackedBatch, PagedKVCache, SpectrioForCausalLM
+from spectrio.models.paddle_setup import paddle
 
 
 @dataclasses.dataclass

@@ -614,6 +614,26 @@ def test_sequence_counter_counts_sent_tokens_and_forgets_finished_requests() -> 
     assert counter.sent("a") == 0 and counter.sent("b") == 3 and len(counter) == 1
 
 
+def test_the_client_applies_the_documents_gap_rule_to_every_slot() -> None:
+    """docs/wire.md's gap rule checks every slot, those without tokens too; the client's
+    ``StreamAssembler`` applies the same rule (it used to skip slots without tokens, so a
+    gap showed only at the request's next tokens)."""
+    from spectrio.wire.client import SequenceGap, StreamAssembler
+
+    published, _ = example_step()  # req-b: a slot in prefill (no tokens, no finish)
+    fresh = [0, 0, 0, 0]
+    asm = StreamAssembler()
+    asm.feed(encode_step(published, fresh))
+    assert asm.received("req-a") == 3
+    lost = [3, 2, 0, 0]  # req-b says 2 tokens were sent before; the consumer has none
+    with pytest.raises(SequenceGap) as gap:
+        StreamAssembler(track=["req-b"]).feed(encode_step(published, lost))
+    assert (gap.value.request_id, gap.value.expected, gap.value.got) == ("req-b", 0, 2)
+    # And the preempted slot (-9, no tokens) of a request whose earlier tokens were lost.
+    with pytest.raises(SequenceGap):
+        StreamAssembler(track=["req-d"]).feed(encode_step(published, [0, 0, 0, 5]))
+
+
 # ---- a plain-msgpack consumer of a live runtime, written from docs/wire.md ----------------
 
 

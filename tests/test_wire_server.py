@@ -87,7 +87,11 @@ async def reference(rt: Runtime) -> dict[str, tuple[list[int], str, str | None]]
 
 
 async def start_server(
-    rt: Runtime, nursery: trio.Nursery, endpoints: tuple[str, str, str], ctx: Context
+    rt: Runtime,
+    nursery: trio.Nursery,
+    endpoints: tuple[str, str, str],
+    ctx: Context,
+    max_message_bytes: int | None = None,
 ) -> WireServer:
     server = await nursery.start(
         lambda task_status=trio.TASK_STATUS_IGNORED: serve(  # type: ignore[misc]
@@ -95,6 +99,7 @@ async def start_server(
             *endpoints,
             context=ctx,
             max_request_bytes=MAX_REQUEST_BYTES,
+            max_message_bytes=max_message_bytes,
             task_status=task_status,
         )
     )
@@ -324,17 +329,23 @@ def test_bind_policy(tmp_path: Path) -> None:
 async def test_oversized_message_is_cut_and_serving_continues(
     endpoints: tuple[str, str, str], ctx: Context
 ) -> None:
-    """A message over MAXMSGSIZE (4x the request cap) never reaches the server: libzmq
-    drops the peer. Other clients are unaffected."""
+    """A message over MAXMSGSIZE (``max_message_bytes``) never reaches the server: libzmq
+    drops the peer. One between the request cap and that limit gets ``too_large``. Other
+    clients are unaffected."""
     with trio.fail_after(TIMEOUT):
         async with open_runtime(RuntimeConfig(dtype="float64", max_model_len=256)) as rt:
             async with trio.open_nursery() as nursery:
-                server = await start_server(rt, nursery, endpoints, ctx)
+                server = await start_server(
+                    rt, nursery, endpoints, ctx, max_message_bytes=8 * MAX_REQUEST_BYTES
+                )
                 assert server.endpoints is not None
                 ep = server.endpoints
                 async with open_client(ep.requests, context=ctx) as big:
+                    reply = await big.send_raw(b"\x00" * (8 * MAX_REQUEST_BYTES))
+                    assert isinstance(reply, Error) and reply.code == "too_large"
+                async with open_client(ep.requests, context=ctx) as big:
                     assert big._requests is not None
-                    await big._requests.send(b"\x00" * (8 * MAX_REQUEST_BYTES))
+                    await big._requests.send(b"\x00" * (8 * MAX_REQUEST_BYTES + 1))
                     with trio.move_on_after(0.5) as scope:
                         await big._requests.recv()
                     assert scope.cancelled_caught  # no reply: the connection was cut
@@ -343,7 +354,7 @@ async def test_oversized_message_is_cut_and_serving_continues(
                     rid = await client.submit("hello", SamplingParams(max_tokens=5))
                     out = (await client.collect([rid]))[rid]
                     assert sum(len(c.token_ids) for c in out) == 5
-                assert server.stats.requests == 2  # the ping and the submit only
+                assert server.stats.requests == 3  # the too_large one, the ping and the submit
                 nursery.cancel_scope.cancel()
 
 

@@ -216,8 +216,10 @@ def test_the_text_bound_never_exceeds_the_real_token_count(bundled: object) -> N
     ]
     texts += ["".join(chr(rng.randrange(32, 0x2FFF)) for _ in range(3000)) for _ in range(3)]
     texts += [bytes(rng.randrange(256) for _ in range(4000)).decode("latin-1") for _ in range(3)]
+    bound = tok.max_token_bytes
     for text in texts:
-        assert tok.min_tokens(text) <= len(tok.encode(text)), text[:40]
+        floor = -(-len(text.encode("utf-8", "surrogatepass")) // bound)
+        assert floor <= len(tok.encode(text)), text[:40]
         assert tok.encode(text) == bundled.tokenizer.encode(text)  # type: ignore[attr-defined]
 
 
@@ -314,13 +316,13 @@ async def test_prompt_length_refusals(ctx: Context, tmp_path: Path) -> None:
                 server = await start(rt, nursery, tmp_path, ctx)
                 ep = server.endpoints
                 assert ep is not None
-                bound = server._prompts.max_token_bytes
+                bound = rt.tokenizer.max_token_bytes
                 assert bound is not None
                 async with open_client(ep.requests, ep.outputs, context=ctx) as client:
                     cases = [
                         ([1] * 256, "256 tokens"),
                         ([10**9] * 300, "300 tokens"),  # refused on length, before the vocab scan
-                        (code_text(256 * bound), "at least 256 tokens"),
+                        (code_text(255 * bound + 1), "at least 256 tokens"),
                         (code_text(255 * bound), "tokens leave no room"),  # tokenized, then refused
                     ]
                     for prompt, why in cases:

@@ -32,8 +32,9 @@ BLOCK = 16
 
 
 def _count_ops(fn: Callable[[], object], calls: int = 5) -> int:
-    import paddle.profiler as profiler
+    from spectrio.models.paddle_setup import paddle
 
+    profiler = paddle.profiler
     with tempfile.TemporaryDirectory() as tmp:
         prof = profiler.Profiler(
             targets=[profiler.ProfilerTarget.CPU],
@@ -72,10 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128, help="reference tokens per prompt")
     args = p.parse_args(argv)
 
-    import paddle
-
     from spectrio.models import PackedBatch, PagedKVCache, load
-    from spectrio.models.paddle_setup import configure_paddle
+    from spectrio.models.paddle_setup import configure_paddle, paddle
     from spectrio.tools.logging_setup import configure_logging
 
     configure_logging("warning")

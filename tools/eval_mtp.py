@@ -91,9 +91,8 @@ def evaluate(
 
 def draft_cost(model: SpectrioForCausalLM, context: int = 64, reps: int = 300) -> dict[str, object]:
     """Median seconds of a batch-1 target decode forward and of one MTP substep (paged)."""
-    import paddle
-
     from spectrio.models import PackedBatch, PagedKVCache
+    from spectrio.models.paddle_setup import paddle
 
     cfg = model.config
     block = 16

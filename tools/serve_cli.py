@@ -67,7 +67,19 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="allow endpoints other hosts or users can reach: a non-loopback address, "
         "a wildcard (binds every interface), an abstract ipc://@name; use CURVE with it",
     )
-    p.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=1 << 20,
+        help="largest request frame read; a larger one gets too_large (default 1 MiB)",
+    )
+    p.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=None,
+        help="transport limit: libzmq drops the connection of a client that sends a larger "
+        "message, without a reply (default 16x --max-request-bytes, at least 16 MiB)",
+    )
     p.add_argument(
         "--grace",
         type=float,
@@ -139,17 +151,17 @@ def keys_main(args: argparse.Namespace) -> int:
 
 
 class _StartupSignals:
-    """SIGINT and SIGTERM outside Trio's signal receiver. Paddle installs a C-level
-    SIGTERM handler at import that prints a fatal-error banner; these Python handlers
-    replace it and only record the signal, so a stop requested during start-up is
-    honoured once the start-up can be cancelled cleanly (exit 0, quietly).
+    """SIGINT and SIGTERM outside Trio's signal receiver. These Python handlers only
+    record the signal, so a stop requested during start-up is honoured once the start-up
+    can be cancelled cleanly (exit 0, quietly). Paddle installs a C-level SIGTERM handler
+    while it is imported (inside this block), and spectrio puts these back right after
+    (:mod:`spectrio.models.host_state`).
 
     On exit the two signals are ignored: the server is done and the process is exiting,
     and Python's finalization would otherwise put back the default action, so a late
     signal would kill a process that already shut down cleanly.
 
-    Paddle is imported with the ``spectrio`` package, before any CLI code runs; a signal
-    in the last part of that import still meets Paddle's handler."""
+    A signal during Paddle's import itself still meets Paddle's handler."""
 
     def __init__(self) -> None:
         self.received: list[int] = []
@@ -231,6 +243,7 @@ async def _serve_async(
                             context=ctx,
                             claim=claim,
                             max_request_bytes=args.max_request_bytes,
+                            max_message_bytes=args.max_message_bytes,
                             max_requests_per_s=args.max_requests_per_s,
                             curve=curve,
                             task_status=task_status,
@@ -310,10 +323,12 @@ def serve_main(args: argparse.Namespace) -> int:
             ServerRunning,
             claim_endpoints,
             default_endpoints,
+            message_cap,
         )
 
         try:
             config = runtime_config(args)
+            message_cap(args.max_request_bytes, args.max_message_bytes)  # ValueError: refused
             defaults = (
                 default_endpoints(args.run_dir) if not (args.requests and args.outputs) else None
             )

@@ -47,10 +47,9 @@ import structlog
 from spectrio.tools.logging_setup import configure_logging
 
 if TYPE_CHECKING:
-    import paddle
-
     from spectrio.models.layers import KV, DecoderLayer
     from spectrio.models.model import SpectrioForCausalLM
+    from spectrio.models.paddle_setup import paddle
 
 log = structlog.get_logger("spectrio.train")
 
@@ -107,16 +106,15 @@ def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
 def chain_mask(rows: int, prefix: int, dtype: str) -> paddle.Tensor:
     """Additive mask of chain r over the ``prefix`` real (prefix) entries: row r sees
     columns ``c <= r + prefix - rows``, every real entry before its own first step."""
-    import paddle
+    from spectrio.models.paddle_setup import paddle
 
     real = np.arange(prefix)[None, :] <= np.arange(rows)[:, None] + (prefix - rows)
     return paddle.to_tensor(np.where(real, 0.0, -np.inf).astype(dtype))
 
 
 def _rope(model: SpectrioForCausalLM, start: int, n: int) -> tuple[paddle.Tensor, paddle.Tensor]:
-    import paddle
-
     from spectrio.models.layers import rope_cos_sin
+    from spectrio.models.paddle_setup import paddle
 
     cfg = model.config
     return rope_cos_sin(
@@ -140,8 +138,9 @@ def chain_layer(
     chain's entries appended, but each chain's own entries are a per-row dot product, so a
     step costs one ``[T, P]`` attention instead of ``[T, P + steps * T]``.
     """
-    import paddle
-    import paddle.nn.functional as F
+    from spectrio.models.paddle_setup import paddle
+
+    F = paddle.nn.functional
 
     attn = layer.self_attn
     b, t, _ = x.shape
@@ -175,7 +174,7 @@ def target_chain(
     argmax of ``logits[j]``; ``hidden`` holds the teacher-forced pass's final normed
     hidden states.
     """
-    import paddle
+    from spectrio.models.paddle_setup import paddle
 
     logits, hidden, real = model.forward_dense(ids)
     out, tokens = [logits], [paddle.argmax(logits, axis=-1)]
@@ -238,7 +237,7 @@ def chain_accepted(
     keeps, so it is exact for the runtime's drafting (a chain fed a wrong draft is
     already rejected, whatever it proposes next).
     """
-    import paddle
+    from spectrio.models.paddle_setup import paddle
 
     hits = [
         (paddle.argmax(lg, axis=-1) == tok).numpy().reshape(-1)
@@ -252,8 +251,9 @@ def chain_accepted(
 
 def heldout_eval(model: SpectrioForCausalLM, windows: np.ndarray, depth: int) -> dict[str, Any]:
     """Held-out next-token loss (and perplexity) and chained acceptance per substep."""
-    import paddle
-    import paddle.nn.functional as F
+    from spectrio.models.paddle_setup import paddle
+
+    F = paddle.nn.functional
 
     was_training = model.training
     model.eval()
@@ -300,7 +300,7 @@ class Phase:
 
 
 def _optimizer(params: list[Any], lr: float) -> Any:
-    import paddle
+    from spectrio.models.paddle_setup import paddle
 
     decay = {p.name for p in params if p.ndim == 2}
     return paddle.optimizer.AdamW(
@@ -353,9 +353,11 @@ class Trainer:
             self.save()
 
     def phase1(self) -> None:
-        import paddle
-        import paddle.nn.functional as F
         from tqdm import tqdm
+
+        from spectrio.models.paddle_setup import paddle
+
+        F = paddle.nn.functional
 
         a, model = self.args, self.model
         model.train()
@@ -400,9 +402,11 @@ class Trainer:
         self.save()
 
     def phase2(self) -> None:
-        import paddle
-        import paddle.nn.functional as F
         from tqdm import tqdm
+
+        from spectrio.models.paddle_setup import paddle
+
+        F = paddle.nn.functional
 
         a, model = self.args, self.model
         assert model.mtp is not None
@@ -599,11 +603,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging("info")
 
-    import paddle
     from tokenizers import Tokenizer
 
     from spectrio.models.config import ModelConfig
     from spectrio.models.model import build_model
+    from spectrio.models.paddle_setup import paddle
     from spectrio.models.tokenizer import TextTokenizer
     from spectrio.tools.eval_mtp import held_out_contexts
     from spectrio.tools.tokenizer_train import EOS_TOKEN, train_tokenizer

@@ -138,19 +138,23 @@ class StreamAssembler:
 
     def feed(self, frames: Sequence[bytes | memoryview]) -> list[Chunk]:
         """Decode one step message. Raises ``ValueError`` for a malformed message and
-        :class:`SequenceGap` when a followed request's sequence number does not match."""
+        :class:`SequenceGap` when a slot of a followed request has a sequence number other
+        than the count of its tokens received so far: the one gap rule of
+        ``docs/wire.md`` (*Reassembling a request's stream*), applied to every slot, those
+        without tokens included. A chunk is returned for slots with tokens or a finish."""
         env, tokens = decode_step(frames)
         chunks: list[Chunk] = []
         for rid, seqno, reason in zip(env.request_ids, env.seqnos, env.finish_reasons, strict=True):
             if not (self._follow_all or rid in self._followed):
                 continue
-            ids = tokens.get(rid)
-            token_ids = [] if ids is None else [int(t) for t in ids]
-            if not token_ids and reason is None:
-                continue  # a slot still in prefill, or preempted
+            # The gap rule of docs/wire.md, for every slot (with or without tokens).
             expected = self._received.get(rid, 0)
             if seqno != expected:
                 raise SequenceGap(rid, expected, seqno, env.step)
+            ids = tokens.get(rid)
+            token_ids = [] if ids is None else [int(t) for t in ids]
+            if not token_ids and reason is None:
+                continue  # a slot still in prefill, or preempted: no chunk
             detok = self._detok.get(rid)
             if detok is None:
                 detok = self._detok[rid] = self._tok.stream()

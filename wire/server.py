@@ -51,7 +51,6 @@ import dataclasses
 import errno
 import fcntl
 import functools
-import json
 import os
 import stat
 import tempfile
@@ -64,12 +63,11 @@ import msgspec
 import structlog
 import trio
 import zmq
-from tokenizers import Tokenizer
-from tokenizers.pre_tokenizers import ByteLevel
 
 from spectrio.core.messages import PublishedStep
-from spectrio.core.params import InvalidRequest
-from spectrio.runtime.api import Runtime
+from spectrio.core.params import InvalidRequest, check_text_length
+from spectrio.models.tokenizer import TextTokenizer
+from spectrio.runtime.api import RequestStream, Runtime
 from spectrio.wire.codec import (
     DEFAULT_MAX_REQUEST_BYTES,
     SequenceCounter,
@@ -105,6 +103,7 @@ __all__ = [
     "check_endpoint",
     "claim_endpoints",
     "default_endpoints",
+    "message_cap",
     "serve",
 ]
 
@@ -126,6 +125,12 @@ MAX_TOKENIZING: Final = 32
 
 MAX_TOKENIZING_PER_CLIENT: Final = 2
 """Text prompts one client may have waiting for the tokenizer."""
+
+MIN_MESSAGE_BYTES: Final = 16 << 20
+"""The least transport message limit (``zmq.MAXMSGSIZE``) :func:`message_cap` sets."""
+
+ABORT_REASON: Final = "aborted by client"
+"""The runtime's abort reason for an ``Abort`` request (logs; the wire says ``"abort"``)."""
 
 
 # ---- endpoints and the run directory --------------------------------------------------------
@@ -300,70 +305,22 @@ class ServerEndpoints(msgspec.Struct, frozen=True, kw_only=True):
 
 # ---- prompts --------------------------------------------------------------------------------
 
-_NON_DROPPING_PRE_TOKENIZERS: Final = frozenset({"ByteLevel", "Split", "Digits", "Punctuation"})
-
-
-def _keeps_every_byte(pre: dict[str, object] | None) -> bool:
-    """Whether a pre-tokenizer only splits (never drops) the text, so every input byte
-    ends up inside some token."""
-    if pre is None:
-        return True
-    kind = pre.get("type")
-    if kind == "Sequence":
-        items = pre.get("pretokenizers")
-        return isinstance(items, list) and all(_keeps_every_byte(p) for p in items)
-    return kind in _NON_DROPPING_PRE_TOKENIZERS and pre.get("behavior") != "Removed"
-
-
-def max_token_bytes(tokenizer: Tokenizer) -> int | None:
-    """The most input bytes one token can stand for, or None when no such bound holds
-    (a normalizer, a pre-tokenizer that drops text, or fused unknown tokens could make
-    any length of text one token). With a bound L, text of N UTF-8 bytes has at least
-    ceil(N / L) tokens."""
-    spec = json.loads(tokenizer.to_str())
-    model = spec.get("model") or {}
-    if spec.get("normalizer") is not None or not _keeps_every_byte(spec.get("pre_tokenizer")):
-        return None
-    if model.get("type") != "BPE" or (model.get("unk_token") is not None and model.get("fuse_unk")):
-        return None
-    byte_chars = set(ByteLevel.alphabet())
-    added = {t["content"] for t in spec.get("added_tokens", [])}
-    longest = 4  # an unknown character (one UTF-8 character) as one token
-    for token in tokenizer.get_vocab(with_added_tokens=True):
-        if token not in added and all(c in byte_chars for c in token):
-            size = len(token)  # byte-level alphabet: one character per byte
-        else:
-            size = len(token.encode("utf-8"))  # raw text (or an over-estimate)
-        longest = max(longest, size)
-    return longest
-
 
 class PromptTokenizer:
-    """The server's text-prompt tokenizer: the model's ``tokenizer.json``, with a cheap
-    lower bound on the token count and an ``encode`` that releases the GIL
-    (``Tokenizer.encode`` holds it for the whole call, ``encode_batch`` does not), so a
-    long prompt tokenized in a worker thread does not stall the event loop."""
+    """The server's text-prompt tokenizer: the model's ``tokenizer.json`` (an instance
+    of its own, used from the tokenizer's worker thread only), with the exact length bound
+    of :func:`spectrio.core.params.check_text_length` and an ``encode`` that releases the
+    GIL, so a long prompt tokenized in a worker thread does not stall the event loop."""
 
     def __init__(self, runtime: Runtime) -> None:
-        self._tok = Tokenizer.from_file(str(Path(runtime.loaded.path) / "tokenizer.json"))
-        self.max_token_bytes = max_token_bytes(self._tok)
+        self._tok = TextTokenizer.from_file(Path(runtime.loaded.path) / "tokenizer.json")
+        self.max_token_bytes = self._tok.max_token_bytes
         sample = "def f(x):\n    return {'é': x}  # ok <|endoftext|>"
         if self.encode(sample) != runtime.tokenizer.encode(sample):
             raise RuntimeError("the server's tokenizer disagrees with the runtime's")
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
-
-    def min_tokens(self, text: str) -> int:
-        """A lower bound on ``len(encode(text))`` that costs no tokenizing (0 if none)."""
-        if self.max_token_bytes is None:
-            return 0
-        return -(-utf8_len(text) // self.max_token_bytes)
-
-
-def utf8_len(text: str) -> int:
-    """The UTF-8 length of ``text``; O(1) for ASCII text (CPython keeps the flag)."""
-    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+        return self._tok.encode_releasing_gil(text)
 
 
 # ---- the server -----------------------------------------------------------------------------
@@ -391,7 +348,9 @@ class _Tokenizing:
 
     owner: bytes
     scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)
-    aborted: bool = False  # its client aborted it meanwhile: start it, then abort it
+    # Envelopes of ``Abort`` s its client sent meanwhile: once the prompt is tokenized,
+    # the request starts, is aborted, and then each of them gets its ``Ack``.
+    aborts: list[list[bytes]] = dataclasses.field(default_factory=list)
 
 
 class WireServer:
@@ -407,6 +366,7 @@ class WireServer:
         rate: float | None = None,
         burst: int = 64,
         curve: bool = False,
+        tap: bool = False,
     ) -> None:
         self.runtime = runtime
         self._rate = rate
@@ -419,8 +379,9 @@ class WireServer:
         self._counter = SequenceCounter()
         self._backlog: collections.deque[list[bytes]] = collections.deque()
         self._backlog_changed = trio.Event()
+        self._steps_queued = 0  # steps appended to the backlog, ever
         self._tap_tx, self._tap_rx = trio.open_memory_channel[list[bytes]](tap_buffer)
-        self._tap_enabled = False
+        self._tap_enabled = tap
         self._prompts = PromptTokenizer(runtime)
         self._tokenizer_limiter = trio.CapacityLimiter(1)
         self._tokenizing: dict[str, _Tokenizing] = {}
@@ -431,6 +392,23 @@ class WireServer:
         self._closing = False
         self._linger_s = 0.0  # how long the PUSH socket may keep unsent steps on close
         self.endpoints: ServerEndpoints | None = None  # set once bound
+
+    @property
+    def closing(self) -> bool:
+        """Whether the server has stopped taking requests (:meth:`close`, :meth:`drain`)."""
+        return self._closing
+
+    @property
+    def linger_s(self) -> float:
+        """Seconds the PUSH socket may keep unsent step messages when it closes: what
+        :meth:`drain` left of its finish budget (0 before a drain)."""
+        return self._linger_s
+
+    def close(self) -> None:
+        """Stop taking requests (``unavailable`` from now on) and release a publisher held
+        by :meth:`on_step`. Called by :func:`serve` on exit; safe to call twice."""
+        self._closing = True
+        self._wake()
 
     # ---- output side ----------------------------------------------------------------
 
@@ -446,6 +424,7 @@ class WireServer:
         seqnos = self._counter.advance(published)
         frames = encode_step(published, seqnos)
         self._backlog.append(frames)
+        self._steps_queued += 1
         self.stats.max_backlog = max(self.stats.max_backlog, len(self._backlog))
         self._wake()
         if self._tap_enabled:
@@ -492,8 +471,7 @@ class WireServer:
         every queued step to the PUSH socket, which keeps unsent messages for what remains
         of ``finish_s`` when it closes. Returns True when every request finished on its
         own and everything was handed over; cancel :func:`serve` afterwards."""
-        self._closing = True
-        self._wake()  # a publisher held by on_step returns now
+        self.close()  # a publisher held by on_step returns now
         for pending in list(self._tokenizing.values()):
             pending.scope.cancel()
         with trio.move_on_after(grace_s):
@@ -506,9 +484,8 @@ class WireServer:
         deadline = trio.current_time() + finish_s
         cut_ids = sorted(self._running)
         with trio.move_on_at(deadline):
-            async with trio.open_nursery() as aborts:
-                for rid in cut_ids:
-                    aborts.start_soon(self._abort_running, rid, "shutdown")
+            for rid in cut_ids:
+                await self.runtime.abort(rid, "shutdown")
             await self.runtime.wait_idle()  # the abort step carries -9 for each of them
             while self._running:
                 await self._finished.wait()
@@ -577,7 +554,7 @@ class WireServer:
             while len(self._backlog) > self._high_water and not self._closing:
                 self._flush_replies(sock)
                 await self._unless_reply(self._backlog_changed.wait)
-            self._dispatch(frames, nursery)
+            await self._dispatch(frames, nursery)
 
     def _owner(self, frames: list[zmq.Frame]) -> bytes:
         """Who sent a request: its CURVE public key when a ZAP handler named it, else its
@@ -593,14 +570,18 @@ class WireServer:
                 return b"key:" + str(user).encode()
         return b"peer:" + frames[0].bytes
 
-    def _dispatch(self, frames: list[zmq.Frame], nursery: trio.Nursery) -> None:
+    async def _dispatch(self, frames: list[zmq.Frame], nursery: trio.Nursery) -> None:
         """Split the routing envelope from the body and answer (now, or once a text
-        prompt is tokenized)."""
+        prompt is tokenized or an abort is done).
+
+        Framings (``docs/wire.md``, *Framing*): ``[body]`` from a DEALER, ``["", body]``
+        from a REQ (an empty delimiter frame first). The reply repeats the delimiter when
+        the request had one, so a REQ socket reads it as its reply. Anything else after
+        the delimiter, or more than one frame, gets ``bad_frame``."""
         if len(frames) < 2 or not frames[0].bytes:
             self._error(ErrorCode.BAD_FRAME, "no routing identity", None)
             self.stats.dropped_frames += 1
             return
-        # A DEALER sends [body]; a REQ sends ["", body]. Keep the delimiter for the reply.
         split = 2 if len(frames) >= 3 and frames[1].bytes == b"" else 1
         envelope = [f.bytes for f in frames[:split]]
         body = frames[split:]
@@ -620,13 +601,13 @@ class WireServer:
             )
             return
         try:
-            reply = self._handle(body[0].buffer, owner, envelope, nursery)
+            reply = await self._handle(body[0].buffer, owner, envelope, nursery)
         except WireError as exc:
             reply = self._error(exc.code, exc.reason, exc.request_id)
         if reply is not None:
             self._reply(envelope, reply)
 
-    def _handle(
+    async def _handle(
         self, body: memoryview, owner: bytes, envelope: list[bytes], nursery: trio.Nursery
     ) -> Ack | Error | None:
         msg = decode_request(body, self._max_request_bytes)  # the size cap comes first
@@ -635,9 +616,10 @@ class WireServer:
         if self._closing:
             raise WireError(ErrorCode.UNAVAILABLE, "the server is shutting down", msg.request_id)
         if isinstance(msg, Submit):
-            return self._submit(msg, owner, envelope, nursery)
+            return await self._submit(msg, owner, envelope, nursery)
         assert isinstance(msg, Abort)
-        return self._abort(msg, owner, nursery)
+        self._abort(msg, owner, envelope, nursery)
+        return None  # the Ack follows once the runtime has aborted the request
 
     def _admit(self, owner: bytes) -> bool:
         """Token bucket per client: ``rate`` requests/s, bursts of ``burst``."""
@@ -658,19 +640,19 @@ class WireServer:
 
     def _check_length(self, msg: Submit) -> None:
         """Refuse a prompt that cannot fit under ``max_model_len`` before it costs
-        anything: token ids by count, text by the byte bound of :class:`PromptTokenizer`."""
+        anything: token ids by count, text by its UTF-8 length and the tokenizer's exact
+        bound (:func:`~spectrio.core.params.check_text_length`)."""
         limit = self.runtime.config.max_model_len
         rid = msg.request_id
-        if isinstance(msg.prompt, str):
-            floor = self._prompts.min_tokens(msg.prompt)
-            if floor >= limit:
-                raise WireError(
-                    ErrorCode.PROMPT_TOO_LONG,
-                    f"prompt: text of {utf8_len(msg.prompt)} bytes is at "
-                    f"least {floor} tokens, which leaves no room under max_model_len={limit}",
-                    rid,
+        try:
+            if isinstance(msg.prompt, str):
+                check_text_length(
+                    msg.prompt, max_model_len=limit, max_token_bytes=self._prompts.max_token_bytes
                 )
-        elif len(msg.prompt) >= limit:
+                return
+        except InvalidRequest as exc:
+            raise WireError(ErrorCode(exc.code), str(exc), rid) from None
+        if len(msg.prompt) >= limit:
             raise WireError(
                 ErrorCode.PROMPT_TOO_LONG,
                 f"prompt: {len(msg.prompt)} tokens leave no room under max_model_len={limit}",
@@ -686,7 +668,7 @@ class WireServer:
             tokenize=self._prompts.encode,
         )
 
-    def _submit(
+    async def _submit(
         self, msg: Submit, owner: bytes, envelope: list[bytes], nursery: trio.Nursery
     ) -> Ack | None:
         rid = msg.request_id
@@ -706,7 +688,7 @@ class WireServer:
             pending = self._tokenizing[rid] = _Tokenizing(owner)
             nursery.start_soon(self._tokenize_then_start, msg, pending, envelope, nursery)
             return None  # the reply follows once the prompt is tokenized
-        self._start(msg, owner, self._check_submit(msg), nursery)
+        await self._start(msg, owner, self._check_submit(msg), nursery)
         return Ack(of="submit", request_id=rid)
 
     async def _tokenize_then_start(
@@ -714,6 +696,7 @@ class WireServer:
     ) -> None:
         rid = msg.request_id
         reply: Ack | Error
+        started = False
         try:
             with pending.scope:
                 self.stats.prompts_tokenized += 1
@@ -723,57 +706,108 @@ class WireServer:
             if pending.scope.cancelled_caught or self._closing:
                 reply = self._error(ErrorCode.UNAVAILABLE, "the server is shutting down", rid)
             else:
-                self._start(msg, pending.owner, ids, nursery)
-                if pending.aborted:
-                    nursery.start_soon(self._abort_running, rid, "aborted by client")
+                await self._start(msg, pending.owner, ids, nursery)
+                started = True
                 reply = Ack(of="submit", request_id=rid)
         except WireError as exc:
             reply = self._error(exc.code, exc.reason, exc.request_id)
         finally:
             del self._tokenizing[rid]
+        aborted = started and bool(pending.aborts) and await self.runtime.abort(rid, ABORT_REASON)
+        if aborted:
+            await self._handed_over()
         self._reply(envelope, reply)
+        for abort_envelope in pending.aborts:
+            self._reply(abort_envelope, self._abort_reply(rid, aborted))
 
-    def _start(
+    async def _start(
         self, msg: Submit, owner: bytes, prompt_ids: list[int], nursery: trio.Nursery
     ) -> None:
-        self._running[msg.request_id] = owner
-        nursery.start_soon(self._run_request, msg.request_id, prompt_ids, msg)
-
-    async def _run_request(self, rid: str, prompt_ids: list[int], msg: Submit) -> None:
+        """Hand the request to the runtime, so that once this returns it is running
+        there (``runtime.abort`` finds it), and follow its stream in a task of its own.
+        A refusal by the runtime is the ``Error`` reply, never a failure after an
+        ``Ack``."""
+        rid = msg.request_id
+        self._running[rid] = owner
         try:
-            async for _ in self.runtime.generate(prompt_ids, msg.params, request_id=rid):
-                pass  # the output travels through the record sink
+            stream = self.runtime.generate(prompt_ids, msg.params, request_id=rid)
+            await stream.__aenter__()  # submits it, for a runtime that submits on entry
         except InvalidRequest as exc:
+            self._running.pop(rid, None)
             self.stats.request_failures += 1
-            log.warning("accepted request failed in the runtime", request_id=rid, reason=str(exc))
+            raise WireError(ErrorCode(exc.code), str(exc), rid) from None
+        except BaseException:
+            self._running.pop(rid, None)
+            raise
+        nursery.start_soon(self._follow, rid, stream)
+
+    async def _follow(self, rid: str, stream: RequestStream) -> None:
+        """Read a request's stream to its end; its output reaches consumers through the
+        record sink, not through here."""
+        try:
+            async for _ in stream:
+                pass
         finally:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
             self._running.pop(rid, None)
             self._finished.set()
             self._finished = trio.Event()
 
-    def _abort(self, msg: Abort, owner: bytes, nursery: trio.Nursery) -> Ack:
-        """Abort a request of this client's. A request of another client's is reported
-        exactly like one that does not exist, so ids of others are not revealed."""
+    def _abort(
+        self, msg: Abort, owner: bytes, envelope: list[bytes], nursery: trio.Nursery
+    ) -> None:
+        """Abort a request of this client's; the ``Ack`` is sent once the runtime has
+        aborted it, so no token of it is published after the ``Ack``. A request of
+        another client's is reported exactly like one that does not exist, so ids of
+        others are not revealed."""
         rid = msg.request_id
         pending = self._tokenizing.get(rid)
         if pending is not None and pending.owner == owner:
-            pending.aborted = True
-            return Ack(of="abort", request_id=rid)
+            pending.aborts.append(envelope)
+            return
         if self._running.get(rid) != owner:
             raise WireError(ErrorCode.UNKNOWN_REQUEST, f"request_id {rid!r} is not running", rid)
-        nursery.start_soon(self._abort_running, rid, "aborted by client")
-        return Ack(of="abort", request_id=rid)
+        nursery.start_soon(self._abort_then_reply, rid, envelope)
 
-    async def _abort_running(self, rid: str, reason: str) -> None:
-        # The request task may not have entered ``generate`` yet: give it a few turns.
-        with trio.move_on_after(1.0):
-            while rid in self._running:
-                if await self.runtime.abort(rid, reason):
-                    return
-                await trio.sleep(0.001)
-        if rid in self._running:
-            log.warning("abort could not reach the request", request_id=rid)
-        # Otherwise it finished meanwhile; its finish reason is already on the stream.
+    async def _abort_then_reply(self, rid: str, envelope: list[bytes]) -> None:
+        aborted = await self.runtime.abort(rid, ABORT_REASON)
+        await self._handed_over()
+        self._reply(envelope, self._abort_reply(rid, aborted))
+
+    async def _handed_over(self) -> None:
+        """Wait until every step queued so far is handed to the PUSH socket, so that
+        the step messages with a request's last tokens leave before the reply that says
+        there are no more (with a consumer that does not read, the reply waits too)."""
+        target = self._steps_queued
+        while self.stats.steps_published < target and not self._closing:
+            await self._backlog_changed.wait()
+
+    def _abort_reply(self, rid: str, aborted: bool) -> Ack | Error:
+        if aborted:
+            return Ack(of="abort", request_id=rid)
+        # It finished (or was refused) first: its last step has its own finish reason.
+        return self._error(
+            ErrorCode.UNKNOWN_REQUEST, f"request_id {rid!r} finished before the abort", rid
+        )
+
+
+def message_cap(max_request_bytes: int, max_message_bytes: int | None = None) -> int:
+    """The transport's message limit (``zmq.MAXMSGSIZE``) for a request cap: by default
+    16 times the cap and at least :data:`MIN_MESSAGE_BYTES`, so that any oversized
+    request a real client sends reaches the server and gets ``too_large``. Raises
+    ``ValueError`` for a limit that does not exceed the cap (a frame between the two
+    would vanish without a reply)."""
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+    if max_message_bytes is None:
+        return max(MIN_MESSAGE_BYTES, 16 * max_request_bytes)
+    if max_message_bytes <= max_request_bytes:
+        raise ValueError(
+            f"max_message_bytes ({max_message_bytes}) must exceed max_request_bytes "
+            f"({max_request_bytes}), so that an oversized request gets a too_large reply"
+        )
+    return max_message_bytes
 
 
 async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:
@@ -810,9 +844,11 @@ async def serve(
     claimed the endpoints already (the CLI does, before loading the model), else serve
     claims them and releases them on exit.
 
-    ``max_request_bytes`` is the request size that still gets a ``too_large`` reply;
-    libzmq disconnects a peer whose message exceeds ``max_message_bytes`` (``zmq.MAXMSGSIZE``,
-    default 4x ``max_request_bytes``) before the server ever sees it.
+    ``max_request_bytes`` is the largest request frame the server reads; a larger one
+    gets ``too_large``. ``max_message_bytes`` (``zmq.MAXMSGSIZE``; default
+    :func:`message_cap`, at least 16 MiB) is the transport's limit: libzmq disconnects a
+    peer whose message is larger, without a reply, before the server sees it. It must be
+    larger than ``max_request_bytes``.
 
     ``max_requests_per_s`` caps each client (by CURVE key or ROUTER identity) with a
     token bucket of ``request_burst``; a request over the cap gets ``rate_limited``.
@@ -830,7 +866,7 @@ async def serve(
         claim = claim_endpoints(
             requests_endpoint, outputs_endpoint, tap_endpoint, allow_public=allow_public
         )
-    cap = max_message_bytes if max_message_bytes is not None else 4 * max_request_bytes
+    cap = message_cap(max_request_bytes, max_message_bytes)
     ctx = context if context is not None else zmq.Context.instance()
     socks: list[TrioSocket] = []
     out: TrioSocket | None = None
@@ -844,6 +880,7 @@ async def serve(
             rate=max_requests_per_s,
             burst=request_burst,
             curve=curve is not None,
+            tap=tap_endpoint is not None,
         )
         zap: TrioSocket | None = None
         if curve is not None:
@@ -867,7 +904,6 @@ async def serve(
         if tap_endpoint is not None:
             tap = opened(zmq.PUB, bind=tap_endpoint, max_msg_size=None)
             socks.append(tap)
-            server._tap_enabled = True
         bound = ServerEndpoints(
             requests=req.socket.getsockopt_string(zmq.LAST_ENDPOINT),
             outputs=out.socket.getsockopt_string(zmq.LAST_ENDPOINT),
@@ -900,12 +936,11 @@ async def serve(
                 )
                 task_status.started(server)
         finally:
-            server._closing = True
+            server.close()  # a publisher held by on_step returns now
             remove()
-            server._wake()  # a publisher held by on_step returns now
             log.info("server stopped", **msgspec.structs.asdict(server.stats))
     finally:
-        linger_ms = int(server._linger_s * 1000) if server is not None else 0
+        linger_ms = int(server.linger_s * 1000) if server is not None else 0
         for sock in socks:
             sock.close(linger=linger_ms if sock is out else 0)
         if own_claim:
