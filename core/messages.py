@@ -75,6 +75,8 @@ class SeqResult(msgspec.Struct, kw_only=True):
     num_computed: int = 0  # positions with target KV after this step
     context_len: int = 0  # positions to compute before sampling; num_computed < context_len
     #                       means chunked prefill is still in progress
+    total_drafts: int | None = None  # set when the request ends: drafts proposed over its life
+    total_accepted: int | None = None  # ... and accepted
 
 
 class StepResult(msgspec.Struct, kw_only=True):
@@ -116,6 +118,9 @@ class PublishedStep(msgspec.Struct, kw_only=True):
     request_ids: list[str]
     finish_reasons: list[str | None]
     record: bytes
+    # Requests that finished in this step: request id -> [drafts proposed, accepted] over
+    # the request's whole life (per-request speculation stats).
+    drafts: dict[str, list[int]] = {}
 
 
 class RuntimeStats(msgspec.Struct, kw_only=True):

@@ -34,7 +34,7 @@ from spectrio.core.params import (
     check_prompt,
     check_request_id,
 )
-from spectrio.core.timing import StepTiming
+from spectrio.core.timing import StepTiming, device_summary
 from spectrio.errors import EngineDead
 from spectrio.models import LoadedModel, load
 from spectrio.models.paddle_setup import configure_paddle
@@ -44,6 +44,7 @@ from spectrio.stages.publisher import run_publisher
 from spectrio.stages.sampling import Sampler
 from spectrio.stages.scheduler import ControlClosed, run_scheduler
 from spectrio.stages.scheduling import Scheduler
+from spectrio.stages.scheduling import Sequence as Sequence_
 from spectrio.stages.workspace import Workspace
 
 log = structlog.get_logger("spectrio.runtime")
@@ -60,6 +61,9 @@ class Delta(msgspec.Struct, kw_only=True):
     num_drafts: int = 0  # drafts proposed for this request this step
     num_accepted: int = 0  # of which accepted
     abort_reason: str | None = None
+    # On the final delta: drafts proposed and accepted over the request's whole life.
+    total_drafts: int | None = None
+    total_accepted: int | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
 
 
@@ -302,6 +306,26 @@ class Runtime:
             finished=dict(sched.finished_by_reason),
         )
 
+    def metrics(self) -> dict[str, object]:
+        """A plain snapshot of what ``spectrio serve --metrics`` exports that the runtime
+        itself knows: :meth:`stats` as a dict, plus the mean accepted tokens per step and
+        the acceptance rate overall and per draft position, and the last steps' device
+        figures (``device_summary`` over the timings ring)."""
+        stats = self.stats()
+        snapshot: dict[str, object] = msgspec.structs.asdict(stats)
+        snapshot["acceptance_rate"] = (
+            stats.drafts_accepted / stats.drafts_proposed if stats.drafts_proposed else None
+        )
+        snapshot["acceptance_per_position"] = [
+            a / p if p else None
+            for a, p in zip(stats.accepted_per_position, stats.proposed_per_position, strict=True)
+        ]
+        timings = self.step_timings()
+        if timings:
+            wall = timings[-1].device_end - timings[0].device_start
+            snapshot["device"] = device_summary(timings, wall)
+        return snapshot
+
     def step_timings(self) -> list[StepTiming]:
         """The published steps' timings, oldest first: the last 4,096 steps (a ring, so a
         long-running server does not grow; read it at least that often)."""
@@ -380,13 +404,13 @@ class Runtime:
         else:
             self._send_abort(request_id, reason)
 
-    def _send_abort(self, request_id: str, reason: str) -> None:
+    def _send_abort(self, request_id: str, reason: str) -> Sequence_ | None:
         """Abort in the scheduler now (its blocks are freed, and no token of it computed by
         a step in flight is published), then wake the scheduler actor, which reports the
         abort in the next step."""
         seq_id = self._seq_ids.pop(request_id, None)
         if seq_id is None or self._control is None:
-            return
+            return None
         seq = self.scheduler.abort(seq_id)
         if seq is not None:
             log.info("request aborted", request_id=request_id, reason=reason)
@@ -394,6 +418,7 @@ class Runtime:
             self._control.send_nowait(AbortRequest(seq_id=seq_id, reason=reason))
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass
+        return seq
 
     def _is_idle(self) -> bool:
         sched = self.scheduler
@@ -473,7 +498,8 @@ class Runtime:
     def _end_with_abort(
         self, request_id: str, stream: trio.MemorySendChannel[Delta | SeqResult], reason: str
     ) -> None:
-        """Give a stream its final ``abort`` delta and abort its request in the scheduler."""
+        """Abort a request in the scheduler and give its stream the final ``abort`` delta."""
+        seq = self._send_abort(request_id, reason)
         stream.send_nowait(
             Delta(
                 request_id=request_id,
@@ -482,9 +508,10 @@ class Runtime:
                 finished=True,
                 finish_reason="abort",
                 abort_reason=reason,
+                total_drafts=None if seq is None else seq.drafts_proposed,
+                total_accepted=None if seq is None else seq.drafts_accepted,
             )
         )
-        self._send_abort(request_id, reason)
 
 
 class RequestStream:
@@ -585,6 +612,8 @@ class RequestStream:
             num_drafts=item.num_drafts,
             num_accepted=item.num_accepted,
             logprobs=item.logprobs,
+            total_drafts=item.total_drafts,
+            total_accepted=item.total_accepted,
         )
 
     def close(self, reason: str = "consumer went away") -> None:

@@ -173,4 +173,9 @@ def publish_step(result: StepResult) -> PublishedStep:
             + ["abort"] * len(result.aborted)
         ),
         record=pack_record(step_arrays(result)),
+        drafts={
+            r.request_id: [r.total_drafts, r.total_accepted or 0]
+            for r in results
+            if r.finish_reason is not None and r.total_drafts is not None
+        },
     )

@@ -66,6 +66,8 @@ class Sequence:
     num_preemptions: int = 0
     decoding: bool = False  # a step sampled it since its context was last (re)computed
     pending: SeqWork | None = None  # the in-flight sampling work whose result is unknown
+    drafts_proposed: int = 0  # over the request's life
+    drafts_accepted: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -414,6 +416,8 @@ class Scheduler:
 
     def _apply_sample(self, seq: Sequence, work: SeqWork, r: SeqResult) -> None:
         seq.output_ids.extend(r.token_ids)
+        seq.drafts_proposed += r.num_drafts
+        seq.drafts_accepted += min(r.num_accepted, r.num_drafts)
         if seq.pending is work:
             seq.pending = None
         if seq.state is RequestState.RUNNING:
@@ -425,6 +429,7 @@ class Scheduler:
                 # The step planned after this one catches the MTP cache up to here.
                 seq.mtp_computed = seq.num_computed
         if r.finish_reason is not None:
+            r.total_drafts, r.total_accepted = seq.drafts_proposed, seq.drafts_accepted
             self._finish(seq, r.finish_reason)
 
     def _finish(self, seq: Sequence, reason: str) -> None:

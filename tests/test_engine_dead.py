@@ -83,3 +83,44 @@ async def test_a_crashed_stage_raises_engine_dead_everywhere(bundled: object, st
         assert isinstance(exc, SpectrioError)
         assert exc.stage == stage and isinstance(exc.cause, Injected), exc  # type: ignore[attr-defined]
         assert stage in str(exc)
+
+
+async def test_final_deltas_and_records_carry_per_request_speculation_totals(
+    bundled: object,
+) -> None:
+    """Issue 13: each request's final delta, and the final step record's ``drafts``, carry
+    the drafts proposed and accepted over the request's life; rt.metrics() is a snapshot."""
+    from spectrio import SpeculativeConfig
+    from spectrio.core.messages import PublishedStep
+
+    spec = SpeculativeConfig(num_speculative_tokens=2, adaptive=False)
+    finals: dict[str, list[int]] = {}
+
+    def observe(pub: PublishedStep) -> None:
+        finals.update(pub.drafts)
+
+    with trio.fail_after(120):
+        async with open_runtime(RuntimeConfig(max_model_len=128, speculative=spec)) as rt:
+            rt.add_record_observer(observe)
+            proposed = accepted = 0
+            last = None
+            async with rt.generate(
+                "def fib(n):", SamplingParams(max_tokens=24, ignore_eos=True)
+            ) as s:
+                async for delta in s:
+                    proposed += delta.num_drafts
+                    accepted += min(delta.num_accepted, delta.num_drafts)
+                    last = delta
+            assert last is not None and last.finished
+            assert (last.total_drafts, last.total_accepted) == (proposed, accepted)
+            assert proposed > 0
+            await rt.wait_idle()
+            assert finals[s.request_id] == [proposed, accepted]
+            m = rt.metrics()
+            assert m["drafts_proposed"] == proposed and m["finished"] == {"length": 1}
+            assert 0 <= m["acceptance_rate"] <= 1  # type: ignore[operator]
+            stream = rt.generate("import os", SamplingParams(max_tokens=200))
+            await stream.__anext__()
+            assert await rt.abort(stream.request_id)
+            final = [d async for d in stream][-1]
+            assert final.finish_reason == "abort" and final.total_drafts is not None
