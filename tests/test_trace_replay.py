@@ -61,6 +61,14 @@ async def test_in_process_replay_matches_the_committed_output_twice() -> None:
     assert s["requests"] == 5 and s["finish_reasons"] == {"length": 4, "stop": 1}
     assert s["ttft_ms"]["p50"] > 0 and s["itl_ms"]["p50"] > 0 and s["tokens_per_second"] > 0
     assert s["accepted_per_position"] and s["mean_accept_len"] >= 1.0
+    # Per-request totals from the final delta agree with the request's per-step counts.
+    for r in runs[0].results:
+        assert runs[0].drafts[r.request_id] == (
+            sum(r.step_drafts),
+            sum(min(a, d) for a, d in zip(r.step_accepted, r.step_drafts, strict=True)),
+        )
+    assert s["drafts_proposed"] == sum(sum(r.step_drafts) for r in runs[0].results) > 0
+    assert 0 <= s["drafts_accepted"] <= s["drafts_proposed"]
 
     # An injected change is found at the right token, with both tokens.
     results = dict(want.results)
@@ -140,5 +148,11 @@ async def test_replay_against_a_server_matches_the_committed_output_twice(
                 report = diff_traces(want, run_of(run.results, want))
                 assert report.divergences == [], report.divergences
                 assert all(r.ttft_s is not None and r.ttft_s > 0 for r in run.results)
+                # Each request's final step message carried its speculation totals.
+                assert set(run.drafts) == {r.request_id for r in want.requests}
+                assert all(0 <= a <= p for p, a in run.drafts.values())
+                s = run.summary()
+                assert s["drafts_proposed"] > 0 and s["draft_acceptance"] is not None
+                assert s["mean_accept_len"] >= 1.0
     finally:
         server.stop()

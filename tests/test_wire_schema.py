@@ -32,6 +32,7 @@ from spectrio.wire.codec import (
     encode_step,
 )
 from spectrio.wire.schema import (
+    SCHEMA_MINOR,
     SCHEMA_VERSION,
     WIRE_TYPES,
     Abort,
@@ -46,14 +47,16 @@ from spectrio.wire.schema import (
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "wire.md"
 
-# The pin: one fingerprint per schema version. Changing any wire message changes the
-# fingerprint; then bump SCHEMA_VERSION and record the new fingerprint under it.
+# The pin: one fingerprint per schema version (major, minor). Changing any wire message
+# changes the fingerprint; then bump SCHEMA_MINOR (an addition old peers can ignore) or
+# SCHEMA_VERSION (anything else) and record the new fingerprint under it.
 # v1 was re-pinned, not bumped, for two additions that change no valid request: the
 # `duplicate_key` error code (for frames whose meaning was ambiguous), and the ranges of
 # SamplingParams as msgspec constraints (values the server refused after decoding, with
 # the same code, before).
 PINNED_FINGERPRINTS = {
-    1: "b21ade5251671c646859a2a75cc2b7f2206f905fd2d46d056fdfc1a0336db75c",
+    (1, 0): "b21ade5251671c646859a2a75cc2b7f2206f905fd2d46d056fdfc1a0336db75c",
+    (1, 1): "1fa20147d75602ccec0374458b3dcabd31263868cfafea8c2636bf25a7d402dc",  # drafts
 }
 
 
@@ -129,10 +132,12 @@ def test_every_struct_round_trips_through_its_typed_decoder(msg: msgspec.Struct)
 
 def test_schema_is_pinned_to_its_version() -> None:
     got = schema_fingerprint()
-    assert PINNED_FINGERPRINTS.get(SCHEMA_VERSION) == got, (
-        "the wire schema changed: bump SCHEMA_VERSION in wire/schema.py, update docs/wire.md, "
-        f"and pin {{{SCHEMA_VERSION}: {got!r}}} here"
+    version = (SCHEMA_VERSION, SCHEMA_MINOR)
+    assert PINNED_FINGERPRINTS.get(version) == got, (
+        "the wire schema changed: bump SCHEMA_MINOR or SCHEMA_VERSION in wire/schema.py, "
+        f"update docs/wire.md, and pin {{{version}: {got!r}}} here"
     )
+    assert max(PINNED_FINGERPRINTS) == version
 
 
 def test_the_pin_notices_a_changed_field_type_name_or_error_code() -> None:
@@ -551,6 +556,8 @@ def example_step() -> tuple[PublishedStep, list[int]]:
                 finish_reason="stop",
                 num_computed=20,
                 context_len=8,
+                total_drafts=6,
+                total_accepted=4,
             ),
         ],
         preempted=["req-d"],
@@ -750,3 +757,33 @@ def reassemble(
             if env["finish_reasons"][slot] is not None:
                 finished[rid] = env["finish_reasons"][slot]
     return streams, logprobs, finished, steps
+
+
+def test_a_final_step_carries_speculation_totals_and_old_readers_ignore_them() -> None:
+    """Schema 1.1: ``drafts`` on the step envelope reaches the request's final chunk; a
+    1.0 envelope (no ``drafts`` key) leaves the totals unknown, and a 1.0 reader (a
+    struct without the field) decodes a 1.1 envelope unchanged."""
+    from spectrio.wire.client import StreamAssembler
+
+    published, seqnos = example_step()
+    frames = encode_step(published, seqnos)
+    chunks = {c.request_id: c for c in StreamAssembler().feed(frames)}
+    assert (chunks["req-c"].total_drafts, chunks["req-c"].total_accepted) == (6, 4)
+    assert chunks["req-a"].total_drafts is None  # still running
+
+    plain = msgpack.unpackb(frames[0])
+    del plain["drafts"]  # what a 1.0 server sends
+    old_frames = [mp(plain), frames[1]]
+    chunks = {c.request_id: c for c in StreamAssembler().feed(old_frames)}
+    assert chunks["req-c"].finish_reason == "stop" and chunks["req-c"].total_drafts is None
+
+    class StepEnvelopeV10(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="step"):
+        v: int
+        step: int
+        request_ids: list[str]
+        seqnos: list[int]
+        finish_reasons: list[str | None]
+        errors: list[Any] = []
+
+    old = msgspec.msgpack.decode(frames[0], type=StepEnvelopeV10)
+    assert old.request_ids == ["req-a", "req-b", "req-c", "req-d"] and old.step == 7

@@ -19,7 +19,7 @@ import dataclasses
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -44,23 +44,65 @@ if TYPE_CHECKING:
     from spectrio.runtime.api import Runtime
     from spectrio.wire.curve import CurveClientKeys
 
-__all__ = ["ReplayRun", "add_replay_parser", "replay_runtime", "replay_wire", "submit_times"]
+__all__ = [
+    "ReplayRun",
+    "add_replay_parser",
+    "draft_totals",
+    "replay_runtime",
+    "replay_wire",
+    "submit_times",
+]
 
 
 @dataclasses.dataclass
 class ReplayRun:
     """One replay: results in request order, the wall time from the first submission to
-    the last finish, and the device summary of its steps (in-process, when known)."""
+    the last finish, the device summary of its steps (in-process, when known), and each
+    normally finished request's speculation totals, ``request id -> (drafts proposed,
+    accepted)``, from its final delta (in-process) or final step message (a server of
+    wire schema 1.1 or later)."""
 
     results: list[TraceResult]
     wall_s: float
     device: dict[str, float] | None = None
+    drafts: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         s = summarize(self.results, self.wall_s)
+        s.update(draft_totals(self.drafts.values()))
+        if s.get("mean_accept_len") is None:
+            # Against a server, chunks carry no per-step draft counts; a chunk is still
+            # one step's tokens, so tokens per step is known all the same.
+            steps = sum(len(r.step_tokens) for r in self.results)
+            tokens = sum(sum(r.step_tokens) for r in self.results)
+            s["mean_accept_len"] = round(tokens / steps, 4) if steps else None
         if self.device:
             s["device"] = {k: round(v, 4) for k, v in self.device.items()}
         return s
+
+
+def draft_totals(totals: Iterable[tuple[int, int]]) -> dict[str, Any]:
+    """Summary keys from per-request speculation totals (pure): ``drafts_proposed``,
+    ``drafts_accepted`` and ``draft_acceptance`` (accepted / proposed, None when nothing
+    was proposed); no keys when no request reported totals."""
+    pairs = list(totals)
+    if not pairs:
+        return {}
+    proposed = sum(p for p, _ in pairs)
+    accepted = sum(a for _, a in pairs)
+    return {
+        "drafts_proposed": proposed,
+        "drafts_accepted": accepted,
+        "draft_acceptance": round(accepted / proposed, 4) if proposed else None,
+    }
+
+
+def _totals(item: Any) -> tuple[int, int] | None:
+    """A final delta's or chunk's ``(total_drafts, total_accepted)``, when it has them."""
+    drafts = getattr(item, "total_drafts", None)
+    if drafts is None:
+        return None
+    return int(drafts), int(getattr(item, "total_accepted", None) or 0)
 
 
 def submit_times(requests: Sequence[TraceRequest], speed: float) -> list[float]:
@@ -93,6 +135,7 @@ async def replay_runtime(
     recorded prompt ids, params and request id). A request the runtime refuses gets
     ``finish_reason="error"``. Cancellation aborts the requests still running."""
     builders: list[ResultBuilder | None] = [None] * len(requests)
+    drafts: dict[str, tuple[int, int]] = {}
     timings0 = rt.step_timings()
     last0 = timings0[-1].step if timings0 else 0  # by step number: timings are a ring
     from spectrio.errors import InvalidRequest
@@ -103,6 +146,9 @@ async def replay_runtime(
             async with rt.generate(req.prompt_ids, req.params, request_id=req.request_id) as s:
                 async for delta in s:
                     b.add(delta, trio.current_time())
+                    totals = _totals(delta) if delta.finish_reason not in (None, "abort") else None
+                    if totals is not None:
+                        drafts[req.request_id] = totals
         except InvalidRequest as exc:
             b.fail(str(exc), trio.current_time())
 
@@ -111,7 +157,7 @@ async def replay_runtime(
         await _paced(requests, speed, lambda i, r: nursery.start_soon(one, i, r))
     wall = trio.current_time() - t0
     device = device_summary([t for t in rt.step_timings() if t.step > last0], wall) or None
-    return ReplayRun([b.result() for b in builders if b is not None], wall, device)
+    return ReplayRun([b.result() for b in builders if b is not None], wall, device, drafts)
 
 
 async def replay_wire(
@@ -130,6 +176,7 @@ async def replay_wire(
     from spectrio.wire.client import RequestRefused, open_client
 
     builders: dict[str, ResultBuilder] = {}
+    drafts: dict[str, tuple[int, int]] = {}
     pending: set[str] = set()
     submitted = 0
     changed = trio.Event()
@@ -155,6 +202,9 @@ async def replay_wire(
                     if b is None:
                         continue
                     b.add(chunk, now)
+                    totals = _totals(chunk)
+                    if totals is not None:
+                        drafts[chunk.request_id] = totals
                     if b.finished:
                         pending.discard(chunk.request_id)
                         wake()
@@ -183,7 +233,7 @@ async def replay_wire(
                 await changed.wait()
             nursery.cancel_scope.cancel()
         wall = trio.current_time() - t0
-    return ReplayRun([builders[r.request_id].result() for r in requests], wall)
+    return ReplayRun([builders[r.request_id].result() for r in requests], wall, drafts=drafts)
 
 
 # ---- the command ------------------------------------------------------------------------
@@ -305,4 +355,10 @@ def replay_main(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     else:
         print(format_summary(summary))
+        if "drafts_proposed" in summary:
+            print(
+                f"drafts: {summary['drafts_accepted']} accepted of "
+                f"{summary['drafts_proposed']} proposed "
+                f"(acceptance {summary['draft_acceptance']})"
+            )
     return 0

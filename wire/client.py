@@ -101,6 +101,11 @@ class Chunk(msgspec.Struct, frozen=True, kw_only=True):
     token_ids: list[int]
     text: str  # complete characters only
     finish_reason: str | None = None  # "stop" | "length" | "abort" when the request ended
+    # On the final chunk of a request that finished normally (server schema 1.1 and
+    # later; None from an older server, or after an abort): drafts proposed and accepted
+    # over the request's whole life, like the embedding API's final ``Delta``.
+    total_drafts: int | None = None
+    total_accepted: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -166,6 +171,7 @@ class StreamAssembler:
                 self._followed.discard(rid)
             else:
                 self._received[rid] = expected + len(token_ids)
+            totals = env.drafts.get(rid) if reason is not None else None
             chunks.append(
                 Chunk(
                     request_id=rid,
@@ -174,6 +180,8 @@ class StreamAssembler:
                     token_ids=token_ids,
                     text=text,
                     finish_reason=reason,
+                    total_drafts=None if totals is None else totals[0],
+                    total_accepted=None if totals is None else totals[1],
                 )
             )
         return chunks

@@ -381,7 +381,9 @@ def encode_step(
 ) -> list[bytes]:
     """The multipart frames of one step: ``[envelope, record]``. Frame 1 is
     ``published.record`` unchanged. ``seqnos[i]`` is the number of tokens already sent to
-    slot ``i``'s request before this step (see :class:`SequenceCounter`)."""
+    slot ``i``'s request before this step (see :class:`SequenceCounter`). The envelope's
+    ``drafts`` are ``published.drafts``: each normally finished request's speculation
+    totals."""
     bsz = len(published.request_ids)
     if len(seqnos) != bsz or len(published.finish_reasons) != bsz:
         raise ValueError(
@@ -394,6 +396,7 @@ def encode_step(
         seqnos=[int(s) for s in seqnos],
         finish_reasons=list(published.finish_reasons),  # type: ignore[arg-type]
         errors=list(errors),
+        drafts={rid: (int(d[0]), int(d[1])) for rid, d in published.drafts.items()},
     )
     return [_encoder.encode(envelope), bytes(published.record)]
 

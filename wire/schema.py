@@ -39,6 +39,7 @@ from spectrio.core.params import (
 
 __all__ = [
     "MAX_REQUEST_ID_LEN",
+    "SCHEMA_MINOR",
     "SCHEMA_VERSION",
     "Abort",
     "Ack",
@@ -56,8 +57,19 @@ __all__ = [
 ]
 
 SCHEMA_VERSION: Final = 1
-"""Version of this schema. Bump it with every change to any message below (the pin in
-``tests/test_wire_schema.py`` fails until you do)."""
+"""Major version of this schema: the ``"v"`` of every message. A server refuses a request
+of another major version (``schema_version``). Bump it for a change an old peer would
+misread: a removed or renamed key, a changed type or meaning."""
+
+SCHEMA_MINOR: Final = 1
+"""Minor version within :data:`SCHEMA_VERSION`: bumped for additions an old peer can
+ignore (an optional key a reader skips, a new request type an old client never sends).
+It is not on every message (an old peer's ``"v"`` stays valid); a client learns the
+server's from the ``Info`` reply. History (``docs/wire.md``, *Versioning*): 1.0 the first
+release; 1.1 ``StepEnvelope.drafts``.
+
+Every change to a message below changes the pin in ``tests/test_wire_schema.py``, which
+fails until one of the two versions is bumped."""
 
 # The field types of a request body (``TokenId``, ``RequestId``, ``Prompt``) and the
 # constraints of ``SamplingParams`` live in ``spectrio.core.params``: the embedding API
@@ -187,6 +199,10 @@ class StepEnvelope(_Message, tag="step", frozen=True, kw_only=True):
     seqnos: list[int]  # slot i -> tokens already sent to that request before this step
     finish_reasons: list[FinishReason | None]  # slot i -> why the request ended this step
     errors: list[Error] = []  # requests that ended with an error this step
+    # Since 1.1: request id -> [drafts proposed, drafts accepted] over the request's whole
+    # life, for each request that finished normally ("stop" or "length") in this step
+    # ([0, 0] when it never speculated). Aborted requests are not listed.
+    drafts: dict[str, tuple[int, int]] = {}
 
 
 # ---- schema pin ---------------------------------------------------------------------------
