@@ -9,27 +9,43 @@ import time
 
 import trio
 
-from spectrio.tools.logging_setup import configure_logging
+from spectrio.tools.logging_setup import LOG_FORMATS, configure_logging, split_logging_flags
 from spectrio.tools.runtime_flags import add_runtime_flags, runtime_config
+from spectrio.tools.sampling_flags import add_sampling_flags
 
 
 async def _generate_async(args: argparse.Namespace) -> dict[str, object]:
-    from spectrio import SamplingParams, open_runtime
+    from spectrio import open_runtime
     from spectrio.tools.generation_stats import GenerationStats
+    from spectrio.tools.sampling_flags import sampling_params
 
     async with open_runtime(runtime_config(args)) as rt:
         stats = GenerationStats()
         ids: list[int] = []
         text = ""
         reason = None
+        totals: tuple[int | None, int | None] = (None, None)
+        logprobs: list[dict[str, object]] = []
+        params = sampling_params(args)
         t0 = time.perf_counter()
         if not args.json:
             sys.stdout.write(args.prompt)
-        async for delta in rt.generate(args.prompt, SamplingParams(max_tokens=args.max_tokens)):
+        async for delta in rt.generate(args.prompt, params):
             stats.add(delta)
             ids += delta.token_ids
             text += delta.text
             reason = delta.finish_reason
+            if delta.finish_reason is not None:
+                totals = (delta.total_drafts, delta.total_accepted)
+            for lp in delta.logprobs or ():
+                logprobs.append(
+                    {
+                        "token_id": lp.token_id,
+                        "logprob": lp.logprob,
+                        "rank": lp.rank,
+                        "top": [list(t) for t in lp.top],
+                    }
+                )
             if not args.json:
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
@@ -43,6 +59,9 @@ async def _generate_async(args: argparse.Namespace) -> dict[str, object]:
         "accepted_per_position": [round(x, 4) for x in stats.accepted_per_position],
         "seconds": round(seconds, 4),
         "tokens_per_second": round(len(ids) / seconds, 2) if seconds > 0 else None,
+        "total_drafts": totals[0],
+        "total_accepted": totals[1],
+        **({"logprobs": logprobs} if params.logprobs is not None else {}),
     }
 
 
@@ -72,17 +91,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="spectrio", description="Speculative decoding with MTP heads"
     )
-    parser.add_argument("--log-level", default="warning", help="structlog level (default: warning)")
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        metavar="LEVEL",
+        help="debug, info, warning or error; before or after the command (default: warning)",
+    )
+    parser.add_argument(
+        "--log-format",
+        default="console",
+        choices=LOG_FORMATS,
+        help="log lines on stderr as console text or one JSON object per line; before or "
+        "after the command (default: console)",
+    )
     from spectrio import __version__
 
     parser.add_argument("--version", action="version", version=f"spectrio {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="stream a greedy continuation through the pipeline")
+    gen = sub.add_parser("generate", help="stream a continuation through an in-process runtime")
     gen.add_argument("prompt")
+    gen.add_argument("--json", action="store_true", help="print one JSON object (README, CLI)")
+    add_sampling_flags(gen)
     add_runtime_flags(gen)
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=_generate)
 
     from spectrio.tools.serve_cli import add_client_parser, add_keys_parser, add_serve_parser
@@ -110,9 +141,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # --log-level and --log-format work before or after the command (and for train and
+    # bench, whose own parsers never see them).
+    argv, logging_flags = split_logging_flags(argv)
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    configure_logging(args.log_level)
+    try:
+        configure_logging(
+            logging_flags.get("log_level", args.log_level),
+            logging_flags.get("log_format", args.log_format),
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.command == "train":
         from spectrio.tools import train
 
@@ -123,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench.main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if getattr(args, "max_tokens", 1) < 1:
+    if getattr(args, "sampling.max_tokens", 1) < 1:
         parser.error("--max-tokens must be >= 1")
     try:
         return int(args.func(args))

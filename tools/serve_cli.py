@@ -119,19 +119,16 @@ def add_client_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("prompt")
     p.add_argument("--requests", required=True, help="the server's requests endpoint")
     p.add_argument("--outputs", required=True, help="the server's outputs endpoint")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for any reply")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true", help="print one JSON object (README, CLI)")
     p.add_argument(
         "--curve-server-key",
         default=None,
         help="CURVE: the server's public NAME.key, for a server run with --curve-secret",
     )
+    from spectrio.tools.sampling_flags import add_sampling_flags
+
+    add_sampling_flags(p)  # the same sampling flags as `spectrio generate`
     p.set_defaults(func=client_main)
 
 
@@ -400,17 +397,11 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 def client_main(args: argparse.Namespace) -> int:
     import zmq
 
-    from spectrio.core.params import SamplingParams
+    from spectrio.tools.sampling_flags import sampling_params
     from spectrio.wire.client import Client, RequestRefused
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-    )
+    params = sampling_params(args)
+    totals: dict[str, int | None] = {"total_drafts": None, "total_accepted": None}
     ids: list[int] = []
     text = ""
     reason: str | None = None
@@ -427,6 +418,11 @@ def client_main(args: argparse.Namespace) -> int:
                 ids += chunk.token_ids
                 text += chunk.text
                 reason = chunk.finish_reason
+                if chunk.finished:
+                    totals = {
+                        "total_drafts": chunk.total_drafts,
+                        "total_accepted": chunk.total_accepted,
+                    }
                 if not args.json:
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
@@ -437,7 +433,7 @@ def client_main(args: argparse.Namespace) -> int:
         print(f"error: no reply from the server within {args.timeout}s", file=sys.stderr)
         return 3
     if args.json:
-        print(json.dumps({"text": text, "token_ids": ids, "finish_reason": reason}))
+        print(json.dumps({"text": text, "token_ids": ids, "finish_reason": reason, **totals}))
     else:
         print()
     return 0
