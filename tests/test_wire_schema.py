@@ -39,7 +39,10 @@ from spectrio.wire.schema import (
     Ack,
     Error,
     ErrorCode,
+    Info,
+    ModelInfo,
     Ping,
+    SpeculativeInfo,
     StepEnvelope,
     Submit,
     schema_fingerprint,
@@ -57,6 +60,7 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "wire.md"
 PINNED_FINGERPRINTS = {
     (1, 0): "b21ade5251671c646859a2a75cc2b7f2206f905fd2d46d056fdfc1a0336db75c",
     (1, 1): "1fa20147d75602ccec0374458b3dcabd31263868cfafea8c2636bf25a7d402dc",  # drafts
+    (1, 2): "f973064dbc67e4f731bae19070c995e4cc63260275681a0ac54832588e81a525",  # Info
 }
 
 
@@ -102,6 +106,8 @@ ALL_MESSAGES: list[msgspec.Struct] = [
     ),
     Abort(v=1, request_id="a"),
     Ping(v=1),
+    Info(v=1),
+    Info(v=1, tokenizer=True),
     Ack(of="submit", request_id="a"),
     Ack(of="ping"),
     Error(code=ErrorCode.BAD_FRAME, reason="nope"),
@@ -112,6 +118,19 @@ ALL_MESSAGES: list[msgspec.Struct] = [
         seqnos=[0, 17],
         finish_reasons=[None, "stop"],
         errors=[Error(code=ErrorCode.UNAVAILABLE, reason="shutdown", request_id="c")],
+        drafts={"b": (6, 4)},
+    ),
+    ModelInfo(
+        model="bundled",
+        vocab_size=1000,
+        max_model_len=1024,
+        eos_token_id=0,
+        speculative=SpeculativeInfo(
+            method="mtp", num_speculative_tokens=2, num_model_steps=None, adaptive=True
+        ),
+        tokenizer_sha256="ab" * 32,
+        tokenizer_bytes=12,
+        tokenizer_json='{"x": "é"}',
     ),
 ]
 
@@ -119,9 +138,9 @@ ALL_MESSAGES: list[msgspec.Struct] = [
 @pytest.mark.parametrize("msg", ALL_MESSAGES, ids=lambda m: type(m).__name__)
 def test_every_struct_round_trips_through_its_typed_decoder(msg: msgspec.Struct) -> None:
     frame = encode(msg)
-    if isinstance(msg, Submit | Abort | Ping):
+    if isinstance(msg, Submit | Abort | Ping | Info):
         assert decode_request(frame) == msg
-    elif isinstance(msg, Ack | Error):
+    elif isinstance(msg, Ack | Error | ModelInfo):
         assert decode_reply(frame) == msg
     else:
         assert decode_envelope(frame) == msg

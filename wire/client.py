@@ -2,8 +2,8 @@
 
 Two halves, usable separately:
 
-* **requests:** ``submit``/``abort``/``ping`` over a DEALER socket; each call waits for
-  its ``Ack`` and raises :class:`RequestRefused` on an ``Error``.
+* **requests:** ``submit``/``abort``/``ping``/``info`` over a DEALER socket; each call
+  waits for its reply and raises :class:`RequestRefused` on an ``Error``.
 * **outputs:** step messages from the server's PUSH (lossless, one primary consumer) or
   PUB tap (observers; may drop). :class:`StreamAssembler` turns them into per-request
   :class:`Chunk` s, checks every request's sequence numbers (raising
@@ -17,12 +17,23 @@ stopped answering never hangs a client. A call that timed out, or was cancelled,
 waiting for its reply reconnects the request socket, so its late reply can never be
 taken for the reply of a later call.
 
+Text is detokenised with the **server's** tokenizer: a client with a requests endpoint
+and no ``tokenizer`` argument asks the server for it (``Info``, schema 1.2) before its
+first submit, and fetches the tokenizer's JSON only when its hash is not one the process
+already has (the bundled model's, or one fetched before). A server older than 1.2
+answers ``unknown_type``; the client then uses the bundled tokenizer, as before. A client
+without a requests endpoint (an observer of the outputs or the tap) cannot ask, and uses
+the bundled tokenizer unless given one.
+
 Note that a PUSH socket deals messages round-robin over its connected PULL peers, so one
 process should read the outputs; other clients may submit requests only.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
@@ -32,13 +43,24 @@ from typing import Final
 import msgspec
 import trio
 import zmq
+from tokenizers import Tokenizer
 
 from spectrio.core.params import SamplingParams
 from spectrio.models import BUNDLED_DIR, TextTokenizer
 from spectrio.models.tokenizer import IncrementalDetokenizer
 from spectrio.wire.codec import decode_reply, decode_step, encode
 from spectrio.wire.curve import CurveClientKeys
-from spectrio.wire.schema import SCHEMA_VERSION, Abort, Ack, Error, Ping, Submit
+from spectrio.wire.schema import (
+    SCHEMA_VERSION,
+    Abort,
+    Ack,
+    Error,
+    ErrorCode,
+    Info,
+    ModelInfo,
+    Ping,
+    Submit,
+)
 from spectrio.wire.zmq_transport import TrioSocket, open_socket
 
 __all__ = [
@@ -52,6 +74,7 @@ __all__ = [
     "StreamAssembler",
     "bundled_tokenizer",
     "open_client",
+    "tokenizer_for",
 ]
 
 Context = zmq.Context[zmq.Socket[bytes]]
@@ -112,9 +135,59 @@ class Chunk(msgspec.Struct, frozen=True, kw_only=True):
         return self.finish_reason is not None
 
 
+_tokenizers: dict[str, TextTokenizer] = {}  # SHA-256 of a tokenizer's JSON -> tokenizer
+_tokenizers_lock = threading.Lock()
+
+
+@functools.cache
+def _bundled_json() -> str:
+    return (Path(BUNDLED_DIR) / "tokenizer.json").read_text(encoding="utf-8")
+
+
+def _from_json(text: str, eos_token_id: int | None = None) -> TextTokenizer:
+    """The tokenizer for a tokenizer JSON, built once per process and per content."""
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    with _tokenizers_lock:
+        tok = _tokenizers.get(digest)
+        if tok is None:
+            tok = _tokenizers[digest] = TextTokenizer(Tokenizer.from_str(text), eos_token_id)
+        return tok
+
+
 def bundled_tokenizer() -> TextTokenizer:
     """The tokenizer of the bundled model."""
-    return TextTokenizer.from_file(Path(BUNDLED_DIR) / "tokenizer.json")
+    return _from_json(_bundled_json())
+
+
+def tokenizer_for(info: ModelInfo) -> TextTokenizer | None:
+    """The tokenizer an ``Info`` reply names: from its ``tokenizer_json`` when it has
+    one (checked against its hash), else one this process already has with that hash
+    (the bundled model's, or one fetched before); None when it must be fetched. Raises
+    ``ValueError`` when the JSON does not match the hash."""
+    if info.tokenizer_json is not None:
+        digest = hashlib.sha256(info.tokenizer_json.encode("utf-8")).hexdigest()
+        if digest != info.tokenizer_sha256:
+            raise ValueError("the server's tokenizer JSON does not match its SHA-256")
+        return _from_json(info.tokenizer_json, info.eos_token_id)
+    bundled_json = _bundled_json()
+    if hashlib.sha256(bundled_json.encode("utf-8")).hexdigest() == info.tokenizer_sha256:
+        return bundled_tokenizer()
+    with _tokenizers_lock:
+        return _tokenizers.get(info.tokenizer_sha256)
+
+
+def _info_reply(frame: bytes) -> ModelInfo:
+    reply = decode_reply(frame)
+    if isinstance(reply, Error):
+        raise RequestRefused(reply)
+    if not isinstance(reply, ModelInfo):
+        raise ValueError(f"expected an info reply, got {type(reply).__name__}")
+    return reply
+
+
+def _older_server(exc: RequestRefused) -> bool:
+    """An ``Info`` refused by a server older than schema 1.2."""
+    return exc.error.code is ErrorCode.UNKNOWN_TYPE
 
 
 class StreamAssembler:
@@ -128,11 +201,23 @@ class StreamAssembler:
     def __init__(
         self, tokenizer: TextTokenizer | None = None, *, track: Sequence[str] | None = None
     ) -> None:
-        self._tok = tokenizer if tokenizer is not None else bundled_tokenizer()
+        self._tok = tokenizer  # None: the bundled one, once first needed
         self._follow_all = track is None
         self._followed: set[str] = set(track or ())
         self._received: dict[str, int] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
+
+    @property
+    def tokenizer(self) -> TextTokenizer:
+        """The tokenizer that detokenises new streams (the bundled one unless set)."""
+        if self._tok is None:
+            self._tok = bundled_tokenizer()
+        return self._tok
+
+    def set_tokenizer(self, tokenizer: TextTokenizer) -> None:
+        """Detokenise streams that start from now on with ``tokenizer`` (the clients set
+        the server's before their first submit)."""
+        self._tok = tokenizer
 
     def follow(self, request_id: str) -> None:
         self._followed.add(request_id)
@@ -162,7 +247,7 @@ class StreamAssembler:
                 continue  # a slot still in prefill, or preempted: no chunk
             detok = self._detok.get(rid)
             if detok is None:
-                detok = self._detok[rid] = self._tok.stream()
+                detok = self._detok[rid] = self.tokenizer.stream()
             text = detok.push(token_ids) if token_ids else ""
             if reason is not None:
                 text += detok.flush()
@@ -200,6 +285,8 @@ def _check(frame: bytes) -> Ack:
     reply = decode_reply(frame)
     if isinstance(reply, Error):
         raise RequestRefused(reply)
+    if not isinstance(reply, Ack):
+        raise ValueError(f"expected an ack, got {type(reply).__name__}")
     return reply
 
 
@@ -218,10 +305,12 @@ class AsyncClient:
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         reconnect: Callable[[], TrioSocket] | None = None,
+        server_tokenizer: bool = False,
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s!r}")
         self._requests = requests
+        self._want_tokenizer = server_tokenizer and requests is not None
         self._outputs = outputs
         self.assembler = assembler
         self.timeout_s = timeout_s
@@ -266,11 +355,37 @@ class AsyncClient:
         :class:`RequestRefused` or :class:`ClientTimeout`. The request is followed by this
         client's assembler."""
         rid = request_id or uuid.uuid4().hex
+        if self._want_tokenizer:
+            self.assembler.set_tokenizer(await self.server_tokenizer())
+            self._want_tokenizer = False
         self.assembler.follow(rid)
         await self._call(_submit_frame(prompt, params, rid))
         return rid
 
-    async def send_raw(self, frame: bytes) -> Ack | Error:
+    async def info(self, *, tokenizer: bool = False) -> ModelInfo:
+        """The server's model description (``Info``, schema 1.2); with ``tokenizer=True``
+        also the tokenizer's JSON. Raises :class:`RequestRefused` (``unknown_type`` from a
+        server older than 1.2) or :class:`ClientTimeout`."""
+        return _info_reply(
+            await self._roundtrip(encode(Info(v=SCHEMA_VERSION, tokenizer=tokenizer)))
+        )
+
+    async def server_tokenizer(self) -> TextTokenizer:
+        """The server's tokenizer, fetched only when this process does not have it; the
+        bundled one from a server older than schema 1.2."""
+        try:
+            info = await self.info()
+        except RequestRefused as exc:
+            if _older_server(exc):
+                return bundled_tokenizer()
+            raise
+        tok = tokenizer_for(info)
+        if tok is None:
+            tok = tokenizer_for(await self.info(tokenizer=True))
+            assert tok is not None
+        return tok
+
+    async def send_raw(self, frame: bytes) -> Ack | Error | ModelInfo:
         """Send any frame as a request and return the reply without raising on an
         ``Error`` (for tests and diagnostics). Raises :class:`ClientTimeout`."""
         return decode_reply(await self._roundtrip(frame))
@@ -335,7 +450,9 @@ async def open_client(
 ) -> AsyncIterator[AsyncClient]:
     """Connect a Trio client. ``outputs`` is the server's PUSH endpoint, or its PUB tap
     endpoint with ``tap=True``. Without ``outputs`` the client only submits.
-    ``timeout_s`` bounds every wait (:class:`ClientTimeout`)."""
+    ``timeout_s`` bounds every wait (:class:`ClientTimeout`). Without ``tokenizer``, a
+    client with ``requests`` uses the server's tokenizer (asked for before its first
+    submit); one without uses the bundled model's."""
     ctx = context if context is not None else zmq.Context.instance()
     configure = curve.apply if curve is not None else None
 
@@ -360,6 +477,7 @@ async def open_client(
             StreamAssembler(tokenizer, track=() if requests else None),
             timeout_s=timeout_s,
             reconnect=connect_requests if requests else None,
+            server_tokenizer=tokenizer is None,
         )
         yield client
     finally:
@@ -409,6 +527,7 @@ class Client:
                 curve.apply(self._out)
             self._out.connect(outputs)
         self.assembler = StreamAssembler(tokenizer, track=() if requests else None)
+        self._want_tokenizer = tokenizer is None and requests is not None
 
     def __enter__(self) -> Client:
         return self
@@ -433,23 +552,46 @@ class Client:
         sock.connect(self._requests_ep)
         return sock
 
-    def _call(self, frame: bytes) -> Ack:
+    def _roundtrip(self, frame: bytes) -> bytes:
         if self._req is None:
             raise RuntimeError("this client has no requests endpoint")
         try:
             self._req.send(frame)
-            reply = self._req.recv()
+            return self._req.recv()
         except zmq.Again:
             # Reconnect, so a late reply is never read as the reply of a later call.
             self._req.close(linger=0)
             self._req = self._connect_requests()
             raise ClientTimeout(f"no reply from the server within {self.timeout_s:g} s") from None
-        return _check(reply)
+
+    def _call(self, frame: bytes) -> Ack:
+        return _check(self._roundtrip(frame))
+
+    def info(self, *, tokenizer: bool = False) -> ModelInfo:
+        """The server's model description (see :meth:`AsyncClient.info`)."""
+        return _info_reply(self._roundtrip(encode(Info(v=SCHEMA_VERSION, tokenizer=tokenizer))))
+
+    def server_tokenizer(self) -> TextTokenizer:
+        """The server's tokenizer (see :meth:`AsyncClient.server_tokenizer`)."""
+        try:
+            info = self.info()
+        except RequestRefused as exc:
+            if _older_server(exc):
+                return bundled_tokenizer()
+            raise
+        tok = tokenizer_for(info)
+        if tok is None:
+            tok = tokenizer_for(self.info(tokenizer=True))
+            assert tok is not None
+        return tok
 
     def submit(
         self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
     ) -> str:
         rid = request_id or uuid.uuid4().hex
+        if self._want_tokenizer:
+            self.assembler.set_tokenizer(self.server_tokenizer())
+            self._want_tokenizer = False
         self.assembler.follow(rid)
         self._call(_submit_frame(prompt, params, rid))
         return rid

@@ -38,6 +38,7 @@ from spectrio.wire.schema import (
     Ack,
     Error,
     ErrorCode,
+    ModelInfo,
     Reply,
     Request,
     StepEnvelope,
@@ -331,7 +332,7 @@ def check_submit(
         raise WireError(ErrorCode(exc.code), _short(str(exc)), submit.request_id) from None
 
 
-def decode_reply(frame: bytes | memoryview) -> Ack | Error:
+def decode_reply(frame: bytes | memoryview) -> Ack | Error | ModelInfo:
     """Decode a reply (client side). Raises ``msgspec.DecodeError`` on a malformed one."""
     return _reply_decoder.decode(frame)
 

@@ -46,9 +46,12 @@ __all__ = [
     "Error",
     "ErrorCode",
     "FinishReason",
+    "Info",
+    "ModelInfo",
     "Ping",
     "Reply",
     "Request",
+    "SpeculativeInfo",
     "StepEnvelope",
     "Submit",
     "TokenId",
@@ -61,12 +64,13 @@ SCHEMA_VERSION: Final = 1
 of another major version (``schema_version``). Bump it for a change an old peer would
 misread: a removed or renamed key, a changed type or meaning."""
 
-SCHEMA_MINOR: Final = 1
+SCHEMA_MINOR: Final = 2
 """Minor version within :data:`SCHEMA_VERSION`: bumped for additions an old peer can
 ignore (an optional key a reader skips, a new request type an old client never sends).
 It is not on every message (an old peer's ``"v"`` stays valid); a client learns the
 server's from the ``Info`` reply. History (``docs/wire.md``, *Versioning*): 1.0 the first
-release; 1.1 ``StepEnvelope.drafts``.
+release; 1.1 ``StepEnvelope.drafts``; 1.2 the ``Info`` request and its ``ModelInfo``
+reply.
 
 Every change to a message below changes the pin in ``tests/test_wire_schema.py``, which
 fails until one of the two versions is bumped."""
@@ -155,8 +159,18 @@ class Ping(_Message, tag="ping", frozen=True, kw_only=True, forbid_unknown_field
     v: int
 
 
-Request = Submit | Abort | Ping
-"""The request union: one typed decoder decodes all three."""
+class Info(_Message, tag="info", frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Describe the served model (since 1.2); answered with a :class:`ModelInfo`. With
+    ``tokenizer=True`` the reply also holds the tokenizer's JSON (hundreds of KiB to a
+    few MiB): a client asks for it only when the hash in a plain ``Info`` reply names a
+    tokenizer it does not have."""
+
+    v: int
+    tokenizer: bool = False
+
+
+Request = Submit | Abort | Ping | Info
+"""The request union: one typed decoder decodes them all."""
 
 
 # ---- replies (runtime -> that client) -----------------------------------------------------
@@ -180,7 +194,32 @@ class Error(_Message, tag="error", frozen=True, kw_only=True):
     request_id: str | None = None
 
 
-Reply = Ack | Error
+class SpeculativeInfo(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """The server's speculative configuration (``SpeculativeConfig``'s fields)."""
+
+    method: str | None  # "mtp", or nil: no speculation
+    num_speculative_tokens: int  # k: the most drafts per sequence per step
+    num_model_steps: int | None  # MTP substeps per step; nil: k
+    adaptive: bool  # each step drafts 0..k, as the measured acceptance says
+
+
+class ModelInfo(_Message, tag="info", frozen=True, kw_only=True):
+    """The reply to :class:`Info` (since 1.2): what a client needs to build requests and
+    read outputs without assuming the bundled model."""
+
+    v: int = SCHEMA_VERSION
+    minor: int = SCHEMA_MINOR  # the server's schema minor version
+    model: str  # the model the server was started with ("bundled", a path, ...)
+    vocab_size: int  # token ids are in [0, vocab_size)
+    max_model_len: int  # most tokens per request, prompt and output together
+    eos_token_id: int | None
+    speculative: SpeculativeInfo
+    tokenizer_sha256: str  # hex SHA-256 of the tokenizer's JSON (``tokenizer.json``)
+    tokenizer_bytes: int  # its length in bytes
+    tokenizer_json: str | None = None  # the JSON itself, only when the Info asked for it
+
+
+Reply = Ack | Error | ModelInfo
 
 
 # ---- output (runtime -> consumer), frame 0 of every step message --------------------------
@@ -207,7 +246,16 @@ class StepEnvelope(_Message, tag="step", frozen=True, kw_only=True):
 
 # ---- schema pin ---------------------------------------------------------------------------
 
-WIRE_TYPES: Final[tuple[Any, ...]] = (Submit, Abort, Ping, Ack, Error, StepEnvelope)
+WIRE_TYPES: Final[tuple[Any, ...]] = (
+    Submit,
+    Abort,
+    Ping,
+    Info,
+    Ack,
+    Error,
+    ModelInfo,
+    StepEnvelope,
+)
 
 
 def _strip_docs(node: Any) -> Any:

@@ -51,6 +51,7 @@ import dataclasses
 import errno
 import fcntl
 import functools
+import hashlib
 import os
 import stat
 import tempfile
@@ -63,6 +64,7 @@ import msgspec
 import structlog
 import trio
 import zmq
+from tokenizers import Tokenizer
 
 from spectrio.core.messages import PublishedStep
 from spectrio.core.params import InvalidRequest, check_text_length
@@ -78,7 +80,17 @@ from spectrio.wire.codec import (
     encode_step,
 )
 from spectrio.wire.curve import ZAP_ENDPOINT, CurveServerKeys, run_zap_handler
-from spectrio.wire.schema import Abort, Ack, Error, ErrorCode, Ping, Submit
+from spectrio.wire.schema import (
+    Abort,
+    Ack,
+    Error,
+    ErrorCode,
+    Info,
+    ModelInfo,
+    Ping,
+    SpeculativeInfo,
+    Submit,
+)
 from spectrio.wire.zmq_transport import (
     EndpointRefused,
     Reach,
@@ -104,6 +116,7 @@ __all__ = [
     "claim_endpoints",
     "default_endpoints",
     "message_cap",
+    "model_info",
     "serve",
 ]
 
@@ -313,7 +326,8 @@ class PromptTokenizer:
     GIL, so a long prompt tokenized in a worker thread does not stall the event loop."""
 
     def __init__(self, runtime: Runtime) -> None:
-        self._tok = TextTokenizer.from_file(Path(runtime.loaded.path) / "tokenizer.json")
+        self.json = (Path(runtime.loaded.path) / "tokenizer.json").read_text(encoding="utf-8")
+        self._tok = TextTokenizer(Tokenizer.from_str(self.json), runtime.tokenizer.eos_token_id)
         self.max_token_bytes = self._tok.max_token_bytes
         sample = "def f(x):\n    return {'é': x}  # ok <|endoftext|>"
         if self.encode(sample) != runtime.tokenizer.encode(sample):
@@ -321,6 +335,26 @@ class PromptTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode_releasing_gil(text)
+
+
+def model_info(runtime: Runtime, tokenizer_json: str) -> ModelInfo:
+    """The ``Info`` reply for ``runtime`` (without the tokenizer's JSON)."""
+    spec = runtime.config.speculative
+    data = tokenizer_json.encode("utf-8")
+    return ModelInfo(
+        model=runtime.config.model,
+        vocab_size=runtime.loaded.config.vocab_size,
+        max_model_len=runtime.config.max_model_len,
+        eos_token_id=runtime.tokenizer.eos_token_id,
+        speculative=SpeculativeInfo(
+            method=spec.method,
+            num_speculative_tokens=spec.num_speculative_tokens,
+            num_model_steps=spec.num_model_steps,
+            adaptive=spec.adaptive,
+        ),
+        tokenizer_sha256=hashlib.sha256(data).hexdigest(),
+        tokenizer_bytes=len(data),
+    )
 
 
 # ---- the server -----------------------------------------------------------------------------
@@ -335,6 +369,7 @@ class ServerStats(msgspec.Struct, kw_only=True):
     dropped_frames: int = 0  # messages with no usable reply address
     replies_dropped: int = 0  # replies dropped because their client's queue was full (not reading)
     unreplied: int = 0  # replies that could not be delivered: the client was gone
+    infos: int = 0  # Info requests answered
     prompts_tokenized: int = 0  # text prompts handed to the tokenizer
     steps_published: int = 0  # step messages handed to the PUSH socket
     tap_dropped: int = 0  # step messages the tap dropped
@@ -383,6 +418,7 @@ class WireServer:
         self._tap_tx, self._tap_rx = trio.open_memory_channel[list[bytes]](tap_buffer)
         self._tap_enabled = tap
         self._prompts = PromptTokenizer(runtime)
+        self._info = model_info(runtime, self._prompts.json)
         self._tokenizer_limiter = trio.CapacityLimiter(1)
         self._tokenizing: dict[str, _Tokenizing] = {}
         self._running: dict[str, bytes] = {}  # acknowledged request id -> its owner
@@ -507,10 +543,12 @@ class WireServer:
         self.stats.errors[code.value] = self.stats.errors.get(code.value, 0) + 1
         return Error(code=code, reason=reason, request_id=request_id)
 
-    def _reply(self, envelope: Sequence[bytes], reply: Ack | Error) -> None:
+    def _reply(self, envelope: Sequence[bytes], reply: Ack | Error | ModelInfo) -> None:
         """Queue a reply for the request owner task, from any task; never waits."""
         if isinstance(reply, Ack):
             self.stats.acks += 1
+        elif isinstance(reply, ModelInfo):
+            self.stats.infos += 1
         self._replies.append([*envelope, encode(reply)])
         if self._reply_waiter is not None:
             self._reply_waiter.cancel()
@@ -609,10 +647,12 @@ class WireServer:
 
     async def _handle(
         self, body: memoryview, owner: bytes, envelope: list[bytes], nursery: trio.Nursery
-    ) -> Ack | Error | None:
+    ) -> Ack | Error | ModelInfo | None:
         msg = decode_request(body, self._max_request_bytes)  # the size cap comes first
         if isinstance(msg, Ping):
             return Ack(of="ping")
+        if isinstance(msg, Info):  # answered while shutting down too, like a ping
+            return self._info_reply(msg)
         if self._closing:
             raise WireError(ErrorCode.UNAVAILABLE, "the server is shutting down", msg.request_id)
         if isinstance(msg, Submit):
@@ -620,6 +660,11 @@ class WireServer:
         assert isinstance(msg, Abort)
         self._abort(msg, owner, envelope, nursery)
         return None  # the Ack follows once the runtime has aborted the request
+
+    def _info_reply(self, msg: Info) -> ModelInfo:
+        if not msg.tokenizer:
+            return self._info
+        return msgspec.structs.replace(self._info, tokenizer_json=self._prompts.json)
 
     def _admit(self, owner: bytes) -> bool:
         """Token bucket per client: ``rate`` requests/s, bursts of ``burst``."""
