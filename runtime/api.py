@@ -264,6 +264,11 @@ class Runtime:
         if timing is not None:
             self._unpublished[result.step] = timing
 
+    @property
+    def dead(self) -> EngineDead | None:
+        """The :class:`EngineDead` that stopped the engine, or None while it runs."""
+        return self._dead
+
     def _notify(self) -> None:
         """Wake ``wait_idle`` callers to re-check."""
         self._changed.set()

@@ -255,6 +255,7 @@ class TPGroup:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 preexec_fn=_die_with_parent,  # noqa: PLW1509 - prctl only
+                start_new_session=True,  # a terminal's Ctrl-C goes to rank 0, which stops it
             )
             log.info("follower started", rank=rank, pid=self.procs[rank].pid)
 
