@@ -284,9 +284,7 @@ def build_sharded(cfg: ModelConfig, tp: TPShard, dtype: DType = "float32") -> Pa
     return model
 
 
-def load_sharded(
-    path_or_name: str | Path, tp: TPShard, dtype: DType = "float32"
-) -> LoadedModel:
+def load_sharded(path_or_name: str | Path, tp: TPShard, dtype: DType = "float32") -> LoadedModel:
     """This rank's shard of the checkpoint at ``path_or_name``: every split tensor is read
     with ``safe_open(...).get_slice`` over this rank's rows or columns only; replicated
     ones (norms, ``eh_proj``) whole. Shapes are checked against the full model, and a
@@ -331,9 +329,7 @@ def load_sharded(
             sl = where[hf].get_slice(hf)
             shape = list(sl.get_shape())
             if shape != want:
-                raise CheckpointError(
-                    f"{folder}: tensor {hf!r} has shape {shape}, expected {want}"
-                )
+                raise CheckpointError(f"{folder}: tensor {hf!r} has shape {shape}, expected {want}")
             if axis is None:
                 arr = sl[:]
             else:
@@ -348,7 +344,9 @@ def load_sharded(
         suffix = key[len(mtp_prefix) :] if key.startswith(mtp_prefix) else None
         if suffix in _SHARED_COPIES or key.endswith("rotary_emb.inv_freq"):
             continue
-        raise CheckpointError(f"{folder}: unexpected tensor {key!r} (not part of this architecture)")
+        raise CheckpointError(
+            f"{folder}: unexpected tensor {key!r} (not part of this architecture)"
+        )
     model.eval()
     tok_path = folder / "tokenizer.json"
     tokenizer = (

@@ -115,6 +115,7 @@ class Runtime:
         self._ids = itertools.count(1)
         self._closed = False
         self._dead: EngineDead | None = None
+        self._died = trio.Event()
         self._changed = trio.Event()  # set (and replaced) whenever the pipeline may be idle
         self._stopped = trio.Event()  # every stage has ended
         self._timings: collections.deque[StepTiming] = collections.deque(maxlen=4096)
@@ -232,6 +233,7 @@ class Runtime:
         if self._dead is not None:
             return
         self._dead = exc
+        self._died.set()
         self._closed = True
         for stream in self._streams.values():
             stream.send_nowait(exc)
@@ -264,9 +266,12 @@ class Runtime:
         if timing is not None:
             self._unpublished[result.step] = timing
 
-    @property
-    def dead(self) -> EngineDead | None:
-        """The :class:`EngineDead` that stopped the engine, or None while it runs."""
+    async def wait_dead(self) -> EngineDead:
+        """Wait until the engine dies (a stage or a tensor-parallel rank failed); returns
+        its :class:`EngineDead`. A server uses it to stop at once rather than at the next
+        request."""
+        await self._died.wait()
+        assert self._dead is not None
         return self._dead
 
     def _notify(self) -> None:
@@ -719,9 +724,7 @@ async def open_runtime(
                     waited.shield = True
                     await rt._stopped.wait()
                 if waited.cancelled_caught:
-                    log.warning(
-                        "stages did not end in time; cancelling", seconds=shutdown_timeout
-                    )
+                    log.warning("stages did not end in time; cancelling", seconds=shutdown_timeout)
                 nursery.cancel_scope.cancel()
     finally:
         if group is not None:

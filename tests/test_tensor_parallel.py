@@ -114,12 +114,12 @@ cfg = m.config
 kvh = cfg.num_key_value_heads // tp.size
 cache = PagedKVCache(cfg.num_hidden_layers, 8, 16, kvh, cfg.head_dim, "float64")
 mcache = PagedKVCache(1, 8, 16, kvh, cfg.head_dim, "float64")
-b = PackedBatch.from_sequences([[5, 17, 300, 4000, 22], [9, 8, 7]], [0, 0], [np.array([0, 1]), np.array([2, 3])])
+tables = [np.array([0, 1]), np.array([2, 3])]
+b = PackedBatch.from_sequences([[5, 17, 300, 4000, 22], [9, 8, 7]], [0, 0], tables)
 with paddle.no_grad():
     out = m.forward(b, cache)
     mtp = m.mtp_forward(b, out.hidden, mcache)
-    b2 = PackedBatch.from_sequences([[11], [12]], [5, 3], [np.array([0, 1]), np.array([2, 3])])
-    dec = m.forward(b2, cache)
+    dec = m.forward(PackedBatch.from_sequences([[11], [12]], [5, 3], tables), cache)
 np.savez(sys.argv[1], logits=out.logits.numpy(), hidden=out.hidden.numpy(),
          mtp=mtp.logits.numpy(), decode=dec.logits.numpy())
 """
@@ -148,7 +148,9 @@ def test_two_rank_forward_equals_the_dense_forward(bundled64: LoadedModel, tmp_p
             p.kill()
     m = bundled64.model
     cfg = m.config
-    cache = PagedKVCache(cfg.num_hidden_layers, 8, 16, cfg.num_key_value_heads, cfg.head_dim, "float64")
+    cache = PagedKVCache(
+        cfg.num_hidden_layers, 8, 16, cfg.num_key_value_heads, cfg.head_dim, "float64"
+    )
     mcache = PagedKVCache(1, 8, 16, cfg.num_key_value_heads, cfg.head_dim, "float64")
     import paddle
 

@@ -257,9 +257,7 @@ async def _serve_async(
 async def _exit_when_dead(rt: Runtime) -> None:
     """A dead engine (a tensor-parallel rank died, a stage failed) ends the server at
     once, not at the next request: raise its :class:`EngineDead` here."""
-    while rt.dead is None:
-        await trio.sleep(0.25)
-    raise rt.dead
+    raise await rt.wait_dead()
 
 
 def _observe(
