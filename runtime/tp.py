@@ -116,9 +116,27 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+_joined: GroupEnv | None = None
+
+
+def check_can_join() -> None:
+    """A process joins one group in its life (Paddle keeps the default process group and
+    its TCP store for good): refuse a second one clearly instead of a collective timeout."""
+    if _joined is not None:
+        raise ConfigError(
+            "tensor_parallel_size: this process already formed a tensor-parallel group "
+            f"(rank {_joined.rank} of {_joined.size}); Paddle cannot form another in the "
+            "same process: open the next group runtime in a new process"
+        )
+
+
 def init_collectives(env: GroupEnv) -> TPShard:
     """Join the group (blocks until every rank has joined)."""
     import paddle.distributed as dist
+
+    global _joined
+    check_can_join()
+    _joined = env
 
     os.environ.update(env.environ(env.rank))
     dist.init_parallel_env()

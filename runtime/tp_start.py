@@ -10,7 +10,7 @@ from spectrio.errors import EngineDead
 from spectrio.models import LoadedModel, ModelConfig
 from spectrio.models.loader import resolve_path
 from spectrio.models.parallel import check_divisible, load_sharded
-from spectrio.runtime.tp import GroupEnv, GroupSetup, TPGroup
+from spectrio.runtime.tp import GroupEnv, GroupSetup, TPGroup, check_can_join
 
 log = structlog.get_logger("spectrio.runtime.tp")
 
@@ -35,6 +35,7 @@ async def start_group(config: RuntimeConfig, warmup: bool) -> tuple[TPGroup, Loa
     size = config.tensor_parallel_size
     folder = resolve_path(config.model)
     check_divisible(ModelConfig.from_json(folder / "config.json"), size)
+    check_can_join()
     env = GroupEnv.from_environ()
     if env is None:
         env = GroupEnv.local(size)

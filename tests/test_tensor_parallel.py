@@ -206,6 +206,12 @@ def test_killing_the_follower_fails_every_request_with_engine_dead_naming_rank_1
     assert not _alive(int(got["pid"]))  # type: ignore[call-overload]
 
 
+def test_a_second_group_in_one_process_is_refused() -> None:
+    got = _drive("twice", timeout=120)
+    assert "already formed a tensor-parallel group" in str(got["error"])
+    assert float(got["seconds"]) < 5  # type: ignore[arg-type]
+
+
 def test_sigterm_to_serve_stops_every_rank(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [

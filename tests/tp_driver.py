@@ -4,6 +4,7 @@ one JSON line with what the test checks.
 
     python tests/tp_driver.py generate TP K
     python tests/tp_driver.py kill
+    python tests/tp_driver.py twice
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 import trio
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
-from spectrio.errors import EngineDead
+from spectrio.errors import ConfigError, EngineDead
 
 PROMPTS = [
     "Once upon a time",
@@ -117,10 +118,24 @@ async def kill() -> dict[str, object]:
     }
 
 
+async def twice() -> dict[str, object]:
+    """A second group in the same process is refused with ConfigError, at once."""
+    await generate(2, 0, 2)
+    t0 = time.monotonic()
+    try:
+        with trio.fail_after(30):
+            await generate(2, 0, 2)
+    except ConfigError as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - t0}
+    return {"error": None}
+
+
 def main() -> None:
     what = sys.argv[1]
     if what == "generate":
         out = trio.run(generate, int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    elif what == "twice":
+        out = trio.run(twice)
     elif what == "kill":
         out = trio.run(kill)
     else:
