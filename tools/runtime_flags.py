@@ -27,6 +27,13 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
         help="CPU math threads (default: every core this process may use)",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks in the tensor-parallel group (started here as follower processes, "
+        "or by `python -m paddle.distributed.launch`; docs/tensor_parallel.md)",
+    )
+    p.add_argument(
         "--config",
         type=str,
         default=None,
@@ -51,4 +58,5 @@ def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
         speculative=spec,
         max_model_len=args.max_model_len,
         num_threads=args.threads,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
