@@ -196,6 +196,16 @@ def test_tp2_greedy_output_equals_tp1(k: int) -> None:
     assert not _alive(pids[0])
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_tp2_equals_tp1_under_pressure(k: int) -> None:
+    """Overlap, chunked prefill, preemption and seeded sampling: TP=2 still computes
+    exactly what one process does."""
+    one = _drive("pressure", "1", str(k))
+    two = _drive("pressure", "2", str(k))
+    assert two["outputs"] == one["outputs"]
+    assert int(two["preemptions"]) > 0 and two["blocks_back"]  # type: ignore[call-overload]
+
+
 def test_killing_the_follower_fails_every_request_with_engine_dead_naming_rank_1() -> None:
     got = _drive("kill", timeout=120)
     errors = got["errors"]

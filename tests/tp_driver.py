@@ -78,6 +78,44 @@ async def generate(tp: int, k: int, max_tokens: int) -> dict[str, object]:
     }
 
 
+async def pressure(tp: int, k: int) -> dict[str, object]:
+    """Overlap on, chunked prefill (a 40-token prompt in a 16-token budget), a KV pool
+    small enough to preempt, and seeded random requests beside greedy ones."""
+    prompts = [
+        list(range(300 + 11 * i, 300 + 11 * i + (40 if i == 0 else 6 + 5 * i))) for i in range(4)
+    ]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    cfg = config(
+        tp,
+        k,
+        max_model_len=80,
+        max_num_batched_tokens=16,
+        num_kv_blocks=24,
+        block_size=4,
+        enable_overlap=True,
+    )
+    with trio.fail_after(240):
+        async with open_runtime(cfg) as rt:
+
+            async def one(i: int) -> None:
+                params = (
+                    SamplingParams(max_tokens=24, temperature=1.0, seed=77 + i, ignore_eos=True)
+                    if i % 2
+                    else SamplingParams(max_tokens=24, ignore_eos=True)
+                )
+                async with rt.generate(prompts[i], params) as stream:
+                    async for delta in stream:
+                        outputs[i] += delta.token_ids
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(one, i)
+            await rt.wait_idle()
+            preemptions = rt.scheduler.num_preemptions
+            free = rt.blocks.num_free_blocks == rt.blocks.num_blocks
+    return {"outputs": outputs, "preemptions": preemptions, "blocks_back": free}
+
+
 async def kill() -> dict[str, object]:
     """Kill rank 1 with SIGKILL once tokens flow; every request must end with EngineDead."""
     errors: list[str] = []
@@ -134,6 +172,8 @@ def main() -> None:
     what = sys.argv[1]
     if what == "generate":
         out = trio.run(generate, int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    elif what == "pressure":
+        out = trio.run(pressure, int(sys.argv[2]), int(sys.argv[3]))
     elif what == "twice":
         out = trio.run(twice)
     elif what == "kill":
