@@ -287,10 +287,9 @@ class RuntimeConfig:
             raise ConfigError(
                 f"tensor_parallel_size: must be an int, got {self.tensor_parallel_size!r}"
             )
-        if self.tensor_parallel_size != 1:
+        if self.tensor_parallel_size < 1:
             raise ConfigError(
-                "tensor_parallel_size: only 1 is supported for now, "
-                f"got {self.tensor_parallel_size}"
+                f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}"
             )
         if not isinstance(self.enable_overlap, bool):
             raise ConfigError(f"enable_overlap: must be a bool, got {self.enable_overlap!r}")

@@ -39,10 +39,11 @@ from spectrio.errors import EngineDead
 from spectrio.models import LoadedModel, load
 from spectrio.models.paddle_setup import configure_paddle
 from spectrio.runtime.device_worker import DeviceWorker
+from spectrio.runtime.tp import TPGroup, make_workspace
 from spectrio.stages.block_manager import BlockManager
 from spectrio.stages.publisher import run_publisher
 from spectrio.stages.sampling import Sampler
-from spectrio.stages.scheduler import ControlClosed, run_scheduler
+from spectrio.stages.scheduler import ControlClosed, StageFailure, run_scheduler
 from spectrio.stages.scheduling import Scheduler
 from spectrio.stages.scheduling import Sequence as Sequence_
 from spectrio.stages.workspace import Workspace
@@ -70,8 +71,15 @@ class Delta(msgspec.Struct, kw_only=True):
 class Runtime:
     """A running pipeline. Create it with :func:`open_runtime`."""
 
-    def __init__(self, config: RuntimeConfig, loaded: LoadedModel, encoded_channels: bool) -> None:
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        loaded: LoadedModel,
+        encoded_channels: bool,
+        group: TPGroup | None = None,
+    ) -> None:
         self.config = config
+        self._group = group
         self.loaded = loaded
         if loaded.tokenizer is None:
             raise ConfigError(f"model: {loaded.path} has no tokenizer.json")
@@ -86,14 +94,18 @@ class Runtime:
                 f"max_model_len: {config.max_model_len} + k exceeds the model's "
                 f"max_position_embeddings ({cfg.max_position_embeddings})"
             )
+        # Planned per rank: each rank's caches hold its share of the KV heads.
         num_blocks = config.resolve_num_kv_blocks(
-            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads // config.tensor_parallel_size,
+            cfg.head_dim,
         )
         self.blocks = BlockManager(num_blocks, config.block_size)
-        self.workspace = Workspace(loaded.model, num_blocks, config.block_size)
+        self.workspace: Workspace = make_workspace(loaded.model, num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.blocks)
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer)
-        self.worker = DeviceWorker(self.workspace, self.sampler)
+        self.worker = DeviceWorker(self.workspace, self.sampler, group=group)
+        self._watch_scope = trio.CancelScope()
         self._observers: list[Callable[[PublishedStep], None]] = []
         self._sinks: list[Callable[[PublishedStep], Awaitable[None]]] = []
         self._encoded = encoded_channels
@@ -105,6 +117,7 @@ class Runtime:
         self._ids = itertools.count(1)
         self._closed = False
         self._dead: EngineDead | None = None
+        self._died = trio.Event()
         self._changed = trio.Event()  # set (and replaced) whenever the pipeline may be idle
         self._stopped = trio.Event()  # every stage has ended
         self._timings: collections.deque[StepTiming] = collections.deque(maxlen=4096)
@@ -172,8 +185,11 @@ class Runtime:
             finally:
                 published_tx.close()
                 self.worker.stop()
+                # A group's worker may be stuck in a collective with a dead peer: once the
+                # engine is dead, wait for it only briefly (it is a daemon thread).
+                wait = 30.0 if self._group is None or self._dead is None else 3.0
                 with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(self.worker.join, 30.0)
+                    await trio.to_thread.run_sync(self.worker.join, wait)
 
         async def run_all() -> None:
             try:
@@ -183,10 +199,13 @@ class Runtime:
                     inner.start_soon(pump_results)
                     inner.start_soon(scheduler)
             finally:
+                self._watch_scope.cancel()
                 self._stopped.set()
                 self._notify()
 
         nursery.start_soon(run_all)
+        if self._group is not None and self._group.spawned:
+            nursery.start_soon(self._watch_followers, self._group)
         log.info(
             "runtime started",
             num_kv_blocks=self.blocks.num_blocks,
@@ -195,6 +214,26 @@ class Runtime:
             speculative=self.config.speculative.method,
             k=self.config.speculative.num_draft_tokens,
         )
+
+    async def _watch_followers(self, group: TPGroup) -> None:
+        """Poll the follower processes this runtime started: one that exits fails the
+        engine at once (every waiting caller gets :class:`EngineDead` naming its rank)
+        and ends the scheduler, whatever the device thread is blocked on."""
+        with self._watch_scope:
+            while True:
+                dead = group.dead_rank()
+                if dead is not None:
+                    rank, what = dead
+                    log.error("tensor-parallel follower died", rank=rank, detail=what)
+                    exc = EngineDead(f"rank {rank}", what)
+                    self._fail(exc)
+                    if self._events_tx is not None:
+                        try:
+                            self._events_tx.send_nowait(StageFailure(f"rank {rank}", exc))
+                        except (trio.ClosedResourceError, trio.BrokenResourceError):
+                            pass
+                    return
+                await trio.sleep(0.2)
 
     async def _guard(self, stage: str, body: Awaitable[None]) -> None:
         """Run a stage; if it raises, the engine is dead: every waiting caller gets
@@ -213,6 +252,7 @@ class Runtime:
         if self._dead is not None:
             return
         self._dead = exc
+        self._died.set()
         self._closed = True
         for stream in self._streams.values():
             stream.send_nowait(exc)
@@ -225,6 +265,14 @@ class Runtime:
     def _on_result(self, result: StepResult, timing: StepTiming | None) -> None:
         if timing is not None:
             self._unpublished[result.step] = timing
+
+    async def wait_dead(self) -> EngineDead:
+        """Wait until the engine dies (a stage or a tensor-parallel rank failed); returns
+        its :class:`EngineDead`. A server uses it to stop at once rather than at the next
+        request."""
+        await self._died.wait()
+        assert self._dead is not None
+        return self._dead
 
     def _notify(self) -> None:
         """Wake ``wait_idle`` callers to re-check."""
@@ -663,31 +711,52 @@ async def open_runtime(
     config = config or RuntimeConfig()
     threads = configure_paddle(config.resolve_num_threads())
     log.info("paddle configured", threads=threads)
-    loaded = await trio.to_thread.run_sync(load, config.model, config.model_dtype)
-    rt = Runtime(config, loaded, encoded_channels)
-    if warmup:
-        seconds = await trio.to_thread.run_sync(
-            rt.workspace.warmup,
-            config.warmup_num_tokens(),
-            config.max_model_len,
-        )
-        log.info("warm-up pass done", tokens=config.warmup_num_tokens(), seconds=round(seconds, 3))
+    group: TPGroup | None = None
+    if config.tensor_parallel_size > 1:
+        from spectrio.runtime.tp_start import start_group
+
+        group, loaded = await start_group(config, warmup)
+    else:
+        loaded = await trio.to_thread.run_sync(load, config.model, config.model_dtype)
+    try:
+        rt = Runtime(config, loaded, encoded_channels, group)
+        if warmup:
+            seconds = await trio.to_thread.run_sync(
+                rt.workspace.warmup,
+                config.warmup_num_tokens(),
+                config.max_model_len,
+                abandon_on_cancel=group is not None,
+            )
+            log.info(
+                "warm-up pass done", tokens=config.warmup_num_tokens(), seconds=round(seconds, 3)
+            )
+    except BaseException:
+        if group is not None:
+            group.stop_followers(kill=True)
+        raise
     # Everything loaded so far (the model, Paddle's and the host's modules) lives as long
     # as the process: move it out of the collector's way, so full collections stay short.
     gc.freeze()
-    async with trio.open_nursery() as nursery:
-        await rt._start(nursery)
-        try:
-            yield rt
-        finally:
-            rt._shutdown("shutdown")
-            if rt._control is not None:
-                rt._control.close()
-            with trio.move_on_after(shutdown_timeout) as waited:
-                waited.shield = True
-                await rt._stopped.wait()
-            if waited.cancelled_caught:
-                log.warning("stages did not end in time; cancelling", seconds=shutdown_timeout)
-            nursery.cancel_scope.cancel()
+    try:
+        async with trio.open_nursery() as nursery:
+            await rt._start(nursery)
+            try:
+                yield rt
+            finally:
+                rt._shutdown("shutdown")
+                if rt._control is not None:
+                    rt._control.close()
+                with trio.move_on_after(shutdown_timeout) as waited:
+                    waited.shield = True
+                    await rt._stopped.wait()
+                if waited.cancelled_caught:
+                    log.warning("stages did not end in time; cancelling", seconds=shutdown_timeout)
+                nursery.cancel_scope.cancel()
+    finally:
+        if group is not None:
+            from spectrio.runtime.tp_start import stop_group
+
+            with trio.CancelScope(shield=True):
+                await stop_group(group, dead=rt._dead is not None)
     if rt._dead is not None:  # also for a caller that never waited on the engine
         raise rt._dead

@@ -18,6 +18,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import structlog
 from msgspec.structs import replace
@@ -32,21 +33,37 @@ from spectrio.stages.sampling import Sampler
 from spectrio.stages.scheduler import StageFailure
 from spectrio.stages.workspace import Workspace
 
+if TYPE_CHECKING:
+    from spectrio.runtime.tp import TPGroup
+
 log = structlog.get_logger("spectrio.runtime.device")
 
 __all__ = ["DeviceWorker"]
 
 
 class DeviceWorker:
-    def __init__(self, ws: Workspace, sampler: Sampler, *, rank: int = 0) -> None:
+    def __init__(
+        self,
+        ws: Workspace,
+        sampler: Sampler,
+        *,
+        rank: int = 0,
+        group: TPGroup | None = None,
+    ) -> None:
         self.ws = ws
         self.sampler = sampler
         self._jobs: queue.SimpleQueue[tuple[StepPlan, StepTiming] | None] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[tuple[StepResult, StepTiming] | StageFailure | None] = (
             queue.SimpleQueue()
         )
-        self._thread = threading.Thread(target=self._run, name=f"spectrio-device-{rank}")
+        # With a tensor-parallel group the thread may be stuck inside a collective when a
+        # peer dies; as a daemon it cannot keep the process alive (the runtime fails every
+        # request first and stops waiting for it after a short time).
+        self._thread = threading.Thread(
+            target=self._run, name=f"spectrio-device-{rank}", daemon=group is not None
+        )
         self._rank = rank
+        self._group = group
         # The stage functions, as attributes so a test can inject a fault into one.
         self.draft = draft_stage.draft
         self.verify = verify_stage.verify
@@ -70,6 +87,20 @@ class DeviceWorker:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    def _next_job(self) -> tuple[StepPlan, StepTiming] | None:
+        """The next job; in a tensor-parallel group, a keep-alive goes to the followers
+        every :data:`KEEPALIVE_S` while none comes (a dead peer shows up there)."""
+        link = self._group.link if self._group is not None else None
+        if link is None:
+            return self._jobs.get()
+        from spectrio.runtime.tp import KEEPALIVE_S
+
+        while True:
+            try:
+                return self._jobs.get(timeout=KEEPALIVE_S)
+            except queue.Empty:
+                link.send_keepalive()
+
     def _run(self) -> None:
         try:
             self._loop()
@@ -80,9 +111,17 @@ class DeviceWorker:
         ws = self.ws
         prev_plan: StepPlan | None = None
         prev_result: StepResult | None = None
+        link = self._group.link if self._group is not None else None
         while True:
-            job = self._jobs.get()
-            if job is None:
+            stage = "tp-link"
+            try:
+                job = self._next_job()
+                if job is None:
+                    if link is not None:
+                        link.send_stop()
+                    return
+            except BaseException as exc:
+                self._fail(stage, exc)
                 return
             template, timing = job
             stage = "draft"
@@ -90,6 +129,10 @@ class DeviceWorker:
                 timing.device_start = time.perf_counter()
                 fwd0 = ws.forward_seconds
                 plan = resolve_plan(template, prev_plan, prev_result)
+                if link is not None:  # one decision: every rank runs this very plan
+                    stage = "tp-link"
+                    link.send_plan(plan)
+                    stage = "draft"
                 plan = self.draft(ws, plan)
                 timing.draft_end = time.perf_counter()
                 stage = "verify"
@@ -106,8 +149,18 @@ class DeviceWorker:
                 )
                 result = replace(result, device_seconds=end - timing.device_start)
             except BaseException as exc:  # reported to the Trio side, which fails the engine
-                log.exception("device stage failed", stage=stage, rank=self._rank)
-                self._results.put(StageFailure(stage, exc))
+                self._fail(stage, exc)
                 return
             prev_plan, prev_result = plan, result
             self._results.put((result, timing))
+
+    def _fail(self, stage: str, exc: BaseException) -> None:
+        """Report a failed stage to the Trio side, which fails the engine. In a group, a
+        follower that died is named as the failed stage (``"rank 1"``)."""
+        if self._group is not None:
+            dead = self._group.blame()
+            if dead is not None:
+                stage = f"rank {dead[0]}"
+                exc = RuntimeError(f"{dead[1]} ({type(exc).__name__}: {exc})")
+        log.exception("device stage failed", stage=stage, rank=self._rank)
+        self._results.put(StageFailure(stage, exc))

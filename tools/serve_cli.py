@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -229,6 +230,7 @@ async def _serve_async(
                 log.info("loading the model", model=config.model)
                 async with open_runtime(config) as rt, trio.open_nursery() as nursery:
                     stopper.startup = None  # from here a signal drains instead
+                    nursery.start_soon(_exit_when_dead, rt)
                     served, extra = _observe(rt, args, nursery)
                     server = await nursery.start(
                         lambda task_status=trio.TASK_STATUS_IGNORED: serve(
@@ -260,6 +262,12 @@ async def _serve_async(
             if startup.cancelled_caught:
                 log.warning("stopped during start-up")
             top.cancel_scope.cancel()
+
+
+async def _exit_when_dead(rt: Runtime) -> None:
+    """A dead engine (a tensor-parallel rank died, a stage failed) ends the server at
+    once, not at the next request: raise its :class:`EngineDead` here."""
+    raise await rt.wait_dead()
 
 
 def _observe(
@@ -310,6 +318,32 @@ def serve_main(args: argparse.Namespace) -> int:
     """Exit status: 0 after a clean stop (a signal at any time, start-up included);
     2 when the configuration, the endpoints or the run directory are refused (before the
     model is loaded)."""
+    from spectrio.runtime.tp import GroupEnv
+
+    group_env = GroupEnv.from_environ()
+    if group_env is not None and group_env.rank != 0:
+        # Started by `python -m paddle.distributed.launch ... serve`: a follower rank binds
+        # nothing and writes no output; it computes what rank 0 broadcasts.
+        from spectrio.runtime.tp_follower import run_follower
+
+        return run_follower()
+    code = _serve_main(args)
+    if runtime_config_tp(args) > 1:
+        # A rank's device thread may still sit in a collective with a dead peer, and
+        # Paddle's teardown of a broken group can block: everything was flushed and
+        # closed above, so leave without the interpreter's teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def runtime_config_tp(args: argparse.Namespace) -> int:
+    """The group size the served config had (1 when it never got that far)."""
+    return int(getattr(args, "resolved_tp", 1))
+
+
+def _serve_main(args: argparse.Namespace) -> int:
     args.metrics_address = None
     args.record_writer = None
     with _StartupSignals() as early:
@@ -326,6 +360,7 @@ def serve_main(args: argparse.Namespace) -> int:
         try:
             config = runtime_config(args)
             message_cap(args.max_request_bytes, args.max_message_bytes)  # ValueError: refused
+            args.resolved_tp = config.tensor_parallel_size
             defaults = (
                 default_endpoints(args.run_dir) if not (args.requests and args.outputs) else None
             )
@@ -371,6 +406,13 @@ def serve_main(args: argparse.Namespace) -> int:
                 )
                 ctx.term()  # waits for the PUSH socket's last steps, for the time drain left
         except BaseExceptionGroup as group:  # from the task nurseries
+            from spectrio.errors import EngineDead
+
+            dead, rest = group.split(EngineDead)
+            if dead is not None and rest is None:
+                for leaf in _leaves(dead):
+                    print(f"error: {leaf}", file=sys.stderr)
+                return 1
             refused, other = group.split((ConfigError, ValueError))
             if other is not None or refused is None:
                 raise

@@ -1,0 +1,187 @@
+"""Tensor-parallel scenarios, each run in a fresh process by ``tests/test_tensor_parallel.py``
+(a process joins at most one collective group, and TP=2 changes the environment). Prints
+one JSON line with what the test checks.
+
+    python tests/tp_driver.py generate TP K
+    python tests/tp_driver.py kill
+    python tests/tp_driver.py twice
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import trio
+
+from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
+from spectrio.errors import ConfigError, EngineDead
+
+PROMPTS = [
+    "Once upon a time",
+    "The little robot",
+    "In the garden there was a",
+]
+
+
+def config(tp: int, k: int, **kw: object) -> RuntimeConfig:
+    fields: dict[str, object] = {
+        "dtype": "float64",
+        "max_model_len": 128,
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 64,
+        "num_kv_blocks": 64,
+        "num_threads": 1,
+        "tensor_parallel_size": tp,
+        "speculative": (
+            SpeculativeConfig(method=None)
+            if k == 0
+            else SpeculativeConfig(num_speculative_tokens=k, adaptive=False)
+        ),
+    }
+    fields.update(kw)
+    return RuntimeConfig(**fields)  # type: ignore[arg-type]
+
+
+async def generate(tp: int, k: int, max_tokens: int) -> dict[str, object]:
+    records: list[int] = []
+    outputs: list[list[int]] = [[] for _ in PROMPTS]
+    with trio.fail_after(240):
+        async with open_runtime(config(tp, k)) as rt:
+            rt.add_record_observer(lambda p: records.append(p.step))
+            group = rt._group
+            pids = [p.pid for p in group.procs.values()] if group is not None else []
+
+            async def one(i: int) -> None:
+                params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+                async with rt.generate(PROMPTS[i], params) as stream:
+                    async for delta in stream:
+                        outputs[i] += delta.token_ids
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(PROMPTS)):
+                    nursery.start_soon(one, i)
+            await rt.wait_idle()
+            steps = rt.num_steps
+            link = group.link if group is not None else None
+            sent = link.messages_sent if link is not None else 0
+    return {
+        "outputs": outputs,
+        "records": records,
+        "steps": steps,
+        "pids": pids,
+        "link_messages": sent,
+        "drafts_proposed": rt.num_drafts_proposed,
+    }
+
+
+async def pressure(tp: int, k: int) -> dict[str, object]:
+    """Overlap on, chunked prefill (a 40-token prompt in a 16-token budget), a KV pool
+    small enough to preempt, and seeded random requests beside greedy ones."""
+    prompts = [
+        list(range(300 + 11 * i, 300 + 11 * i + (40 if i == 0 else 6 + 5 * i))) for i in range(4)
+    ]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    cfg = config(
+        tp,
+        k,
+        max_model_len=80,
+        max_num_batched_tokens=16,
+        num_kv_blocks=24,
+        block_size=4,
+        enable_overlap=True,
+    )
+    with trio.fail_after(240):
+        async with open_runtime(cfg) as rt:
+
+            async def one(i: int) -> None:
+                params = (
+                    SamplingParams(max_tokens=24, temperature=1.0, seed=77 + i, ignore_eos=True)
+                    if i % 2
+                    else SamplingParams(max_tokens=24, ignore_eos=True)
+                )
+                async with rt.generate(prompts[i], params) as stream:
+                    async for delta in stream:
+                        outputs[i] += delta.token_ids
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(one, i)
+            await rt.wait_idle()
+            preemptions = rt.scheduler.num_preemptions
+            free = rt.blocks.num_free_blocks == rt.blocks.num_blocks
+    return {"outputs": outputs, "preemptions": preemptions, "blocks_back": free}
+
+
+async def kill() -> dict[str, object]:
+    """Kill rank 1 with SIGKILL once tokens flow; every request must end with EngineDead."""
+    errors: list[str] = []
+    t_kill = 0.0
+    ended: list[float] = []
+    pid = 0
+    try:
+        with trio.fail_after(120):
+            async with open_runtime(config(2, 2)) as rt:
+                assert rt._group is not None
+                pid = rt._group.procs[1].pid
+
+                async def one(i: int) -> None:
+                    nonlocal t_kill
+                    params = SamplingParams(max_tokens=100, ignore_eos=True)
+                    try:
+                        async with rt.generate(PROMPTS[i], params) as stream:
+                            async for _delta in stream:
+                                if i == 0 and not t_kill:
+                                    t_kill = time.monotonic()
+                                    os.kill(pid, signal.SIGKILL)
+                    except EngineDead as exc:
+                        errors.append(str(exc))
+                    ended.append(time.monotonic())
+
+                async with trio.open_nursery() as nursery:
+                    for i in range(len(PROMPTS)):
+                        nursery.start_soon(one, i)
+    except EngineDead as exc:
+        exit_error = str(exc)
+    else:
+        exit_error = ""
+    return {
+        "errors": errors,
+        "exit_error": exit_error,
+        "seconds_to_fail": max(ended) - t_kill if ended and t_kill else None,
+        "pid": pid,
+    }
+
+
+async def twice() -> dict[str, object]:
+    """A second group in the same process is refused with ConfigError, at once."""
+    await generate(2, 0, 2)
+    t0 = time.monotonic()
+    try:
+        with trio.fail_after(30):
+            await generate(2, 0, 2)
+    except ConfigError as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - t0}
+    return {"error": None}
+
+
+def main() -> None:
+    what = sys.argv[1]
+    if what == "generate":
+        out = trio.run(generate, int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    elif what == "pressure":
+        out = trio.run(pressure, int(sys.argv[2]), int(sys.argv[3]))
+    elif what == "twice":
+        out = trio.run(twice)
+    elif what == "kill":
+        out = trio.run(kill)
+    else:
+        raise SystemExit(f"unknown scenario {what!r}")
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
