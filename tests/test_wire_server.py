@@ -707,3 +707,41 @@ async def test_drain_aborts_what_outlives_the_grace_and_consumers_see_it(
                 assert rest[-1].finish_reason == "abort"
                 assert rt.blocks.num_used_blocks == 0
                 nursery.cancel_scope.cancel()
+
+
+async def test_client_chunks_carry_the_same_logprobs_as_the_embedding_api(
+    ctx: Context, tmp_path: Path
+) -> None:
+    """Issue 13: the client decodes the record's logprob columns into ``Chunk.logprobs``,
+    equal (to float32 precision) to the embedding API's ``Delta.logprobs``."""
+    eps = ipc_endpoints(tmp_path)
+    params = SamplingParams(max_tokens=8, logprobs=3)
+    with trio.fail_after(TIMEOUT):
+        async with open_runtime(RuntimeConfig(dtype="float64", max_model_len=256)) as rt:
+            want = [lp async for d in rt.generate("hello", params) for lp in (d.logprobs or [])]
+            async with trio.open_nursery() as nursery:
+                server = await start_server(rt, nursery, eps, ctx)
+                assert server.endpoints is not None
+                ep = server.endpoints
+
+                def run_sync() -> list[object]:
+                    with Client(ep.requests, ep.outputs, timeout_s=30, context=ctx) as client:
+                        plain = [
+                            c.logprobs
+                            for c in client.generate("hello", SamplingParams(max_tokens=4))
+                        ]
+                        assert plain == [None] * len(plain)
+                        return [
+                            lp
+                            for c in client.generate("hello", params)
+                            for lp in (c.logprobs or [])
+                        ]
+
+                got = await trio.to_thread.run_sync(run_sync)
+                nursery.cancel_scope.cancel()
+    assert len(got) == len(want) == 8
+    for g, w in zip(got, want, strict=True):
+        assert g.token_id == w.token_id and g.rank == w.rank  # type: ignore[attr-defined]
+        assert g.logprob == pytest.approx(w.logprob, abs=1e-5)  # type: ignore[attr-defined]
+        assert [t for t, _ in g.top] == [t for t, _ in w.top]  # type: ignore[attr-defined]
+        assert len(g.top) == 3  # type: ignore[attr-defined]

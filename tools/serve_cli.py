@@ -444,6 +444,7 @@ def client_main(args: argparse.Namespace) -> int:
 
     params = sampling_params(args)
     totals: dict[str, int | None] = {"total_drafts": None, "total_accepted": None}
+    logprobs: list[dict[str, object]] = []
     ids: list[int] = []
     text = ""
     reason: str | None = None
@@ -459,6 +460,15 @@ def client_main(args: argparse.Namespace) -> int:
             for chunk in client.generate(args.prompt, params):
                 ids += chunk.token_ids
                 text += chunk.text
+                for lp in chunk.logprobs or ():
+                    logprobs.append(
+                        {
+                            "token_id": lp.token_id,
+                            "logprob": lp.logprob,
+                            "rank": lp.rank,
+                            "top": [list(t) for t in lp.top],
+                        }
+                    )
                 reason = chunk.finish_reason
                 if chunk.finished:
                     totals = {
@@ -475,7 +485,15 @@ def client_main(args: argparse.Namespace) -> int:
         print(f"error: no reply from the server within {args.timeout}s", file=sys.stderr)
         return 3
     if args.json:
-        print(json.dumps({"text": text, "token_ids": ids, "finish_reason": reason, **totals}))
+        out: dict[str, object] = {
+            "text": text,
+            "token_ids": ids,
+            "finish_reason": reason,
+            **totals,
+        }
+        if params.logprobs is not None:
+            out["logprobs"] = logprobs
+        print(json.dumps(out))
     else:
         print()
     return 0

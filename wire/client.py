@@ -45,10 +45,11 @@ import trio
 import zmq
 from tokenizers import Tokenizer
 
+from spectrio.core.messages import TokenLogprob
 from spectrio.core.params import SamplingParams
 from spectrio.models import BUNDLED_DIR, TextTokenizer
 from spectrio.models.tokenizer import IncrementalDetokenizer
-from spectrio.wire.codec import decode_reply, decode_step, encode
+from spectrio.wire.codec import decode_reply, decode_step, encode, step_logprobs
 from spectrio.wire.curve import CurveClientKeys
 from spectrio.wire.schema import (
     SCHEMA_VERSION,
@@ -129,6 +130,8 @@ class Chunk(msgspec.Struct, frozen=True, kw_only=True):
     # over the request's whole life, like the embedding API's final ``Delta``.
     total_drafts: int | None = None
     total_accepted: int | None = None
+    # One entry per token when the request asked for logprobs (``params.logprobs``).
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:
@@ -233,6 +236,7 @@ class StreamAssembler:
         ``docs/wire.md`` (*Reassembling a request's stream*), applied to every slot, those
         without tokens included. A chunk is returned for slots with tokens or a finish."""
         env, tokens = decode_step(frames)
+        logprobs = step_logprobs(frames, env.request_ids)
         chunks: list[Chunk] = []
         for rid, seqno, reason in zip(env.request_ids, env.seqnos, env.finish_reasons, strict=True):
             if not (self._follow_all or rid in self._followed):
@@ -267,6 +271,7 @@ class StreamAssembler:
                     finish_reason=reason,
                     total_drafts=None if totals is None else totals[0],
                     total_accepted=None if totals is None else totals[1],
+                    logprobs=logprobs.get(rid) if token_ids else None,
                 )
             )
         return chunks
