@@ -49,6 +49,7 @@ class StepPlan(msgspec.Struct, kw_only=True, frozen=True):
     #                          hook; dropping again is a no-op)
     retired: list[int] = []  # seq ids that ended outside the sampler (aborts): drop their state
     k: int = 0  # drafts per decoding sequence the policy chose for this step
+    aborted_drafts: list[list[int]] = []  # per ``aborted`` entry: [drafts proposed, accepted]
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
@@ -85,6 +86,7 @@ class StepResult(msgspec.Struct, kw_only=True):
     preempted: list[str] = []
     aborted: list[str] = []
     device_seconds: float = 0.0  # the device worker's time on this step (draft+verify+sample)
+    aborted_drafts: list[list[int]] = []  # per ``aborted`` entry: [drafts proposed, accepted]
 
 
 class NewRequest(msgspec.Struct, tag=True, kw_only=True):
@@ -118,8 +120,8 @@ class PublishedStep(msgspec.Struct, kw_only=True):
     request_ids: list[str]
     finish_reasons: list[str | None]
     record: bytes
-    # Requests that finished in this step: request id -> [drafts proposed, accepted] over
-    # the request's whole life (per-request speculation stats).
+    # Requests that ended in this step (finished, or aborted and reported here): request
+    # id -> [drafts proposed, accepted] over the request's whole life.
     drafts: dict[str, list[int]] = {}
 
 

@@ -174,8 +174,14 @@ def publish_step(result: StepResult) -> PublishedStep:
         ),
         record=pack_record(step_arrays(result)),
         drafts={
-            r.request_id: [r.total_drafts, r.total_accepted or 0]
-            for r in results
-            if r.finish_reason is not None and r.total_drafts is not None
+            **{
+                r.request_id: [r.total_drafts, r.total_accepted or 0]
+                for r in results
+                if r.finish_reason is not None and r.total_drafts is not None
+            },
+            **{
+                rid: list(totals)
+                for rid, totals in zip(result.aborted, result.aborted_drafts, strict=False)
+            },
         },
     )

@@ -126,7 +126,11 @@ class Sampler:
         by_slot = {r.slot: r for r in finished}
         results = [by_slot.get(w.slot) or _silent(w) for w in plan.seqs]
         return StepResult(
-            step=plan.step, results=results, preempted=plan.preempted, aborted=plan.aborted
+            step=plan.step,
+            results=results,
+            preempted=plan.preempted,
+            aborted=plan.aborted,
+            aborted_drafts=plan.aborted_drafts,
         )
 
     def _accept(self, prepared: list[_Prepared]) -> list[list[int]]:

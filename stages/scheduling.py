@@ -42,6 +42,8 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
+from msgspec.structs import replace
+
 from spectrio.core.config import RuntimeConfig
 from spectrio.core.messages import SeqResult, SeqWork, StepPlan, StepResult
 from spectrio.core.params import SamplingParams
@@ -99,6 +101,7 @@ class Scheduler:
         self._inflight_k: dict[int, int] = {}  # step -> the k the policy chose for it
         self._released: list[int] = []
         self._aborted: list[str] = []  # request ids aborted since the last plan
+        self._aborted_drafts: list[list[int]] = []  # their [drafts proposed, accepted]
         self._retired: list[int] = []  # their seq ids (the sampler drops their state)
         # aborted seq id -> the last step planned when it was aborted: results of steps up
         # to that one may still carry it, and must not be published (see published()).
@@ -138,6 +141,7 @@ class Scheduler:
         seq.pending = None
         self.finished_by_reason["abort"] = self.finished_by_reason.get("abort", 0) + 1
         self._aborted.append(seq.request_id)
+        self._aborted_drafts.append([seq.drafts_proposed, seq.drafts_accepted])
         self._retired.append(seq_id)
         self._aborted_at[seq_id] = self._step
         self._release(seq)
@@ -155,13 +159,7 @@ class Scheduler:
                 del self._aborted_at[seq_id]
         if len(keep) == len(result.results):
             return result
-        return StepResult(
-            step=result.step,
-            results=keep,
-            preempted=result.preempted,
-            aborted=result.aborted,
-            device_seconds=result.device_seconds,
-        )
+        return replace(result, results=keep)
 
     def has_work(self) -> bool:
         """Requests to run, or aborts still to be reported in a step."""
@@ -244,6 +242,7 @@ class Scheduler:
         ]
         released, self._released = self._released, []
         aborted, self._aborted = self._aborted, []
+        aborted_drafts, self._aborted_drafts = self._aborted_drafts, []
         retired, self._retired = self._retired, []
         self._inflight[self._step] = {w.seq_id: w for w in works}
         self._inflight_k[self._step] = self._step_k
@@ -255,6 +254,7 @@ class Scheduler:
             released=released,
             retired=retired,
             k=self._step_k,
+            aborted_drafts=aborted_drafts,
         )
 
     def _rows_for(self, seq: Sequence, budget: int) -> tuple[int, int, int]:
@@ -406,13 +406,7 @@ class Scheduler:
             # The device dropped a pending sequence its previous step finished.
             if seq is not None or not work.pending:
                 raise RuntimeError(f"step {result.step} returned no result for sequence {seq_id}")
-        return StepResult(
-            step=result.step,
-            results=published,
-            preempted=result.preempted,
-            aborted=result.aborted,
-            device_seconds=result.device_seconds,
-        )
+        return replace(result, results=published)
 
     def _apply_sample(self, seq: Sequence, work: SeqWork, r: SeqResult) -> None:
         seq.output_ids.extend(r.token_ids)

@@ -124,3 +124,5 @@ async def test_final_deltas_and_records_carry_per_request_speculation_totals(
             assert await rt.abort(stream.request_id)
             final = [d async for d in stream][-1]
             assert final.finish_reason == "abort" and final.total_drafts is not None
+            await rt.wait_idle()  # the step that reports the abort carries its totals too
+            assert finals[stream.request_id] == [final.total_drafts, final.total_accepted]

@@ -150,6 +150,7 @@ class Wire:
         self.tokens: dict[str, list[int]] = {}
         self.finished: dict[str, str] = {}
         self.last_slot: dict[str, int] = {}  # request id -> accept_num of its last slot
+        self.totals: dict[str, list[int]] = {}  # request id -> the final step's drafts entry
 
     def close(self) -> None:
         self.req.close(0)
@@ -178,6 +179,11 @@ class Wire:
             if reason is not None:
                 assert reason in ("stop", "length", "abort")
                 self.finished[rid] = reason
+                # Since 1.3 every request that ends (aborted ones too) has its totals here.
+                totals = env.get("drafts", {}).get(rid)
+                assert isinstance(totals, list) and len(totals) == 2, (rid, env)
+                assert 0 <= totals[1] <= totals[0]
+                self.totals[rid] = totals
                 del self.counts[rid]
         self.steps.append(step)
 

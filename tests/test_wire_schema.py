@@ -61,6 +61,7 @@ PINNED_FINGERPRINTS = {
     (1, 0): "b21ade5251671c646859a2a75cc2b7f2206f905fd2d46d056fdfc1a0336db75c",
     (1, 1): "1fa20147d75602ccec0374458b3dcabd31263868cfafea8c2636bf25a7d402dc",  # drafts
     (1, 2): "f973064dbc67e4f731bae19070c995e4cc63260275681a0ac54832588e81a525",  # Info
+    (1, 3): "70b235711a675da2ca865ad5693841dc7cd2cf0b7b75475963f8e04e710ac6b5",  # aborted in drafts
 }
 
 

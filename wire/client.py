@@ -125,9 +125,9 @@ class Chunk(msgspec.Struct, frozen=True, kw_only=True):
     token_ids: list[int]
     text: str  # complete characters only
     finish_reason: str | None = None  # "stop" | "length" | "abort" when the request ended
-    # On the final chunk of a request that finished normally (server schema 1.1 and
-    # later; None from an older server, or after an abort): drafts proposed and accepted
-    # over the request's whole life, like the embedding API's final ``Delta``.
+    # On a request's final chunk (server schema 1.1 and later; aborted requests since
+    # 1.3; None from an older server): drafts proposed and accepted over the request's
+    # whole life, like the embedding API's final ``Delta``.
     total_drafts: int | None = None
     total_accepted: int | None = None
     # One entry per token when the request asked for logprobs (``params.logprobs``).

@@ -64,7 +64,7 @@ SCHEMA_VERSION: Final = 1
 of another major version (``schema_version``). Bump it for a change an old peer would
 misread: a removed or renamed key, a changed type or meaning."""
 
-SCHEMA_MINOR: Final = 2
+SCHEMA_MINOR: Final = 3
 """Minor version within :data:`SCHEMA_VERSION`: bumped for additions an old peer can
 ignore (an optional key a reader skips, a new request type an old client never sends).
 It is not on every message (an old peer's ``"v"`` stays valid); a client learns the
@@ -239,8 +239,8 @@ class StepEnvelope(_Message, tag="step", frozen=True, kw_only=True):
     finish_reasons: list[FinishReason | None]  # slot i -> why the request ended this step
     errors: list[Error] = []  # requests that ended with an error this step
     # Since 1.1: request id -> [drafts proposed, drafts accepted] over the request's whole
-    # life, for each request that finished normally ("stop" or "length") in this step
-    # ([0, 0] when it never speculated). Aborted requests are not listed.
+    # life, for each request that ended in this step ([0, 0] when it never speculated):
+    # finished normally ("stop" or "length"), and since 1.3 aborted (its -9 slot).
     drafts: dict[str, tuple[int, int]] = {}
 
 
