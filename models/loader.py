@@ -104,6 +104,25 @@ def resolve_path(path_or_name: str | Path) -> Path:
     return path
 
 
+def refuse_unexpected(folder: Path, cfg: ModelConfig, unexpected: set[str]) -> None:
+    """Raise :class:`CheckpointError` for a stored tensor the architecture does not have
+    (the MTP layer's copies of shared weights and RoPE buffers are tolerated)."""
+    mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
+    for name in sorted(unexpected):
+        suffix = name[len(mtp_prefix) :] if name.startswith(mtp_prefix) else None
+        if suffix in _SHARED_COPIES or name.endswith("rotary_emb.inv_freq"):
+            continue
+        raise CheckpointError(
+            f"{folder}: unexpected tensor {name!r} (not part of this architecture)"
+        )
+
+
+def tokenizer_of(folder: Path, cfg: ModelConfig) -> TextTokenizer | None:
+    """The checkpoint's ``tokenizer.json``, or None when it has none."""
+    path = folder / "tokenizer.json"
+    return TextTokenizer.from_file(path, eos_token_id=cfg.eos_token_id) if path.exists() else None
+
+
 def load(path_or_name: str | Path = "bundled", dtype: DType = "float32") -> LoadedModel:
     """Load ``"bundled"`` or a folder with ``config.json`` and ``*.safetensors``.
 
@@ -125,7 +144,6 @@ def load(path_or_name: str | Path = "bundled", dtype: DType = "float32") -> Load
         raise CheckpointError(f"{folder / 'config.json'}: {exc}") from exc
     tensors = _read_tensors(folder)
     model = build_model(cfg, dtype)
-    mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
     expected: set[str] = set()
     with paddle.no_grad():
         for name, param in model.named_parameters():
@@ -146,22 +164,9 @@ def load(path_or_name: str | Path = "bundled", dtype: DType = "float32") -> Load
             value = arr.T if _is_linear(param, name) else arr
             # Widen (e.g. float16 storage) before the model sees it: compute runs in dtype.
             param.set_value(np.ascontiguousarray(value).astype(dtype))
-    for name in sorted(set(tensors) - expected):
-        suffix = name[len(mtp_prefix) :] if name.startswith(mtp_prefix) else None
-        if suffix in _SHARED_COPIES:
-            continue
-        if name.endswith("rotary_emb.inv_freq"):
-            continue
-        raise CheckpointError(
-            f"{folder}: unexpected tensor {name!r} (not part of this architecture)"
-        )
+    refuse_unexpected(folder, cfg, set(tensors) - expected)
     model.eval()
-    tok_path = folder / "tokenizer.json"
-    tokenizer = (
-        TextTokenizer.from_file(tok_path, eos_token_id=cfg.eos_token_id)
-        if tok_path.exists()
-        else None
-    )
+    tokenizer = tokenizer_of(folder, cfg)
     seconds = time.perf_counter() - t0
     log.info("model loaded", path=str(folder), dtype=dtype, seconds=round(seconds, 3))
     return LoadedModel(

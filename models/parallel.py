@@ -44,10 +44,9 @@ from spectrio.models.batch import AttentionPlan
 from spectrio.models.config import DType, ModelConfig, ModelConfigError
 from spectrio.models.kv_cache import PagedKVCache
 from spectrio.models.layers import KV, MLP, Attention, DecoderLayer, RMSNorm, RopeRows
-from spectrio.models.loader import _SHARED_COPIES, LoadedModel, resolve_path
+from spectrio.models.loader import LoadedModel, refuse_unexpected, resolve_path, tokenizer_of
 from spectrio.models.model import MTPLayer, SharedHead, SpectrioForCausalLM
 from spectrio.models.staging import Staging
-from spectrio.models.tokenizer import TextTokenizer
 
 log = structlog.get_logger("spectrio.models.parallel")
 
@@ -341,21 +340,9 @@ def load_sharded(path_or_name: str | Path, tp: TPShard, dtype: DType = "float32"
                 raise CheckpointError(f"{folder}: tensor {hf!r} has non-float dtype {arr.dtype}")
             value = arr.T if _is_linear(param, name) else arr
             param.set_value(np.ascontiguousarray(value).astype(dtype))
-    mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
-    for key in sorted(set(where) - expected):
-        suffix = key[len(mtp_prefix) :] if key.startswith(mtp_prefix) else None
-        if suffix in _SHARED_COPIES or key.endswith("rotary_emb.inv_freq"):
-            continue
-        raise CheckpointError(
-            f"{folder}: unexpected tensor {key!r} (not part of this architecture)"
-        )
+    refuse_unexpected(folder, cfg, set(where) - expected)
     model.eval()
-    tok_path = folder / "tokenizer.json"
-    tokenizer = (
-        TextTokenizer.from_file(tok_path, eos_token_id=cfg.eos_token_id)
-        if tok_path.exists()
-        else None
-    )
+    tokenizer = tokenizer_of(folder, cfg)
     seconds = time.perf_counter() - t0
     log.info("model shard loaded", path=str(folder), rank=tp.rank, size=tp.size, seconds=seconds)
     return LoadedModel(

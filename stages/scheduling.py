@@ -435,8 +435,7 @@ class Scheduler:
         seq.finish_reason = reason
         self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
         del self._by_id[seq.seq_id]
-        if seq.pending is not None:  # planned ahead: the device drops it (overlap.py)
-            seq.pending = None
+        seq.pending = None  # a step planned ahead for it is dropped on the device (overlap.py)
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
