@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from spectrio.models.kv_cache import PagedKVCache
 from spectrio.models.paddle_setup import paddle
 
 
@@ -86,28 +87,37 @@ class PackedBatch:
         )
 
 
+#: Above this many scores per layer the mask is broadcast over KV heads instead of being
+#: stored at full size (a prefill chunk), so it never costs as much memory as the scores.
+FULL_MASK_LIMIT = 1 << 20
+
+
 @dataclasses.dataclass
 class AttentionPlan:
     """Per-step addressing shared by every layer, for one batched attention per layer.
 
-    Sequences are padded to ``max_q`` query rows and ``max_ctx`` context positions, so a
-    layer attends for the whole batch with two matmuls and no loop over sequences:
+    Sequences are padded to ``max_q`` query rows and ``max_ctx`` context positions (whole
+    blocks), so a layer attends for the whole batch with two matmuls and no loop over
+    sequences:
 
-    * ``write_slots`` [N]: flat cache slot of every packed row (where its K/V goes);
-    * ``context_slots`` [B * max_ctx]: flat slots of positions ``0..ctx_b-1`` per sequence,
-      padded with a valid slot that the mask hides;
+    * ``write_rows`` [N * KVH]: cache pool row of every packed row's K/V per KV head
+      (:meth:`PagedKVCache.write_rows`);
+    * ``context_blocks`` [KVH * B * W]: the blocks holding positions ``0..ctx_b-1`` per
+      sequence and head, padded with the sequence's first block (the mask hides it);
+      ``max_ctx = W * block_size``;
     * ``mask`` [B, 1, max_q, max_ctx] (numpy): additive, causal within each sequence;
       padded query rows may see position 0 only, so their softmax stays finite (they are
-      dropped). :meth:`mask_for_groups` repeats it for the query heads of a KV head;
+      dropped). :meth:`mask_for_groups` lays it out for the scores;
     * ``pad_rows`` [B * max_q] and ``unpad_rows`` [N]: packed row of each padded query row,
       and padded row of each packed row; both None when every sequence has ``max_q`` rows
       (decode and verification), where packing already is the padded layout.
     """
 
-    write_slots: paddle.Tensor
-    context_slots: paddle.Tensor
+    write_rows: paddle.Tensor
+    context_blocks: paddle.Tensor
     mask: np.ndarray
     num_seqs: int
+    num_kv_heads: int
     max_q: int
     max_ctx: int
     pad_rows: paddle.Tensor | None
@@ -119,16 +129,16 @@ class AttentionPlan:
     def build(
         cls,
         batch: PackedBatch,
-        block_size: int,
+        cache: PagedKVCache,
         dtype: str,
         stage: Callable[[np.ndarray], paddle.Tensor] = paddle.to_tensor,
     ) -> AttentionPlan:
+        block_size = cache.block_size
         cu = batch.cu_seqlens_q
         b = batch.num_seqs
         q_lens = np.diff(cu)
         last_pos = batch.positions[cu[1:] - 1]
-        ctx_lens = last_pos + 1
-        max_q, max_ctx = int(q_lens.max()), int(ctx_lens.max())
+        max_q = int(q_lens.max())
         table_lens = np.array([len(t) for t in batch.block_tables])
         short = np.flatnonzero(last_pos // block_size >= table_lens)
         if short.size:
@@ -140,10 +150,11 @@ class AttentionPlan:
         tables = _padded_tables(batch.block_tables)
         seq_of_row = np.repeat(np.arange(b), q_lens)
         write = _slots(tables, seq_of_row, batch.positions, block_size)
-        ctx_pos = np.arange(max_ctx)
-        in_ctx = ctx_pos[None, :] < ctx_lens[:, None]
-        # Padding reads position 0 of the same sequence (a valid slot; the mask hides it).
-        ctx_slots = _slots(tables, np.arange(b)[:, None], np.where(in_ctx, ctx_pos, 0), block_size)
+        width = int(last_pos.max()) // block_size + 1
+        # Blocks past a sequence's table read its first block (valid; the mask hides it).
+        ctx_tables = tables[:, :width]
+        ctx_tables = np.where(ctx_tables < 0, tables[:, :1], ctx_tables)
+        max_ctx = width * block_size
         # Query position of padded row (b, t); rows past a sequence's end get -1.
         t = np.arange(max_q)
         valid = t[None, :] < q_lens[:, None]
@@ -158,10 +169,11 @@ class AttentionPlan:
             pad_rows = stage(np.where(valid, padded, 0).reshape(-1))
             unpad_rows = stage(np.flatnonzero(valid.reshape(-1)))
         return cls(
-            write_slots=stage(write),
-            context_slots=stage(ctx_slots.reshape(-1)),
+            write_rows=stage(cache.write_rows(write)),
+            context_blocks=stage(cache.block_rows(ctx_tables)),
             mask=mask,
             num_seqs=b,
+            num_kv_heads=cache.num_kv_heads,
             max_q=max_q,
             max_ctx=max_ctx,
             pad_rows=pad_rows,
@@ -170,10 +182,15 @@ class AttentionPlan:
         )
 
     def mask_for_groups(self, group: int) -> paddle.Tensor:
-        """The mask as ``[B, 1, group * max_q, max_ctx]``, built once per group size."""
+        """The mask for scores ``[KVH, B, group * max_q, max_ctx]``, built once per group
+        size: at full size where that is small (a broadcasting add cost 16x a plain one
+        at batch 16 on CPU), else ``[1, B, ...]`` to broadcast."""
         cached = self._group_masks.get(group)
         if cached is None:
-            cached = self.stage(np.tile(self.mask, (1, 1, group, 1)))
+            b, _, q, c = self.mask.shape
+            per_head = np.tile(self.mask.reshape(b, q, c), (1, group, 1))[None]
+            heads = self.num_kv_heads if per_head.size * self.num_kv_heads <= FULL_MASK_LIMIT else 1
+            cached = self.stage(np.broadcast_to(per_head, (heads, *per_head.shape[1:])))
             self._group_masks[group] = cached
         return cached
 

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import numpy as np
 
+from spectrio.models import fast_ops as fo
 from spectrio.models.config import DType
 from spectrio.models.paddle_setup import paddle
 
 
 class PagedKVCache:
-    """Per-layer key and value pools of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    """Per-layer key and value pools, head-major: ``[num_kv_heads, num_blocks, block_size,
+    head_dim]``, stored flat as ``[num_kv_heads * num_blocks * block_size, head_dim]``.
 
-    The pools are stored flat (``[num_blocks * block_size, ...]``) so a step's new keys
-    and values are written in place with one scatter per layer; ``key(i)`` and
-    ``value(i)`` give the blocked view.
+    Head-major because attention reads the context as ``[kv_heads, seqs, positions, D]``:
+    gathering whole blocks of one head lands it in that layout with no transpose (a
+    transpose of the gathered context cost more than the gather itself at batch 16). A
+    step's new keys and values are written in place with one scatter per pool, each row
+    ``(token, head)`` at :meth:`write_rows`; :meth:`gather` reads the blocks listed by
+    :meth:`block_rows`.
     """
 
     def __init__(
@@ -33,30 +38,47 @@ class PagedKVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        shape = [num_blocks * block_size, num_kv_heads, head_dim]
+        shape = [num_kv_heads * num_blocks * block_size, head_dim]
         self._k = [paddle.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self._v = [paddle.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        # Views of the same memory, one row per block and head (Paddle's reshape shares
+        # storage), made once: a reshape is an op like any other.
+        blocked = [num_kv_heads * num_blocks, block_size * head_dim]
+        self._k_blocks = [t.reshape(blocked) for t in self._k]
+        self._v_blocks = [t.reshape(blocked) for t in self._v]
 
     @property
-    def block_shape(self) -> list[int]:
-        return [self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim]
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
 
-    def key(self, layer: int) -> paddle.Tensor:
-        return self._k[layer].reshape(self.block_shape)
+    def write_rows(self, slots: np.ndarray) -> np.ndarray:
+        """Pool rows ``[n * kv_heads]`` for tokens at flat ``slots`` ([n]), token-major, so
+        ``k`` of shape ``[n, kv_heads, D]`` is written as it is laid out."""
+        heads = np.arange(self.num_kv_heads, dtype=np.int64) * self.num_slots
+        return (np.asarray(slots, dtype=np.int64)[:, None] + heads[None, :]).reshape(-1)
 
-    def value(self, layer: int) -> paddle.Tensor:
-        return self._v[layer].reshape(self.block_shape)
+    def block_rows(self, tables: np.ndarray) -> np.ndarray:
+        """Block rows ``[kv_heads * B * W]`` of the blocked view for block ids ``tables``
+        ([B, W], all valid)."""
+        heads = np.arange(self.num_kv_heads, dtype=np.int64) * self.num_blocks
+        return (heads[:, None, None] + np.asarray(tables, dtype=np.int64)[None]).reshape(-1)
 
-    def write(self, layer: int, slots: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> None:
-        """Store ``k``/``v`` ([n, kv_heads, head_dim]) at flat ``slots`` ([n])."""
-        paddle.scatter_(self._k[layer], slots, k.astype(self.dtype), overwrite=True)
-        paddle.scatter_(self._v[layer], slots, v.astype(self.dtype), overwrite=True)
+    def write(self, layer: int, rows: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> None:
+        """Store ``k``/``v`` ([n, kv_heads, head_dim], the cache's dtype) at pool ``rows``
+        from :meth:`write_rows`."""
+        d = self.head_dim
+        fo.scatter_(self._k[layer], rows, fo.reshape(k, [-1, d]))
+        fo.scatter_(self._v[layer], rows, fo.reshape(v, [-1, d]))
 
-    def gather(self, layer: int, slots: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """Read keys and values at flat ``slots`` in order ([n, kv_heads, head_dim])."""
+    def gather(
+        self, layer: int, blocks: paddle.Tensor, num_seqs: int
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """Keys and values of the blocks at ``blocks`` (from :meth:`block_rows`), as
+        ``[kv_heads, num_seqs, W * block_size, head_dim]``."""
+        shape = [self.num_kv_heads, num_seqs, -1, self.head_dim]
         return (
-            paddle.gather(self._k[layer], slots, axis=0),
-            paddle.gather(self._v[layer], slots, axis=0),
+            fo.reshape(fo.gather(self._k_blocks[layer], blocks), shape),
+            fo.reshape(fo.gather(self._v_blocks[layer], blocks), shape),
         )
 
     def bytes_per_block(self) -> int:

@@ -17,6 +17,7 @@ from spectrio.models.paddle_setup import paddle  # first: Paddle is imported the
 import paddle.nn.functional as F
 from paddle import nn
 
+from spectrio.models import fast_ops as fo
 from spectrio.models.batch import AttentionPlan
 from spectrio.models.config import DType, ModelConfig
 from spectrio.models.kv_cache import PagedKVCache
@@ -29,14 +30,41 @@ class RMSNorm(nn.Layer):
         super().__init__()
         self.eps = eps
         self.weight = self.create_parameter([dim], default_initializer=nn.initializer.Constant(1.0))
+        self._ones: paddle.Tensor | None = None
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        fused = fo.fused_rms_norm(x, self.weight, self.eps)
+        if fused is not None:
+            return fused[0]
         return self.normalize(x) * self.weight
 
     def normalize(self, x: paddle.Tensor) -> paddle.Tensor:
         """``x / rms(x)`` without the weight, for callers that fold the weight into the
         next matmul."""
         return x * paddle.rsqrt((x * x).mean(axis=-1, keepdim=True) + self.eps)
+
+    def add_normalize(
+        self, x: paddle.Tensor, delta: paddle.Tensor | None, weighted: bool = False
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """``(normalize(x + delta), x + delta)``: a residual add and the next norm, with
+        the norm's weight applied when ``weighted`` (else folded into the next matmul).
+        One op where :func:`fast_ops.fused_rms_norm` runs, five or six otherwise."""
+        if weighted:
+            scale = self.weight
+        else:
+            if self._ones is None:
+                self._ones = paddle.ones([x.shape[-1]], dtype=x.dtype)
+            scale = self._ones
+        if delta is None:
+            fused = fo.fused_rms_norm(x, scale, self.eps)
+        else:
+            fused = fo.fused_rms_norm(delta, scale, self.eps, residual=x)
+        if fused is not None:
+            return fused
+        if delta is not None:
+            x = x + delta
+        normed = self.normalize(x)
+        return (normed * self.weight if weighted else normed), x
 
 
 def rope_cos_sin(
@@ -79,6 +107,7 @@ class Attention(nn.Layer):
         self.v_proj = nn.Linear(d, kv, bias_attr=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias_attr=False)
         self._qkv_weight: paddle.Tensor | None = None
+        self._o_weight: paddle.Tensor | None = None
 
     def _qkv(
         self, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor
@@ -124,6 +153,7 @@ class Attention(nn.Layer):
             [self.q_proj.weight * self.scale, self.k_proj.weight, self.v_proj.weight], axis=1
         )
         self._qkv_weight = (norm_weight.unsqueeze(1) * w).detach()
+        self._o_weight = self.o_proj.weight.detach()  # same memory; a plain attribute
 
     def forward_paged(
         self,
@@ -139,40 +169,35 @@ class Attention(nn.Layer):
         n = x.shape[0]
         h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
         assert self._qkv_weight is not None, "DecoderLayer.forward_paged fuses the weights"
-        qkv = paddle.matmul(x, self._qkv_weight)
-        qk, v = paddle.split(qkv, [(h + kvh) * hd, kvh * hd], axis=1)
-        q, k = paddle.split(rope.apply(qk.reshape([n, h + kvh, hd])), [h, kvh], axis=1)
-        cache.write(layer, plan.write_slots, k, v.reshape([n, kvh, hd]))
-        kc, vc = cache.gather(layer, plan.context_slots)
-        b, tq, tk, g = plan.num_seqs, plan.max_q, plan.max_ctx, h // kvh
-        kc = kc.reshape([b, tk, kvh, hd]).transpose([0, 2, 1, 3])  # [B, KVH, Tk, D]
-        vc = vc.reshape([b, tk, kvh, hd]).transpose([0, 2, 1, 3])
+        qk, v = fo.split(fo.matmul(x, self._qkv_weight), [(h + kvh) * hd, kvh * hd], 1)
+        q, k = fo.split(rope.apply(fo.reshape(qk, [n, h + kvh, hd])), [h, kvh], 1)
+        cache.write(layer, plan.write_rows, k, v)
+        b, tq, g = plan.num_seqs, plan.max_q, h // kvh
+        kc, vc = cache.gather(layer, plan.context_blocks, b)  # [KVH, B, Tk, D]
         # GQA without repeating K/V: the query heads of one KV head and their rows share
-        # one matrix, so attention is a plain batched matmul over (sequence, KV head).
-        # With one row per sequence (plain decode) the packed layout already is that.
+        # one matrix, so attention is a plain batched matmul over (KV head, sequence).
         if tq == 1:
-            q = q.reshape([b, kvh, g, hd])
+            q = fo.transpose(fo.reshape(q, [b, kvh, g, hd]), [1, 0, 2, 3])
         else:
             if plan.pad_rows is not None:
-                q = paddle.gather(q, plan.pad_rows, axis=0)
-            q = (
-                q.reshape([b, tq, kvh, g, hd])
-                .transpose([0, 2, 3, 1, 4])
-                .reshape([b, kvh, g * tq, hd])
+                q = fo.gather(q, plan.pad_rows)
+            q = fo.reshape(
+                fo.transpose(fo.reshape(q, [b, tq, kvh, g, hd]), [2, 0, 3, 1, 4]),
+                [kvh, b, g * tq, hd],
             )
-        scores = paddle.matmul(q, kc, transpose_y=True) + plan.mask_for_groups(g)
-        out = paddle.matmul(F.softmax(scores, axis=-1), vc)  # [B, KVH, G * Tq, D]
+        scores = fo.add(fo.matmul(q, kc, transpose_y=True), plan.mask_for_groups(g))
+        out = fo.matmul(fo.softmax(scores), vc)  # [KVH, B, G * Tq, D]
         if tq == 1:
-            out = out.reshape([b, h * hd])
+            out = fo.reshape(fo.transpose(out, [1, 0, 2, 3]), [b, h * hd])
         else:
-            out = (
-                out.reshape([b, kvh, g, tq, hd])
-                .transpose([0, 3, 1, 2, 4])
-                .reshape([b * tq, h * hd])
+            out = fo.reshape(
+                fo.transpose(fo.reshape(out, [kvh, b, g, tq, hd]), [1, 3, 0, 2, 4]),
+                [b * tq, h * hd],
             )
             if plan.unpad_rows is not None:
-                out = paddle.gather(out, plan.unpad_rows, axis=0)
-        return paddle.matmul(out, self.o_proj.weight)
+                out = fo.gather(out, plan.unpad_rows)
+        assert self._o_weight is not None
+        return fo.matmul(out, self._o_weight)
 
 
 class RopeRows:
@@ -189,7 +214,7 @@ class RopeRows:
 
     def apply(self, x: paddle.Tensor) -> paddle.Tensor:
         """``x`` [N, heads, D] rotated by its row's position."""
-        return paddle.matmul(x, self.matrices)
+        return fo.matmul(x, self.matrices)
 
 
 def rope_matrices(cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -214,6 +239,7 @@ class MLP(nn.Layer):
         self.down_proj = nn.Linear(f, d, bias_attr=False)
 
         self._gate_up_weight: paddle.Tensor | None = None
+        self._down_weight: paddle.Tensor | None = None
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -222,13 +248,13 @@ class MLP(nn.Layer):
         """Build the gate|up matrix with the preceding RMSNorm's weight folded in."""
         w = paddle.concat([self.gate_proj.weight, self.up_proj.weight], axis=1)
         self._gate_up_weight = (norm_weight.unsqueeze(1) * w).detach()
+        self._down_weight = self.down_proj.weight.detach()  # same memory; a plain attribute
 
     def forward_fused(self, x: paddle.Tensor) -> paddle.Tensor:
         """The same MLP on a normalised, unweighted ``x``: one gate|up matmul, ``swiglu``."""
         assert self._gate_up_weight is not None, "DecoderLayer.forward_paged fuses the weights"
-        return paddle.matmul(
-            F.swiglu(paddle.matmul(x, self._gate_up_weight)), self.down_proj.weight
-        )
+        assert self._down_weight is not None
+        return fo.matmul(fo.swiglu(fo.matmul(x, self._gate_up_weight)), self._down_weight)
 
 
 class DecoderLayer(nn.Layer):
@@ -258,15 +284,19 @@ class DecoderLayer(nn.Layer):
         plan: AttentionPlan,
         cache: PagedKVCache,
         layer: int,
-    ) -> paddle.Tensor:
+        delta: paddle.Tensor | None = None,
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """The block on ``x + delta``. Returns ``(x', delta')`` whose sum is the block's
+        output, left unsummed so the next norm adds it in its own op."""
         if self.mlp._gate_up_weight is None:
             self.self_attn.fuse_qkv(self.input_layernorm.weight)
             self.mlp.fuse(self.post_attention_layernorm.weight)
-        h = self.input_layernorm.normalize(x)
-        x = x + self.self_attn.forward_paged(h, rope, plan, cache, layer)
-        return x + self.mlp.forward_fused(self.post_attention_layernorm.normalize(x))
+        h, x = self.input_layernorm.add_normalize(x, delta)
+        attn = self.self_attn.forward_paged(h, rope, plan, cache, layer)
+        h, x = self.post_attention_layernorm.add_normalize(x, attn)
+        return x, self.mlp.forward_fused(h)
 
     def drop_fused(self) -> None:
         """Forget the fused serving weights (they are rebuilt from the parameters)."""
-        self.self_attn._qkv_weight = None
-        self.mlp._gate_up_weight = None
+        self.self_attn._qkv_weight = self.self_attn._o_weight = None
+        self.mlp._gate_up_weight = self.mlp._down_weight = None

@@ -136,12 +136,13 @@ class SpectrioForCausalLM(nn.Layer):
     def forward(self, batch: PackedBatch, cache: PagedKVCache) -> ForwardOutput:
         """Target pass: writes K/V of every row, returns logits and final hidden states."""
         self.staging.reset()
-        plan = AttentionPlan.build(batch, cache.block_size, self.dtype, self.staging.put)
+        plan = AttentionPlan.build(batch, cache, self.dtype, self.staging.put)
         rope = self._rope_rows(batch.positions)
         x = self.model.embed_tokens(self.staging.put(batch.input_ids))
+        delta = None
         for i, layer in enumerate(self.model.layers):
-            x = layer.forward_paged(x, rope, plan, cache, i)
-        hidden = self.model.norm(x)
+            x, delta = layer.forward_paged(x, rope, plan, cache, i, delta)
+        hidden = self.model.norm.add_normalize(x, delta, weighted=True)[0]
         return ForwardOutput(logits=self.compute_logits(self._select(hidden, batch)), hidden=hidden)
 
     def mtp_forward(
@@ -153,10 +154,11 @@ class SpectrioForCausalLM(nn.Layer):
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP layer (num_nextn_predict_layers=0)")
         self.staging.reset()
-        plan = AttentionPlan.build(batch, cache.block_size, self.dtype, self.staging.put)
+        plan = AttentionPlan.build(batch, cache, self.dtype, self.staging.put)
         rope = self._rope_rows(batch.positions)
         x = self.mtp.fuse(self.model.embed_tokens(self.staging.put(batch.input_ids)), prev_hidden)
-        x = self.mtp.forward_paged(x, rope, plan, cache, 0)
+        x, delta = self.mtp.forward_paged(x, rope, plan, cache, 0)
+        x = x + delta
         logits = self.compute_logits(self.mtp.shared_head.norm(self._select(x, batch)))
         return ForwardOutput(logits=logits, hidden=x)
 

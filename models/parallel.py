@@ -119,7 +119,7 @@ class ParallelAttention(Attention):
         self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias_attr=False)
         self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias_attr=False)
         self.o_proj = nn.Linear(self.num_heads * hd, d, bias_attr=False)
-        self._qkv_weight = None
+        self._qkv_weight = self._o_weight = None
 
     def forward_dense(
         self,
@@ -153,7 +153,7 @@ class ParallelMLP(MLP):
         self.gate_proj = nn.Linear(d, f, bias_attr=False)
         self.up_proj = nn.Linear(d, f, bias_attr=False)
         self.down_proj = nn.Linear(f, d, bias_attr=False)
-        self._gate_up_weight = None
+        self._gate_up_weight = self._down_weight = None
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return self.tp.all_reduce(super().forward(x))

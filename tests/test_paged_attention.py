@@ -145,12 +145,17 @@ def test_attention_plan_pads_only_mixed_batches() -> None:
     from spectrio.models.batch import AttentionPlan
 
     tables = [np.array([3, 4]), np.array([7, 1])]
+    cache = PagedKVCache(1, 8, BLOCK, 2, 4, "float64")  # 2 KV heads, 8 blocks of 4 slots
     even = PackedBatch.from_sequences([[1, 2], [3, 4]], [5, 2], tables)
-    plan = AttentionPlan.build(even, BLOCK, "float64")
+    plan = AttentionPlan.build(even, cache, "float64")
     assert plan.pad_rows is None and plan.unpad_rows is None
-    assert (plan.max_q, plan.max_ctx) == (2, 7)
+    assert (plan.max_q, plan.max_ctx) == (2, 8)  # context padded to whole blocks
+    # Head-major pools: head h's copy of slot s is row h * 32 + s; block b of head h is
+    # block row h * 8 + b.
+    assert plan.write_rows.numpy().tolist() == [17, 49, 18, 50, 30, 62, 31, 63]
+    assert plan.context_blocks.numpy().tolist() == [3, 4, 7, 1, 11, 12, 15, 9]
     mixed = PackedBatch.from_sequences([[1, 2, 3], [4]], [0, 6], tables)
-    plan = AttentionPlan.build(mixed, BLOCK, "float64")
+    plan = AttentionPlan.build(mixed, cache, "float64")
     assert plan.pad_rows is not None and plan.unpad_rows is not None
     assert plan.unpad_rows.numpy().tolist() == [0, 1, 2, 3]
     visible = np.isfinite(plan.mask)  # [B, 1, max_q, max_ctx]

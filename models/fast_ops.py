@@ -1,0 +1,138 @@
+"""Paddle's C++ eager ops, bound once, for the serving forward.
+
+The public Python APIs wrap each op in argument-alias decorators and mode checks that
+cost 0.5-4.5 µs per call on the 2-core development CPU (``paddle.split`` 7.4 µs against
+2.9 µs for the op it calls, ``Tensor.reshape`` 3.0 against 1.5). A batch-1 forward of the
+bundled model is ~450 ops of a few µs each, so those wrappers were a tenth of it. These
+bindings call ``paddle._C_ops`` with positional arguments, and fall back to the public
+API where a build lacks the op; ``tests/test_fast_ops.py`` checks each against the public
+API. Only the serving forward (no autograd) uses them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from spectrio.models.paddle_setup import paddle
+
+# isort: split
+import paddle.nn.functional as F
+
+__all__ = [
+    "add",
+    "fused_rms_norm",
+    "gather",
+    "matmul",
+    "reshape",
+    "scatter_",
+    "softmax",
+    "split",
+    "swiglu",
+    "transpose",
+]
+
+Tensor = paddle.Tensor
+_C: Any = getattr(paddle, "_C_ops", None)
+
+
+def _op(name: str) -> Callable[..., Any] | None:
+    return getattr(_C, name, None) if _C is not None else None
+
+
+_matmul = _op("matmul")
+_reshape = _op("reshape")
+_split = _op("split")
+_transpose = _op("transpose")
+_gather = _op("gather")
+_scatter = _op("scatter_")
+_softmax = _op("softmax")
+_swiglu = _op("swiglu")
+_add = _op("add")
+
+
+def matmul(x: Tensor, y: Tensor, transpose_y: bool = False) -> Tensor:
+    if _matmul is not None:
+        return _matmul(x, y, False, transpose_y)
+    return paddle.matmul(x, y, transpose_y=transpose_y)
+
+
+def reshape(x: Tensor, shape: Sequence[int]) -> Tensor:
+    if _reshape is not None:
+        return _reshape(x, list(shape))
+    return paddle.reshape(x, list(shape))
+
+
+def split(x: Tensor, sections: Sequence[int], axis: int) -> list[Tensor]:
+    if _split is not None:
+        return list(_split(x, list(sections), axis))
+    return list(paddle.split(x, list(sections), axis=axis))
+
+
+def transpose(x: Tensor, perm: Sequence[int]) -> Tensor:
+    if _transpose is not None:
+        return _transpose(x, list(perm))
+    return paddle.transpose(x, list(perm))
+
+
+def gather(x: Tensor, index: Tensor) -> Tensor:
+    """Rows ``index`` of ``x`` (axis 0)."""
+    if _gather is not None:
+        return _gather(x, index, 0)
+    return paddle.gather(x, index, axis=0)
+
+
+def scatter_(x: Tensor, index: Tensor, updates: Tensor) -> Tensor:
+    """Overwrite rows ``index`` of ``x`` with ``updates``, in place."""
+    if _scatter is not None:
+        return _scatter(x, index, updates, True)
+    return paddle.scatter_(x, index, updates, overwrite=True)
+
+
+def softmax(x: Tensor) -> Tensor:
+    """Softmax over the last axis."""
+    if _softmax is not None:
+        return _softmax(x, -1)
+    return F.softmax(x, axis=-1)
+
+
+def swiglu(x: Tensor) -> Tensor:
+    """``silu(a) * b`` for ``x = [a | b]`` split on the last axis."""
+    if _swiglu is not None:
+        return _swiglu(x, None)
+    return F.swiglu(x)
+
+
+def add(x: Tensor, y: Tensor) -> Tensor:
+    if _add is not None:
+        return _add(x, y)
+    return paddle.add(x, y)
+
+
+def _fused_norm_op() -> Callable[..., Any] | None:
+    op = _op("fused_rms_norm_quant")
+    if op is not None:
+        return lambda x, w, eps, axis, residual: op(
+            x, None, residual, w, None, eps, axis, -1.0, 0, 0.0, 0.0
+        )
+    incubate = importlib.import_module("paddle.incubate.nn.functional")
+    public = getattr(incubate, "fused_rms_norm", None)
+    if public is None:
+        return None
+    return lambda x, w, eps, axis, residual: public(x, w, None, eps, axis, residual=residual)
+
+
+_fused_norm = _fused_norm_op()
+
+
+def fused_rms_norm(
+    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+) -> tuple[Tensor, Tensor] | None:
+    """``(rmsnorm(x + residual) * weight, x + residual)`` over the last axis in one op,
+    or None where Paddle has no kernel for it: it has one for float32 only, and no CPU
+    backward (so never under autograd). Callers fall back to plain ops on None."""
+    if _fused_norm is None or x.dtype != paddle.float32 or paddle.is_grad_enabled():
+        return None
+    out, summed = _fused_norm(x, weight, eps, x.ndim - 1, residual)
+    return out, (x if residual is None else summed)
