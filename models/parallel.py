@@ -238,6 +238,7 @@ class ParallelCausalLM(SpectrioForCausalLM):
         )
         self.mtp = ParallelMTPLayer(cfg, tp) if cfg.has_mtp else None
         self._rope_table = None
+        self._head_weight = None
         self.staging = Staging()
 
     @property
@@ -248,6 +249,9 @@ class ParallelCausalLM(SpectrioForCausalLM):
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """Local vocab shard's logits, gathered to the full vocabulary on every rank."""
         return self.tp.all_gather_last(super().compute_logits(hidden))
+
+    def _embed(self, ids: paddle.Tensor) -> paddle.Tensor:
+        return self.model.embed_tokens(ids)  # masked lookup and all-reduce
 
 
 # ---- loading --------------------------------------------------------------------------
