@@ -11,8 +11,14 @@ API. Only the serving forward (no autograd) uses them.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import os
+import platform
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from spectrio.models.paddle_setup import paddle
@@ -22,6 +28,7 @@ import paddle.nn.functional as F
 
 __all__ = [
     "add",
+    "fused_norm_runs_here",
     "fused_rms_norm",
     "gather",
     "matmul",
@@ -123,16 +130,78 @@ def _fused_norm_op() -> Callable[..., Any] | None:
     return lambda x, w, eps, axis, residual: public(x, w, None, eps, axis, residual=residual)
 
 
-_fused_norm = _fused_norm_op()
+#: Run in a child process: the fused kernel, checked against the plain formula.
+_PROBE = """
+import numpy as np, paddle
+from paddle.incubate.nn.functional import fused_rms_norm
+x = np.random.default_rng(0).standard_normal((4, 192)).astype("float32")
+out = fused_rms_norm(paddle.to_tensor(x), paddle.ones([192]), None, 1e-6, 1)[0].numpy()
+want = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6)
+print("ok" if np.allclose(out, want, rtol=1e-4, atol=1e-5) else "wrong")
+"""
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = next((line for line in fh if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {paddle.__version__} {flags}"
+
+
+def fused_norm_runs_here() -> bool:
+    """Whether Paddle's fused RMSNorm kernel runs on this CPU.
+
+    It is built for particular x86 extensions, and on a CPU without them it dies with an
+    illegal instruction (seen on an earlier development host), which no Python handler
+    can catch. So it is tried once in a child process, and the answer is kept per (CPU
+    flags, Paddle version) under ``~/.cache/spectrio`` (``$XDG_CACHE_HOME``).
+    ``SPECTRIO_FUSED_RMS_NORM=0`` or ``1`` decides without trying.
+    """
+    forced = os.environ.get("SPECTRIO_FUSED_RMS_NORM")
+    if forced in ("0", "1"):
+        return forced == "1"
+    key = hashlib.sha256(_cpu_signature().encode()).hexdigest()[:16]
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    record = root / "spectrio" / f"fused_rms_norm-{key}"
+    try:
+        return record.read_text().strip() == "1"
+    except OSError:
+        pass
+    try:
+        child = subprocess.run(
+            [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300
+        )
+        runs = child.returncode == 0 and child.stdout.strip().endswith("ok")
+    except (OSError, subprocess.SubprocessError):
+        runs = False
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text("1" if runs else "0")
+    except OSError:
+        pass  # a read-only home: try again next process
+    return runs
+
+
+_fused_norm: Callable[..., Any] | None = None
+_fused_norm_checked = False
 
 
 def fused_rms_norm(
     x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
 ) -> tuple[Tensor, Tensor] | None:
     """``(rmsnorm(x + residual) * weight, x + residual)`` over the last axis in one op,
-    or None where Paddle has no kernel for it: it has one for float32 only, and no CPU
-    backward (so never under autograd). Callers fall back to plain ops on None."""
-    if _fused_norm is None or x.dtype != paddle.float32 or paddle.is_grad_enabled():
+    or None where Paddle has no kernel for it: it has one for float32 only, no CPU
+    backward (so never under autograd), and not on every CPU
+    (:func:`fused_norm_runs_here`). Callers fall back to plain ops on None."""
+    global _fused_norm, _fused_norm_checked
+    if x.dtype != paddle.float32 or paddle.is_grad_enabled():
+        return None
+    if not _fused_norm_checked:
+        _fused_norm = _fused_norm_op() if fused_norm_runs_here() else None
+        _fused_norm_checked = True
+    if _fused_norm is None:
         return None
     out, summed = _fused_norm(x, weight, eps, x.ndim - 1, residual)
     return out, (x if residual is None else summed)

@@ -43,7 +43,7 @@ def verify(ws: Workspace, plan: StepPlan) -> dict[int, np.ndarray]:
     ws.forward_seconds += time.perf_counter() - t0
     cu = batch.cu_seqlens_q
     for i, w in enumerate(plan.seqs):
-        ws.store_hidden(w.seq_id, w.start_pos, out.hidden[int(cu[i]) : int(cu[i + 1])])
+        ws.store_hidden(w.seq_id, w.start_pos, out.hidden, int(cu[i]), int(cu[i + 1] - cu[i]))
     if not offsets:
         return {}
     host = out.logits.numpy().astype(np.float64, copy=False)

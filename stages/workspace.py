@@ -20,8 +20,15 @@ from spectrio.models.paddle_setup import paddle
 
 @dataclasses.dataclass
 class _StoredHidden:
+    """Rows ``first .. first + count - 1`` of ``hidden`` (a step's ``[N, d]`` target hidden
+    states, shared by its sequences) are positions ``start_pos ..``. Kept unsliced: most
+    are never read (no speculation, or superseded by the next step), and a slice is an
+    op."""
+
     start_pos: int
-    rows: paddle.Tensor  # [n, d] target hidden states of positions start_pos..start_pos+n-1
+    hidden: paddle.Tensor
+    first: int
+    count: int
 
 
 class Workspace:
@@ -88,18 +95,21 @@ class Workspace:
         """Sequences whose device state (hidden rows) the workspace stores."""
         return len(self._hidden)
 
-    def store_hidden(self, seq_id: int, start_pos: int, rows: paddle.Tensor) -> None:
-        """Keep ``rows``, the target hidden states of positions ``start_pos..``."""
-        self._hidden[seq_id] = _StoredHidden(start_pos, rows)
+    def store_hidden(
+        self, seq_id: int, start_pos: int, hidden: paddle.Tensor, first: int, count: int
+    ) -> None:
+        """Keep rows ``first .. first + count - 1`` of ``hidden``, the target hidden states
+        of positions ``start_pos ..``."""
+        self._hidden[seq_id] = _StoredHidden(start_pos, hidden, first, count)
 
     def hidden_rows(self, seq_id: int, start_pos: int, count: int) -> paddle.Tensor:
         """The stored hidden rows of positions ``start_pos .. start_pos + count - 1``."""
         stored = self._hidden[seq_id]
         lo = start_pos - stored.start_pos
         hi = lo + count
-        if lo < 0 or hi > stored.rows.shape[0]:
+        if lo < 0 or hi > stored.count:
             raise RuntimeError(
                 f"seq {seq_id}: rows {start_pos}+{count} outside stored hidden rows "
-                f"{stored.start_pos}+{stored.rows.shape[0]}"
+                f"{stored.start_pos}+{stored.count}"
             )
-        return stored.rows[lo:hi]
+        return stored.hidden[stored.first + lo : stored.first + hi]

@@ -65,7 +65,7 @@ def test_best_k_shrinks_as_the_batch_grows() -> None:
     assert best[1] >= 2 and best[64] == 0
 
 
-def test_every_k_is_tried_before_ranking_and_full_k_is_probed() -> None:
+def test_every_k_is_tried_before_ranking_and_the_best_ks_neighbour_is_probed() -> None:
     policy = SpecPolicy(3, probe_every=8)
     first = []
     for _ in range(4):
@@ -74,9 +74,26 @@ def test_every_k_is_tried_before_ranking_and_full_k_is_probed() -> None:
         policy.observe_step(5, k, 1.0 if k == 0 else 10.0)  # k = 0 is by far the fastest
     assert sorted(first) == [0, 1, 2, 3]  # unmeasured pairs come first
     picks = [policy.choose(5) for _ in range(16)]
-    assert picks.count(3) == 2 and set(picks) == {0, 3}  # choices 8 and 16 probe k = 3
+    assert picks.count(1) == 2 and set(picks) == {0, 1}  # choices 8 and 16 probe k = 1
     assert policy.choose(6) == 0  # 6 shares the bucket of 5 (up to 8)
     assert policy.choose(9) == 3  # a new bucket is measured afresh
+
+
+def test_probes_climb_to_a_better_k_one_neighbour_at_a_time() -> None:
+    """Timings change (another load arrives and leaves): the best k moves from 0 to 3
+    through probes of neighbours only, and no probe is ever two or more away from the
+    best k of its moment."""
+    policy = SpecPolicy(3, probe_every=4)
+    slow = {0: 1.0, 1: 3.0, 2: 5.0, 3: 7.0}  # E/T with all accepted: k = 0 best
+    fast = {0: 1.0, 1: 0.6, 2: 0.5, 3: 0.45}  # later: k = 3 best
+    picks: list[int] = []
+    for i in range(400):
+        k = policy.choose(1)
+        picks.append(k)
+        policy.observe_step(1, k, (slow if i < 40 else fast)[k])
+        policy.observe_acceptance(k, k)
+    assert picks[-20:].count(3) >= 15
+    assert 2 in picks[40:] and 1 in picks[40:]
 
 
 def test_acceptance_is_conditional_per_position() -> None:
