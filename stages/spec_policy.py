@@ -81,6 +81,7 @@ class SpecPolicy:
         self.prior_acceptance = prior_acceptance
         self._reached = [_Decayed() for _ in range(k_max)]  # per draft position
         self._step_time: dict[tuple[int, int], _Decayed] = {}
+        self._warm: set[tuple[int, int]] = set()  # pairs whose first timing was replaced
         self._num_choices = 0
 
     # ---- feedback ---------------------------------------------------------------------
@@ -96,7 +97,14 @@ class SpecPolicy:
         if num_seqs <= 0 or not 0 <= k <= self.k_max:
             return
         key = (_bucket(num_seqs), k)
-        self._step_time.setdefault(key, _Decayed()).add(seconds, self.decay)
+        timed = self._step_time.setdefault(key, _Decayed())
+        if key not in self._warm and timed.weight:
+            # The first step of a (bucket, k) pays one-time costs (new tensor shapes, cold
+            # caches): at batch 1 it kept k = 3 ahead of a k = 2 that ran 8% faster. The
+            # second replaces it.
+            self._warm.add(key)
+            timed.value = timed.weight = 0.0
+        timed.add(seconds, self.decay)
 
     # ---- decision ---------------------------------------------------------------------
 

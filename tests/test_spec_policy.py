@@ -133,3 +133,15 @@ def test_probes_re_measure_the_least_measured_k() -> None:
     # E/T: k=0 1.0, k=1 3.33, k=2 3.75 -> k = 2 is best, but k = 1 must have been re-measured.
     assert policy.step_times()[(1, 1)] < 5.0
     assert [policy.choose(1) for _ in range(3)] == [2, 2, 2]
+
+
+def test_a_pairs_first_timing_is_a_warm_up_the_second_replaces() -> None:
+    """The first step of a (bucket, k) pays one-time costs; it must not keep a k that is
+    really faster out of use."""
+    policy = SpecPolicy(2)
+    policy.observe_step(1, 2, 0.050)  # first k = 2 step: new shapes, cold caches
+    policy.observe_step(1, 2, 0.010)
+    policy.observe_step(1, 2, 0.012)
+    assert policy.step_times()[(1, 2)] == pytest.approx(0.011, rel=1e-2)
+    policy.observe_step(1, 2, 0.050)  # later outliers are measurements like any other
+    assert policy.step_times()[(1, 2)] > 0.02
