@@ -14,7 +14,9 @@ The rule: pick the k that maximises expected tokens per second,
 * ``T(B, k)`` is the measured wall time of a step (draft substeps plus verification)
   with ``B`` decoding sequences in the same power-of-two bucket and k drafts each.
 
-Every (bucket, k) pair is tried once before it can be ranked, and one step in
+Exploration starts at ``k_max`` and goes down one k at a time while the smaller k does
+better (each k runs twice: its first step pays one-time costs, so the second's time
+replaces it), and one step in
 ``probe_every`` re-measures the less measured of the best k's two neighbours (the larger
 on ties), so a noisy early timing is corrected and the next position's acceptance keeps
 being measured while the policy prefers fewer drafts. Only neighbours: the rate is
@@ -130,17 +132,26 @@ class SpecPolicy:
             return self.k_max
         self._num_choices += 1
         bucket = _bucket(num_seqs)
+
+        def rate(k: int) -> float:
+            return self.expected_tokens(k) / self._step_time[(bucket, k)].mean
+
+        # Explore downwards from k_max while each smaller k does better (the rate is
+        # unimodal in k): at batch 1 the k below the best is timed, and k = 0 is not.
         for k in range(self.k_max, -1, -1):
-            if (bucket, k) not in self._step_time:
+            if (bucket, k) not in self._warm:  # not yet timed past its warm-up step
                 return k
-        best = max(
-            range(self.k_max + 1),
-            key=lambda k: self.expected_tokens(k) / self._step_time[(bucket, k)].mean,
-        )
+            if k < self.k_max and rate(k) < rate(k + 1):
+                break
+        best = max((k for k in range(self.k_max + 1) if (bucket, k) in self._warm), key=rate)
         if self._num_choices % self.probe_every == 0:
             # Re-measure a neighbour of the best (the less measured; ties: the larger,
             # which also measures the next position's acceptance), so one unlucky early
             # timing cannot keep a good k out of use for good.
+            def weight(k: int) -> float:
+                timed = self._step_time.get((bucket, k))
+                return timed.weight if timed is not None else 0.0
+
             near = [k for k in (best - 1, best + 1) if 0 <= k <= self.k_max]
-            return max(near, key=lambda k: (-self._step_time[(bucket, k)].weight, k))
+            return max(near, key=lambda k: (-weight(k), k))
         return best

@@ -51,11 +51,19 @@ ACCEPT = [0.8, 0.6, 0.45]
 
 @pytest.mark.parametrize("b", [1, 4, 16, 64])
 def test_settles_on_the_best_k_for_the_batch(b: int) -> None:
-    policy = SpecPolicy(3)
-    chosen = _simulate(policy, b, ACCEPT, CPU_LIKE, steps=400)
+    """Over several runs (the timings are noisy, and at batch 1 k = 1 and k = 2 are within
+    5% of each other), the policy mostly settles on the best k and loses little."""
     best = max(range(4), key=lambda k: _true_rate(k, b, ACCEPT, CPU_LIKE))
-    late = _simulate(policy, b, ACCEPT, CPU_LIKE, steps=200, seed=1)
-    assert late.most_common(1)[0][0] == best, (b, best, chosen, late)
+    right, efficiency = 0, []
+    for seed in range(9):
+        policy = SpecPolicy(3)
+        _simulate(policy, b, ACCEPT, CPU_LIKE, steps=400, seed=seed)
+        late = _simulate(policy, b, ACCEPT, CPU_LIKE, steps=200, seed=100 + seed)
+        right += late.most_common(1)[0][0] == best
+        rate = sum(_true_rate(k, b, ACCEPT, CPU_LIKE) * n for k, n in late.items()) / 200
+        efficiency.append(rate / _true_rate(best, b, ACCEPT, CPU_LIKE))
+    assert right >= 6, (b, best, right)
+    assert min(efficiency) >= 0.95 and float(np.mean(efficiency)) >= 0.98, (b, efficiency)
 
 
 def test_best_k_shrinks_as_the_batch_grows() -> None:
@@ -65,17 +73,24 @@ def test_best_k_shrinks_as_the_batch_grows() -> None:
     assert best[1] >= 2 and best[64] == 0
 
 
-def test_every_k_is_tried_before_ranking_and_the_best_ks_neighbour_is_probed() -> None:
+def test_exploration_descends_from_k_max_while_it_improves() -> None:
+    """Each k runs twice (a warm-up, then a timing) from k_max down, and exploration stops
+    at the first k that does worse than the one above it."""
     policy = SpecPolicy(3, probe_every=8)
+    times = {3: 1.0, 2: 0.7, 1: 0.9, 0: 0.8}  # all accepted: E/T = 4.0, 4.3, 2.2, 1.25
     first = []
-    for _ in range(4):
+    for _ in range(6):
         k = policy.choose(5)
         first.append(k)
-        policy.observe_step(5, k, 1.0 if k == 0 else 10.0)  # k = 0 is by far the fastest
-    assert sorted(first) == [0, 1, 2, 3]  # unmeasured pairs come first
+        policy.observe_step(5, k, times[k])
+        for _ in range(5):
+            policy.observe_acceptance(k, k)
+    assert first == [3, 3, 2, 2, 1, 1]  # k = 1 did worse than k = 2: k = 0 never ran
     picks = [policy.choose(5) for _ in range(16)]
-    assert picks.count(1) == 2 and set(picks) == {0, 1}  # choices 8 and 16 probe k = 1
-    assert policy.choose(6) == 0  # 6 shares the bucket of 5 (up to 8)
+    # Choices 8 and 16 probe a neighbour: k = 3 both times (a tie in weight goes to the
+    # larger, and no timing comes back in between).
+    assert picks.count(2) == 14 and [picks[1], picks[9]] == [3, 3]
+    assert policy.choose(6) == 2  # 6 shares the bucket of 5 (up to 8)
     assert policy.choose(9) == 3  # a new bucket is measured afresh
 
 
