@@ -11,7 +11,9 @@ serving forward relies on.
   a strided view, and the next ``matmul`` copies it through a generic strided kernel:
   measured on the 2-core CPU, a transposed ``[16, 4, 65, 32]`` key block made one
   attention matmul take 1.37 ms instead of 19 µs. With it off, transpose is a real
-  (fast) copy. Nothing in spectrio relies on writing through a view.
+  (fast) copy. ``reshape`` of a contiguous tensor still shares its storage, and the
+  paged KV cache relies on that for its blocked view of each pool (the paged-vs-dense
+  equality tests would catch a copy).
 * Threads. Paddle sets ``OMP_NUM_THREADS=1`` when imported, so a process gets one core
   unless told otherwise; ``set_num_threads`` changes that after import.
 """

@@ -180,3 +180,19 @@ def test_decode_rows_of_different_context_lengths_match_dense() -> None:
         logits = model.forward(step, cache).logits.numpy()
     for i, s in enumerate(seqs):
         assert np.abs(logits[i] - _dense(model, s)[0][-1]).max() <= 1e-10
+
+
+def test_cache_gather_reads_what_write_stored_through_the_blocked_view() -> None:
+    """The pools are written flat and read through a reshaped (shared-storage) view."""
+    cache = PagedKVCache(2, 4, 2, 2, 3, "float64")  # 4 blocks of 2 slots, 2 heads, D = 3
+    rng = np.random.default_rng(0)
+    k, v = rng.standard_normal((2, 2, 3)), rng.standard_normal((2, 2, 3))
+    slots = np.array([5, 2])  # block 2 offset 1, block 1 offset 0
+    rows = paddle.to_tensor(cache.write_rows(slots))
+    cache.write(1, rows, paddle.to_tensor(k), paddle.to_tensor(v))
+    table = paddle.to_tensor(cache.block_rows(np.array([[2, 1]])))  # one sequence
+    kc, vc = (t.numpy() for t in cache.gather(1, table, 1))  # [heads, 1, 4 positions, D]
+    for h in range(2):
+        np.testing.assert_array_equal(kc[h, 0, [1, 2]], k[:, h])
+        np.testing.assert_array_equal(vc[h, 0, [1, 2]], v[:, h])
+    assert not any(t.numpy().any() for t in cache.gather(0, table, 1))  # layer 0 untouched
