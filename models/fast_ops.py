@@ -17,6 +17,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -130,14 +131,23 @@ def _fused_norm_op() -> Callable[..., Any] | None:
     return lambda x, w, eps, axis, residual: public(x, w, None, eps, axis, residual=residual)
 
 
-#: Run in a child process: the fused kernel, checked against the plain formula.
+#: Run in a child process: the fused kernel as serving calls it (with and without the
+#: residual), checked against the plain formula.
 _PROBE = """
 import numpy as np, paddle
 from paddle.incubate.nn.functional import fused_rms_norm
-x = np.random.default_rng(0).standard_normal((4, 192)).astype("float32")
-out = fused_rms_norm(paddle.to_tensor(x), paddle.ones([192]), None, 1e-6, 1)[0].numpy()
-want = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6)
-print("ok" if np.allclose(out, want, rtol=1e-4, atol=1e-5) else "wrong")
+rng = np.random.default_rng(0)
+x, r = (rng.standard_normal((4, 192)).astype("float32") for _ in range(2))
+def plain(v):
+    return v / np.sqrt((v * v).mean(-1, keepdims=True) + 1e-6)
+w = paddle.ones([192])
+out = fused_rms_norm(paddle.to_tensor(x), w, None, 1e-6, 1)[0].numpy()
+normed, summed = fused_rms_norm(paddle.to_tensor(x), w, None, 1e-6, 1,
+                                residual=paddle.to_tensor(r))
+good = (np.allclose(out, plain(x), rtol=1e-4, atol=1e-5)
+        and np.allclose(summed.numpy(), x + r)
+        and np.allclose(normed.numpy(), plain(x + r), rtol=1e-4, atol=1e-5))
+print("ok" if good else "wrong")
 """
 
 
@@ -150,14 +160,33 @@ def _cpu_signature() -> str:
     return f"{platform.machine()} {paddle.__version__} {flags}"
 
 
+def _probe() -> bool | None:
+    """The child's verdict: True (it ran and agreed), False (it died by a signal, such
+    as SIGILL, or disagreed), None (no verdict: it could not start or timed out)."""
+    try:
+        child = subprocess.run(
+            [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=90
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    verdict = child.stdout.strip().rsplit("\n", 1)[-1] if child.stdout.strip() else ""
+    if child.returncode == 0 and verdict in ("ok", "wrong"):
+        return verdict == "ok"
+    if child.returncode < 0:  # killed by a signal: the kernel cannot run here
+        return False
+    return None  # an ordinary failure (no Paddle in the child, ...) says nothing
+
+
 def fused_norm_runs_here() -> bool:
     """Whether Paddle's fused RMSNorm kernel runs on this CPU.
 
     It is built for particular x86 extensions, and on a CPU without them it dies with an
     illegal instruction (seen on an earlier development host), which no Python handler
-    can catch. So it is tried once in a child process, and the answer is kept per (CPU
-    flags, Paddle version) under ``~/.cache/spectrio`` (``$XDG_CACHE_HOME``).
-    ``SPECTRIO_FUSED_RMS_NORM=0`` or ``1`` decides without trying.
+    can catch. So it is tried once in a child process, and a definite answer (it ran and
+    agreed with the plain formula; or it died by a signal or disagreed) is kept per (CPU
+    flags, Paddle version) under ``~/.cache/spectrio`` (``$XDG_CACHE_HOME``), written
+    atomically. No verdict (the child could not start or timed out) means off for this
+    process only. ``SPECTRIO_FUSED_RMS_NORM=0`` or ``1`` decides without trying.
     """
     forced = os.environ.get("SPECTRIO_FUSED_RMS_NORM")
     if forced in ("0", "1"):
@@ -166,19 +195,20 @@ def fused_norm_runs_here() -> bool:
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     record = root / "spectrio" / f"fused_rms_norm-{key}"
     try:
-        return record.read_text().strip() == "1"
+        kept = record.read_text().strip()
     except OSError:
-        pass
-    try:
-        child = subprocess.run(
-            [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300
-        )
-        runs = child.returncode == 0 and child.stdout.strip().endswith("ok")
-    except (OSError, subprocess.SubprocessError):
-        runs = False
+        kept = ""
+    if kept in ("0", "1"):
+        return kept == "1"
+    runs = _probe()
+    if runs is None:
+        return False
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
-        record.write_text("1" if runs else "0")
+        fd, tmp = tempfile.mkstemp(dir=record.parent, prefix=record.name + ".")
+        with os.fdopen(fd, "w") as fh:
+            fh.write("1" if runs else "0")
+        os.replace(tmp, record)
     except OSError:
         pass  # a read-only home: try again next process
     return runs

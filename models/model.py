@@ -108,6 +108,9 @@ class SpectrioForCausalLM(nn.Layer):
         return name  # type: ignore[return-value]  # narrowed by the check above
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        """Logits of ``hidden``. Without autograd they come from a cached ``[d, V]`` copy
+        of the head, so a weight changed in place outside :meth:`train` needs
+        :meth:`drop_serving_cache` (as the fused projections already did)."""
         if paddle.is_grad_enabled():
             if self.lm_head is None:
                 return paddle.matmul(hidden, self.model.embed_tokens.weight, transpose_y=True)

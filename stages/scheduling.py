@@ -386,7 +386,9 @@ class Scheduler:
         if seconds is not None and works:
             if all(w.sample and (w.pending or len(w.token_ids) == 1) for w in works.values()):
                 drafted = any(r.num_drafts for r in result.results)
-                self.policy.observe_step(len(works), step_k if drafted else 0, seconds)
+                # The same count choose() was given: the step's speculative sequences.
+                speculative = sum(1 for w in works.values() if w.speculative)
+                self.policy.observe_step(speculative, step_k if drafted else 0, seconds)
         for r in result.results:
             if r.num_drafts:
                 self.policy.observe_acceptance(r.num_drafts, r.num_accepted)

@@ -17,13 +17,18 @@ import numpy as np
 from spectrio.models import PackedBatch, PagedKVCache, SpectrioForCausalLM
 from spectrio.models.paddle_setup import paddle
 
+#: A step's hidden states are shared unsliced by its sequences up to this many rows (a
+#: decode or verify step); a sequence of a larger step (a prefill) keeps a copy of its
+#: own rows, so one sequence left unscheduled cannot pin a whole prefill's tensor.
+SHARE_ROWS = 256
+
 
 @dataclasses.dataclass
 class _StoredHidden:
     """Rows ``first .. first + count - 1`` of ``hidden`` (a step's ``[N, d]`` target hidden
-    states, shared by its sequences) are positions ``start_pos ..``. Kept unsliced: most
-    are never read (no speculation, or superseded by the next step), and a slice is an
-    op."""
+    states, shared by its sequences) are positions ``start_pos ..``. Kept unsliced when
+    the step is small: most are never read (no speculation, or superseded by the next
+    step), and a slice is an op (and a copy)."""
 
     start_pos: int
     hidden: paddle.Tensor
@@ -100,6 +105,8 @@ class Workspace:
     ) -> None:
         """Keep rows ``first .. first + count - 1`` of ``hidden``, the target hidden states
         of positions ``start_pos ..``."""
+        if hidden.shape[0] > SHARE_ROWS:
+            hidden, first = hidden[first : first + count], 0
         self._hidden[seq_id] = _StoredHidden(start_pos, hidden, first, count)
 
     def hidden_rows(self, seq_id: int, start_pos: int, count: int) -> paddle.Tensor:

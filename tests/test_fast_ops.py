@@ -92,3 +92,39 @@ def test_the_fused_kernel_is_tried_in_a_child_and_the_answer_kept(
     monkeypatch.setattr(fo, "_fused_norm_checked", False)
     with paddle.no_grad():
         assert fo.fused_rms_norm(_t(2, 8), _t(8), 1e-6) is None  # forced off: plain ops
+
+
+def test_only_a_definite_verdict_is_kept(
+    tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A timeout or a child that cannot start leaves no record (off for this process
+    only); a death by signal (SIGILL) is kept as off; a torn record is probed again."""
+    import subprocess
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("SPECTRIO_FUSED_RMS_NORM", raising=False)
+    folder = tmp_path / "spectrio"  # type: ignore[operator]
+
+    def timeout(*args: object, **kwargs: object) -> None:
+        raise subprocess.TimeoutExpired("python", 90)
+
+    monkeypatch.setattr(subprocess, "run", timeout)
+    assert fo.fused_norm_runs_here() is False
+    assert not folder.exists() or not list(folder.glob("fused_rms_norm-*"))
+
+    def sigill(*args: object, **kwargs: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(args, -4, "", "")
+
+    monkeypatch.setattr(subprocess, "run", sigill)
+    assert fo.fused_norm_runs_here() is False
+    (record,) = folder.glob("fused_rms_norm-*")
+    assert record.read_text() == "0"
+
+    record.write_text("")  # torn by a process killed mid-write
+
+    def ran(*args: object, **kwargs: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(args, 0, "ok\n", "")
+
+    monkeypatch.setattr(subprocess, "run", ran)
+    assert fo.fused_norm_runs_here() is True
+    assert record.read_text() == "1"

@@ -407,3 +407,45 @@ def test_a_result_already_folded_in_is_not_published_after_an_abort() -> None:
     assert [r.seq_id for r in s.published(folded).results] == [2]
     later = s.schedule()
     assert later is not None and later.aborted == ["r1"]
+
+
+def test_step_times_are_filed_under_the_count_choose_was_given() -> None:
+    """A batch mixing one speculative and one plain request: choose() is asked for one
+    speculative sequence, so the step's time must be filed under that bucket too, or
+    the policy never gets a timing for it and stays at k_max."""
+    cfg = RuntimeConfig(
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        speculative=SpeculativeConfig(num_speculative_tokens=2, adaptive=True),
+    )
+    sched = Scheduler(cfg, BlockManager(64, cfg.block_size))
+    for i, speculative in enumerate((True, False)):
+        sched.add(
+            Sequence(
+                seq_id=i,
+                request_id=f"r{i}",
+                prompt_ids=[5, 6, 7],
+                params=SamplingParams(max_tokens=200),
+                eos_token_ids=[],
+                speculative=speculative,
+            )
+        )
+    for _ in range(12):
+        plan = sched.schedule()
+        assert plan is not None
+        results = [
+            SeqResult(
+                slot=w.slot,
+                seq_id=w.seq_id,
+                request_id=w.request_id,
+                num_drafts=w.num_drafts,
+                num_accepted=w.num_drafts,
+                token_ids=[9] * (w.num_drafts + 1) if w.sample else [],
+                num_computed=w.start_pos + len(w.token_ids),
+            )
+            for w in plan.seqs
+        ]
+        sched.update(StepResult(step=plan.step, results=results), seconds=1.0)
+    assert {bucket for bucket, _ in sched.policy.step_times()} == {1}
+    assert {k for _, k in sched.policy.step_times()} >= {2, 1}  # it moved past k_max

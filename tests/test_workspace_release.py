@@ -87,3 +87,22 @@ async def test_an_aborted_requests_state_goes_with_the_next_step(bundled64: obje
             await rt.wait_idle()
             assert ws.num_states == 0 and rt.blocks.num_used_blocks == 0
             assert rt.sampler.num_states == 0
+
+
+def test_stored_hidden_rows_share_a_small_step_and_copy_from_a_large_one() -> None:
+    """A decode step's hidden states are shared unsliced by its sequences; a sequence of
+    a prefill-sized step keeps only its own rows, so it cannot pin the whole tensor."""
+    import numpy as np
+    from conftest import tiny_model
+
+    from spectrio.models.paddle_setup import paddle
+    from spectrio.stages.workspace import SHARE_ROWS, Workspace
+
+    ws = Workspace(tiny_model(), num_blocks=4, block_size=4)
+    for rows in (8, SHARE_ROWS + 1):
+        step = paddle.to_tensor(np.arange(rows * 3, dtype=np.float64).reshape(rows, 3))
+        ws.store_hidden(7, 10, step, 4, 3)  # positions 10..12 are rows 4..6 of the step
+        held = ws._hidden[7].hidden
+        assert (held is step) == (rows <= SHARE_ROWS)
+        assert held.shape[0] == (rows if rows <= SHARE_ROWS else 3)
+        np.testing.assert_array_equal(ws.hidden_rows(7, 11, 2).numpy(), step.numpy()[5:7])
