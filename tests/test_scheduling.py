@@ -50,6 +50,46 @@ def finish_step(s: Scheduler, plan: StepPlan, emit: int = 1, accepted: int = 0) 
     s.update(StepResult(step=plan.step, results=results))
 
 
+def adaptive_scheduler(k: int, speculative: tuple[bool, ...]) -> Scheduler:
+    """An adaptive-k scheduler holding one 3-token request per flag (speculative or not)."""
+    cfg = RuntimeConfig(
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        speculative=SpeculativeConfig(num_speculative_tokens=k, adaptive=True),
+    )
+    sched = Scheduler(cfg, BlockManager(64, cfg.block_size))
+    for i, flag in enumerate(speculative):
+        sched.add(
+            Sequence(
+                seq_id=i,
+                request_id=f"r{i}",
+                prompt_ids=[5, 6, 7],
+                params=SamplingParams(max_tokens=200),
+                eos_token_ids=[],
+                speculative=flag,
+            )
+        )
+    return sched
+
+
+def accept_all(sched: Scheduler, plan: StepPlan, seconds: float) -> None:
+    """Fold ``plan`` in with every draft accepted, the step timed at ``seconds``."""
+    results = [
+        SeqResult(
+            slot=w.slot,
+            seq_id=w.seq_id,
+            request_id=w.request_id,
+            num_drafts=w.num_drafts,
+            num_accepted=w.num_drafts,
+            token_ids=[9] * (w.num_drafts + 1) if w.sample else [],
+            num_computed=w.start_pos + len(w.token_ids),
+        )
+        for w in plan.seqs
+    ]
+    sched.update(StepResult(step=plan.step, results=results), seconds=seconds)
+
+
 def test_chunked_prefill_splits_a_long_prompt_over_steps() -> None:
     s = make()
     s.add(seq(1, 50))
@@ -334,45 +374,14 @@ def test_drafts_depend_on_the_sequence_not_on_where_the_budget_cut_its_prompt() 
 def test_adaptive_policy_sets_the_drafts_of_every_decoding_sequence() -> None:
     """The scheduler drafts what the policy chooses for the step: once its measurements
     say one draft is fastest, decoding sequences get one (another k on a probe step)."""
-    cfg = RuntimeConfig(
-        max_model_len=256,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        speculative=SpeculativeConfig(num_speculative_tokens=3, adaptive=True),
-    )
-    sched = Scheduler(cfg, BlockManager(64, cfg.block_size))
-    for i in range(2):
-        sched.add(
-            Sequence(
-                seq_id=i,
-                request_id=f"r{i}",
-                prompt_ids=[5, 6, 7],
-                params=SamplingParams(max_tokens=200),
-                eos_token_ids=[],
-                speculative=True,
-            )
-        )
+    sched = adaptive_scheduler(3, (True, True))
     seen: list[list[int]] = []
     for _ in range(40):
         plan = sched.schedule()
         assert plan is not None
         seen.append([w.num_drafts for w in plan.seqs])
-        results = [
-            SeqResult(
-                slot=w.slot,
-                seq_id=w.seq_id,
-                request_id=w.request_id,
-                num_drafts=w.num_drafts,
-                num_accepted=w.num_drafts,
-                token_ids=[9] * (w.num_drafts + 1) if w.sample else [],
-                num_computed=w.start_pos + len(w.token_ids),
-            )
-            for w in plan.seqs
-        ]
-        k = plan.seqs[0].num_drafts
         # Every draft accepted, so tokens per second are 1.0, 1.82, 1.58, 1.43 for k = 0..3.
-        seconds = [1.0, 1.1, 1.9, 2.8][k]
-        sched.update(StepResult(step=plan.step, results=results), seconds=seconds)
+        accept_all(sched, plan, [1.0, 1.1, 1.9, 2.8][plan.seqs[0].num_drafts])
     assert seen[0] == [0, 0]  # the prompt step never drafts
     first = [row[0] for row in seen[1:9]]
     assert first == [3, 3, 2, 2, 1, 1, 0, 0]  # down from k_max while it improves, twice each
@@ -413,39 +422,10 @@ def test_step_times_are_filed_under_the_count_choose_was_given() -> None:
     """A batch mixing one speculative and one plain request: choose() is asked for one
     speculative sequence, so the step's time must be filed under that bucket too, or
     the policy never gets a timing for it and stays at k_max."""
-    cfg = RuntimeConfig(
-        max_model_len=256,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        speculative=SpeculativeConfig(num_speculative_tokens=2, adaptive=True),
-    )
-    sched = Scheduler(cfg, BlockManager(64, cfg.block_size))
-    for i, speculative in enumerate((True, False)):
-        sched.add(
-            Sequence(
-                seq_id=i,
-                request_id=f"r{i}",
-                prompt_ids=[5, 6, 7],
-                params=SamplingParams(max_tokens=200),
-                eos_token_ids=[],
-                speculative=speculative,
-            )
-        )
+    sched = adaptive_scheduler(2, (True, False))
     for _ in range(12):
         plan = sched.schedule()
         assert plan is not None
-        results = [
-            SeqResult(
-                slot=w.slot,
-                seq_id=w.seq_id,
-                request_id=w.request_id,
-                num_drafts=w.num_drafts,
-                num_accepted=w.num_drafts,
-                token_ids=[9] * (w.num_drafts + 1) if w.sample else [],
-                num_computed=w.start_pos + len(w.token_ids),
-            )
-            for w in plan.seqs
-        ]
-        sched.update(StepResult(step=plan.step, results=results), seconds=1.0)
+        accept_all(sched, plan, 1.0)
     assert {bucket for bucket, _ in sched.policy.step_times()} == {1}
     assert {k for _, k in sched.policy.step_times()} >= {2, 1}  # it moved past k_max
