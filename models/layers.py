@@ -33,10 +33,7 @@ class RMSNorm(nn.Layer):
         self._ones: paddle.Tensor | None = None
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        fused = fo.fused_rms_norm(x, self.weight, self.eps)
-        if fused is not None:
-            return fused[0]
-        return self.normalize(x) * self.weight
+        return self.add_normalize(x, None, weighted=True)[0]
 
     def normalize(self, x: paddle.Tensor) -> paddle.Tensor:
         """``x / rms(x)`` without the weight, for callers that fold the weight into the

@@ -16,15 +16,14 @@ The rule: pick the k that maximises expected tokens per second,
 
 Exploration starts at ``k_max`` and goes down one k at a time while the smaller k does
 better (each k runs twice: its first step pays one-time costs, so the second's time
-replaces it), and one step in
-``probe_every`` re-measures the less measured of the best k's two neighbours (the larger
-on ties), so a noisy early timing is corrected and the next position's acceptance keeps
-being measured while the policy prefers fewer drafts. Only neighbours: the rate is
-unimodal in k (each extra draft adds less, and costs at least as much), so a better k
-is always reachable one step at a time, and a probe never spends a step on a k far from
-the best (at batch 1 a probe of k = 0 cost about 1/16 of the gain, measured as 0.97 of
-the best fixed k). At a large batch the device is
-busy anyway and verification rows cost real time, so the measured T grows with k and
+replaces it), and one step in ``probe_every`` re-measures the less measured of the best
+k's two neighbours (the larger on ties), so a noisy early timing is corrected and the
+next position's acceptance keeps being measured while the policy prefers fewer drafts.
+Only neighbours: the rate is unimodal in k (each extra draft adds less, and costs at
+least as much), so a better k is always reachable one step at a time, and a probe never
+spends a step on a k far from the best (at batch 1 a probe of k = 0 cost about 1/16 of
+the gain, measured as 0.97 of the best fixed k). At a large batch the device is busy
+anyway and verification rows cost real time, so the measured T grows with k and
 the policy settles on small k or 0; at batch 1 extra rows are nearly free and it keeps
 speculating. Output never depends on the choice: acceptance is lossless for any k.
 """
