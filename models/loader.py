@@ -38,13 +38,15 @@ class LoadedModel:
     load_seconds: float
 
 
-def _hf_name(paddle_name: str, cfg: ModelConfig) -> str:
+def hf_name(paddle_name: str, cfg: ModelConfig) -> str:
+    """The Hugging Face tensor name of a parameter (the MTP layer is layer ``L``)."""
     if paddle_name.startswith("mtp."):
         return f"model.layers.{cfg.num_hidden_layers}." + paddle_name[len("mtp.") :]
     return paddle_name
 
 
-def _is_linear(param: paddle.Tensor, name: str) -> bool:
+def is_linear(param: paddle.Tensor, name: str) -> bool:
+    """Whether a parameter is a linear weight (Paddle ``[in, out]``, Hugging Face ``[out, in]``)."""
     return param.ndim == 2 and not name.endswith("embed_tokens.weight")
 
 
@@ -60,8 +62,8 @@ def state_dict_hf(model: SpectrioForCausalLM, dtype: str = "float32") -> dict[st
     out: dict[str, np.ndarray] = {}
     for name, param in model.named_parameters():
         arr = param.numpy().astype(dtype)
-        out[_hf_name(name, model.config)] = np.ascontiguousarray(
-            arr.T if _is_linear(param, name) else arr
+        out[hf_name(name, model.config)] = np.ascontiguousarray(
+            arr.T if is_linear(param, name) else arr
         )
     return out
 
@@ -147,7 +149,7 @@ def load(path_or_name: str | Path = "bundled", dtype: DType = "float32") -> Load
     expected: set[str] = set()
     with paddle.no_grad():
         for name, param in model.named_parameters():
-            hf = _hf_name(name, cfg)
+            hf = hf_name(name, cfg)
             expected.add(hf)
             if hf not in tensors:
                 raise CheckpointError(
@@ -161,7 +163,7 @@ def load(path_or_name: str | Path = "bundled", dtype: DType = "float32") -> Load
                 )
             if not np.issubdtype(arr.dtype, np.floating):
                 raise CheckpointError(f"{folder}: tensor {hf!r} has non-float dtype {arr.dtype}")
-            value = arr.T if _is_linear(param, name) else arr
+            value = arr.T if is_linear(param, name) else arr
             # Widen (e.g. float16 storage) before the model sees it: compute runs in dtype.
             param.set_value(np.ascontiguousarray(value).astype(dtype))
     refuse_unexpected(folder, cfg, set(tensors) - expected)
@@ -176,4 +178,4 @@ def load(path_or_name: str | Path = "bundled", dtype: DType = "float32") -> Load
 
 def _hf_shape(param: paddle.Tensor, name: str) -> list[int]:
     shape = list(param.shape)
-    return shape[::-1] if _is_linear(param, name) else shape
+    return shape[::-1] if is_linear(param, name) else shape

@@ -44,7 +44,14 @@ from spectrio.models.batch import AttentionPlan
 from spectrio.models.config import DType, ModelConfig, ModelConfigError
 from spectrio.models.kv_cache import PagedKVCache
 from spectrio.models.layers import KV, MLP, Attention, DecoderLayer, RMSNorm, RopeRows
-from spectrio.models.loader import LoadedModel, refuse_unexpected, resolve_path, tokenizer_of
+from spectrio.models.loader import (
+    LoadedModel,
+    hf_name,
+    is_linear,
+    refuse_unexpected,
+    resolve_path,
+    tokenizer_of,
+)
 from spectrio.models.model import MTPLayer, SharedHead, SpectrioForCausalLM
 from spectrio.models.staging import Staging
 
@@ -270,16 +277,6 @@ def _split_axis(name: str) -> int | None:
     return None
 
 
-def _hf_name(name: str, cfg: ModelConfig) -> str:
-    if name.startswith("mtp."):
-        return f"model.layers.{cfg.num_hidden_layers}." + name[len("mtp.") :]
-    return name
-
-
-def _is_linear(param: paddle.Tensor, name: str) -> bool:
-    return param.ndim == 2 and not name.endswith("embed_tokens.weight")
-
-
 def build_sharded(cfg: ModelConfig, tp: TPShard, dtype: DType = "float32") -> ParallelCausalLM:
     """An uninitialised-for-serving shard (weights are set by :func:`load_sharded`)."""
     model = ParallelCausalLM(cfg, tp)
@@ -321,10 +318,10 @@ def load_sharded(path_or_name: str | Path, tp: TPShard, dtype: DType = "float32"
     expected: set[str] = set()
     with paddle.no_grad():
         for name, param in model.named_parameters():
-            hf = _hf_name(name, cfg)
+            hf = hf_name(name, cfg)
             expected.add(hf)
             local = list(param.shape)
-            local_hf = local[::-1] if _is_linear(param, name) else local
+            local_hf = local[::-1] if is_linear(param, name) else local
             axis = _split_axis(name)
             want = list(local_hf)
             if axis is not None:
@@ -342,7 +339,7 @@ def load_sharded(path_or_name: str | Path, tp: TPShard, dtype: DType = "float32"
                 arr = sl[lo:hi] if axis == 0 else sl[:, lo:hi]
             if not np.issubdtype(arr.dtype, np.floating):
                 raise CheckpointError(f"{folder}: tensor {hf!r} has non-float dtype {arr.dtype}")
-            value = arr.T if _is_linear(param, name) else arr
+            value = arr.T if is_linear(param, name) else arr
             param.set_value(np.ascontiguousarray(value).astype(dtype))
     refuse_unexpected(folder, cfg, set(where) - expected)
     model.eval()

@@ -38,7 +38,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Final
+from typing import Final, TypeVar
 
 import msgspec
 import trio
@@ -179,13 +179,11 @@ def tokenizer_for(info: ModelInfo) -> TextTokenizer | None:
         return _tokenizers.get(info.tokenizer_sha256)
 
 
+_R = TypeVar("_R", ModelInfo, Ack)
+
+
 def _info_reply(frame: bytes) -> ModelInfo:
-    reply = decode_reply(frame)
-    if isinstance(reply, Error):
-        raise RequestRefused(reply)
-    if not isinstance(reply, ModelInfo):
-        raise ValueError(f"expected an info reply, got {type(reply).__name__}")
-    return reply
+    return _expect(frame, ModelInfo, "an info reply")
 
 
 def _older_server(exc: RequestRefused) -> bool:
@@ -287,11 +285,16 @@ def _submit_frame(prompt: Prompt, params: SamplingParams | None, request_id: str
 
 
 def _check(frame: bytes) -> Ack:
+    return _expect(frame, Ack, "an ack")
+
+
+def _expect(frame: bytes, kind: type[_R], what: str) -> _R:
+    """The reply in ``frame`` as ``kind``; an ``Error`` reply raises RequestRefused."""
     reply = decode_reply(frame)
     if isinstance(reply, Error):
         raise RequestRefused(reply)
-    if not isinstance(reply, Ack):
-        raise ValueError(f"expected an ack, got {type(reply).__name__}")
+    if not isinstance(reply, kind):
+        raise ValueError(f"expected {what}, got {type(reply).__name__}")
     return reply
 
 
