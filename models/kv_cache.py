@@ -77,8 +77,8 @@ class PagedKVCache:
         ``[kv_heads, num_seqs, W * block_size, head_dim]``."""
         shape = [self.num_kv_heads, num_seqs, -1, self.head_dim]
         return (
-            fo.reshape(fo.gather(self._k_blocks[layer], blocks), shape),
-            fo.reshape(fo.gather(self._v_blocks[layer], blocks), shape),
+            fo.reshape(fo.lookup_rows(self._k_blocks[layer], blocks), shape),
+            fo.reshape(fo.lookup_rows(self._v_blocks[layer], blocks), shape),
         )
 
     def bytes_per_block(self) -> int:

@@ -30,6 +30,9 @@ from spectrio.models.staging import Staging
 class ForwardOutput:
     logits: paddle.Tensor  # [M, V] for the requested rows
     hidden: paddle.Tensor  # [N, d] for every row
+    #: [M, d]: the rows of ``hidden`` the logits are for, where the pass gathered them
+    #: anyway (the MTP pass), so the next draft substep need not gather them again
+    picked_hidden: paddle.Tensor | None = None
 
 
 class DecoderModel(nn.Layer):
@@ -181,8 +184,9 @@ class SpectrioForCausalLM(nn.Layer):
         x = self.mtp.fuse(self._embed(self.staging.put(batch.input_ids)), prev_hidden)
         x, delta = self.mtp.forward_paged(x, rope, plan, cache, 0)
         x = x + delta
-        logits = self.compute_logits(self.mtp.shared_head.norm(self._select(x, batch)))
-        return ForwardOutput(logits=logits, hidden=x)
+        picked = self._select(x, batch)
+        logits = self.compute_logits(self.mtp.shared_head.norm(picked))
+        return ForwardOutput(logits=logits, hidden=x, picked_hidden=picked)
 
     # ---- dense: [B, T] causal, no cache (training and the oracle) --------------------
 

@@ -12,7 +12,7 @@ import numpy as np
 from msgspec.structs import replace
 
 from spectrio.core.messages import StepPlan
-from spectrio.models import PackedBatch
+from spectrio.models import ForwardOutput, PackedBatch
 from spectrio.models.paddle_setup import paddle
 from spectrio.stages.workspace import Workspace
 
@@ -28,7 +28,7 @@ def draft(ws: Workspace, plan: StepPlan) -> StepPlan:
         return plan
     if ws.mtp_cache is None:
         raise RuntimeError("speculation needs a checkpoint with an MTP layer")
-    prev_rows = [ws.hidden_rows(w.seq_id, w.mtp_start, len(w.mtp_token_ids)) for w in catch_up]
+    prev = ws.hidden_rows_of([(w.seq_id, w.mtp_start, len(w.mtp_token_ids)) for w in catch_up])
     batch = PackedBatch.from_sequences(
         [w.mtp_token_ids for w in catch_up],
         [w.mtp_start for w in catch_up],
@@ -39,13 +39,9 @@ def draft(ws: Workspace, plan: StepPlan) -> StepPlan:
     drafts: dict[int, list[int]] = {}
     t0 = time.perf_counter()
     with paddle.no_grad():
-        out = ws.model.mtp_forward(batch, paddle.concat(prev_rows, axis=0), ws.mtp_cache)
+        out = ws.model.mtp_forward(batch, prev, ws.mtp_cache)
         active = [catch_up[i] for i in wanting]
-        hidden = (
-            paddle.gather(out.hidden, ws.model.staging.put(batch.logits_indices), axis=0)
-            if active
-            else None
-        )
+        hidden = _picked(ws, out, batch.logits_indices) if active else None
         logits = out.logits
         substep = 0
         while active:
@@ -56,11 +52,12 @@ def draft(ws: Workspace, plan: StepPlan) -> StepPlan:
             keep = [i for i, w in enumerate(active) if w.num_drafts > substep]
             if not keep:
                 break
-            active = [active[i] for i in keep]
             assert hidden is not None
-            hidden = paddle.gather(
-                hidden, ws.model.staging.put(np.asarray(keep, dtype=np.int64)), axis=0
-            )
+            if len(keep) < len(active):
+                active = [active[i] for i in keep]
+                hidden = paddle.gather(
+                    hidden, ws.model.staging.put(np.asarray(keep, dtype=np.int64)), axis=0
+                )
             step_batch = PackedBatch.from_sequences(
                 [[drafts[w.slot][-1]] for w in active],
                 [w.mtp_start + len(w.mtp_token_ids) - 1 + substep for w in active],
@@ -73,3 +70,11 @@ def draft(ws: Workspace, plan: StepPlan) -> StepPlan:
         return plan
     seqs = [replace(w, drafts=drafts[w.slot]) if w.slot in drafts else w for w in plan.seqs]
     return replace(plan, seqs=seqs)
+
+
+def _picked(ws: Workspace, out: ForwardOutput, rows: np.ndarray) -> paddle.Tensor:
+    """The MTP hidden states of ``rows`` (the ones with logits): gathered by the pass
+    already where it could."""
+    if out.picked_hidden is not None:
+        return out.picked_hidden
+    return paddle.gather(out.hidden, ws.model.staging.put(rows), axis=0)

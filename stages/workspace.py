@@ -111,12 +111,28 @@ class Workspace:
 
     def hidden_rows(self, seq_id: int, start_pos: int, count: int) -> paddle.Tensor:
         """The stored hidden rows of positions ``start_pos .. start_pos + count - 1``."""
+        stored, lo = self._locate(seq_id, start_pos, count)
+        return stored.hidden[lo : lo + count]
+
+    def hidden_rows_of(self, wanted: list[tuple[int, int, int]]) -> paddle.Tensor:
+        """:meth:`hidden_rows` of each ``(seq_id, start_pos, count)``, stacked in order.
+        When all come from one stored step (a decode step's shared tensor, the usual
+        case), that is one gather, not a slice per sequence and a concat."""
+        found = [(*self._locate(*w), w[2]) for w in wanted]  # (stored, first row, count)
+        source = found[0][0].hidden
+        if len(found) > 1 and all(stored.hidden is source for stored, _, _ in found):
+            rows = np.concatenate([np.arange(lo, lo + n) for _, lo, n in found])
+            return paddle.gather(source, self.model.staging.put(rows), axis=0)
+        parts = [stored.hidden[lo : lo + n] for stored, lo, n in found]
+        return parts[0] if len(parts) == 1 else paddle.concat(parts, axis=0)
+
+    def _locate(self, seq_id: int, start_pos: int, count: int) -> tuple[_StoredHidden, int]:
+        """The stored step holding these rows, and the row of ``start_pos`` in it."""
         stored = self._hidden[seq_id]
         lo = start_pos - stored.start_pos
-        hi = lo + count
-        if lo < 0 or hi > stored.count:
+        if lo < 0 or lo + count > stored.count:
             raise RuntimeError(
                 f"seq {seq_id}: rows {start_pos}+{count} outside stored hidden rows "
                 f"{stored.start_pos}+{stored.count}"
             )
-        return stored.hidden[stored.first + lo : stored.first + hi]
+        return stored, stored.first + lo

@@ -35,6 +35,7 @@ def test_bindings_equal_public_apis(dtype: str) -> None:
         _same(fo.transpose(batched, [1, 0, 2, 3]), batched.transpose([1, 0, 2, 3]))
         index = paddle.to_tensor(np.array([2, 0, 2], dtype=np.int64))
         _same(fo.gather(w, index), paddle.gather(w, index, axis=0))
+        _same(fo.lookup_rows(w, index), paddle.gather(w, index, axis=0))
         _same(fo.softmax(batched), F.softmax(batched, axis=-1))
         _same(fo.swiglu(w), F.swiglu(w))
         _same(fo.add(x, x), x + x)
