@@ -13,7 +13,7 @@ class PagedKVCache:
     """Per-layer key and value pools, head-major: ``[num_kv_heads, num_blocks, block_size,
     head_dim]``, stored flat as ``[num_kv_heads * num_blocks * block_size, head_dim]``.
 
-    Head-major because attention reads the context as ``[kv_heads, seqs, positions, D]``:
+    Head-major because attention reads the context as ``[seqs, kv_heads, positions, D]``:
     gathering whole blocks of one head lands it in that layout with no transpose (a
     transpose of the gathered context cost more than the gather itself at batch 16). A
     step's new keys and values are written in place with one scatter per pool, each row
@@ -46,6 +46,9 @@ class PagedKVCache:
         blocked = [num_kv_heads * num_blocks, block_size * head_dim]
         self._k_blocks = [t.reshape(blocked) for t in self._k]
         self._v_blocks = [t.reshape(blocked) for t in self._v]
+        heads = np.arange(num_kv_heads, dtype=np.int64)
+        self._head_slots = (heads * self.num_slots)[None, :]  # for write_rows
+        self._head_blocks = (heads * num_blocks)[None, :, None]  # for block_rows
 
     @property
     def num_slots(self) -> int:
@@ -54,14 +57,12 @@ class PagedKVCache:
     def write_rows(self, slots: np.ndarray) -> np.ndarray:
         """Pool rows ``[n * kv_heads]`` for tokens at flat ``slots`` ([n]), token-major, so
         ``k`` of shape ``[n, kv_heads, D]`` is written as it is laid out."""
-        heads = np.arange(self.num_kv_heads, dtype=np.int64) * self.num_slots
-        return (np.asarray(slots, dtype=np.int64)[:, None] + heads[None, :]).reshape(-1)
+        return (np.asarray(slots, dtype=np.int64)[:, None] + self._head_slots).reshape(-1)
 
     def block_rows(self, tables: np.ndarray) -> np.ndarray:
-        """Block rows ``[kv_heads * B * W]`` of the blocked view for block ids ``tables``
-        ([B, W], all valid)."""
-        heads = np.arange(self.num_kv_heads, dtype=np.int64) * self.num_blocks
-        return (heads[:, None, None] + np.asarray(tables, dtype=np.int64)[None]).reshape(-1)
+        """Block rows ``[B * kv_heads * W]`` of the blocked view for block ids ``tables``
+        ([B, W], all valid): sequence-major, then head, then the sequence's blocks."""
+        return (self._head_blocks + np.asarray(tables, dtype=np.int64)[:, None, :]).reshape(-1)
 
     def write(self, layer: int, rows: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> None:
         """Store ``k``/``v`` ([n, kv_heads, head_dim], the cache's dtype) at pool ``rows``
@@ -74,8 +75,8 @@ class PagedKVCache:
         self, layer: int, blocks: paddle.Tensor, num_seqs: int
     ) -> tuple[paddle.Tensor, paddle.Tensor]:
         """Keys and values of the blocks at ``blocks`` (from :meth:`block_rows`), as
-        ``[kv_heads, num_seqs, W * block_size, head_dim]``."""
-        shape = [self.num_kv_heads, num_seqs, -1, self.head_dim]
+        ``[num_seqs, kv_heads, W * block_size, head_dim]``."""
+        shape = [num_seqs, self.num_kv_heads, -1, self.head_dim]
         return (
             fo.reshape(fo.lookup_rows(self._k_blocks[layer], blocks), shape),
             fo.reshape(fo.lookup_rows(self._v_blocks[layer], blocks), shape),

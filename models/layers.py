@@ -170,25 +170,27 @@ class Attention(nn.Layer):
         q, k = fo.split(rope.apply(fo.reshape(qk, [n, h + kvh, hd])), [h, kvh], 1)
         cache.write(layer, plan.write_rows, k, v)
         b, tq, g = plan.num_seqs, plan.max_q, h // kvh
-        kc, vc = cache.gather(layer, plan.context_blocks, b)  # [KVH, B, Tk, D]
+        kc, vc = cache.gather(layer, plan.context_blocks, b)  # [B, KVH, Tk, D]
         # GQA without repeating K/V: the query heads of one KV head and their rows share
-        # one matrix, so attention is a plain batched matmul over (KV head, sequence).
+        # one matrix, so attention is a plain batched matmul over (sequence, KV head). A
+        # decode step's rows are already in that layout; only verification and prefill
+        # (several rows per sequence) need a transpose.
         if tq == 1:
-            q = fo.transpose(fo.reshape(q, [b, kvh, g, hd]), [1, 0, 2, 3])
+            q = fo.reshape(q, [b, kvh, g, hd])
         else:
             if plan.pad_rows is not None:
                 q = fo.gather(q, plan.pad_rows)
             q = fo.reshape(
-                fo.transpose(fo.reshape(q, [b, tq, kvh, g, hd]), [2, 0, 3, 1, 4]),
-                [kvh, b, g * tq, hd],
+                fo.transpose(fo.reshape(q, [b, tq, kvh, g, hd]), [0, 2, 3, 1, 4]),
+                [b, kvh, g * tq, hd],
             )
         scores = fo.add(fo.matmul(q, kc, transpose_y=True), plan.mask_for_groups(g))
-        out = fo.matmul(fo.softmax(scores), vc)  # [KVH, B, G * Tq, D]
+        out = fo.matmul(fo.softmax(scores), vc)  # [B, KVH, G * Tq, D]
         if tq == 1:
-            out = fo.reshape(fo.transpose(out, [1, 0, 2, 3]), [b, h * hd])
+            out = fo.reshape(out, [b, h * hd])
         else:
             out = fo.reshape(
-                fo.transpose(fo.reshape(out, [kvh, b, g, tq, hd]), [1, 3, 0, 2, 4]),
+                fo.transpose(fo.reshape(out, [b, kvh, g, tq, hd]), [0, 3, 1, 2, 4]),
                 [b * tq, h * hd],
             )
             if plan.unpad_rows is not None:

@@ -151,9 +151,9 @@ def test_attention_plan_pads_only_mixed_batches() -> None:
     assert plan.pad_rows is None and plan.unpad_rows is None
     assert (plan.max_q, plan.max_ctx) == (2, 8)  # context padded to whole blocks
     # Head-major pools: head h's copy of slot s is row h * 32 + s; block b of head h is
-    # block row h * 8 + b.
+    # block row h * 8 + b, read sequence by sequence, then head by head.
     assert plan.write_rows.numpy().tolist() == [17, 49, 18, 50, 30, 62, 31, 63]
-    assert plan.context_blocks.numpy().tolist() == [3, 4, 7, 1, 11, 12, 15, 9]
+    assert plan.context_blocks.numpy().tolist() == [3, 4, 11, 12, 7, 1, 15, 9]
     mixed = PackedBatch.from_sequences([[1, 2, 3], [4]], [0, 6], tables)
     plan = AttentionPlan.build(mixed, cache, "float64")
     assert plan.pad_rows is not None and plan.unpad_rows is not None
@@ -190,9 +190,12 @@ def test_cache_gather_reads_what_write_stored_through_the_blocked_view() -> None
     slots = np.array([5, 2])  # block 2 offset 1, block 1 offset 0
     rows = paddle.to_tensor(cache.write_rows(slots))
     cache.write(1, rows, paddle.to_tensor(k), paddle.to_tensor(v))
-    table = paddle.to_tensor(cache.block_rows(np.array([[2, 1]])))  # one sequence
-    kc, vc = (t.numpy() for t in cache.gather(1, table, 1))  # [heads, 1, 4 positions, D]
+    # Two sequences: the first reads blocks 2 then 1, the second blocks 3 and 0 (empty).
+    table = paddle.to_tensor(cache.block_rows(np.array([[2, 1], [3, 0]])))
+    kc, vc = (t.numpy() for t in cache.gather(1, table, 2))  # [2 seqs, heads, 4 positions, D]
+    assert kc.shape == (2, 2, 4, 3)
     for h in range(2):
-        np.testing.assert_array_equal(kc[h, 0, [1, 2]], k[:, h])
-        np.testing.assert_array_equal(vc[h, 0, [1, 2]], v[:, h])
-    assert not any(t.numpy().any() for t in cache.gather(0, table, 1))  # layer 0 untouched
+        np.testing.assert_array_equal(kc[0, h, [1, 2]], k[:, h])
+        np.testing.assert_array_equal(vc[0, h, [1, 2]], v[:, h])
+    assert not kc[0, :, [0, 3]].any() and not kc[1].any() and not vc[1].any()
+    assert not any(t.numpy().any() for t in cache.gather(0, table, 2))  # layer 0 untouched
