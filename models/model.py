@@ -62,7 +62,13 @@ class MTPLayer(DecoderLayer):
         self.shared_head = SharedHead(cfg)
 
     def fuse(self, embeds: paddle.Tensor, prev_hidden: paddle.Tensor) -> paddle.Tensor:
-        both = paddle.concat([self.enorm(embeds), self.hnorm(prev_hidden)], axis=-1)
+        # The norms' own method, not ``Layer.__call__`` and its hooks: this runs every
+        # draft substep.
+        normed = [
+            self.enorm.add_normalize(embeds, None, weighted=True)[0],
+            self.hnorm.add_normalize(prev_hidden, None, weighted=True)[0],
+        ]
+        both = paddle.concat(normed, axis=-1)
         return fo.matmul(both, self.eh_proj.weight)  # eh_proj has no bias
 
 
@@ -147,14 +153,14 @@ class SpectrioForCausalLM(nn.Layer):
             span = paddle.arange(cfg.max_position_embeddings, dtype="int64")
             cos, sin = rope_cos_sin(span, cfg.head_dim, cfg.rope_theta, self.dtype)
             self._rope_table = paddle.to_tensor(rope_matrices(cos.numpy(), sin.numpy()))
-        return RopeRows(paddle.gather(self._rope_table, self.staging.put(positions)))
+        return RopeRows(fo.gather(self._rope_table, self.staging.put(positions)))
 
     def _select(self, hidden: paddle.Tensor, batch: PackedBatch) -> paddle.Tensor:
         if batch.logits_indices is None:
             return hidden
         if batch.logits_indices.size == 0:
             return hidden[:0]
-        return paddle.gather(hidden, self.staging.put(batch.logits_indices), axis=0)
+        return fo.gather(hidden, self.staging.put(batch.logits_indices))
 
     # ---- serving: packed rows over a paged cache -------------------------------------
 
@@ -183,9 +189,10 @@ class SpectrioForCausalLM(nn.Layer):
         rope = self._rope_rows(batch.positions)
         x = self.mtp.fuse(self._embed(self.staging.put(batch.input_ids)), prev_hidden)
         x, delta = self.mtp.forward_paged(x, rope, plan, cache, 0)
-        x = x + delta
+        x = fo.add(x, delta)
         picked = self._select(x, batch)
-        logits = self.compute_logits(self.mtp.shared_head.norm(picked))
+        normed = self.mtp.shared_head.norm.add_normalize(picked, None, weighted=True)[0]
+        logits = self.compute_logits(normed)
         return ForwardOutput(logits=logits, hidden=x, picked_hidden=picked)
 
     # ---- dense: [B, T] causal, no cache (training and the oracle) --------------------
