@@ -25,6 +25,7 @@ from msgspec.structs import replace
 
 from spectrio.core.messages import StepPlan, StepResult
 from spectrio.core.timing import StepTiming
+from spectrio.models.paddle_setup import use_configured_threads
 from spectrio.stages import draft as draft_stage
 from spectrio.stages import sampler as sampler_stage
 from spectrio.stages import verify as verify_stage
@@ -103,6 +104,7 @@ class DeviceWorker:
 
     def _run(self) -> None:
         try:
+            use_configured_threads()  # OpenMP's thread count is per thread
             self._loop()
         finally:
             self._results.put(None)

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from spectrio.models import PackedBatch, PagedKVCache, SpectrioForCausalLM
-from spectrio.models.paddle_setup import paddle
+from spectrio.models.paddle_setup import paddle, use_configured_threads
 
 #: A step's hidden states are shared unsliced by its sequences up to this many rows (a
 #: decode or verify step); a sequence of a larger step (a prefill) keeps a copy of its
@@ -64,6 +64,7 @@ class Workspace:
         into sequences of at most ``max_seq_len``. Runs before any request holds a block,
         and every later step writes a position before reading it, so the scratch K/V it
         leaves behind is never read. Returns its wall time."""
+        use_configured_threads()  # run on a worker thread: OpenMP counts per thread
         cache = self.target_cache
         lens: list[int] = []
         tables: list[np.ndarray] = []
