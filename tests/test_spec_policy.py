@@ -112,7 +112,7 @@ def test_probes_climb_to_a_better_k_one_neighbour_at_a_time() -> None:
 
 
 def test_acceptance_is_conditional_per_position() -> None:
-    policy = SpecPolicy(3)
+    policy = SpecPolicy(3, prior_weight=0)  # the raw counts
     policy.observe_acceptance(3, 3)  # all accepted
     policy.observe_acceptance(3, 1)  # 1 accepted, 2 rejected, 3 never reached
     policy.observe_acceptance(2, 0)  # 1 rejected
@@ -122,6 +122,27 @@ def test_acceptance_is_conditional_per_position() -> None:
     assert a[2] == pytest.approx(1.0)
     assert policy.expected_tokens(0) == 1.0
     assert policy.expected_tokens(2) == pytest.approx(1 + a[0] + a[0] * a[1])
+
+
+def test_a_rarely_reached_position_leans_on_the_one_before() -> None:
+    """Two early rejections at position 2 (the only times it was reached) must not read
+    as a_2 = 0: shrunk towards position 1's 0.9 by 4 pseudo-observations it is 0.6, and
+    with more observations the counts take over."""
+    policy = SpecPolicy(2, prior_weight=4.0, prior_acceptance=0.5)
+    for _ in range(96):
+        policy.observe_acceptance(1, 1)
+    for _ in range(6):
+        policy.observe_acceptance(1, 0)
+    policy.observe_acceptance(2, 1)  # 1 accepted, 2 rejected
+    policy.observe_acceptance(2, 1)
+    a = policy.acceptance()
+    assert a[0] == pytest.approx((98 + 4 * 0.5) / (104 + 4), rel=2e-2)  # ~0.93
+    assert a[1] == pytest.approx(4 * a[0] / 6, rel=2e-2)  # 0 of 2, shrunk: ~0.62
+    for _ in range(200):
+        policy.observe_acceptance(2, 1)
+    assert policy.acceptance()[1] < 0.05
+    with pytest.raises(ValueError, match="prior_weight"):
+        SpecPolicy(2, prior_weight=-1)
 
 
 def test_fixed_policy_and_edges() -> None:
