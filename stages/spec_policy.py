@@ -26,9 +26,11 @@ The rule: pick the k that maximises expected tokens per second,
 
 Exploration starts at ``k_max`` and goes down one k at a time while the smaller k does
 better (each k runs twice: its first step pays one-time costs, so the second's time
-replaces it), and one step in ``probe_every`` re-measures the less measured of the best
-k's two neighbours (the larger on ties), so a noisy early timing is corrected and the
-next position's acceptance keeps being measured while the policy prefers fewer drafts.
+replaces it); a batch bucket not timed yet borrows the times of a neighbouring one,
+scaled, instead of exploring again. One step in ``probe_every`` re-measures the less
+measured of the best k's two neighbours (the larger on ties), so a noisy early timing is
+corrected and the next position's acceptance keeps being measured while the policy
+prefers fewer drafts.
 Only neighbours: the rate is unimodal in k (each extra draft adds less, and costs at
 least as much), so a better k is always reachable one step at a time, and a probe never
 spends a step on a k far from the best (at batch 1 a probe of k = 0 cost about 1/16 of
@@ -161,26 +163,63 @@ class SpecPolicy:
             return self.k_max
         self._num_choices += 1
         bucket = _bucket(num_seqs)
+        times = self._estimated_times(bucket)
 
         def rate(k: int) -> float:
-            return self.expected_tokens(k) / _fast_half_mean(self._step_time[(bucket, k)])
+            return self.expected_tokens(k) / times[k]
 
         # Explore downwards from k_max while each smaller k does better (the rate is
-        # unimodal in k): at batch 1 the k below the best is timed, and k = 0 is not.
+        # unimodal in k): at batch 1 the k below the best is timed, and k = 0 is not. A k
+        # borrowed from a neighbouring batch size needs no step of its own.
         for k in range(self.k_max, -1, -1):
-            if (bucket, k) not in self._warm:  # not yet timed past its warm-up step
+            if k not in times:
                 return k
             if k < self.k_max and rate(k) < rate(k + 1):
                 break
-        best = max((k for k in range(self.k_max + 1) if (bucket, k) in self._warm), key=rate)
+        best = max(times, key=rate)
         if self._num_choices % self.probe_every == 0:
             # Re-measure a neighbour of the best (the less measured; ties: the larger,
             # which also measures the next position's acceptance), so one unlucky early
-            # timing cannot keep a good k out of use for good.
+            # timing (or a borrowed one) cannot keep a good k out of use for good.
             def weight(k: int) -> float:
                 timed = self._step_time.get((bucket, k))
-                return float(len(timed)) if timed is not None else 0.0
+                return float(len(timed)) if (bucket, k) in self._warm and timed else 0.0
 
             near = [k for k in (best - 1, best + 1) if 0 <= k <= self.k_max]
             return max(near, key=lambda k: (-weight(k), k))
         return best
+
+    def _estimated_times(self, bucket: int) -> dict[int, float]:
+        """Step time per k for this batch bucket: its own where timed; otherwise borrowed
+        from a bucket next to it (twice or half the size) that timed it, scaled by the
+        two buckets' ratio on the k both timed (unscaled when they share none: then only
+        the argmax is used, which the scale does not move). A batch that shrinks through
+        the buckets at the end of a run (16, 8, 4, 2, 1 running sequences) would
+        otherwise spend its last steps re-timing k = 3, 2 and 1 in each: traced at batch
+        16, 15 of the last 23 steps."""
+        own = {
+            k: _fast_half_mean(self._step_time[(bucket, k)])
+            for k in range(self.k_max + 1)
+            if (bucket, k) in self._warm
+        }
+        if len(own) == self.k_max + 1:
+            return own
+        # Only from a bucket twice or half the size: the cost of a draft relative to the
+        # step grows with the batch, so a farther one would mislead (batch 1's nearly
+        # free drafts would keep batch 16 at k_max untested).
+        others = sorted(
+            {b for b, _ in self._warm if abs(b.bit_length() - bucket.bit_length()) == 1},
+            key=lambda b: -b,  # the larger first: it is the one a shrinking batch just left
+        )
+        for source in others:
+            theirs = {
+                k: _fast_half_mean(self._step_time[(source, k)])
+                for k in range(self.k_max + 1)
+                if (source, k) in self._warm
+            }
+            shared = [k for k in own if k in theirs]
+            scale = sum(own[k] / theirs[k] for k in shared) / len(shared) if shared else 1.0
+            if own and not shared:
+                continue  # nothing to scale by: mixing the two would compare apples with pears
+            return {**{k: t * scale for k, t in theirs.items()}, **own}
+        return own

@@ -195,3 +195,28 @@ def test_a_lone_spike_does_not_move_a_step_time_but_a_lasting_change_does() -> N
     assert policy.step_times()[(1, 1)] == pytest.approx(0.020)
     with pytest.raises(ValueError, match="window"):
         SpecPolicy(1, window=0)
+
+
+def test_a_shrinking_batch_borrows_the_times_of_the_bucket_it_left() -> None:
+    """At the end of a run the batch shrinks from 16 to 8 running sequences: the new
+    bucket starts at the best k of the one it left and does not re-time k = 3, 2 and 1
+    (each twice); a far bucket (batch 1) is never borrowed from."""
+    policy = SpecPolicy(3, probe_every=1000)
+    cost = {0: 10.0, 1: 12.0, 2: 13.0, 3: 16.5}  # at batch 16: k = 2 is best
+    for _ in range(30):
+        policy.observe_acceptance(3, 3)
+        policy.observe_acceptance(3, 1)
+    for _ in range(30):
+        k = policy.choose(16)
+        policy.observe_step(16, k, cost[k])
+    assert policy.choose(16) == 2
+    chosen = []
+    for _ in range(6):
+        k = policy.choose(8)
+        chosen.append(k)
+        policy.observe_step(8, k, cost[k] * 0.6)
+    assert chosen == [2] * 6
+    fresh = SpecPolicy(3, probe_every=1000)
+    for _ in range(4):
+        fresh.observe_step(1, 1, 0.01)  # batch 1 timed k = 1 only
+    assert fresh.choose(16) == 3  # explores from k_max, not batch 1's k
