@@ -24,13 +24,13 @@ The rule: pick the k that maximises expected tokens per second,
   two k within 5% of each other (simulated over 50-step runs, the policy reached 0.95
   of the best fixed k's rate with a mean, 0.96-0.98 with this estimate).
 
-Exploration starts at ``k_max`` and goes down one k at a time while the smaller k does
-better (each k runs twice: its first step pays one-time costs, so the second's time
-replaces it); a batch bucket not timed yet borrows the times of a neighbouring one,
-scaled, instead of exploring again. One step in ``probe_every`` re-measures the less
-measured of the best k's two neighbours (the larger on ties), so a noisy early timing is
-corrected and the next position's acceptance keeps being measured while the policy
-prefers fewer drafts.
+Exploration starts at ``k_max`` (after a batch size's first ``warmup_steps`` steps,
+which are not timed) and goes down one k at a time while the smaller k does better (each
+k runs twice: its first step pays one-time costs, so the second's time replaces it); a
+batch bucket not timed yet borrows the times of a neighbouring one, scaled, instead of
+exploring again. One step in ``probe_every`` re-measures the less measured of the best
+k's two neighbours (the larger on ties), so a noisy early timing is corrected and the
+next position's acceptance keeps being measured while the policy prefers fewer drafts.
 Only neighbours: the rate is unimodal in k (each extra draft adds less, and costs at
 least as much), so a better k is always reachable one step at a time, and a probe never
 spends a step on a k far from the best (at batch 1 a probe of k = 0 cost about 1/16 of
@@ -85,6 +85,7 @@ class SpecPolicy:
         adaptive: bool = True,
         probe_every: int = 16,
         window: int = 8,
+        warmup_steps: int = 6,
         acceptance_decay: float = 0.999,
         prior_acceptance: float = 0.5,
         prior_weight: float = 4.0,
@@ -97,6 +98,14 @@ class SpecPolicy:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.window = window
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        # The first decode steps at a batch size run slower than the rest whatever k is:
+        # at batch 1, 8.5-12.7 ms for the first, 7-10 ms until the fourth to ninth, then
+        # 6.7-7.5 ms (k = 2 and 3, 2-core CPU). Timed then, the k tried first (k_max)
+        # looked dearer than it is, and a 64-token `spectrio generate` stayed at k = 1.
+        self.warmup_steps = warmup_steps
+        self._bucket_steps: dict[int, int] = {}
         # Acceptance is counted per sequence, so at batch B a step brings B observations;
         # a slower forgetting keeps its estimate steady at any batch size (a window of
         # ~100 observations flipped the choice between two k within 3% at batch 16).
@@ -122,7 +131,11 @@ class SpecPolicy:
         """Wall time of a step that ran ``k`` drafts for ``num_seqs`` decoding sequences."""
         if num_seqs <= 0 or not 0 <= k <= self.k_max:
             return
-        key = (_bucket(num_seqs), k)
+        bucket = _bucket(num_seqs)
+        seen = self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
+        if seen <= self.warmup_steps:
+            return
+        key = (bucket, k)
         timed = self._step_time.setdefault(key, deque(maxlen=self.window))
         if key not in self._warm and timed:
             # The first step of a (bucket, k) pays one-time costs (new tensor shapes, cold

@@ -59,6 +59,7 @@ def adaptive_scheduler(k: int, speculative: tuple[bool, ...]) -> Scheduler:
         speculative=SpeculativeConfig(num_speculative_tokens=k, adaptive=True),
     )
     sched = Scheduler(cfg, BlockManager(64, cfg.block_size))
+    sched.policy.warmup_steps = 0  # the warm-up rule has its own test (test_spec_policy)
     for i, flag in enumerate(speculative):
         sched.add(
             Sequence(

@@ -76,7 +76,7 @@ def test_best_k_shrinks_as_the_batch_grows() -> None:
 def test_exploration_descends_from_k_max_while_it_improves() -> None:
     """Each k runs twice (a warm-up, then a timing) from k_max down, and exploration stops
     at the first k that does worse than the one above it."""
-    policy = SpecPolicy(3, probe_every=8)
+    policy = SpecPolicy(3, probe_every=8, warmup_steps=0)
     times = {3: 1.0, 2: 0.7, 1: 0.9, 0: 0.8}  # all accepted: E/T = 4.0, 4.3, 2.2, 1.25
     first = []
     for _ in range(6):
@@ -91,14 +91,13 @@ def test_exploration_descends_from_k_max_while_it_improves() -> None:
     # larger, and no timing comes back in between).
     assert picks.count(2) == 14 and [picks[1], picks[9]] == [3, 3]
     assert policy.choose(6) == 2  # 6 shares the bucket of 5 (up to 8)
-    assert policy.choose(9) == 3  # a new bucket is measured afresh
 
 
 def test_probes_climb_to_a_better_k_one_neighbour_at_a_time() -> None:
     """Timings change (another load arrives and leaves): the best k moves from 0 to 3
     through probes of neighbours only, and no probe is ever two or more away from the
     best k of its moment."""
-    policy = SpecPolicy(3, probe_every=4)
+    policy = SpecPolicy(3, probe_every=4, warmup_steps=0)
     slow = {0: 1.0, 1: 3.0, 2: 5.0, 3: 7.0}  # E/T with all accepted: k = 0 best
     fast = {0: 1.0, 1: 0.6, 2: 0.5, 3: 0.45}  # later: k = 3 best
     picks: list[int] = []
@@ -156,7 +155,7 @@ def test_fixed_policy_and_edges() -> None:
 def test_probes_re_measure_the_least_measured_k() -> None:
     """An unlucky first timing of the best k is corrected: probes go to the k measured
     least, so the policy finds its way back to it."""
-    policy = SpecPolicy(2, probe_every=4)
+    policy = SpecPolicy(2, probe_every=4, warmup_steps=0)
     true_time = {0: 1.0, 1: 0.6, 2: 0.8}
     first = True
     for _ in range(80):
@@ -174,7 +173,7 @@ def test_probes_re_measure_the_least_measured_k() -> None:
 def test_a_pairs_first_timing_is_a_warm_up_the_second_replaces() -> None:
     """The first step of a (bucket, k) pays one-time costs; it must not keep a k that is
     really faster out of use."""
-    policy = SpecPolicy(2)
+    policy = SpecPolicy(2, warmup_steps=0)
     policy.observe_step(1, 2, 0.050)  # first k = 2 step: new shapes, cold caches
     policy.observe_step(1, 2, 0.010)
     policy.observe_step(1, 2, 0.012)
@@ -185,7 +184,7 @@ def test_a_lone_spike_does_not_move_a_step_time_but_a_lasting_change_does() -> N
     """Interference only adds time: the estimate is the mean of the faster half of the
     last ``window`` timings, so one stalled step cannot decide between two k, while a step
     that really became slower (longer contexts) is followed within a window."""
-    policy = SpecPolicy(1, window=8)
+    policy = SpecPolicy(1, window=8, warmup_steps=0)
     for seconds in (0.050, 0.010, 0.011, 0.010, 0.011):  # warm-up, then steady
         policy.observe_step(1, 1, seconds)
     policy.observe_step(1, 1, 0.030)  # one stall
@@ -201,7 +200,7 @@ def test_a_shrinking_batch_borrows_the_times_of_the_bucket_it_left() -> None:
     """At the end of a run the batch shrinks from 16 to 8 running sequences: the new
     bucket starts at the best k of the one it left and does not re-time k = 3, 2 and 1
     (each twice); a far bucket (batch 1) is never borrowed from."""
-    policy = SpecPolicy(3, probe_every=1000)
+    policy = SpecPolicy(3, probe_every=1000, warmup_steps=0)
     cost = {0: 10.0, 1: 12.0, 2: 13.0, 3: 16.5}  # at batch 16: k = 2 is best
     for _ in range(30):
         policy.observe_acceptance(3, 3)
@@ -216,7 +215,28 @@ def test_a_shrinking_batch_borrows_the_times_of_the_bucket_it_left() -> None:
         chosen.append(k)
         policy.observe_step(8, k, cost[k] * 0.6)
     assert chosen == [2] * 6
-    fresh = SpecPolicy(3, probe_every=1000)
+    fresh = SpecPolicy(3, probe_every=1000, warmup_steps=0)
     for _ in range(4):
         fresh.observe_step(1, 1, 0.01)  # batch 1 timed k = 1 only
     assert fresh.choose(16) == 3  # explores from k_max, not batch 1's k
+
+
+def test_the_first_steps_of_a_batch_size_are_not_timed() -> None:
+    """The first decode steps at a batch size run slower whatever k is (measured at batch
+    1: up to 30% for four to nine steps). Timed then, k_max looked dear and a short run
+    settled too low; they are left out, and exploration starts after them."""
+    policy = SpecPolicy(2, warmup_steps=6, probe_every=1000)
+    true_time = {0: 0.6, 1: 0.7, 2: 0.8}
+    picks = []
+    for step in range(20):
+        k = policy.choose(1)
+        picks.append(k)
+        slow = 1.5 if step < 6 else 1.0  # the warm-up steps
+        policy.observe_step(1, k, true_time[k] * slow)
+        policy.observe_acceptance(k, k)  # every draft accepted: k = 2 is best
+    assert picks[:6] == [2] * 6  # nothing timed yet: k_max
+    assert all(k == 2 for k in picks[6:8])  # k_max's own warm-up step, then its timing
+    assert policy.step_times()[(1, 2)] == pytest.approx(0.8)  # no warm-up step in it
+    assert picks[-5:] == [2] * 5
+    with pytest.raises(ValueError, match="warmup_steps"):
+        SpecPolicy(2, warmup_steps=-1)
