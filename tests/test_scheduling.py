@@ -35,19 +35,30 @@ def seq(i: int, n: int, max_tokens: int = 16) -> Sequence:
     )
 
 
-def finish_step(s: Scheduler, plan: StepPlan, emit: int = 1, accepted: int = 0) -> None:
-    results = [
-        SeqResult(
-            slot=w.slot,
-            seq_id=w.seq_id,
-            request_id=w.request_id,
-            num_drafts=w.num_drafts,
-            num_accepted=accepted if w.sample else 0,
-            token_ids=[7] * (accepted + emit) if w.sample else [],
+def finish_step(
+    s: Scheduler,
+    plan: StepPlan,
+    emit: int = 1,
+    accepted: int | None = 0,
+    seconds: float | None = None,
+) -> None:
+    """Fold ``plan`` in: each sampling sequence emits ``accepted`` drafts (None: all of
+    its drafts) plus ``emit`` tokens; ``seconds`` times the step for the policy."""
+    results = []
+    for w in plan.seqs:
+        n = w.num_drafts if accepted is None else accepted
+        results.append(
+            SeqResult(
+                slot=w.slot,
+                seq_id=w.seq_id,
+                request_id=w.request_id,
+                num_drafts=w.num_drafts,
+                num_accepted=n if w.sample else 0,
+                token_ids=[7] * (n + emit) if w.sample else [],
+                num_computed=w.start_pos + len(w.token_ids),
+            )
         )
-        for w in plan.seqs
-    ]
-    s.update(StepResult(step=plan.step, results=results))
+    s.update(StepResult(step=plan.step, results=results), seconds=seconds)
 
 
 def adaptive_scheduler(k: int, speculative: tuple[bool, ...]) -> Scheduler:
@@ -76,19 +87,7 @@ def adaptive_scheduler(k: int, speculative: tuple[bool, ...]) -> Scheduler:
 
 def accept_all(sched: Scheduler, plan: StepPlan, seconds: float) -> None:
     """Fold ``plan`` in with every draft accepted, the step timed at ``seconds``."""
-    results = [
-        SeqResult(
-            slot=w.slot,
-            seq_id=w.seq_id,
-            request_id=w.request_id,
-            num_drafts=w.num_drafts,
-            num_accepted=w.num_drafts,
-            token_ids=[9] * (w.num_drafts + 1) if w.sample else [],
-            num_computed=w.start_pos + len(w.token_ids),
-        )
-        for w in plan.seqs
-    ]
-    sched.update(StepResult(step=plan.step, results=results), seconds=seconds)
+    finish_step(sched, plan, accepted=None, seconds=seconds)
 
 
 def test_chunked_prefill_splits_a_long_prompt_over_steps() -> None:
