@@ -62,13 +62,8 @@ class MTPLayer(DecoderLayer):
         self.shared_head = SharedHead(cfg)
 
     def fuse(self, embeds: paddle.Tensor, prev_hidden: paddle.Tensor) -> paddle.Tensor:
-        # The norms' own method, not ``Layer.__call__`` and its hooks: this runs every
-        # draft substep.
-        normed = [
-            self.enorm.add_normalize(embeds, None, weighted=True)[0],
-            self.hnorm.add_normalize(prev_hidden, None, weighted=True)[0],
-        ]
-        both = paddle.concat(normed, axis=-1)
+        # ``forward``, not ``Layer.__call__`` and its hooks: this runs every draft substep.
+        both = paddle.concat([self.enorm.forward(embeds), self.hnorm.forward(prev_hidden)], -1)
         return fo.matmul(both, self.eh_proj.weight)  # eh_proj has no bias
 
 
@@ -191,8 +186,7 @@ class SpectrioForCausalLM(nn.Layer):
         x, delta = self.mtp.forward_paged(x, rope, plan, cache, 0)
         x = fo.add(x, delta)
         picked = self._select(x, batch)
-        normed = self.mtp.shared_head.norm.add_normalize(picked, None, weighted=True)[0]
-        logits = self.compute_logits(normed)
+        logits = self.compute_logits(self.mtp.shared_head.norm.forward(picked))
         return ForwardOutput(logits=logits, hidden=x, picked_hidden=picked)
 
     # ---- dense: [B, T] causal, no cache (training and the oracle) --------------------

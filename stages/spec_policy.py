@@ -55,7 +55,7 @@ def _bucket(num_seqs: int) -> int:
 
 @dataclasses.dataclass
 class _Decayed:
-    """An exponentially forgetting mean."""
+    """An exponentially forgetting sum of observations and their count."""
 
     value: float = 0.0
     weight: float = 0.0
@@ -63,10 +63,6 @@ class _Decayed:
     def add(self, x: float, decay: float) -> None:
         self.value = self.value * decay + x
         self.weight = self.weight * decay + 1.0
-
-    @property
-    def mean(self) -> float:
-        return self.value / self.weight if self.weight else 0.0
 
 
 def _fast_half_mean(times: deque[float]) -> float:
@@ -210,11 +206,7 @@ class SpecPolicy:
         the buckets at the end of a run (16, 8, 4, 2, 1 running sequences) would
         otherwise spend its last steps re-timing k = 3, 2 and 1 in each: traced at batch
         16, 15 of the last 23 steps."""
-        own = {
-            k: _fast_half_mean(self._step_time[(bucket, k)])
-            for k in range(self.k_max + 1)
-            if (bucket, k) in self._warm
-        }
+        own = self._timed(bucket)
         if len(own) == self.k_max + 1:
             return own
         # Only from a bucket twice or half the size: the cost of a draft relative to the
@@ -225,14 +217,18 @@ class SpecPolicy:
             key=lambda b: -b,  # the larger first: it is the one a shrinking batch just left
         )
         for source in others:
-            theirs = {
-                k: _fast_half_mean(self._step_time[(source, k)])
-                for k in range(self.k_max + 1)
-                if (source, k) in self._warm
-            }
+            theirs = self._timed(source)
             shared = [k for k in own if k in theirs]
             scale = sum(own[k] / theirs[k] for k in shared) / len(shared) if shared else 1.0
             if own and not shared:
                 continue  # nothing to scale by: mixing the two would compare apples with pears
             return {**{k: t * scale for k, t in theirs.items()}, **own}
         return own
+
+    def _timed(self, bucket: int) -> dict[int, float]:
+        """The bucket's own step-time estimate of every k timed past its warm-up step."""
+        return {
+            k: _fast_half_mean(self._step_time[(bucket, k)])
+            for k in range(self.k_max + 1)
+            if (bucket, k) in self._warm
+        }

@@ -110,15 +110,11 @@ class Workspace:
             hidden, first = hidden[first : first + count], 0
         self._hidden[seq_id] = _StoredHidden(start_pos, hidden, first, count)
 
-    def hidden_rows(self, seq_id: int, start_pos: int, count: int) -> paddle.Tensor:
-        """The stored hidden rows of positions ``start_pos .. start_pos + count - 1``."""
-        stored, lo = self._locate(seq_id, start_pos, count)
-        return stored.hidden[lo : lo + count]
-
     def hidden_rows_of(self, wanted: list[tuple[int, int, int]]) -> paddle.Tensor:
-        """:meth:`hidden_rows` of each ``(seq_id, start_pos, count)``, stacked in order.
-        When all come from one stored step (a decode step's shared tensor, the usual
-        case), that is one gather, not a slice per sequence and a concat."""
+        """The stored hidden rows of positions ``start_pos .. start_pos + count - 1`` of
+        each ``(seq_id, start_pos, count)``, stacked in order. When all come from one
+        stored step (a decode step's shared tensor, the usual case), that is one gather,
+        not a slice per sequence and a concat."""
         found = [(*self._locate(*w), w[2]) for w in wanted]  # (stored, first row, count)
         source = found[0][0].hidden
         if len(found) > 1 and all(stored.hidden is source for stored, _, _ in found):

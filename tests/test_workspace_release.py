@@ -106,7 +106,7 @@ def test_stored_hidden_rows_share_a_small_step_and_copy_from_a_large_one() -> No
         held = ws._hidden[7].hidden
         assert (held is step) == (rows <= SHARE_ROWS)
         assert held.shape[0] == (rows if rows <= SHARE_ROWS else 3)
-        np.testing.assert_array_equal(ws.hidden_rows(7, 11, 2).numpy(), step.numpy()[5:7])
+        np.testing.assert_array_equal(ws.hidden_rows_of([(7, 11, 2)]).numpy(), step.numpy()[5:7])
 
 
 def test_hidden_rows_of_many_sequences_are_stacked_in_order() -> None:
