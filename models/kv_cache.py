@@ -72,11 +72,14 @@ class PagedKVCache:
         fo.scatter_(self._v[layer], rows, fo.reshape(v, [-1, d]))
 
     def gather(
-        self, layer: int, blocks: paddle.Tensor, num_seqs: int
+        self, layer: int, blocks: paddle.Tensor, num_seqs: int, row_axis: bool = False
     ) -> tuple[paddle.Tensor, paddle.Tensor]:
         """Keys and values of the blocks at ``blocks`` (from :meth:`block_rows`), as
-        ``[num_seqs, kv_heads, W * block_size, head_dim]``."""
-        shape = [num_seqs, self.num_kv_heads, -1, self.head_dim]
+        ``[num_seqs, kv_heads, W * block_size, head_dim]``, or with ``row_axis``
+        ``[num_seqs, 1, kv_heads, W * block_size, head_dim]`` (to broadcast over query
+        rows)."""
+        lead = [num_seqs, 1] if row_axis else [num_seqs]
+        shape = [*lead, self.num_kv_heads, -1, self.head_dim]
         return (
             fo.reshape(fo.lookup_rows(self._k_blocks[layer], blocks), shape),
             fo.reshape(fo.lookup_rows(self._v_blocks[layer], blocks), shape),

@@ -170,13 +170,18 @@ class Attention(nn.Layer):
         q, k = fo.split(rope.apply(fo.reshape(qk, [n, h + kvh, hd])), [h, kvh], 1)
         cache.write(layer, plan.write_rows, k, v)
         b, tq, g = plan.num_seqs, plan.max_q, h // kvh
-        kc, vc = cache.gather(layer, plan.context_blocks, b)  # [B, KVH, Tk, D]
+        # [B, KVH, Tk, D], or [1, 1, KVH, Tk, D] to broadcast over the rows
+        kc, vc = cache.gather(layer, plan.context_blocks, b, row_axis=plan.broadcast_kv)
         # GQA without repeating K/V: the query heads of one KV head and their rows share
         # one matrix, so attention is a plain batched matmul over (sequence, KV head). A
-        # decode step's rows are already in that layout; only verification and prefill
-        # (several rows per sequence) need a transpose.
+        # decode step's rows are already in that layout; verification and prefill (several
+        # rows per sequence) need a transpose, except a single sequence's few rows, which
+        # keep their row axis and broadcast K/V over it (AttentionPlan.broadcast_kv).
+        flat = tq == 1 or plan.broadcast_kv
         if tq == 1:
             q = fo.reshape(q, [b, kvh, g, hd])
+        elif plan.broadcast_kv:
+            q = fo.reshape(q, [b, tq, kvh, g, hd])
         else:
             if plan.pad_rows is not None:
                 q = fo.gather(q, plan.pad_rows)
@@ -185,9 +190,9 @@ class Attention(nn.Layer):
                 [b, kvh, g * tq, hd],
             )
         scores = fo.add(fo.matmul(q, kc, transpose_y=True), plan.mask_for_groups(g))
-        out = fo.matmul(fo.softmax(scores), vc)  # [B, KVH, G * Tq, D]
-        if tq == 1:
-            out = fo.reshape(out, [b, h * hd])
+        out = fo.matmul(fo.softmax(scores), vc)  # [B, KVH, G * Tq, D] or [1, Tq, KVH, G, D]
+        if flat:
+            out = fo.reshape(out, [b * tq, h * hd])
         else:
             out = fo.reshape(
                 fo.transpose(fo.reshape(out, [b, kvh, g, tq, hd]), [0, 3, 1, 2, 4]),

@@ -86,6 +86,36 @@ def test_verify_rows_equal_one_token_at_a_time_in_float64() -> None:
     assert np.abs(verify.logits.numpy() - one_by_one).max() < 1e-10
 
 
+def test_a_single_sequences_rows_attend_alike_in_both_layouts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One sequence's few rows (batch-1 verification) broadcast K/V over the rows; the
+    transposed layout that every other batch uses gives the same logits."""
+    from spectrio.models import batch as batch_module
+
+    model = tiny_model("float64", seed=6)
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(1, 97, size=13).tolist()
+    table = np.array([4, 11, 2, 8, 6, 9])
+
+    def verify(rows: list[int]) -> tuple[bool, np.ndarray]:
+        cache = _cache(model)
+        with paddle.no_grad():
+            model.forward(PackedBatch.from_sequences([prompt], [0], [table]), cache)
+            step = PackedBatch.from_sequences([rows], [13], [table])
+            plan = batch_module.AttentionPlan.build(step, cache, "float64")
+            return plan.broadcast_kv, model.forward(step, cache).logits.numpy()
+
+    for n in (2, 4, batch_module.BROADCAST_KV_MAX_Q):
+        rows = rng.integers(1, 97, size=n).tolist()
+        used, broadcast = verify(rows)
+        with monkeypatch.context() as m:
+            m.setattr(batch_module, "BROADCAST_KV_MAX_Q", 0)
+            unused, transposed = verify(rows)
+        assert used and not unused
+        assert np.abs(broadcast - transposed).max() < 1e-12
+
+
 def test_logits_indices_select_rows() -> None:
     model = tiny_model()
     ids = [[5, 6, 7, 8], [9, 10]]
