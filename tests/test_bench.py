@@ -149,9 +149,32 @@ async def test_bench_request_rate(tmp_path: Path) -> None:
     assert row["seconds"] >= bench.poisson_arrivals(12, 400.0)[-1]
 
 
+async def test_bench_waves_keep_the_batch_full(tmp_path: Path) -> None:
+    """Three waves at batch 2: six requests, two running at a time."""
+    out = tmp_path / "out.json"
+    argv = [
+        "--model", SYNTH, "--batch", "2", "--k", "0", "--max-tokens", "8", "--prompt-tokens",
+        "6", "--waves", "3", "--json", str(out), "--progress", "off",
+    ]  # fmt: skip
+    assert await _main(argv, 60) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["requests"] == 6 and row["tokens"] == 48
+    # A step emits one token per running request: 48 tokens take 24 steps with two
+    # requests in every step (one prefill and seven decode steps each), 48 with one; the
+    # first request may get a step to itself before the second is admitted.
+    assert 24 <= row["pipeline_steps"] <= 26
+
+
 @pytest.mark.parametrize(
     "extra",
-    [["--agreement"], ["--request-rate", "0"], ["--batch", "0"], ["--k", "x"]],
+    [
+        ["--agreement"],
+        ["--request-rate", "0"],
+        ["--batch", "0"],
+        ["--k", "x"],
+        ["--waves", "0"],
+        ["--waves", "2", "--num-requests", "4"],
+    ],
 )
 def test_bench_rejects_bad_options(extra: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:

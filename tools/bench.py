@@ -2,11 +2,15 @@
 step's time goes.
 
 For each batch size and speculation setting it runs ``--num-requests`` requests (default:
-the batch size) with at most ``batch`` running at once (``max_num_seqs``), each
-``ignore_eos`` with a fixed ``--max-tokens``. Requests arrive all at once, or as a
-seeded Poisson process with ``--request-rate R`` requests per second. Prompts are
-held-out corpus text for real models and seeded random token ids for
-``--model synthetic:...`` (the synthetic device, :mod:`spectrio.models.synthetic`,
+the batch size times ``--waves``, default 1) with at most ``batch`` running at once
+(``max_num_seqs``), each ``ignore_eos`` with a fixed ``--max-tokens``. With several waves
+a finished request's slot goes to the next waiting one, so the batch stays full until the
+last wave: the steady state of a server, rather than one batch that shrinks at its end as
+its requests finish on different steps (speculation finishes them unevenly), and at batch
+1 a run long enough to time on a noisy machine (one 128-token request lasts 0.4 s).
+Requests arrive all at once, or as a seeded Poisson process with ``--request-rate R``
+requests per second. Prompts are held-out corpus text for real models and seeded random
+token ids for ``--model synthetic:...`` (the synthetic device, :mod:`spectrio.models.synthetic`,
 which measures the runtime alone: ``--model synthetic:step_ms=10,per_row_us=20``).
 
 ``--logprobs off 0 20`` repeats every case with each logprob setting (``off``: none; N: the
@@ -20,7 +24,7 @@ intervals) per case. ``--save-trace PATH`` saves each run as a request trace
 (``docs/trace.md``: the planned arrivals, each request's result, and a summary) for
 ``spectrio replay`` and ``spectrio diff``.
 
-Run: ``spectrio bench [--model M] [--batch 1 16] [--k 0 1 2 3 auto] [--request-rate R]
+Run: ``spectrio bench [--model M] [--batch 1 16] [--k 0 1 2 3 auto] [--waves W] [--request-rate R]
 [--logprobs off 0 20] [--max-tokens 64] [--overlap] [--json out.json] [--plot out.png]
 [--save-trace run.jsonl]``.
 
@@ -479,7 +483,14 @@ def main(argv: list[str] | None = None) -> int:
         "--num-requests",
         type=int,
         default=None,
-        help="requests per case (default: the batch size)",
+        help="requests per case (default: the batch size times --waves)",
+    )
+    p.add_argument(
+        "--waves",
+        type=int,
+        default=1,
+        help="requests per case as a multiple of the batch size (a full batch until the "
+        "last wave); not with --num-requests",
     )
     p.add_argument(
         "--request-rate",
@@ -522,6 +533,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--batch sizes must be positive")
     if args.num_requests is not None and args.num_requests < 1:
         p.error("--num-requests must be positive")
+    if args.waves < 1:
+        p.error("--waves must be positive")
+    if args.waves != 1 and args.num_requests is not None:
+        p.error("--waves and --num-requests both set the requests per case: give one")
     if args.request_rate is not None and not 0 < args.request_rate < math.inf:
         p.error("--request-rate must be a positive number")
     if args.max_tokens < 1 or args.prompt_tokens < 1 or args.repeat < 1:
@@ -531,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.agreement and args.dtype != "float32":
         p.error("--agreement compares float32 runs")
     progress = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
-    counts = [b if args.num_requests is None else args.num_requests for b in args.batch]
+    counts = [args.num_requests or b * args.waves for b in args.batch]
     prompts = bench_prompts(max(counts), args.prompt_tokens, args.model, args.seed)
     cases = [(b, k, lp) for b in args.batch for k in ks for lp in settings]
     runs: dict[tuple[int, int | str, int | None], list[dict[str, Any]]] = {c: [] for c in cases}
@@ -556,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.overlap,
                 args.k_max,
                 args.request_rate,
-                args.num_requests,
+                args.num_requests or b * args.waves,
                 args.seed,
                 progress,
                 trace_path(args.save_trace, b, k, lp, round_, single),
@@ -566,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = _machine()
     print(
         f"machine: {machine}; model={args.model} dtype={args.dtype} max_tokens={args.max_tokens} "
-        f"overlap={args.overlap} request_rate={args.request_rate or 'all at once'}"
+        f"overlap={args.overlap} request_rate={args.request_rate or 'all at once'} "
+        f"requests={args.num_requests or f'{args.waves} x batch'}"
     )
     print(summary_table(rows))
     if args.agreement:
