@@ -375,8 +375,10 @@ class Scheduler:
         result without requests aborted since it was planned.
 
         ``seconds``, the step's time, feeds the adaptive speculation policy when every
-        sequence of the step was decoding (a step with prefill rows says nothing about the
-        cost of drafts)."""
+        sequence of the step was decoding and none caught its MTP layer up on more than
+        ``k_max + 1`` rows (a step with prefill rows, or the first decode step after a
+        prefill, whose MTP pass reads the whole prompt, says nothing about the cost of
+        drafts: at batch 16 in the steady state a new request starts every few steps)."""
         if not self._inflight or result.step != min(self._inflight):
             raise RuntimeError(f"result of step {result.step}; in flight: {sorted(self._inflight)}")
         works = self._inflight.pop(result.step)
@@ -384,7 +386,13 @@ class Scheduler:
         if seconds is None:
             seconds = result.device_seconds or None
         if seconds is not None and works:
-            if all(w.sample and (w.pending or len(w.token_ids) == 1) for w in works.values()):
+            catch_up = self.policy.k_max + 1
+            if all(
+                w.sample
+                and (w.pending or len(w.token_ids) == 1)
+                and len(w.mtp_token_ids) <= catch_up
+                for w in works.values()
+            ):
                 drafted = any(r.num_drafts for r in result.results)
                 # The same count choose() was given: the step's speculative sequences.
                 speculative = sum(1 for w in works.values() if w.speculative)

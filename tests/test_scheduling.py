@@ -61,8 +61,9 @@ def finish_step(
     s.update(StepResult(step=plan.step, results=results), seconds=seconds)
 
 
-def adaptive_scheduler(k: int, speculative: tuple[bool, ...]) -> Scheduler:
-    """An adaptive-k scheduler holding one 3-token request per flag (speculative or not)."""
+def adaptive_scheduler(k: int, speculative: tuple[bool, ...], prompt_len: int = 3) -> Scheduler:
+    """An adaptive-k scheduler holding one ``prompt_len``-token request per flag
+    (speculative or not)."""
     cfg = RuntimeConfig(
         max_model_len=256,
         max_num_seqs=4,
@@ -76,7 +77,7 @@ def adaptive_scheduler(k: int, speculative: tuple[bool, ...]) -> Scheduler:
             Sequence(
                 seq_id=i,
                 request_id=f"r{i}",
-                prompt_ids=[5, 6, 7],
+                prompt_ids=list(range(5, 5 + prompt_len)),
                 params=SamplingParams(max_tokens=200),
                 eos_token_ids=[],
                 speculative=flag,
@@ -429,3 +430,17 @@ def test_step_times_are_filed_under_the_count_choose_was_given() -> None:
         accept_all(sched, plan, 1.0)
     assert {bucket for bucket, _ in sched.policy.step_times()} == {1}
     assert {k for _, k in sched.policy.step_times()} >= {2, 1}  # it moved past k_max
+
+
+def test_the_mtp_catch_up_over_a_prompt_is_not_timed() -> None:
+    """The first decode step after a prefill runs the MTP layer over the whole prompt: its
+    time says nothing about the cost of drafts, so only the steps after it are timed."""
+    sched = adaptive_scheduler(2, (True,), prompt_len=12)
+    catch_up: list[int] = []
+    for _ in range(4):
+        plan = sched.schedule()
+        assert plan is not None
+        catch_up.append(len(plan.seqs[0].mtp_token_ids))
+        accept_all(sched, plan, 1.0)
+    assert catch_up == [0, 12, 3, 3]  # prefill, the prompt's catch-up, then k + 1 rows
+    assert sched.policy._bucket_steps == {1: 2}  # the last two steps only
