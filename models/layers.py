@@ -169,7 +169,24 @@ class Attention(nn.Layer):
         qk, v = fo.split(fo.matmul(x, self._qkv_weight), [(h + kvh) * hd, kvh * hd], 1)
         q, k = fo.split(rope.apply(fo.reshape(qk, [n, h + kvh, hd])), [h, kvh], 1)
         cache.write(layer, plan.write_rows, k, v)
+        if plan.groups is None:
+            out = self._attend(q, plan, cache, layer)
+        else:  # decode/verify rows and prefill chunks, each padded only to their own length
+            out = paddle.concat([self._attend(q, part, cache, layer) for part in plan.groups])
+            if plan.order is not None:
+                out = fo.gather(out, plan.order)
+        assert self._o_weight is not None
+        return fo.matmul(out, self._o_weight)
+
+    def _attend(
+        self, q: paddle.Tensor, plan: AttentionPlan, cache: PagedKVCache, layer: int
+    ) -> paddle.Tensor:
+        """Attention of the query rows ``q`` ``[N, H, D]`` (rope applied) of ``plan``'s
+        sequences over their cached context: ``[rows, H * D]`` in the plan's packed order."""
+        h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
         b, tq, g = plan.num_seqs, plan.max_q, h // kvh
+        if plan.pad_rows is not None:
+            q = fo.gather(q, plan.pad_rows)
         # [B, KVH, Tk, D], or [1, 1, KVH, Tk, D] to broadcast over the rows
         kc, vc = cache.gather(layer, plan.context_blocks, b, row_axis=plan.broadcast_kv)
         # GQA without repeating K/V: the query heads of one KV head and their rows share
@@ -183,8 +200,6 @@ class Attention(nn.Layer):
         elif plan.broadcast_kv:
             q = fo.reshape(q, [b, tq, kvh, g, hd])
         else:
-            if plan.pad_rows is not None:
-                q = fo.gather(q, plan.pad_rows)
             q = fo.reshape(
                 fo.transpose(fo.reshape(q, [b, tq, kvh, g, hd]), [0, 2, 3, 1, 4]),
                 [b, kvh, g * tq, hd],
@@ -198,10 +213,9 @@ class Attention(nn.Layer):
                 fo.transpose(fo.reshape(out, [b, kvh, g, tq, hd]), [0, 3, 1, 2, 4]),
                 [b * tq, h * hd],
             )
-            if plan.unpad_rows is not None:
-                out = fo.gather(out, plan.unpad_rows)
-        assert self._o_weight is not None
-        return fo.matmul(out, self._o_weight)
+        if plan.unpad_rows is not None:
+            out = fo.gather(out, plan.unpad_rows)
+        return out
 
 
 class RopeRows:

@@ -116,6 +116,42 @@ def test_a_single_sequences_rows_attend_alike_in_both_layouts(
         assert np.abs(broadcast - transposed).max() < 1e-12
 
 
+def test_short_rows_are_not_padded_to_a_prefill_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step mixing a prefill chunk with decode and verify rows attends in two groups, each
+    padded to its own length; the logits equal the single padded group's, whatever order
+    the sequences come in."""
+    from spectrio.models import batch as batch_module
+
+    model = tiny_model("float64", seed=8)
+    rng = np.random.default_rng(4)
+    prior = [rng.integers(1, 97, size=n).tolist() for n in (6, 0, 9, 5)]
+    new = [rng.integers(1, 97, size=n).tolist() for n in (3, 14, 1, 3)]  # seq 1: a prefill
+    tables = [np.array([2, 9, 5, 14]), np.array([7, 1, 12, 4]), np.array([3, 8, 0]), [6, 11]]
+
+    def step() -> tuple[batch_module.AttentionPlan, np.ndarray]:
+        cache = _cache(model)
+        with paddle.no_grad():
+            warm = [(p, t) for p, t in zip(prior, tables, strict=True) if p]
+            model.forward(
+                PackedBatch.from_sequences(
+                    [p for p, _ in warm], [0] * len(warm), [t for _, t in warm]
+                ),
+                cache,
+            )
+            batch = PackedBatch.from_sequences(new, [len(p) for p in prior], tables)
+            plan = batch_module.AttentionPlan.build(batch, cache, "float64")
+            return plan, model.forward(batch, cache).logits.numpy()
+
+    plan, split = step()
+    assert plan.groups is not None and plan.order is not None
+    assert [(g.num_seqs, g.max_q) for g in plan.groups] == [(3, 3), (1, 14)]
+    with monkeypatch.context() as m:
+        m.setattr(batch_module, "SHORT_Q", 0)
+        plan, padded = step()
+    assert plan.groups is None
+    assert np.abs(split - padded).max() < 1e-12
+
+
 def test_logits_indices_select_rows() -> None:
     model = tiny_model()
     ids = [[5, 6, 7, 8], [9, 10]]
