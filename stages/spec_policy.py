@@ -160,11 +160,17 @@ class SpecPolicy:
 
     def expected_tokens(self, k: int) -> float:
         """Tokens one sequence emits per step with ``k`` drafts."""
-        total, run = 1.0, 1.0
-        for a in self.acceptance()[:k]:
+        return self._expected_tokens_all()[k]
+
+    def _expected_tokens_all(self) -> list[float]:
+        """Expected tokens per sequence for k = 0..k_max, from one pass over the
+        acceptance (choose() runs every step, on the scheduler's thread)."""
+        out, total, run = [1.0], 1.0, 1.0
+        for a in self.acceptance():
             run *= a
             total += run
-        return total
+            out.append(total)
+        return out
 
     def choose(self, num_seqs: int) -> int:
         """Drafts per sequence for a step with ``num_seqs`` decoding sequences."""
@@ -173,9 +179,10 @@ class SpecPolicy:
         self._num_choices += 1
         bucket = _bucket(num_seqs)
         times = self._estimated_times(bucket)
+        tokens = self._expected_tokens_all()
 
         def rate(k: int) -> float:
-            return self.expected_tokens(k) / times[k]
+            return tokens[k] / times[k]
 
         # Explore downwards from k_max while each smaller k does better (the rate is
         # unimodal in k): at batch 1 the k below the best is timed, and k = 0 is not. A k
