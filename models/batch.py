@@ -183,10 +183,12 @@ class AttentionPlan:
         stage: Callable[[np.ndarray], paddle.Tensor] = paddle.to_tensor,
     ) -> AttentionPlan:
         plan = cls._build(batch, cache, dtype, stage)
+        if plan.pad_rows is None:  # equal rows (decode, verification): nothing to split
+            return plan
         cu = batch.cu_seqlens_q
         q_lens = cu[1:] - cu[:-1]
         short = q_lens <= SHORT_Q
-        if plan.pad_rows is None or int(short.sum()) < 2 or short.all():
+        if int(short.sum()) < 2 or short.all():
             return plan
         plan.groups, parts = [], []
         for seqs in (np.flatnonzero(short), np.flatnonzero(~short)):
@@ -290,19 +292,17 @@ class AttentionPlan:
         broadcast. With :attr:`broadcast_kv`, for scores ``[1, max_q, KVH, group,
         max_ctx]``."""
         cached = self._group_masks.get(group)
-        if cached is None and self.broadcast_kv:
+        if cached is None:
             b, _, q, c = self.mask.shape
-            tiled = np.empty((b, q, self.num_kv_heads, group, c), dtype=self.mask.dtype)
-            tiled[...] = self.mask.reshape(b, q, 1, 1, c)
+            if self.broadcast_kv:
+                tiled = np.empty((b, q, self.num_kv_heads, group, c), dtype=self.mask.dtype)
+                tiled[...] = self.mask.reshape(b, q, 1, 1, c)
+            else:
+                full = self.mask.size * group * self.num_kv_heads <= FULL_MASK_LIMIT
+                heads = self.num_kv_heads if full else 1
+                tiled = np.empty((b, heads, group * q, c), dtype=self.mask.dtype)
+                tiled.reshape(b, heads, group, q, c)[...] = self.mask.reshape(b, 1, 1, q, c)
             cached = self._group_masks[group] = self.stage(tiled)
-        elif cached is None:
-            b, _, q, c = self.mask.shape
-            full = self.mask.size * group * self.num_kv_heads <= FULL_MASK_LIMIT
-            heads = self.num_kv_heads if full else 1
-            tiled = np.empty((b, heads, group * q, c), dtype=self.mask.dtype)
-            tiled.reshape(b, heads, group, q, c)[...] = self.mask.reshape(b, 1, 1, q, c)
-            cached = self.stage(tiled)
-            self._group_masks[group] = cached
         return cached
 
 

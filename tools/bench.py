@@ -546,8 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.agreement and args.dtype != "float32":
         p.error("--agreement compares float32 runs")
     progress = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
-    counts = [args.num_requests or b * args.waves for b in args.batch]
-    prompts = bench_prompts(max(counts), args.prompt_tokens, args.model, args.seed)
+    counts = {b: args.num_requests or b * args.waves for b in args.batch}  # requests per case
+    prompts = bench_prompts(max(counts.values()), args.prompt_tokens, args.model, args.seed)
     cases = [(b, k, lp) for b in args.batch for k in ks for lp in settings]
     runs: dict[tuple[int, int | str, int | None], list[dict[str, Any]]] = {c: [] for c in cases}
     # Rounds alternate the cases, so a busy machine slows every case alike.
@@ -571,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.overlap,
                 args.k_max,
                 args.request_rate,
-                args.num_requests or b * args.waves,
+                counts[b],
                 args.seed,
                 progress,
                 trace_path(args.save_trace, b, k, lp, round_, single),
