@@ -13,6 +13,7 @@ import hashlib
 
 import pytest
 from msgspec.structs import replace
+from scheduler_helpers import seq_result
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig
 from spectrio.core.messages import SeqResult, StepPlan, StepResult
@@ -60,19 +61,7 @@ def device_step(plan: StepPlan) -> StepResult:
                 break
         if finish is None and cut >= w.max_new_tokens:
             cut, finish = w.max_new_tokens, "length"
-        results.append(
-            SeqResult(
-                slot=w.slot,
-                seq_id=w.seq_id,
-                request_id=w.request_id,
-                num_drafts=w.num_drafts,
-                num_accepted=accepted,
-                token_ids=run[:cut],
-                finish_reason=finish,
-                num_computed=w.start_pos + len(w.token_ids),
-                context_len=w.context_len,
-            )
-        )
+        results.append(seq_result(w, accepted, run[:cut], finish))
     return StepResult(
         step=plan.step, results=results, preempted=plan.preempted, aborted=plan.aborted
     )

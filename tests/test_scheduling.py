@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from scheduler_helpers import seq_result
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig
 from spectrio.core.messages import SeqResult, StepPlan, StepResult
@@ -47,17 +48,7 @@ def finish_step(
     results = []
     for w in plan.seqs:
         n = w.num_drafts if accepted is None else accepted
-        results.append(
-            SeqResult(
-                slot=w.slot,
-                seq_id=w.seq_id,
-                request_id=w.request_id,
-                num_drafts=w.num_drafts,
-                num_accepted=n if w.sample else 0,
-                token_ids=[7] * (n + emit) if w.sample else [],
-                num_computed=w.start_pos + len(w.token_ids),
-            )
-        )
+        results.append(seq_result(w, n, [7] * (n + emit)) if w.sample else seq_result(w, 0, []))
     s.update(StepResult(step=plan.step, results=results), seconds=seconds)
 
 
@@ -339,17 +330,8 @@ def test_no_plan_lists_a_request_twice_under_kv_pressure() -> None:
         results = []
         for w in p.seqs:  # every sampling slot accepts one of its drafts
             n = min(1 + min(w.num_drafts, 1), w.max_new_tokens) if w.sample else 0
-            results.append(
-                SeqResult(
-                    slot=w.slot,
-                    seq_id=w.seq_id,
-                    request_id=w.request_id,
-                    num_drafts=w.num_drafts,
-                    num_accepted=max(n - 1, 0),
-                    token_ids=[7] * n,
-                    finish_reason="length" if w.sample and n == w.max_new_tokens else None,
-                )
-            )
+            finish = "length" if w.sample and n == w.max_new_tokens else None
+            results.append(seq_result(w, max(n - 1, 0), [7] * n, finish))
         s.update(StepResult(step=p.step, results=results))
         s.blocks.check_invariants()
     assert s.num_preemptions >= 5 and s.blocks.num_used_blocks == 0
