@@ -18,7 +18,11 @@ The rule: pick the k that maximises expected tokens per second,
   than k = 2, for its whole run; shrunk, it reads 0.62 and the next probe decides;
 * ``T(B, k)`` is the measured wall time of a step (draft substeps plus verification)
   with ``B`` decoding sequences in the same power-of-two bucket and k drafts each: the
-  mean of the faster half of its last ``window`` timings. Interference on a shared
+  mean of the faster half of its last ``window`` timings, each first scaled to the
+  bucket's full size (:func:`_scale_to_bucket`). Unscaled, the bucket of 33-64 sequences
+  compared k = 3 timed on the 40 sequences of a draining batch with k = 2 timed on 64:
+  at batch 64 with a queue behind it, its estimate for k = 3 read 48 ms against the 66 ms
+  such a step takes when full. Interference on a shared
   machine only ever adds time, in spikes of 1.5-3x at about one step in ten on the
   2-core development host; a plain mean of a few timings let one spike decide between
   two k within 5% of each other (simulated over 50-step runs, the policy reached 0.95
@@ -51,6 +55,18 @@ __all__ = ["SpecPolicy"]
 def _bucket(num_seqs: int) -> int:
     """Power-of-two bucket of a batch size (1, 2, 4, ...)."""
     return 1 << max(0, num_seqs - 1).bit_length()
+
+
+# A step's time grows about linearly with its sequences, from a fixed part worth about
+# this many sequences' rows: target forward at 1 and 64 sequences, 2-core CPU, 3.1 and
+# 20.0 ms with 1 row each (about 10 sequences' worth), 3.7 and 45.6 ms with 4 (about 5);
+# whole steps at k = 3, 6.8 and 66 ms (about 6).
+STEP_FIXED_SEQS = 8.0
+
+
+def _scale_to_bucket(seconds: float, num_seqs: int, bucket: int) -> float:
+    """A step's time with ``num_seqs`` sequences, scaled to its bucket's full size."""
+    return seconds * (STEP_FIXED_SEQS + bucket) / (STEP_FIXED_SEQS + num_seqs)
 
 
 @dataclasses.dataclass
@@ -124,7 +140,8 @@ class SpecPolicy:
             self._reached[j].add(1.0 if j < num_accepted else 0.0, self.acceptance_decay)
 
     def observe_step(self, num_seqs: int, k: int, seconds: float) -> None:
-        """Wall time of a step that ran ``k`` drafts for ``num_seqs`` decoding sequences."""
+        """Wall time of a step that ran ``k`` drafts for ``num_seqs`` decoding sequences
+        (filed under their bucket, scaled to its full size)."""
         if num_seqs <= 0 or not 0 <= k <= self.k_max:
             return
         bucket = _bucket(num_seqs)
@@ -139,7 +156,7 @@ class SpecPolicy:
             # second replaces it.
             self._warm.add(key)
             timed.clear()
-        timed.append(seconds)
+        timed.append(_scale_to_bucket(seconds, num_seqs, bucket))
 
     # ---- decision ---------------------------------------------------------------------
 

@@ -240,3 +240,25 @@ def test_the_first_steps_of_a_batch_size_are_not_timed() -> None:
     assert picks[-5:] == [2] * 5
     with pytest.raises(ValueError, match="warmup_steps"):
         SpecPolicy(2, warmup_steps=-1)
+
+
+def test_steps_of_a_draining_batch_are_compared_at_the_buckets_full_size() -> None:
+    """The bucket of 33-64 sequences: k = 2 timed with 64 running, k = 3 timed later on a
+    draining batch of 40. Per sequence k = 3 is dearer than its extra draft is worth, so
+    k = 2 must win, though k = 3's raw step time is the smaller."""
+    per_seq = {2: 0.80e-3, 3: 1.10e-3}  # seconds per sequence; fixed part of 8 sequences
+    policy = SpecPolicy(3, warmup_steps=0, probe_every=1000)
+    for _ in range(200):
+        policy.observe_acceptance(3, 3)  # a quarter rejected at once: E[tokens] 2.5 at
+        policy.observe_acceptance(3, 3)  # k = 2, 3.25 at k = 3 (30% more for 37.5% more time)
+        policy.observe_acceptance(3, 3)
+        policy.observe_acceptance(3, 0)
+    for n, k in [(64, 2)] * 4 + [(40, 3)] * 4:
+        policy.observe_step(n, k, (8 + n) * per_seq[k])
+    times = policy.step_times()
+    assert times[(64, 3)] == pytest.approx(72 * per_seq[3])  # as if all 64 had run
+    assert policy.expected_tokens(3) / times[(64, 3)] < policy.expected_tokens(2) / times[(64, 2)]
+    assert policy.choose(64) == 1  # k = 2 beat k = 3, so exploration goes on downwards
+    for _ in range(2):
+        policy.observe_step(64, 1, 72 * 0.70e-3)  # k = 1: 1.75 tokens in 50 ms, 80% of k = 2.s rate
+    assert policy.choose(40) == 2
