@@ -183,8 +183,9 @@ class Scheduler:
         """Plan one step, or None when nothing can run now."""
         if len(self._inflight) >= self.max_in_flight:
             raise RuntimeError(f"schedule() called with {len(self._inflight)} steps in flight")
-        drafting = [s.seq_id for s in self.running if (s.decoding or s.pending) and s.speculative]
-        self._step_k = self.policy.choose(len(drafting), drafting)
+        self._step_k = self.policy.choose(
+            sum(1 for s in self.running if (s.decoding or s.pending) and s.speculative)
+        )
         budget = self.config.max_chunk_tokens()
         planned: list[tuple[Sequence, int, int]] = []  # (seq, rows, drafts)
         preempted: list[str] = []
@@ -398,8 +399,7 @@ class Scheduler:
                 self.policy.observe_step(speculative, step_k if drafted else 0, seconds)
         for r in result.results:
             if r.num_drafts:
-                live = r.seq_id if r.seq_id in self._by_id else None  # else: aborted since
-                self.policy.observe_acceptance(r.num_drafts, r.num_accepted, live)
+                self.policy.observe_acceptance(r.num_drafts, r.num_accepted)
         published: list[SeqResult] = []
         for r in result.results:
             work = works.pop(r.seq_id, None)
@@ -450,5 +450,4 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq.seq_id)
-        self.policy.forget(seq.seq_id)
         self._released.append(seq.seq_id)

@@ -16,12 +16,6 @@ The rule: pick the k that maximises expected tokens per second,
   far, so at batch 1 it may have one or two observations when the choice is made: two
   early rejections read as ``a_2 = 0`` kept ``spectrio generate`` at k = 1, 23% slower
   than k = 2, for its whole run; shrunk, it reads 0.62 and the next probe decides;
-  For the step at hand each sequence's own recent record counts too (see
-  :meth:`SpecPolicy.choose`): acceptance comes in stretches per request. Traced at batch
-  1 with k = 3, one request accepted exactly one draft on 28 steps running, and the next
-  three accepted 97% at positions 2 and 3; read from the long-memory average alone, the
-  policy kept k = 3 through the first stretch and then ran most of the next request at
-  k = 2 (up to 7% below fixed k = 3 over a run);
 * ``T(B, k)`` is the measured wall time of a step (draft substeps plus verification)
   with ``B`` decoding sequences in the same power-of-two bucket and k drafts each: the
   mean of the faster half of its last ``window`` timings, each first scaled to the
@@ -54,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Sequence
 
 __all__ = ["SpecPolicy"]
 
@@ -88,16 +81,6 @@ class _Decayed:
         self.weight = self.weight * decay + 1.0
 
 
-def _cumulative(acceptance: list[float]) -> list[float]:
-    """Expected tokens for k = 0..len(acceptance): ``1 + sum_j prod_{i<=j} a_i``."""
-    out, total, run = [1.0], 1.0, 1.0
-    for a in acceptance:
-        run *= a
-        total += run
-        out.append(total)
-    return out
-
-
 def _fast_half_mean(times: deque[float]) -> float:
     """Mean of the faster half (rounded up) of ``times``."""
     fast = sorted(times)[: (len(times) + 1) // 2]
@@ -118,8 +101,6 @@ class SpecPolicy:
         acceptance_decay: float = 0.999,
         prior_acceptance: float = 0.5,
         prior_weight: float = 4.0,
-        seq_decay: float = 0.8,
-        seq_prior_weight: float = 2.0,
     ) -> None:
         if k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {k_max}")
@@ -146,39 +127,17 @@ class SpecPolicy:
             raise ValueError(f"prior_weight must be >= 0, got {prior_weight}")
         self.prior_weight = prior_weight
         self._reached = [_Decayed() for _ in range(k_max)]  # per draft position
-        # Each live sequence's own record: a short memory (0.8: about five steps), shrunk
-        # towards the batch-wide estimate by ``seq_prior_weight`` pseudo-observations.
-        # Replayed on batch-1 traces (24 requests, k = 3 recorded), the long-memory
-        # estimate alone reached 0.981 of fixed k = 3's rate and this blend 1.005.
-        self.seq_decay = seq_decay
-        self.seq_prior_weight = seq_prior_weight
-        self._seq_reached: dict[int, list[_Decayed]] = {}
         self._step_time: dict[tuple[int, int], deque[float]] = {}
         self._warm: set[tuple[int, int]] = set()  # pairs whose first timing was replaced
         self._num_choices = 0
 
     # ---- feedback ---------------------------------------------------------------------
 
-    def observe_acceptance(
-        self, num_drafts: int, num_accepted: int, seq_id: int | None = None
-    ) -> None:
+    def observe_acceptance(self, num_drafts: int, num_accepted: int) -> None:
         """One sequence's step: drafts 1..num_accepted were accepted and, when
-        ``num_accepted < num_drafts``, draft ``num_accepted + 1`` was rejected. With
-        ``seq_id``, the sequence's own record is kept too, until :meth:`forget`."""
-        own = None
-        if seq_id is not None:
-            own = self._seq_reached.get(seq_id)
-            if own is None:
-                own = self._seq_reached[seq_id] = [_Decayed() for _ in range(self.k_max)]
+        ``num_accepted < num_drafts``, draft ``num_accepted + 1`` was rejected."""
         for j in range(min(num_drafts, num_accepted + 1, self.k_max)):
-            x = 1.0 if j < num_accepted else 0.0
-            self._reached[j].add(x, self.acceptance_decay)
-            if own is not None:
-                own[j].add(x, self.seq_decay)
-
-    def forget(self, seq_id: int) -> None:
-        """The sequence has ended: drop its own record."""
-        self._seq_reached.pop(seq_id, None)
+            self._reached[j].add(1.0 if j < num_accepted else 0.0, self.acceptance_decay)
 
     def observe_step(self, num_seqs: int, k: int, seconds: float) -> None:
         """Wall time of a step that ran ``k`` drafts for ``num_seqs`` decoding sequences
@@ -220,37 +179,24 @@ class SpecPolicy:
         """Tokens one sequence emits per step with ``k`` drafts."""
         return self._expected_tokens_all()[k]
 
-    def _expected_tokens_all(self, seq_ids: Sequence[int] = ()) -> list[float]:
+    def _expected_tokens_all(self) -> list[float]:
         """Expected tokens per sequence for k = 0..k_max, from one pass over the
-        acceptance (choose() runs every step, on the scheduler's thread); with
-        ``seq_ids``, their mean, each from its own record shrunk towards the
-        batch-wide acceptance."""
-        shared = self.acceptance()
-        records = [r for r in map(self._seq_reached.get, seq_ids) if r is not None]
-        if not records:
-            return _cumulative(shared)
-        w0 = self.seq_prior_weight
-        sums = [0.0] * (self.k_max + 1)
-        for own in records:
-            acc = [(r.value + w0 * a) / (r.weight + w0) for r, a in zip(own, shared, strict=True)]
-            for k, e in enumerate(_cumulative(acc)):
-                sums[k] += e
-        # Sequences with no record yet (their first decode step) count as the shared one.
-        rest = len(seq_ids) - len(records)
-        return [
-            (total + rest * e) / len(seq_ids)
-            for total, e in zip(sums, _cumulative(shared), strict=True)
-        ]
+        acceptance (choose() runs every step, on the scheduler's thread)."""
+        out, total, run = [1.0], 1.0, 1.0
+        for a in self.acceptance():
+            run *= a
+            total += run
+            out.append(total)
+        return out
 
-    def choose(self, num_seqs: int, seq_ids: Sequence[int] = ()) -> int:
-        """Drafts per sequence for a step with ``num_seqs`` decoding sequences (their ids
-        in ``seq_ids``, when known: rate(k) then uses their mean expected tokens)."""
+    def choose(self, num_seqs: int) -> int:
+        """Drafts per sequence for a step with ``num_seqs`` decoding sequences."""
         if not self.adaptive or self.k_max == 0 or num_seqs <= 0:
             return self.k_max
         self._num_choices += 1
         bucket = _bucket(num_seqs)
         times = self._estimated_times(bucket)
-        tokens = self._expected_tokens_all(seq_ids)
+        tokens = self._expected_tokens_all()
 
         def rate(k: int) -> float:
             return tokens[k] / times[k]

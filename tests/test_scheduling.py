@@ -414,24 +414,6 @@ def test_step_times_are_filed_under_the_count_choose_was_given() -> None:
     assert {k for _, k in sched.policy.step_times()} >= {2, 1}  # it moved past k_max
 
 
-def test_the_policy_keeps_a_record_per_live_sequence_only() -> None:
-    """Each decoding sequence's acceptance is kept for the policy while it runs, and
-    dropped when it finishes or is aborted, even with a result of it still in flight."""
-    sched = adaptive_scheduler(2, (True, True))
-    for _ in range(3):
-        plan = sched.schedule()
-        assert plan is not None
-        accept_all(sched, plan, 1.0)
-    assert set(sched.policy._seq_reached) == {0, 1}
-    plan = sched.schedule()
-    assert plan is not None
-    sched.abort(0)  # its result below arrives after the abort
-    accept_all(sched, plan, 1.0)
-    assert set(sched.policy._seq_reached) == {1}
-    sched.abort(1)
-    assert sched.policy._seq_reached == {}
-
-
 def test_the_mtp_catch_up_over_a_prompt_is_not_timed() -> None:
     """The first decode step after a prefill runs the MTP layer over the whole prompt: its
     time says nothing about the cost of drafts, so only the steps after it are timed."""

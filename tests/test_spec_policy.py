@@ -262,29 +262,3 @@ def test_steps_of_a_draining_batch_are_compared_at_the_buckets_full_size() -> No
     for _ in range(2):
         policy.observe_step(64, 1, 72 * 0.70e-3)  # k = 1: 1.75 tokens in 50 ms, 80% of k = 2.s rate
     assert policy.choose(40) == 2
-
-
-def test_a_sequence_in_a_bad_stretch_drafts_less_a_new_one_reads_the_shared_record() -> None:
-    """Acceptance comes in stretches per request. The shared record says every draft is
-    accepted (k = 3 best), but the sequence now running has accepted exactly one draft on
-    each of its last steps: for it, drafts 2 and 3 are wasted and k = 1 is best. A new
-    sequence, and one whose record was dropped, count as the shared record."""
-    times = {0: 4.1e-3, 1: 5.6e-3, 2: 6.9e-3, 3: 7.5e-3}  # batch 1, 2-core CPU
-    policy = SpecPolicy(3, warmup_steps=0, probe_every=1000)
-    for _ in range(200):
-        policy.observe_acceptance(3, 3, seq_id=1)  # an earlier request: all accepted
-    policy.forget(1)
-    for _ in range(8):
-        policy.observe_acceptance(3, 1, seq_id=2)  # the current one: one of three
-    for k, t in times.items():
-        for _ in range(2):
-            policy.observe_step(1, k, t)
-    assert policy.choose(1) == 3  # the shared record alone
-    assert policy.choose(1, [2]) == 1
-    assert policy.choose(1, [3]) == 3  # a new sequence: the shared record
-    # The batch's mean expected tokens: one bad sequence among three new ones.
-    tokens = policy._expected_tokens_all([2, 3, 4, 5])
-    assert tokens[1] == pytest.approx(policy.expected_tokens(1), abs=0.01)
-    assert tokens[3] < policy.expected_tokens(3) - 0.3
-    policy.forget(2)
-    assert policy.choose(1, [2]) == 3
