@@ -1,0 +1,61 @@
+"""The policy replay: exact arithmetic on hand-made records, the real policy on them, and
+a recording from the bundled model through the runtime's public deltas."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import trio
+
+from spectrio.stages.spec_policy import SpecPolicy
+from spectrio.tools.bench import bench_prompts
+from spectrio.tools.policy_replay import Trace, main, record, replay_fixed, replay_policy
+
+TIMES = [0.0041, 0.0056, 0.0069, 0.0075]  # batch 1, 2-core CPU, k = 0..3
+
+
+def test_fixed_k_counts_the_drafts_a_smaller_k_would_have_kept() -> None:
+    trace: Trace = [[(3, 3), (3, 0), (3, 2)], [(2, 1), (0, 0)]]  # trimmed at the end
+    # k = 1: 2 + 1 + 2 + 2 + 1 tokens in 4 steps of k = 1 and one of k = 0;
+    # k = 3: 4 + 1 + 3 + 2 + 1 in three of k = 3, one of 2 and one of 0.
+    assert replay_fixed(trace, TIMES, 1) == pytest.approx(8 / (4 * TIMES[1] + TIMES[0]))
+    assert replay_fixed(trace, TIMES, 3) == pytest.approx(11 / (3 * TIMES[3] + TIMES[2] + TIMES[0]))
+    assert replay_fixed(trace, TIMES, 0) == pytest.approx(1 / TIMES[0])
+
+
+def test_the_policy_finds_the_best_k_of_steady_records() -> None:
+    """All drafts accepted: k = 3 is best by far at these times, and the policy, which
+    explores k = 2 and probes it one step in 16, ends close to it."""
+    trace: Trace = [[(3, 3)] * 60 for _ in range(4)]
+    best = replay_fixed(trace, TIMES, 3)
+    assert best > max(replay_fixed(trace, TIMES, k) for k in range(3))
+    assert replay_policy(trace, TIMES, SpecPolicy(3)) >= 0.95 * best
+
+
+def test_a_stretch_of_single_acceptances_favours_k_1_while_it_lasts() -> None:
+    """One request accepts exactly one draft a step: k = 1 is best on it, and the policy
+    goes there (it beats fixed k = 3 on that record)."""
+    trace: Trace = [[(3, 1)] * 80]
+    assert replay_fixed(trace, TIMES, 1) > replay_fixed(trace, TIMES, 3)
+    assert replay_policy(trace, TIMES, SpecPolicy(3)) > replay_fixed(trace, TIMES, 3)
+
+
+def test_record_keeps_every_decode_step_of_the_bundled_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two requests of 12 tokens at k = 2: the prefill emits the first token, every later
+    token comes from a recorded decode step, so fixed k = 2 replays exactly 11 a request."""
+
+    async def run() -> Trace:
+        with trio.fail_after(120):
+            return await record("bundled", bench_prompts(2, 16, "bundled"), 2, 12)
+
+    trace = trio.run(run)
+    assert len(trace) == 2
+    for steps in trace:
+        assert steps and all(0 <= a <= d <= 2 for d, a in steps) and steps[0][0] == 2
+        assert sum(min(a, d) + 1 for d, a in steps) == 11
+    path = tmp_path / "acc.json"
+    path.write_text(json.dumps({"k": 2, "requests": trace}))
+    main(["--trace", str(path), "--times", "4.1,5.6,6.9"])
+    with pytest.raises(SystemExit):
+        main(["--trace", str(path), "--times", "4.1,5.6"])  # k = 0..2 needs three
