@@ -22,11 +22,11 @@ The rule: pick the k that maximises expected tokens per second,
   bucket's full size (:func:`_scale_to_bucket`). Unscaled, the bucket of 33-64 sequences
   compared k = 3 timed on the 40 sequences of a draining batch with k = 2 timed on 64:
   at batch 64 with a queue behind it, its estimate for k = 3 read 48 ms against the 66 ms
-  such a step takes when full. Interference on a shared
-  machine only ever adds time, in spikes of 1.5-3x at about one step in ten on the
-  2-core development host; a plain mean of a few timings let one spike decide between
-  two k within 5% of each other (simulated over 50-step runs, the policy reached 0.95
-  of the best fixed k's rate with a mean, 0.96-0.98 with this estimate).
+  such a step takes when full. Interference on a shared machine only ever adds time, in
+  spikes of 1.5-3x at about one step in ten on the 2-core development host; a plain
+  mean of a few timings let one spike decide between two k within 5% of each other
+  (simulated over 50-step runs, the policy reached 0.95 of the best fixed k's rate with
+  a mean, 0.96-0.98 with this estimate).
 
 Exploration starts at ``k_max`` (after a batch size's first ``warmup_steps`` steps,
 which are not timed) and goes down one k at a time while the smaller k does better (each

@@ -260,5 +260,5 @@ def test_steps_of_a_draining_batch_are_compared_at_the_buckets_full_size() -> No
     assert policy.expected_tokens(3) / times[(64, 3)] < policy.expected_tokens(2) / times[(64, 2)]
     assert policy.choose(64) == 1  # k = 2 beat k = 3, so exploration goes on downwards
     for _ in range(2):
-        policy.observe_step(64, 1, 72 * 0.70e-3)  # k = 1: 1.75 tokens in 50 ms, 80% of k = 2.s rate
+        policy.observe_step(64, 1, 72 * 0.70e-3)  # k = 1: 1.75 tokens in 50 ms, 80% of k = 2's rate
     assert policy.choose(40) == 2
