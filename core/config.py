@@ -119,10 +119,15 @@ class SpeculativeConfig:
     ``num_speculative_tokens`` tokens per sequence, whichever the measured acceptance
     and step times say is fastest (:mod:`spectrio.stages.spec_policy`); ``False`` always
     drafts the full k. Capacity planning always assumes the full k.
+
+    The default k = 4 is the bundled model's best at batch 1 (fixed k = 2 / 3 / 4 ran
+    320 / 363 / 373 tokens/s, 2-core CPU, ``spectrio bench --waves 4``); from batch 4 up
+    the policy drafts fewer where that pays, and with k = 4 to choose from it did as well
+    or better than with 3 at batch 1, 4, 16 and 64 (README, *Performance*).
     """
 
     method: str | None = "mtp"
-    num_speculative_tokens: int = 2
+    num_speculative_tokens: int = 4
     num_model_steps: int | None = None
     adaptive: bool = True
 

@@ -133,6 +133,16 @@ async def test_bench_json_plot_and_table(
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = capsys.readouterr().out
     assert "tok/s" in table and "acceptance per draft position" in table
+    by_batch = {r["batch"]: r["tokens_per_second"] for r in rows if r["k"] == 0}
+    gains = doc["speedups"]
+    assert [(g["batch"], g["best_k"], g["auto_over_better"]) for g in gains] == [
+        (1, 3, None),
+        (8, 3, None),
+    ]
+    for g in gains:
+        k3 = next(r for r in rows if r["batch"] == g["batch"] and r["k"] == 3)
+        assert g["best_over_none"] == pytest.approx(k3["tokens_per_second"] / by_batch[g["batch"]])
+        assert f"batch={g['batch']}: k=3 {g['best_over_none']:.2f}×" in table
 
 
 async def test_bench_request_rate(tmp_path: Path) -> None:

@@ -10,7 +10,15 @@ import trio
 
 from spectrio.stages.spec_policy import SpecPolicy
 from spectrio.tools.bench import bench_prompts
-from spectrio.tools.policy_replay import Trace, main, record, replay_fixed, replay_policy
+from spectrio.tools.policy_replay import (
+    Tape,
+    Trace,
+    main,
+    record,
+    record_tape,
+    replay_fixed,
+    replay_policy,
+)
 
 TIMES = [0.0041, 0.0056, 0.0069, 0.0075]  # batch 1, 2-core CPU, k = 0..3
 
@@ -59,3 +67,45 @@ def test_record_keeps_every_decode_step_of_the_bundled_model(tmp_path) -> None: 
     main(["--trace", str(path), "--times", "4.1,5.6,6.9"])
     with pytest.raises(SystemExit):
         main(["--trace", str(path), "--times", "4.1,5.6"])  # k = 0..2 needs three
+
+
+def test_a_tape_gives_each_step_the_nearest_recorded_time_of_its_k() -> None:
+    tape = Tape([0, 1, 2, 1, 0, 2], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    assert tape.k_max == 2 and len(tape) == 6
+    assert tape.time(0, 0) == 0.1 and tape.time(3, 0) == 0.5  # 4 is nearer than 0
+    assert tape.time(2, 1) == 0.4  # a tie between positions 1 and 3 goes to the later one
+    assert tape.time(4, 1) == 0.4 and tape.time(5, 1) == 0.2  # 5: 3 and 1 (wrapped) tie
+    assert tape.time(0, 2) == 0.6  # wraps: 5 is next to 0
+    assert tape.time(6 + 2, 2) == 0.3 and tape.clock(3)(1, 0) == 0.5
+    with pytest.raises(KeyError):
+        tape.time(0, 3)
+    with pytest.raises(ValueError):
+        Tape([0, 1], [0.1])
+
+
+def test_replay_on_a_tape_meets_the_same_noise_for_every_k() -> None:
+    """A slow stretch in the middle of the tape slows fixed k and the policy alike."""
+    ks = [k for _ in range(100) for k in range(4)]
+    slow = [3.0 if 120 <= i < 240 else 1.0 for i in range(len(ks))]
+    tape = Tape(ks, [TIMES[k] * f for k, f in zip(ks, slow, strict=True)])
+    trace: Trace = [[(3, 3)] * 60 for _ in range(2)]
+    quiet, busy = tape.clock(300), tape.clock(100)
+    assert replay_fixed(trace, quiet, 3) == pytest.approx(replay_fixed(trace, TIMES, 3))
+    assert replay_fixed(trace, busy, 3) < 0.8 * replay_fixed(trace, quiet, 3)
+    assert replay_policy(trace, busy, SpecPolicy(3)) >= 0.9 * replay_fixed(trace, busy, 3)
+
+
+def test_record_tape_from_the_bundled_model_and_replay_on_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    async def run() -> Tape:
+        with trio.fail_after(120):
+            return await record_tape("bundled", bench_prompts(2, 16, "bundled"), 2, 24, 12)
+
+    tape = trio.run(run)
+    assert len(tape) == 24 and set(tape.ks) == {0, 1, 2}
+    assert all(0 < s < 1.0 for s in tape.seconds)
+    path, acc = tmp_path / "tape.json", tmp_path / "acc.json"
+    path.write_text(json.dumps({"k": tape.ks, "seconds": tape.seconds}))
+    acc.write_text(json.dumps({"k": 2, "requests": [[(2, 2), (2, 1), (2, 0)] * 5] * 3}))
+    main(["--trace", str(acc), "--tape", str(path), "--offsets", "3", "--run-requests", "1"])
+    with pytest.raises(SystemExit):
+        main(["--trace", str(acc)])  # neither --times nor --tape

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from spectrio.stages.spec_policy import SpecPolicy
+from spectrio.tools.policy_replay import Trace, replay_fixed, replay_policy
 
 
 def _true_rate(k: int, b: int, accept: list[float], cost: dict[str, float]) -> float:
@@ -262,3 +263,32 @@ def test_steps_of_a_draining_batch_are_compared_at_the_buckets_full_size() -> No
     for _ in range(2):
         policy.observe_step(64, 1, 72 * 0.70e-3)  # k = 1: 1.75 tokens in 50 ms, 80% of k = 2's rate
     assert policy.choose(40) == 2
+
+
+def test_a_position_not_drafted_for_a_while_leans_on_the_one_before_again() -> None:
+    """A request accepts exactly one draft a step for 28 steps (as the bench's first prompt
+    does at batch 1), then the next requests accept everything. Without forgetting, the
+    rejections at position 2 stay in the record, which k = 1 no longer updates: the
+    policy ran most of the next request at k = 1. With it, it returns to k = 3 early."""
+    times = [0.0044, 0.0053, 0.0065, 0.0072]  # batch 1, k = 0..3
+    trace: Trace = [[(3, 3)] * 5 + [(3, 1)] * 28] + [[(3, 3)] * 40 for _ in range(3)]
+    next_request = slice(33, 73)
+
+    def ks(policy: SpecPolicy) -> list[int]:
+        chosen: list[int] = []
+        choose = policy.choose
+        policy.choose = lambda n: chosen.append(choose(n)) or chosen[-1]  # type: ignore[method-assign]
+        replay_policy(trace, times, policy)
+        return chosen
+
+    stuck = ks(SpecPolicy(3, stale_decay=1.0))
+    assert stuck[next_request].count(1) >= 30  # the failure this guards against
+    back = ks(SpecPolicy(3))
+    assert back[next_request].count(3) >= 30
+    assert replay_policy(trace, times, SpecPolicy(3)) >= replay_fixed(trace, times, 3)
+
+
+def test_stale_decay_is_checked() -> None:
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="stale_decay"):
+            SpecPolicy(3, stale_decay=bad)

@@ -53,6 +53,12 @@ JSON (``--json``; stable, for scripts that compare runs): ``{"schema": 2, "machi
   ``idle`` (idle: mean gap between steps);
 * records: ``record_bytes_per_step``, ``fixed_bytes_same_batch``, ``fixed_bytes_512``;
 * ``agreement`` with ``--agreement`` only.
+
+``"speedups"``: per batch size (and logprob setting) that has ``k = 0`` and a fixed k,
+:class:`spectrio.tools.bench_speedup.Speedup` as a map: ``best_k``, ``best_over_none``
+and ``auto_over_better`` (ratios of medians; null without an ``auto`` case), each also
+``..._rounds`` (round by round), and ``better`` (``best_k``, or 0 where no speculation
+was faster). The text output prints them under the table.
 """
 
 from __future__ import annotations
@@ -79,6 +85,7 @@ from spectrio.core.messages import PublishedStep
 from spectrio.core.timing import StepTiming, device_summary
 from spectrio.models import load, reference
 from spectrio.models.synthetic import is_synthetic, parse_spec
+from spectrio.tools.bench_speedup import format_speedups, speedups
 from spectrio.tools.corpus import corpus_files, read_texts
 from spectrio.tools.generation_stats import GenerationStats
 from spectrio.tools.trace import ResultBuilder, TraceWriter, runtime_fields, summarize
@@ -117,7 +124,7 @@ def bench_prompts(count: int, prompt_tokens: int, model: str, seed: int = 0) -> 
     raise RuntimeError("held-out split too small for the requested prompts")
 
 
-def spec_config(k: int | str, k_max: int = 3) -> SpeculativeConfig:
+def spec_config(k: int | str, k_max: int = 4) -> SpeculativeConfig:
     """0: no speculation; N: a fixed N drafts per step; "auto": adaptive, up to ``k_max``."""
     if k == "auto":
         return SpeculativeConfig(num_speculative_tokens=k_max, adaptive=True)
@@ -218,7 +225,7 @@ async def run_case(
     max_tokens: int,
     logprobs: int | None = None,
     overlap: bool = False,
-    k_max: int = 3,
+    k_max: int = 4,
     request_rate: float | None = None,
     num_requests: int | None = None,
     seed: int = 0,
@@ -464,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         default=["0", "1", "2", "3", "auto"],
         help="0 means --no-spec, N a fixed k, 'auto' the adaptive policy up to --k-max",
     )
-    p.add_argument("--k-max", type=int, default=3, help="largest k the adaptive policy may use")
+    p.add_argument("--k-max", type=int, default=4, help="largest k the adaptive policy may use")
     p.add_argument(
         "--repeat",
         type=int,
@@ -585,6 +592,9 @@ def main(argv: list[str] | None = None) -> int:
         f"requests={args.num_requests or f'{args.waves} x batch'}"
     )
     print(summary_table(rows))
+    gains = speedups(rows)
+    if gains:
+        print(format_speedups(gains))
     if args.agreement:
         for r in rows:
             r["agreement"] = round(agreement(args.model, prompts, r["outputs"], args.max_tokens), 4)
@@ -597,6 +607,7 @@ def main(argv: list[str] | None = None) -> int:
                     "machine": machine,
                     "args": vars(args),
                     "rows": [json_row(r) for r in rows],
+                    "speedups": [g.as_json() for g in gains],
                 },
                 fh,
                 indent=1,

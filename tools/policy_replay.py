@@ -10,7 +10,16 @@ differences between variants of the policy. This tool takes the machine out:
   :class:`~spectrio.runtime.api.Delta` reports them;
 * ``--trace FILE --times T0,T1,...`` replays :class:`SpecPolicy` on those records with a
   fixed step time per k (milliseconds, e.g. ``spectrio bench``'s draft + verify + sample
-  columns) and reports its tokens per second next to every fixed k's on the same records.
+  columns) and reports its tokens per second next to every fixed k's on the same records;
+* ``--record-tape FILE`` runs the model at batch 1 with every step's k drawn in turn from
+  a shuffled cycle of 0..k, and keeps each step's time as the scheduler files it for the
+  policy: the machine's own noise (drift over seconds, spikes of 1.5-3x about one step in
+  ten, k-dependent shape costs), with every k measured within a few steps of every
+  other;
+* ``--trace FILE --tape TAPE`` replays on that noise instead of fixed times: a step that
+  runs k at replay step n takes the time of the tape's step with that k nearest to
+  position ``offset + n``. Each of ``--offsets`` evenly spaced starts is one run, as a
+  bench round is, and fixed k and the policy meet the same noise in each.
 
 The replay is a model, not a re-run: a step that drafts ``k' < k`` is taken to accept
 ``min(recorded, k')`` drafts, and the next step starts where the recorded one did.
@@ -18,46 +27,99 @@ Greedy drafts depend on the context only, but a smaller k moves where later step
 Compare policies on the same records; do not read the figures as the runtime's.
 
 Run: ``python -m spectrio.tools.policy_replay --record acc.json [--requests 24]``, then
-``python -m spectrio.tools.policy_replay --trace acc.json --times 4.1,5.6,6.9,7.5``.
+``python -m spectrio.tools.policy_replay --trace acc.json --times 4.1,5.6,6.9,7.5``; or
+``--record-tape tape.json [--steps 3000]`` and ``--trace acc.json --tape tape.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
+import random
+import statistics
+from collections.abc import Callable
 
 import trio
 
 from spectrio.stages.spec_policy import SpecPolicy
 
-__all__ = ["Trace", "record", "replay_fixed", "replay_policy"]
+__all__ = ["Tape", "Trace", "record", "record_tape", "replay_fixed", "replay_policy"]
 
 #: Per request, per recorded step: ``(drafts proposed, drafts accepted)``.
 Trace = list[list[tuple[int, int]]]
 
+#: Seconds of the replay's step ``n`` (counted over the whole trace) when it runs ``k``.
+Clock = Callable[[int, int], float]
 
-def replay_fixed(trace: Trace, times: list[float], k: int) -> float:
-    """Tokens per second of a fixed ``k`` over ``trace`` (``times[k]`` seconds a step):
-    the runtime's own fixed-k policy, replayed."""
+
+def fixed_clock(times: list[float]) -> Clock:
+    """``times[k]`` seconds for every step that runs k."""
+    return lambda n, k: times[k]
+
+
+class Tape:
+    """Step times recorded on the machine, in order: ``ks[i]`` drafts took ``seconds[i]``."""
+
+    def __init__(self, ks: list[int], seconds: list[float]) -> None:
+        if len(ks) != len(seconds) or not ks:
+            raise ValueError("a tape needs as many k as times, and at least one")
+        self.ks, self.seconds = ks, seconds
+        self._at: dict[int, list[int]] = {}
+        for i, k in enumerate(ks):
+            self._at.setdefault(k, []).append(i)
+
+    def __len__(self) -> int:
+        return len(self.ks)
+
+    @property
+    def k_max(self) -> int:
+        return max(self._at)
+
+    def time(self, position: int, k: int) -> float:
+        """The time of the step with ``k`` drafts nearest to ``position`` (wrapping at
+        the tape's end, so any start and length can be replayed; a tie goes to the later
+        step)."""
+        where = self._at.get(k)
+        if where is None:
+            raise KeyError(f"the tape has no step with k = {k}")
+        size = len(self.ks)
+        pos = position % size
+        j = bisect.bisect_left(where, pos)
+        after = where[j] if j < len(where) else where[0] + size
+        before = where[j - 1] if j > 0 else where[-1] - size
+        return self.seconds[(after if after - pos <= pos - before else before) % size]
+
+    def clock(self, offset: int) -> Clock:
+        return lambda n, k: self.time(offset + n, k)
+
+
+def replay_fixed(trace: Trace, times: list[float] | Clock, k: int) -> float:
+    """Tokens per second of a fixed ``k`` over ``trace`` (``times[k]`` seconds a step, or
+    a clock): the runtime's own fixed-k policy, replayed."""
     return replay_policy(trace, times, SpecPolicy(k, adaptive=False))
 
 
-def replay_policy(trace: Trace, times: list[float], policy: SpecPolicy) -> float:
+def replay_policy(trace: Trace, times: list[float] | Clock, policy: SpecPolicy) -> float:
     """Tokens per second of ``policy`` choosing each step's k over ``trace``, fed back as
     the scheduler feeds it: the step's time (except a request's first decode step, whose
     MTP pass catches up on the prompt) and the acceptance."""
+    clock = fixed_clock(times) if isinstance(times, list) else times
     tokens = seconds = 0.0
+    n = 0
     for steps in trace:
         for i, (drafts, accepted) in enumerate(steps):
             k = policy.choose(1)
             k_eff = min(k, drafts)
             got = min(accepted, k_eff)
+            took = clock(n, k_eff)
+            n += 1
             if i > 0:  # as the scheduler files it: under the step's k if it drafted
-                policy.observe_step(1, k if k_eff else 0, times[k_eff])
+                policy.observe_step(1, k if k_eff else 0, took)
             if k_eff:
                 policy.observe_acceptance(k_eff, got)
             tokens += got + 1
-            seconds += times[k_eff]
+            seconds += took
     return tokens / seconds
 
 
@@ -83,6 +145,53 @@ async def record(model: str, prompts: list[list[int]], k: int, max_tokens: int) 
     return trace
 
 
+class _CyclePolicy(SpecPolicy):
+    """Every k from 0 to ``k_max`` in turn, each cycle shuffled (so no k always follows
+    the same one); keeps the step times the scheduler files, as :meth:`observe_step`
+    receives them."""
+
+    def __init__(self, k_max: int, seed: int = 0) -> None:
+        super().__init__(k_max, adaptive=False)
+        self._rng = random.Random(seed)
+        self._cycle: list[int] = []
+        self.timed: list[tuple[int, int, float]] = []  # (sequences, k, seconds)
+
+    def choose(self, num_seqs: int) -> int:
+        if not self._cycle:
+            self._cycle = list(range(self.k_max + 1))
+            self._rng.shuffle(self._cycle)
+        return self._cycle.pop()
+
+    def observe_step(self, num_seqs: int, k: int, seconds: float) -> None:
+        self.timed.append((num_seqs, k, seconds))
+
+
+async def record_tape(
+    model: str, prompts: list[list[int]], k: int, steps: int, max_tokens: int
+) -> Tape:
+    """At batch 1, the times of ``steps`` decode steps whose k cycles through 0..``k``
+    (requests one after another, ``prompts`` reused in turn), as the policy would see
+    them."""
+    from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
+
+    cfg = RuntimeConfig(
+        model=model,
+        max_num_seqs=1,
+        speculative=SpeculativeConfig(num_speculative_tokens=k, adaptive=False),
+    )
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    async with open_runtime(cfg) as rt:
+        cycle = _CyclePolicy(k)
+        rt.scheduler.policy = cycle
+        i = 0
+        while len(cycle.timed) < steps:
+            async for _ in rt.generate(prompts[i % len(prompts)], params):
+                pass
+            i += 1
+    timed = cycle.timed[:steps]
+    return Tape([k for _, k, _ in timed], [s for _, _, s in timed])
+
+
 def _parse_times(text: str) -> list[float]:
     try:
         ms = [float(x) for x in text.split(",")]
@@ -93,44 +202,96 @@ def _parse_times(text: str) -> list[float]:
     return [t / 1000.0 for t in ms]
 
 
+def _report(
+    runs: list[tuple[Trace, Clock]], k_max: int, make_policy: Callable[[], SpecPolicy]
+) -> None:
+    """Every fixed k's and a fresh policy's tokens/s per run (its records and its clock),
+    as means over the runs; with several runs, the policy's ratio to the best fixed k
+    run by run."""
+    fixed = {k: [replay_fixed(t, c, k) for t, c in runs] for k in range(k_max + 1)}
+    best = max(fixed, key=lambda k: statistics.mean(fixed[k]))
+    adaptive = [replay_policy(t, c, make_policy()) for t, c in runs]
+    top = statistics.mean(fixed[best])
+    for k, rates in fixed.items():
+        rate = statistics.mean(rates)
+        print(f"k = {k}: {rate:8.1f} tokens/s  {rate / top:.3f} of the best")
+    rate = statistics.mean(adaptive)
+    line = f"adaptive: {rate:8.1f} tokens/s  {rate / top:.3f} of the best"
+    if len(runs) > 1:
+        ratios = sorted(a / b for a, b in zip(adaptive, fixed[best], strict=True))
+        line += (
+            f" (run by run: min {ratios[0]:.3f}, median {statistics.median(ratios):.3f},"
+            f" max {ratios[-1]:.3f} over {len(ratios)} runs)"
+        )
+    print(line)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m spectrio.tools.policy_replay")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--record", metavar="FILE", help="record acceptance into FILE")
+    mode.add_argument("--record-tape", metavar="FILE", help="record step times into FILE")
     mode.add_argument("--trace", metavar="FILE", help="replay the policy on FILE")
     p.add_argument("--model", default="bundled")
-    p.add_argument("--k", type=int, default=3, help="drafts per step when recording")
+    p.add_argument("--k", type=int, default=3, help="drafts per step (most, for a tape)")
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=48)
-    p.add_argument("--times", type=_parse_times, help="ms per step for k = 0, 1, ...")
+    p.add_argument("--steps", type=int, default=3000, help="steps a tape records")
+    timing = p.add_mutually_exclusive_group()
+    timing.add_argument("--times", type=_parse_times, help="ms per step for k = 0, 1, ...")
+    timing.add_argument("--tape", metavar="FILE", help="step times recorded by --record-tape")
+    p.add_argument("--offsets", type=int, default=16, help="starts on a tape, evenly spaced")
+    p.add_argument(
+        "--run-requests",
+        type=int,
+        help="replay the records in runs of this many requests, each with a fresh policy "
+        "(a bench run at batch 1 with --waves 4 is 4 requests); default: one run of all",
+    )
     args = p.parse_args(argv)
-    if args.record:
+    if args.record or args.record_tape:
         from spectrio.tools.bench import bench_prompts
 
-        if args.k < 1 or args.requests < 1 or args.max_tokens < 2:
-            p.error("--k and --requests must be positive, --max-tokens at least 2")
+        if args.k < 1 or args.requests < 1 or args.max_tokens < 2 or args.steps < 1:
+            p.error("--k, --requests and --steps must be positive, --max-tokens at least 2")
         prompts = bench_prompts(args.requests, args.prompt_tokens, args.model)
+    if args.record:
         trace = trio.run(record, args.model, prompts, args.k, args.max_tokens)
         with open(args.record, "w") as fh:
             json.dump({"k": args.k, "requests": trace}, fh)
         steps = sum(len(s) for s in trace)
         print(f"recorded {len(trace)} requests, {steps} decode steps at k = {args.k}")
         return
-    if args.times is None:
-        p.error("--trace needs --times")
+    if args.record_tape:
+        tape = trio.run(record_tape, args.model, prompts, args.k, args.steps, args.max_tokens)
+        with open(args.record_tape, "w") as fh:
+            json.dump({"k": tape.ks, "seconds": tape.seconds}, fh)
+        for k in range(tape.k_max + 1):
+            ms = [s * 1e3 for kk, s in zip(tape.ks, tape.seconds, strict=True) if kk == k]
+            print(f"k = {k}: {len(ms)} steps, median {statistics.median(ms):.2f} ms")
+        return
     with open(args.trace) as fh:
         data = json.load(fh)
     k_max = int(data["k"])
     trace = [[(int(d), int(a)) for d, a in steps] for steps in data["requests"]]
-    if len(args.times) != k_max + 1:
-        p.error(f"--times: {k_max + 1} values (k = 0..{k_max}), got {len(args.times)}")
-    fixed = {k: replay_fixed(trace, args.times, k) for k in range(k_max + 1)}
-    best = max(fixed, key=lambda k: fixed[k])
-    adaptive = replay_policy(trace, args.times, SpecPolicy(k_max))
-    for k, rate in fixed.items():
-        print(f"k = {k}: {rate:8.1f} tokens/s  {rate / fixed[best]:.3f} of the best")
-    print(f"adaptive: {adaptive:8.1f} tokens/s  {adaptive / fixed[best]:.3f} of the best")
+    if args.tape:
+        with open(args.tape) as fh:
+            taped = json.load(fh)
+        tape = Tape([int(k) for k in taped["k"]], [float(s) for s in taped["seconds"]])
+        if tape.k_max < k_max or args.offsets < 1:
+            p.error(f"--tape: needs every k up to {k_max}; --offsets must be positive")
+        clocks = [tape.clock(i * len(tape) // args.offsets) for i in range(args.offsets)]
+    elif args.times is not None:
+        if len(args.times) != k_max + 1:
+            p.error(f"--times: {k_max + 1} values (k = 0..{k_max}), got {len(args.times)}")
+        clocks = [fixed_clock(args.times)]
+    else:
+        p.error("--trace needs --times or --tape")
+    size = args.run_requests or len(trace)
+    if size < 1:
+        p.error("--run-requests must be positive")
+    parts = [trace[i : i + size] for i in range(0, len(trace), size)]
+    _report([(t, c) for c in clocks for t in parts], k_max, lambda: SpecPolicy(k_max))
 
 
 if __name__ == "__main__":

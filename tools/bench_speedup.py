@@ -1,0 +1,112 @@
+"""What speculation buys, per batch size, from one ``spectrio bench`` run's cases.
+
+For every batch size (and logprob setting) with a no-speculation case (``k = 0``) and at
+least one fixed ``k``:
+
+* **best fixed k ÷ none**: the fixed k with the highest median tokens/s, over no
+  speculation's median;
+* **adaptive ÷ better**: the ``auto`` case's median over the better of those two (the
+  best fixed k or no speculation), which is what a policy that always chose right would
+  match.
+
+The machine moves a case by several percent between rounds, so each ratio also comes
+per round: the same two cases of one round ran back to back (the bench alternates the
+cases within each round), which cancels a slow stretch that a ratio of medians keeps.
+The per-round figures compare with the k that won on medians, not with each round's own
+fastest k: picking the maximum of several noisy figures every round would bias the
+ratio down even for a policy that always chose right.
+
+Pure functions of the bench's rows (:func:`spectrio.tools.bench._median_run`): no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["Speedup", "format_speedups", "speedups"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Speedup:
+    batch: int
+    logprobs: int | str  # "off" or N, as in the bench's rows
+    best_k: int  # the fixed k with the highest median tokens/s
+    best_over_none: float  # ratio of medians
+    best_over_none_rounds: list[float]  # the same, round by round
+    better: int  # the better of best_k and 0 (no speculation)
+    auto_over_better: float | None  # None without an "auto" case
+    auto_over_better_rounds: list[float]
+
+    def as_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def _per_round(num: Sequence[float], den: Sequence[float]) -> list[float]:
+    return [a / b for a, b in zip(num, den, strict=False) if b > 0]
+
+
+def speedups(rows: Sequence[dict[str, Any]]) -> list[Speedup]:
+    """One :class:`Speedup` per (batch, logprobs) that has ``k = 0`` and a fixed k.
+
+    Each row needs ``batch``, ``k`` (0, a positive int, or ``"auto"``), ``logprobs`` and
+    ``tokens_per_second_runs`` (one figure per round, in round order)."""
+    groups: dict[tuple[int, int | str], dict[int | str, list[float]]] = {}
+    for r in rows:
+        runs = [float(x) for x in r["tokens_per_second_runs"]]
+        groups.setdefault((r["batch"], r["logprobs"]), {})[r["k"]] = runs
+    out = []
+    for (batch, lp), cases in groups.items():
+        none = cases.get(0)
+        fixed = {k: v for k, v in cases.items() if isinstance(k, int) and k > 0}
+        if none is None or not fixed:
+            continue
+        best_k = max(fixed, key=lambda k: (_median(fixed[k]), -k))
+        best = fixed[best_k]
+        better, better_runs = (best_k, best) if _median(best) >= _median(none) else (0, none)
+        auto = cases.get("auto")
+        out.append(
+            Speedup(
+                batch=batch,
+                logprobs=lp,
+                best_k=best_k,
+                best_over_none=_median(best) / _median(none),
+                best_over_none_rounds=_per_round(best, none),
+                better=better,
+                auto_over_better=None if auto is None else _median(auto) / _median(better_runs),
+                auto_over_better_rounds=[] if auto is None else _per_round(auto, better_runs),
+            )
+        )
+    return sorted(out, key=lambda s: (s.batch, -1 if s.logprobs == "off" else int(s.logprobs)))
+
+
+def _spread(rounds: Sequence[float], unit: str) -> str:
+    if len(rounds) < 2:
+        return ""
+    return f" (rounds {min(rounds):.2f}-{max(rounds):.2f}{unit})"
+
+
+def format_speedups(items: Sequence[Speedup]) -> str:
+    """Lines for the bench's output; empty when no batch size has the cases to compare."""
+    if not items:
+        return ""
+    lines = ["speculation: best fixed k ÷ no speculation; adaptive ÷ the better of the two"]
+    for s in items:
+        lp = "" if s.logprobs == "off" else f" lp={s.logprobs}"
+        line = (
+            f"  batch={s.batch}{lp}: k={s.best_k} {s.best_over_none:.2f}×"
+            f"{_spread(s.best_over_none_rounds, '×')}"
+        )
+        if s.auto_over_better is not None:
+            vs = "none" if s.better == 0 else f"k={s.better}"
+            line += (
+                f"; auto ÷ {vs} {s.auto_over_better:.3f}{_spread(s.auto_over_better_rounds, '')}"
+            )
+        lines.append(line)
+    return "\n".join(lines)
