@@ -33,8 +33,8 @@ def raises_naming(field_name: str) -> Any:
 
 def test_defaults_are_valid() -> None:
     c = RuntimeConfig()
-    assert c.speculative == SpeculativeConfig(method="mtp", num_speculative_tokens=2)
-    assert c.tokens_per_seq == 3
+    assert c.speculative == SpeculativeConfig(method="mtp", num_speculative_tokens=4)
+    assert c.tokens_per_seq == 5
     assert c.dtype_bytes == 4
     assert c.graph_capture_sizes == None  # noqa: E711  (the user-given field value)
     assert not c.graph_capture_sizes

@@ -68,20 +68,20 @@ def test_a_field_without_a_flag_is_an_error(monkeypatch: pytest.MonkeyPatch) -> 
         (["--model", "synthetic:step_ms=1"], "model", "synthetic:step_ms=1"),
         (["--dtype", "float64"], "dtype", "float64"),
         (["--max-num-seqs", "4"], "max_num_seqs", 4),
-        (["--max-num-batched-tokens", "99"], "max_num_batched_tokens", 99),
+        (["--max-num-batched-tokens", "199"], "max_num_batched_tokens", 199),
         (["--max-model-len", "64"], "max_model_len", 64),
         (["--block-size", "8"], "block_size", 8),
         (["--num-kv-blocks", "4096"], "num_kv_blocks", 4096),
         (["--kv-cache-memory-bytes", "1000000"], "kv_cache_memory_bytes", 1000000),
         (["--role", "decode"], "role", "decode"),
-        (["--graph-capture-sizes", "3", "6"], "graph_capture_sizes", (3, 6)),
+        (["--graph-capture-sizes", "5", "10"], "graph_capture_sizes", (5, 10)),
         (["--tensor-parallel-size", "1"], "tensor_parallel_size", 1),
         (["--overlap"], "enable_overlap", True),
         (["--runtime-seed", "7"], "seed", 7),
         (["--threads", "3"], "num_threads", 3),
         (["--threads", "none"], "num_threads", None),
         (["--no-spec"], "speculative.method", None),
-        (["--k", "4"], "speculative.num_speculative_tokens", 4),
+        (["--k", "3"], "speculative.num_speculative_tokens", 3),
         (["--num-model-steps", "1"], "speculative.num_model_steps", 1),
         (["--no-adaptive"], "speculative.adaptive", False),
     ],
@@ -158,11 +158,11 @@ def test_spec_flags_override_the_files_method_both_ways(tmp_path: Path) -> None:
 
 
 def test_the_merged_config_is_validated_as_a_whole(tmp_path: Path) -> None:
-    """16 sequences of k + 1 = 3 tokens fit 48 batched tokens; --k 3 makes it 64."""
-    cfg = write(tmp_path / "c.toml", "max_num_seqs = 16\nmax_num_batched_tokens = 48\n")
-    assert parse_runtime_flags(["--config", str(cfg)]).max_num_batched_tokens == 48
-    with pytest.raises(ConfigError, match="max_num_batched_tokens: must be >= .* 16 \\* 4"):
-        parse_runtime_flags(["--config", str(cfg), "--k", "3"])
+    """16 sequences of k + 1 = 5 tokens fit 80 batched tokens; --k 5 makes it 96."""
+    cfg = write(tmp_path / "c.toml", "max_num_seqs = 16\nmax_num_batched_tokens = 80\n")
+    assert parse_runtime_flags(["--config", str(cfg)]).max_num_batched_tokens == 80
+    with pytest.raises(ConfigError, match="max_num_batched_tokens: must be >= .* 16 \\* 6"):
+        parse_runtime_flags(["--config", str(cfg), "--k", "5"])
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         parse_runtime_flags(["--config", str(cfg), "--k", "9"])
 
