@@ -37,7 +37,7 @@ from spectrio.core.params import (
 from spectrio.core.timing import StepTiming, device_summary
 from spectrio.errors import EngineDead
 from spectrio.models import LoadedModel, load
-from spectrio.models.paddle_setup import configure_paddle
+from spectrio.models.paddle_setup import MKL_CPU_TYPE, configure_paddle
 from spectrio.runtime.device_worker import DeviceWorker
 from spectrio.runtime.tp import TPGroup, make_workspace
 from spectrio.stages.block_manager import BlockManager
@@ -710,7 +710,7 @@ async def open_runtime(
     """
     config = config or RuntimeConfig()
     threads = configure_paddle(config.resolve_num_threads())
-    log.info("paddle configured", threads=threads)
+    log.info("paddle configured", threads=threads, mkl_cpu_type=MKL_CPU_TYPE)
     group: TPGroup | None = None
     if config.tensor_parallel_size > 1:
         from spectrio.runtime.tp_start import start_group
