@@ -153,7 +153,9 @@ def test_short_rows_are_not_padded_to_a_prefill_chunk(monkeypatch: pytest.Monkey
 
 
 def test_logits_indices_select_rows() -> None:
-    model = tiny_model()
+    # float64 and a tolerance: a GEMM may round differently for 2 rows than for 6 (MKL's
+    # AVX2 path does, in float32), and the selection is what is under test
+    model = tiny_model("float64")
     ids = [[5, 6, 7, 8], [9, 10]]
     tables = [np.array([0, 1]), np.array([2])]
     with paddle.no_grad():
@@ -162,7 +164,7 @@ def test_logits_indices_select_rows() -> None:
         batch.logits_indices = batch.last_rows()
         last = model.forward(batch, _cache(model))
     assert last.logits.shape == [2, 97]
-    np.testing.assert_array_equal(last.logits.numpy(), full.logits.numpy()[[3, 5]])
+    np.testing.assert_allclose(last.logits.numpy(), full.logits.numpy()[[3, 5]], rtol=1e-12)
     assert last.hidden.shape == [6, 32]
 
 
