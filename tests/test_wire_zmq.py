@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -34,9 +35,9 @@ def endpoint(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 def bound(
-    ctx: zmq.Context[zmq.Socket[bytes]], kind: int, endpoint: str, **kw: int
+    ctx: zmq.Context[zmq.Socket[bytes]], kind: int, endpoint: str, **kw: Any
 ) -> tuple[TrioSocket, str]:
-    sock = open_socket(ctx, kind, bind=endpoint, **kw)  # type: ignore[arg-type]
+    sock = open_socket(ctx, kind, bind=endpoint, **kw)
     return sock, sock.socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
@@ -44,19 +45,32 @@ async def test_push_pull_is_lossless_and_ordered_under_backpressure(
     ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str
 ) -> None:
     count = 2000
+
+    def small_kernel_buffers(sock: zmq.Socket[bytes]) -> None:
+        # Without this, loopback TCP autotunes its buffers to megabytes and can absorb the
+        # whole stream, so the high-water mark would never be reached on some machines.
+        sock.setsockopt(zmq.SNDBUF, 4096)
+        sock.setsockopt(zmq.RCVBUF, 4096)
+
     with trio.fail_after(TIMEOUT):
-        pull, addr = bound(ctx, zmq.PULL, endpoint, rcvhwm=4)
-        push = open_socket(ctx, zmq.PUSH, connect=addr, sndhwm=4)
+        pull, addr = bound(ctx, zmq.PULL, endpoint, rcvhwm=4, configure=small_kernel_buffers)
+        push = open_socket(ctx, zmq.PUSH, connect=addr, sndhwm=4, configure=small_kernel_buffers)
         blocked = [0]
+        first_block = trio.Event()
         got: list[tuple[int, bytes]] = []
 
         async def producer() -> None:
             for i in range(count):
                 if push.socket.getsockopt(zmq.EVENTS) & zmq.POLLOUT == 0:
                     blocked[0] += 1
+                    first_block.set()
                 await push.send_multipart([i.to_bytes(4, "little"), b"x" * (i % 300)])
 
         async def consumer() -> None:
+            # The consumer reads nothing until the producer has had to wait (or a few
+            # seconds passed), so the push-back is observed on any machine's timing.
+            with trio.move_on_after(5):
+                await first_block.wait()
             for n in range(count):
                 if n % 100 == 0:
                     await trio.sleep(0.005)  # a slow consumer: the producer must wait
