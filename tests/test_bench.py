@@ -41,6 +41,23 @@ def test_poisson_arrivals_are_seeded_and_at_the_rate() -> None:
         bench.poisson_arrivals(2, 0.0)
 
 
+def test_round_order_groups_batches_and_rotates_each_group() -> None:
+    cases: list[tuple[int, int | str, int | None]] = [
+        (1, 0, None), (1, 2, None), (1, "auto", None), (16, 0, None), (16, "auto", None),
+    ]  # fmt: skip
+    orders = [bench.round_order(cases, r) for r in range(6)]
+    assert orders[0] == cases
+    assert orders[1] == [
+        (1, 2, None), (1, "auto", None), (1, 0, None), (16, "auto", None), (16, 0, None),
+    ]  # fmt: skip
+    for order in orders:
+        assert sorted(order, key=str) == sorted(cases, key=str)
+        assert [c[0] for c in order] == [1, 1, 1, 16, 16]
+    # Over as many rounds as a group has cases, each case runs once in every position.
+    assert {o[2] for o in orders[:3]} == {(1, 0, None), (1, 2, None), (1, "auto", None)}
+    assert {o[4] for o in orders[:2]} == {(16, 0, None), (16, "auto", None)}
+
+
 def test_percentiles_and_latencies() -> None:
     assert bench.percentiles([]) == {"p50": None, "p90": None, "p99": None, "mean": None}
     got = bench.percentiles([float(x) for x in range(1, 101)])
