@@ -29,24 +29,31 @@ The rule: pick the k that maximises expected tokens per second,
   falls with depth: deep positions revisited more often than needed (simulated at
   batch 4, 0.992 of the best k against 0.995);
 * ``T(B, k)`` is the measured wall time of a step (draft substeps plus verification)
-  with ``B`` decoding sequences in the same power-of-two bucket and k drafts each: the
-  mean of the faster half of its last ``window`` timings, each first scaled to the
-  bucket's full size (:func:`_scale_to_bucket`). Unscaled, the bucket of 33-64 sequences
-  compared k = 3 timed on the 40 sequences of a draining batch with k = 2 timed on 64:
-  at batch 64 with a queue behind it, its estimate for k = 3 read 48 ms against the 66 ms
-  such a step takes when full. Interference on a shared machine only ever adds time, in
-  spikes of 1.5-3x at about one step in ten on the 2-core development host; a plain
-  mean of a few timings let one spike decide between two k within 5% of each other
-  (simulated over 50-step runs, the policy reached 0.95 of the best fixed k's rate with
-  a mean, 0.96-0.98 with this estimate).
+  with ``B`` decoding sequences in the same power-of-two bucket and k drafts each, each
+  timing first scaled to the bucket's full size (:func:`_scale_to_bucket`). Unscaled, the
+  bucket of 33-64 sequences compared k = 3 timed on the 40 sequences of a draining batch
+  with k = 2 timed on 64: at batch 64 with a queue behind it, its estimate for k = 3 read
+  48 ms against the 66 ms such a step takes when full. Interference on a shared machine
+  only ever adds time, in spikes of 1.5-3x at about one step in ten on the 2-core
+  development host, so every estimate is the mean of the faster half of its timings (a
+  plain mean let one spike decide between two k within 5% of each other). The machine's
+  speed also drifts in stretches of 20-40 steps, 25% either side of its median whatever
+  k runs (a tape of shuffled k at batch 16 on a 2-core Xeon), so k are compared in pairs
+  close in time (:class:`_BucketTimes`): the k the bucket runs most keeps its own last
+  ``window`` times, and every other k its times as ratios to that reference's level when
+  it ran. Before, a k timed only in a run's slow first steps kept that time: live at
+  batch 16, k = 4 read 43 ms against its 32 ms median and ran on 17 of 189 steps though
+  it was the best fixed k. Replayed on that tape from a run's start, the policy went from
+  0.964 to 0.98-1.0 of fixed k = 4; from other starts it is unchanged (0.987-0.988).
 
 Exploration starts at ``k_max`` (after a batch size's first ``warmup_steps`` steps,
 which are not timed) and goes down one k at a time while the smaller k does better (each
 k runs twice: its first step pays one-time costs, so the second's time replaces it); a
 batch bucket not timed yet borrows the times of a neighbouring one, scaled, instead of
-exploring again. One step in ``probe_every`` re-measures the less measured of the best
-k's two neighbours (the larger on ties), so a noisy early timing is corrected and the
-next position's acceptance keeps being measured while the policy prefers fewer drafts.
+exploring again. One step in ``probe_every`` re-measures whichever of the best k's two
+neighbours was timed longer ago (the larger on ties), so a noisy early timing is
+corrected, both neighbours' ratios stay current, and the next position's acceptance keeps
+being measured while the policy prefers fewer drafts.
 Only neighbours: the rate is unimodal in k (each extra draft adds less, and costs at
 least as much), so a better k is always reachable one step at a time, and a probe never
 spends a step on a k far from the best (at batch 1 a probe of k = 0 cost about 1/16 of
@@ -60,6 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Iterable
 
 __all__ = ["SpecPolicy"]
 
@@ -93,10 +101,84 @@ class _Decayed:
         self.weight = self.weight * decay + 1.0
 
 
-def _fast_half_mean(times: deque[float]) -> float:
+def _fast_half_mean(times: Iterable[float]) -> float:
     """Mean of the faster half (rounded up) of ``times``."""
     fast = sorted(times)[: (len(times) + 1) // 2]
     return sum(fast) / len(fast)
+
+
+class _BucketTimes:
+    """One batch bucket's step times, compared in pairs close in time.
+
+    The machine's speed drifts in stretches (on a 2-core host, 20-40 steps at a time 25%
+    faster or slower than its median, whatever k runs), so two k timed at different
+    moments compare the moments as much as the k. The k the bucket runs most (the
+    reference) keeps its own recent times; every other k keeps each of its times as a
+    ratio to the reference's level (the mean of the faster half of its last
+    ``2 * window`` times) when it ran, and its estimate is that ratio times the
+    reference's level now.
+    A k timed in a slow stretch at the start of a run (the first exploration) is then not
+    kept out of use by it for good. When another k becomes the most run, it becomes the
+    reference and every ratio is re-based on it."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.ref: int | None = None
+        # The reference's times: the last ``window`` give its estimate; all of them, the
+        # level other k's ratios are taken against (twice as many, so that level's own
+        # noise adds little to theirs: with half, a k 3% slower than the reference read
+        # as faster often enough to be run half the time).
+        self.level: deque[float] = deque(maxlen=2 * window)
+        self.ratios: dict[int, deque[float]] = {}  # other k: time / the level then
+        self.warm: set[int] = set()  # k whose first timing was replaced
+        self._recent: deque[int] = deque(maxlen=2 * window)  # k of the last timings
+        self._timings = 0
+        self._last_timed: dict[int, int] = {}  # k -> the number of its latest timing
+
+    def _samples(self, k: int) -> deque[float]:
+        if k == self.ref:
+            return self.level
+        return self.ratios.setdefault(k, deque(maxlen=self.window))
+
+    def add(self, k: int, seconds: float) -> None:
+        if self.ref is None:
+            self.ref = k
+        samples = self._samples(k)
+        if k not in self.warm and samples:
+            # The first step of a (bucket, k) pays one-time costs (new tensor shapes, cold
+            # caches): at batch 1 it kept k = 3 ahead of a k = 2 that ran 8% faster. The
+            # second replaces it.
+            self.warm.add(k)
+            samples.clear()
+        samples.append(seconds if k == self.ref else seconds / _fast_half_mean(self.level))
+        self._recent.append(k)
+        self._timings += 1
+        self._last_timed[k] = self._timings
+        most = max(set(self._recent), key=lambda j: (self._recent.count(j), j == self.ref))
+        if most != self.ref and most in self.warm:
+            self._rebase(most)
+
+    def _rebase(self, new: int) -> None:
+        """Make ``new`` the reference; every estimate stays what it was."""
+        assert self.ref is not None
+        level, ratio = _fast_half_mean(self.level), _fast_half_mean(self.ratios[new])
+        old = deque((t / level / ratio for t in self.level), maxlen=self.window)
+        self.level = deque((r * level for r in self.ratios.pop(new)), maxlen=2 * self.window)
+        for k, rs in self.ratios.items():
+            self.ratios[k] = deque((r / ratio for r in rs), maxlen=self.window)
+        self.ratios[self.ref] = old
+        self.ref = new
+
+    def estimate(self, k: int) -> float:
+        """Seconds a step with ``k`` drafts takes at the reference's present level."""
+        if k == self.ref:
+            return _fast_half_mean(list(self.level)[-self.window :])
+        return _fast_half_mean(self.ratios[k]) * _fast_half_mean(self.level)
+
+    def last(self, k: int) -> int:
+        """The number of ``k``'s latest timing that counts (0: none yet, or only its
+        first, which is replaced)."""
+        return self._last_timed.get(k, 0) if k in self.warm else 0
 
 
 class SpecPolicy:
@@ -143,8 +225,7 @@ class SpecPolicy:
             raise ValueError(f"stale_decay must be in (0, 1], got {stale_decay}")
         self.stale_decay = stale_decay
         self._reached = [_Decayed() for _ in range(k_max)]  # per draft position
-        self._step_time: dict[tuple[int, int], deque[float]] = {}
-        self._warm: set[tuple[int, int]] = set()  # pairs whose first timing was replaced
+        self._times: dict[int, _BucketTimes] = {}  # per batch bucket
         self._num_choices = 0
 
     # ---- feedback ---------------------------------------------------------------------
@@ -164,15 +245,8 @@ class SpecPolicy:
         seen = self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
         if seen <= self.warmup_steps:
             return
-        key = (bucket, k)
-        timed = self._step_time.setdefault(key, deque(maxlen=self.window))
-        if key not in self._warm and timed:
-            # The first step of a (bucket, k) pays one-time costs (new tensor shapes, cold
-            # caches): at batch 1 it kept k = 3 ahead of a k = 2 that ran 8% faster. The
-            # second replaces it.
-            self._warm.add(key)
-            timed.clear()
-        timed.append(_scale_to_bucket(seconds, num_seqs, bucket))
+        times = self._times.setdefault(bucket, _BucketTimes(self.window))
+        times.add(k, _scale_to_bucket(seconds, num_seqs, bucket))
 
     # ---- decision ---------------------------------------------------------------------
 
@@ -189,7 +263,12 @@ class SpecPolicy:
 
     def step_times(self) -> dict[tuple[int, int], float]:
         """Estimated step time per (batch bucket, k) (see the module docstring)."""
-        return {key: _fast_half_mean(t) for key, t in self._step_time.items()}
+        return {
+            (bucket, k): times.estimate(k)
+            for bucket, times in self._times.items()
+            for k in [times.ref, *times.ratios]
+            if k is not None
+        }
 
     def expected_tokens(self, k: int) -> float:
         """Tokens one sequence emits per step with ``k`` drafts."""
@@ -234,15 +313,17 @@ class SpecPolicy:
                 break
         best = max(times, key=rate)
         if self._num_choices % self.probe_every == 0:
-            # Re-measure a neighbour of the best (the less measured; ties: the larger,
+            # Re-measure the neighbour of the best timed longest ago (ties: the larger,
             # which also measures the next position's acceptance), so one unlucky early
-            # timing (or a borrowed one) cannot keep a good k out of use for good.
-            def weight(k: int) -> float:
-                timed = self._step_time.get((bucket, k))
-                return float(len(timed)) if (bucket, k) in self._warm and timed else 0.0
+            # timing (or a borrowed one) cannot keep a good k out of use for good, and
+            # both neighbours' estimates stay current.
+            timed = self._times.get(bucket)
+
+            def last(k: int) -> int:
+                return timed.last(k) if timed is not None else 0
 
             near = [k for k in (best - 1, best + 1) if 0 <= k <= self.k_max]
-            return max(near, key=lambda k: (-weight(k), k))
+            return min(near, key=lambda k: (last(k), -k))
         return best
 
     def _estimated_times(self, bucket: int) -> dict[int, float]:
@@ -260,7 +341,11 @@ class SpecPolicy:
         # step grows with the batch, so a farther one would mislead (batch 1's nearly
         # free drafts would keep batch 16 at k_max untested).
         others = sorted(
-            {b for b, _ in self._warm if abs(b.bit_length() - bucket.bit_length()) == 1},
+            {
+                b
+                for b, t in self._times.items()
+                if t.warm and abs(b.bit_length() - bucket.bit_length()) == 1
+            },
             key=lambda b: -b,  # the larger first: it is the one a shrinking batch just left
         )
         for source in others:
@@ -274,8 +359,5 @@ class SpecPolicy:
 
     def _timed(self, bucket: int) -> dict[int, float]:
         """The bucket's own step-time estimate of every k timed past its warm-up step."""
-        return {
-            k: _fast_half_mean(self._step_time[(bucket, k)])
-            for k in range(self.k_max + 1)
-            if (bucket, k) in self._warm
-        }
+        times = self._times.get(bucket)
+        return {} if times is None else {k: times.estimate(k) for k in sorted(times.warm)}

@@ -292,3 +292,40 @@ def test_stale_decay_is_checked() -> None:
     for bad in (0.0, 1.5, -0.1):
         with pytest.raises(ValueError, match="stale_decay"):
             SpecPolicy(3, stale_decay=bad)
+
+
+def test_a_k_not_run_lately_follows_the_machine_through_the_reference() -> None:
+    """The machine's speed drifts in stretches whatever k runs. A k timed once, in a fast
+    stretch, must not keep its fast time while the k that runs most is timed in a slow one
+    (live at batch 16, k = 4 timed only in a run's slow first steps read 43 ms against
+    its 32 ms median, and stayed out of use): it is kept as a ratio to the reference."""
+    policy = SpecPolicy(3, warmup_steps=0)
+    for seconds in (0.050, 0.010, 0.010, 0.010):  # k = 3 runs: the reference
+        policy.observe_step(1, 3, seconds)
+    policy.observe_step(1, 2, 0.009)  # first k = 2 step (replaced), then one timing
+    policy.observe_step(1, 2, 0.008)
+    assert policy.step_times()[(1, 2)] == pytest.approx(0.008)
+    for _ in range(16):  # the machine slows by half; only k = 3 runs
+        policy.observe_step(1, 3, 0.015)
+    times = policy.step_times()
+    assert times[(1, 3)] == pytest.approx(0.015)
+    assert times[(1, 2)] == pytest.approx(0.012)  # 0.8 of k = 3, as when it was timed
+
+
+def test_the_reference_moves_to_the_k_run_most_and_estimates_carry_over() -> None:
+    """When the policy settles on another k, that k becomes the reference; no estimate
+    jumps at the change, and later drift moves every k with it."""
+    policy = SpecPolicy(3, warmup_steps=0)
+    for k, seconds in [(3, 0.05), (3, 0.010), (3, 0.010), (2, 0.02), (2, 0.008), (1, 0.02)]:
+        policy.observe_step(1, k, seconds)
+    policy.observe_step(1, 1, 0.007)
+    before = policy.step_times()
+    for _ in range(12):  # k = 2 now runs most: the reference moves to it
+        policy.observe_step(1, 2, 0.008)
+    after = policy.step_times()
+    for key in before:
+        assert after[key] == pytest.approx(before[key], rel=1e-9), key
+    for _ in range(16):
+        policy.observe_step(1, 2, 0.016)  # the machine halves its speed
+    slowed = policy.step_times()
+    assert slowed[(1, 3)] == pytest.approx(0.020) and slowed[(1, 1)] == pytest.approx(0.014)
