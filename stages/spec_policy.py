@@ -30,7 +30,7 @@ The rule: pick the k that maximises expected tokens per second,
   batch 4, 0.992 of the best k against 0.995);
 * ``T(B, k)`` is the measured wall time of a step (draft substeps plus verification)
   with ``B`` decoding sequences in the same power-of-two bucket and k drafts each, each
-  timing first scaled to the bucket's full size (:func:`_scale_to_bucket`). Unscaled, the
+  timing first scaled to the bucket's full size (:func:`scale_to_bucket`). Unscaled, the
   bucket of 33-64 sequences compared k = 3 timed on the 40 sequences of a draining batch
   with k = 2 timed on 64: at batch 64 with a queue behind it, its estimate for k = 3 read
   48 ms against the 66 ms such a step takes when full. Interference on a shared machine
@@ -69,10 +69,10 @@ import dataclasses
 from collections import deque
 from collections.abc import Iterable
 
-__all__ = ["SpecPolicy"]
+__all__ = ["SpecPolicy", "batch_bucket", "scale_to_bucket"]
 
 
-def _bucket(num_seqs: int) -> int:
+def batch_bucket(num_seqs: int) -> int:
     """Power-of-two bucket of a batch size (1, 2, 4, ...)."""
     return 1 << max(0, num_seqs - 1).bit_length()
 
@@ -84,7 +84,7 @@ def _bucket(num_seqs: int) -> int:
 STEP_FIXED_SEQS = 8.0
 
 
-def _scale_to_bucket(seconds: float, num_seqs: int, bucket: int) -> float:
+def scale_to_bucket(seconds: float, num_seqs: int, bucket: int) -> float:
     """A step's time with ``num_seqs`` sequences, scaled to its bucket's full size."""
     return seconds * (STEP_FIXED_SEQS + bucket) / (STEP_FIXED_SEQS + num_seqs)
 
@@ -241,12 +241,12 @@ class SpecPolicy:
         (filed under their bucket, scaled to its full size)."""
         if num_seqs <= 0 or not 0 <= k <= self.k_max:
             return
-        bucket = _bucket(num_seqs)
+        bucket = batch_bucket(num_seqs)
         seen = self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
         if seen <= self.warmup_steps:
             return
         times = self._times.setdefault(bucket, _BucketTimes(self.window))
-        times.add(k, _scale_to_bucket(seconds, num_seqs, bucket))
+        times.add(k, scale_to_bucket(seconds, num_seqs, bucket))
 
     # ---- decision ---------------------------------------------------------------------
 
@@ -296,7 +296,7 @@ class SpecPolicy:
 
     def _choose(self, num_seqs: int) -> int:
         self._num_choices += 1
-        bucket = _bucket(num_seqs)
+        bucket = batch_bucket(num_seqs)
         times = self._estimated_times(bucket)
         tokens = self._expected_tokens_all()
 

@@ -13,9 +13,12 @@ from spectrio.tools.bench import bench_prompts
 from spectrio.tools.policy_replay import (
     Tape,
     Trace,
+    acceptance_draws,
+    fixed_clock,
     main,
     record,
     record_tape,
+    replay_batch,
     replay_fixed,
     replay_policy,
 )
@@ -109,3 +112,50 @@ def test_record_tape_from_the_bundled_model_and_replay_on_it(tmp_path) -> None: 
     main(["--trace", str(acc), "--tape", str(path), "--offsets", "3", "--run-requests", "1"])
     with pytest.raises(SystemExit):
         main(["--trace", str(acc)])  # neither --times nor --tape
+
+
+def test_replay_at_a_batch_gives_each_sequence_its_leading_accepted_drafts() -> None:
+    clock = fixed_clock(TIMES)
+    # Two steps of two sequences; position 2 rejected for the first sequence of step 0.
+    accepts = [[[True, False, True], [True, True, True]], [[False, True, True]] * 2]
+    # k = 3: step 0 gives 2 + 4 tokens, step 1 gives 1 + 1.
+    assert replay_batch(clock, SpecPolicy(3, adaptive=False), accepts) == pytest.approx(
+        8 / (2 * TIMES[3])
+    )
+    assert replay_batch(clock, SpecPolicy(1, adaptive=False), accepts) == pytest.approx(
+        6 / (2 * TIMES[1])
+    )
+    draws = acceptance_draws([0.9, 0.5], batch=3, steps=400, seed=1)
+    assert draws == acceptance_draws([0.9, 0.5], batch=3, steps=400, seed=1)
+    assert len(draws) == 400 and all(len(step) == 3 for step in draws)
+    share = [sum(row[i] for step in draws for row in step) / 1200 for i in range(2)]
+    assert share[0] == pytest.approx(0.9, abs=0.03) and share[1] == pytest.approx(0.5, abs=0.05)
+
+
+def test_acceptance_replay_on_a_batch_tape(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A tape whose machine is 40% slower for a stretch: the policy and every fixed k meet
+    the stretch alike, and the report has a line per k and one for the policy."""
+    ks = [k for _ in range(120) for k in (2, 0, 3, 1)]
+    slow = [1.4 if 100 <= i < 220 else 1.0 for i in range(len(ks))]
+    path = tmp_path / "tape.json"
+    seconds = [TIMES[k] * f for k, f in zip(ks, slow, strict=True)]
+    path.write_text(json.dumps({"k": ks, "seconds": seconds, "batch": 4}))
+    args = ["--tape", str(path), "--acceptance", "0.9,0.8,0.7", "--run-steps", "60"]
+    main([*args, "--offsets", "3", "--seeds", "2"])
+    out = capsys.readouterr().out
+    assert "batch 4, 6 runs of 60 steps" in out and out.count(" of the best") == 5
+    for bad in (["--acceptance", "0.9"], [*args[:2], "--acceptance", "0.9,0.8,0.7,0.6"]):
+        with pytest.raises(SystemExit):
+            main(bad)  # no tape; a k the tape never ran
+    with pytest.raises(SystemExit):
+        main([*args[:2], "--acceptance", "0.9,1.5"])
+
+
+def test_record_tape_runs_at_a_batch() -> None:
+    async def run() -> Tape:
+        with trio.fail_after(120):
+            return await record_tape("bundled", bench_prompts(3, 16, "bundled"), 2, 16, 10, batch=2)
+
+    tape = trio.run(run)
+    assert len(tape) == 16 and set(tape.ks) <= {0, 1, 2}
+    assert all(0 < s < 1.0 for s in tape.seconds)

@@ -19,7 +19,12 @@ differences between variants of the policy. This tool takes the machine out:
 * ``--trace FILE --tape TAPE`` replays on that noise instead of fixed times: a step that
   runs k at replay step n takes the time of the tape's step with that k nearest to
   position ``offset + n``. Each of ``--offsets`` evenly spaced starts is one run, as a
-  bench round is, and fixed k and the policy meet the same noise in each.
+  bench round is, and fixed k and the policy meet the same noise in each;
+* ``--record-tape FILE --batch B`` records the same at B running sequences, and
+  ``--acceptance a1,a2,... --tape FILE`` replays at the tape's batch size, every sequence
+  accepting draft i with probability ``a_i`` given the drafts before it (no request's
+  record applies to a batch), from ``--offsets`` starts with ``--seeds`` draws each;
+  fixed k and the policy meet the same draws and the same stretches of the tape.
 
 The replay is a model, not a re-run: a step that drafts ``k' < k`` is taken to accept
 ``min(recorded, k')`` drafts, and the next step starts where the recorded one did.
@@ -28,7 +33,9 @@ Compare policies on the same records; do not read the figures as the runtime's.
 
 Run: ``python -m spectrio.tools.policy_replay --record acc.json [--requests 24]``, then
 ``python -m spectrio.tools.policy_replay --trace acc.json --times 4.1,5.6,6.9,7.5``; or
-``--record-tape tape.json [--steps 3000]`` and ``--trace acc.json --tape tape.json``.
+``--record-tape tape.json [--steps 3000]`` and ``--trace acc.json --tape tape.json``; at
+batch 16: ``--record-tape t16.json --batch 16 --k 4 --steps 300``, then
+``--tape t16.json --acceptance 0.90,0.86,0.90,0.94``.
 """
 
 from __future__ import annotations
@@ -38,13 +45,26 @@ import bisect
 import json
 import random
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import trio
 
-from spectrio.stages.spec_policy import SpecPolicy
+from spectrio.stages.spec_policy import SpecPolicy, batch_bucket, scale_to_bucket
 
-__all__ = ["Tape", "Trace", "record", "record_tape", "replay_fixed", "replay_policy"]
+__all__ = [
+    "Accepts",
+    "Tape",
+    "Trace",
+    "acceptance_draws",
+    "record",
+    "record_tape",
+    "replay_batch",
+    "replay_fixed",
+    "replay_policy",
+]
+
+R = TypeVar("R")
 
 #: Per request, per recorded step: ``(drafts proposed, drafts accepted)``.
 Trace = list[list[tuple[int, int]]]
@@ -167,29 +187,81 @@ class _CyclePolicy(SpecPolicy):
 
 
 async def record_tape(
-    model: str, prompts: list[list[int]], k: int, steps: int, max_tokens: int
+    model: str,
+    prompts: list[list[int]],
+    k: int,
+    steps: int,
+    max_tokens: int,
+    batch: int = 1,
 ) -> Tape:
-    """At batch 1, the times of ``steps`` decode steps whose k cycles through 0..``k``
-    (requests one after another, ``prompts`` reused in turn), as the policy would see
-    them."""
+    """At ``batch`` running sequences, the times of ``steps`` decode steps whose k cycles
+    through 0..``k`` (each of ``batch`` lanes runs requests one after another, ``prompts``
+    reused in turn), as the policy would see them: only the steps it times (no prefill
+    chunk, no catch-up on a prompt) with a batch in the same power-of-two bucket, each
+    scaled to ``batch`` sequences as the policy scales it. At batch 64 a new request
+    starts on most steps, so far fewer steps are timed than run."""
     from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
 
     cfg = RuntimeConfig(
         model=model,
-        max_num_seqs=1,
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(2048, batch * (k + 1)),
         speculative=SpeculativeConfig(num_speculative_tokens=k, adaptive=False),
     )
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    cycle = _CyclePolicy(k)
+
+    def full() -> list[tuple[int, float]]:
+        return [
+            (drafts, scale_to_bucket(s, n, batch))
+            for n, drafts, s in cycle.timed
+            if batch_bucket(n) == batch_bucket(batch)
+        ]
+
     async with open_runtime(cfg) as rt:
-        cycle = _CyclePolicy(k)
         rt.scheduler.policy = cycle
-        i = 0
-        while len(cycle.timed) < steps:
-            async for _ in rt.generate(prompts[i % len(prompts)], params):
-                pass
-            i += 1
-    timed = cycle.timed[:steps]
-    return Tape([k for _, k, _ in timed], [s for _, _, s in timed])
+        taken = iter(range(1 << 62))
+
+        async def lane() -> None:
+            while len(full()) < steps:
+                async for _ in rt.generate(prompts[next(taken) % len(prompts)], params):
+                    pass
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(batch):
+                nursery.start_soon(lane)
+    timed = full()[:steps]
+    return Tape([k for k, _ in timed], [s for _, s in timed])
+
+
+#: Per step, per sequence, per draft position: accepted if the drafts before it were.
+Accepts = list[list[list[bool]]]
+
+
+def replay_batch(clock: Clock, policy: SpecPolicy, accepts: Accepts) -> float:
+    """Tokens per second of ``policy`` over ``len(accepts)`` steps of ``len(accepts[0])``
+    sequences on ``clock``: a step with k drafts gives each sequence the drafts up to its
+    first rejection among the first k. The draws are the caller's, so every policy meets
+    the same ones. A model for batches larger than one, where no single request's record
+    applies: positions accept independently of each other and of the step before."""
+    tokens = seconds = 0.0
+    for n, step in enumerate(accepts):
+        k = policy.choose(len(step))
+        took = clock(n, k)
+        policy.observe_step(len(step), k, took)
+        for row in step:
+            got = next((i for i in range(k) if not row[i]), k)
+            if k:
+                policy.observe_acceptance(k, got)
+            tokens += got + 1
+        seconds += took
+    return tokens / seconds
+
+
+def acceptance_draws(acceptance: list[float], batch: int, steps: int, seed: int) -> Accepts:
+    """Seeded :data:`Accepts`: position i accepted with probability ``acceptance[i]``."""
+    rng = random.Random(seed)
+    return [[[rng.random() < a for a in acceptance] for _ in range(batch)] for _ in range(steps)]
 
 
 def _parse_times(text: str) -> list[float]:
@@ -203,14 +275,16 @@ def _parse_times(text: str) -> list[float]:
 
 
 def _report(
-    runs: list[tuple[Trace, Clock]], k_max: int, make_policy: Callable[[], SpecPolicy]
+    runs: Sequence[R],
+    k_max: int,
+    make_policy: Callable[[], SpecPolicy],
+    replay: Callable[[R, SpecPolicy], float],
 ) -> None:
-    """Every fixed k's and a fresh policy's tokens/s per run (its records and its clock),
-    as means over the runs; with several runs, the policy's ratio to the best fixed k
-    run by run."""
-    fixed = {k: [replay_fixed(t, c, k) for t, c in runs] for k in range(k_max + 1)}
+    """Every fixed k's and a fresh policy's tokens/s per run, as means over the runs;
+    with several runs, the policy's ratio to the best fixed k run by run."""
+    fixed = {k: [replay(r, SpecPolicy(k, adaptive=False)) for r in runs] for k in range(k_max + 1)}
     best = max(fixed, key=lambda k: statistics.mean(fixed[k]))
-    adaptive = [replay_policy(t, c, make_policy()) for t, c in runs]
+    adaptive = [replay(r, make_policy()) for r in runs]
     top = statistics.mean(fixed[best])
     for k, rates in fixed.items():
         rate = statistics.mean(rates)
@@ -226,18 +300,67 @@ def _report(
     print(line)
 
 
+def _parse_acceptance(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",")]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"--acceptance: comma-separated numbers, got {text!r}"
+        ) from exc
+    if not all(0.0 <= a <= 1.0 for a in rates):
+        raise argparse.ArgumentTypeError("--acceptance: each between 0 and 1")
+    return rates
+
+
+def _load_tape(path: str) -> tuple[Tape, int]:
+    with open(path) as fh:
+        taped = json.load(fh)
+    tape = Tape([int(k) for k in taped["k"]], [float(s) for s in taped["seconds"]])
+    return tape, int(taped.get("batch", 1))
+
+
+def _replay_acceptance(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--acceptance`` on ``--tape``: ``--offsets`` evenly spaced starts, ``--seeds``
+    acceptance draws each, ``--run-steps`` steps a run, every run with a fresh policy."""
+    if args.tape is None:
+        p.error("--acceptance replays on a --tape")
+    tape, batch = _load_tape(args.tape)
+    k_max = len(args.acceptance)
+    if tape.k_max < k_max or min(args.offsets, args.seeds, args.run_steps) < 1:
+        p.error(f"--tape needs every k up to {k_max}; --offsets, --seeds, --run-steps positive")
+    runs = [
+        (
+            tape.clock(i * len(tape) // args.offsets),
+            acceptance_draws(args.acceptance, batch, args.run_steps, seed),
+        )
+        for i in range(args.offsets)
+        for seed in range(args.seeds)
+    ]
+    print(f"batch {batch}, {len(runs)} runs of {args.run_steps} steps")
+    _report(runs, k_max, lambda: SpecPolicy(k_max), lambda r, pol: replay_batch(r[0], pol, r[1]))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m spectrio.tools.policy_replay")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--record", metavar="FILE", help="record acceptance into FILE")
     mode.add_argument("--record-tape", metavar="FILE", help="record step times into FILE")
     mode.add_argument("--trace", metavar="FILE", help="replay the policy on FILE")
+    mode.add_argument(
+        "--acceptance",
+        type=_parse_acceptance,
+        help="replay on --tape at the tape's batch size, each sequence accepting draft i "
+        "with these probabilities (given the drafts before it): a1,a2,...",
+    )
     p.add_argument("--model", default="bundled")
     p.add_argument("--k", type=int, default=3, help="drafts per step (most, for a tape)")
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=48)
     p.add_argument("--steps", type=int, default=3000, help="steps a tape records")
+    p.add_argument("--batch", type=int, default=1, help="running sequences a tape records")
+    p.add_argument("--run-steps", type=int, default=160, help="steps per --acceptance run")
+    p.add_argument("--seeds", type=int, default=4, help="acceptance draws per --acceptance start")
     timing = p.add_mutually_exclusive_group()
     timing.add_argument("--times", type=_parse_times, help="ms per step for k = 0, 1, ...")
     timing.add_argument("--tape", metavar="FILE", help="step times recorded by --record-tape")
@@ -252,9 +375,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.record or args.record_tape:
         from spectrio.tools.bench import bench_prompts
 
-        if args.k < 1 or args.requests < 1 or args.max_tokens < 2 or args.steps < 1:
-            p.error("--k, --requests and --steps must be positive, --max-tokens at least 2")
-        prompts = bench_prompts(args.requests, args.prompt_tokens, args.model)
+        if min(args.k, args.requests, args.steps, args.batch) < 1 or args.max_tokens < 2:
+            p.error(
+                "--k, --requests, --steps and --batch must be positive, --max-tokens at least 2"
+            )
+        prompts = bench_prompts(max(args.requests, args.batch), args.prompt_tokens, args.model)
     if args.record:
         trace = trio.run(record, args.model, prompts, args.k, args.max_tokens)
         with open(args.record, "w") as fh:
@@ -263,21 +388,24 @@ def main(argv: list[str] | None = None) -> None:
         print(f"recorded {len(trace)} requests, {steps} decode steps at k = {args.k}")
         return
     if args.record_tape:
-        tape = trio.run(record_tape, args.model, prompts, args.k, args.steps, args.max_tokens)
+        tape = trio.run(
+            record_tape, args.model, prompts, args.k, args.steps, args.max_tokens, args.batch
+        )
         with open(args.record_tape, "w") as fh:
-            json.dump({"k": tape.ks, "seconds": tape.seconds}, fh)
+            json.dump({"k": tape.ks, "seconds": tape.seconds, "batch": args.batch}, fh)
         for k in range(tape.k_max + 1):
             ms = [s * 1e3 for kk, s in zip(tape.ks, tape.seconds, strict=True) if kk == k]
             print(f"k = {k}: {len(ms)} steps, median {statistics.median(ms):.2f} ms")
+        return
+    if args.acceptance is not None:
+        _replay_acceptance(p, args)
         return
     with open(args.trace) as fh:
         data = json.load(fh)
     k_max = int(data["k"])
     trace = [[(int(d), int(a)) for d, a in steps] for steps in data["requests"]]
     if args.tape:
-        with open(args.tape) as fh:
-            taped = json.load(fh)
-        tape = Tape([int(k) for k in taped["k"]], [float(s) for s in taped["seconds"]])
+        tape, _ = _load_tape(args.tape)
         if tape.k_max < k_max or args.offsets < 1:
             p.error(f"--tape: needs every k up to {k_max}; --offsets must be positive")
         clocks = [tape.clock(i * len(tape) // args.offsets) for i in range(args.offsets)]
@@ -291,7 +419,12 @@ def main(argv: list[str] | None = None) -> None:
     if size < 1:
         p.error("--run-requests must be positive")
     parts = [trace[i : i + size] for i in range(0, len(trace), size)]
-    _report([(t, c) for c in clocks for t in parts], k_max, lambda: SpecPolicy(k_max))
+    _report(
+        [(t, c) for c in clocks for t in parts],
+        k_max,
+        lambda: SpecPolicy(k_max),
+        lambda run, policy: replay_policy(run[0], run[1], policy),
+    )
 
 
 if __name__ == "__main__":
