@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import itertools
 import json
 import random
 import statistics
@@ -220,7 +221,7 @@ async def record_tape(
 
     async with open_runtime(cfg) as rt:
         rt.scheduler.policy = cycle
-        taken = iter(range(1 << 62))
+        taken = itertools.count()
 
         async def lane() -> None:
             while len(full()) < steps:
