@@ -9,7 +9,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 
 import msgspec
 import structlog
@@ -43,7 +43,7 @@ from spectrio.runtime.tp import TPGroup, make_workspace
 from spectrio.stages.block_manager import BlockManager
 from spectrio.stages.publisher import run_publisher
 from spectrio.stages.sampling import Sampler
-from spectrio.stages.scheduler import ControlClosed, StageFailure, run_scheduler
+from spectrio.stages.scheduler import ControlClosed, Resume, StageFailure, run_scheduler
 from spectrio.stages.scheduling import Scheduler
 from spectrio.stages.scheduling import Sequence as Sequence_
 from spectrio.stages.workspace import Workspace
@@ -120,6 +120,7 @@ class Runtime:
         self._died = trio.Event()
         self._changed = trio.Event()  # set (and replaced) whenever the pipeline may be idle
         self._stopped = trio.Event()  # every stage has ended
+        self._paused = False
         self._timings: collections.deque[StepTiming] = collections.deque(maxlen=4096)
         self._unpublished: dict[int, StepTiming] = {}
         self.num_steps = 0  # pipeline steps published
@@ -180,6 +181,7 @@ class Runtime:
                         published_tx,
                         on_idle_check=self._notify,
                         on_result=self._on_result,
+                        paused=lambda: self._paused,
                     ),
                 )
             finally:
@@ -295,6 +297,7 @@ class Runtime:
             stream = self._streams.get(r.request_id)
             if stream is not None and (r.token_ids or r.finish_reason):
                 stream.send_nowait(r)
+        self._notify()  # pause() waits for the last step in flight to be delivered
 
     def add_record_observer(self, observer: Callable[[PublishedStep], None]) -> Callable[[], None]:
         """Call ``observer`` with every step's packed record (:class:`PublishedStep`, layout in
@@ -487,6 +490,39 @@ class Runtime:
             if self._is_idle() or self._stopped.is_set():
                 return
             await self._changed.wait()
+
+    @property
+    def paused(self) -> bool:
+        """True between :meth:`pause` and :meth:`resume`."""
+        return self._paused
+
+    async def pause(self) -> None:
+        """Stop planning steps, and return once every step in flight has been delivered
+        to its streams: the device is then idle until :meth:`resume`. Requests, aborts and
+        ``close`` are still accepted while paused (a new request waits, an abort frees its
+        blocks at once); nothing is lost. Pausing twice is the same as once. Raises
+        :class:`EngineDead` if the engine failed.
+
+        For a host that shares the machine between runtimes (``spectrio bench
+        --interleave`` passes the CPU between the cases it compares): their steps then
+        never run at the same time."""
+        self._paused = True
+        while self.scheduler.num_in_flight or self._unpublished:
+            if self._dead is not None:
+                raise self._dead
+            if self._stopped.is_set():
+                return
+            await self._changed.wait()
+
+    def resume(self) -> None:
+        """Plan steps again after :meth:`pause`. Resuming a runtime that is not paused
+        does nothing."""
+        if not self._paused:
+            return
+        self._paused = False
+        if self._events_tx is not None:
+            with suppress(trio.ClosedResourceError, trio.BrokenResourceError):
+                self._events_tx.send_nowait(Resume())
 
     async def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Abort a request: its stream ends with ``finish_reason="abort"`` and its KV

@@ -24,11 +24,15 @@ from spectrio.stages.scheduling import Scheduler, Sequence
 
 _log = structlog.get_logger("spectrio.stages.scheduler")
 
-__all__ = ["ControlClosed", "StageFailure", "run_scheduler"]
+__all__ = ["ControlClosed", "Resume", "StageFailure", "run_scheduler"]
 
 
 class ControlClosed(msgspec.Struct, tag=True):
     """The runtime closed its control channel: finish the steps in flight, then end."""
+
+
+class Resume(msgspec.Struct, tag=True):
+    """The runtime was resumed after a pause: plan again (wakes the actor's wait)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +71,7 @@ async def run_scheduler(
     *,
     on_idle_check: Callable[[], None] = lambda: None,
     on_result: Callable[[StepResult, StepTiming | None], None] = lambda r, t: None,
+    paused: Callable[[], bool] = lambda: False,
     rank: int = 0,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -74,15 +79,18 @@ async def run_scheduler(
     step in flight has returned; then close ``outbox``, so the publisher ends too.
 
     ``events`` carries :class:`NewRequest`, :class:`AbortRequest`, ``(StepResult,
-    StepTiming)`` pairs and :class:`StageFailure` from the device worker, and
-    :class:`ControlClosed`. A device failure raises :class:`EngineDead`."""
+    StepTiming)`` pairs and :class:`StageFailure` from the device worker,
+    :class:`ControlClosed`, and :class:`Resume`. While ``paused()`` is true no step is
+    planned; requests, aborts and results are still taken in (a resume sends
+    :class:`Resume`, so the actor plans again). A device failure raises
+    :class:`EngineDead`."""
     log = _log.bind(stage="scheduler", rank=rank)
     task_status.started()
     closing = False
     to_publish: StepResult | None = None
     try:
         while True:
-            while not closing and sched.can_schedule():
+            while not closing and not paused() and sched.can_schedule():
                 t0 = time.perf_counter()
                 plan = sched.schedule()
                 if plan is None:
@@ -113,6 +121,8 @@ async def run_scheduler(
                     _handle(sched, ev, log)
             elif isinstance(ev, ControlClosed):
                 closing = True
+            elif isinstance(ev, Resume):
+                pass  # the loop plans again at its top
             elif isinstance(ev, StageFailure):
                 raise EngineDead(ev.stage, ev.error) from ev.error
             else:
