@@ -14,6 +14,8 @@ pipeline *bubble* when work was waiting)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 __all__ = ["StepTiming", "device_summary"]
@@ -59,17 +61,25 @@ class StepTiming(msgspec.Struct, kw_only=True):
         return self.device_end - self.device_start
 
 
-def device_summary(timings: list[StepTiming], wall: float) -> dict[str, float]:
+def device_summary(
+    timings: list[StepTiming], wall: float, pauses: Sequence[tuple[float, float]] = ()
+) -> dict[str, float]:
     """``efficiency`` (device busy time over ``wall``), ``bubble`` (device idle between
     consecutive steps, over ``wall``), ``model_share`` (time in model forwards over
     ``wall``) and the mean per-step breakdown in milliseconds (``schedule``, ``draft``,
     ``verify``, ``sample``, ``publish``, ``idle``). ``timings`` are one run's steps in
-    step order."""
+    step order. ``pauses`` are ``(start, end)`` spans the runtime was paused on purpose
+    (``Runtime.pause``); ``wall`` excludes them, and so do the gaps."""
     if not timings or wall <= 0:
         return {}
     busy = sum(t.device for t in timings)
+
+    def paused_within(start: float, end: float) -> float:
+        return sum(max(0.0, min(end, p1) - max(start, p0)) for p0, p1 in pauses)
+
     gaps = [
-        max(0.0, b.device_start - a.device_end) for a, b in zip(timings, timings[1:], strict=False)
+        max(0.0, b.device_start - a.device_end - paused_within(a.device_end, b.device_start))
+        for a, b in zip(timings, timings[1:], strict=False)
     ]
     n = len(timings)
     ms = 1000.0 / n

@@ -3,6 +3,7 @@ fast; no figures here, the numbers are only checked for consistency)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -21,7 +22,8 @@ from spectrio.tools.trace import config_from_fields, read_trace
 SYNTH = "synthetic:step_ms=0.3,per_row_us=2,accept=0.9,0.5,0.2"
 
 ROW_KEYS = {
-    "batch", "k", "logprobs", "dtype", "overlap", "request_rate", "requests", "max_tokens",
+    "batch", "k", "logprobs", "dtype", "overlap", "request_rate", "interleave", "requests",
+    "max_tokens",
     "tokens", "seconds", "tokens_per_second", "requests_per_second", "tokens_per_second_runs",
     "ttft_ms", "itl_ms", "tpot_ms", "mean_accept_len", "mean_accepted",
     "acceptance_per_position", "accepted_per_position", "drafts_proposed", "drafts_accepted",
@@ -109,6 +111,56 @@ def test_timing_summary_keys() -> None:
     assert [round(x, 3) for x, _ in bars["verify"]] == [1.0, 12.0]
     assert [(round(x, 3), round(w, 3)) for x, w in bars["schedule"]] == [(-2.0, 1.0), (9.0, 1.0)]
     assert [round(w, 3) for _, w in bars["publish"]] == [0.5, 0.5]
+
+
+def test_device_summary_leaves_pauses_out_of_the_gaps() -> None:
+    # Steps at 0, 11 and 32 ms, 10 ms each; paused from 21.5 to 31.5 ms: the second gap is
+    # 1 ms of idle plus 10 ms of pause, and only the idle counts.
+    steps = [_timing(0, 0.0, 0.010), _timing(1, 0.011, 0.010), _timing(2, 0.032, 0.010)]
+    got = bench.timing_summary(steps, 0.032, pauses=[(0.0215, 0.0315)])
+    assert got["bubble"] == pytest.approx(0.002 / 0.032, abs=1e-4)
+    assert got["breakdown_ms"]["idle"] == pytest.approx(1.0)
+    assert bench.timing_summary(steps, 0.032)["breakdown_ms"]["idle"] == pytest.approx(6.0)
+
+
+async def test_interleaved_cases_take_turns_and_stay_lossless() -> None:
+    """Three cases of batch 2 side by side: every request's tokens come, no two cases'
+    steps overlap in time, each case steps in several turns, and the output is the same
+    whatever the speculation (greedy is lossless)."""
+    prompts = bench.bench_prompts(6, 6, SYNTH)
+    with trio.fail_after(120):
+        rows = await trio.to_thread.run_sync(
+            lambda: trio.run(
+                functools.partial(
+                    bench.run_interleaved,
+                    SYNTH,
+                    "float32",
+                    [0, 2, "auto"],
+                    2,
+                    prompts,
+                    16,
+                    0.005,
+                    k_max=3,
+                    num_requests=6,
+                )
+            ),
+            abandon_on_cancel=True,
+        )
+    assert [r["k"] for r in rows] == [0, 2, "auto"]
+    intervals = []
+    for r in rows:
+        assert r["interleave"] == 0.005 and r["tokens"] == 6 * 16 and r["requests"] == 6
+        assert r["ttft_ms"]["p50"] is None and r["itl_ms"]["p50"] is None
+        assert r["tokens_per_second"] == pytest.approx(r["tokens"] / r["seconds"], rel=0.01)
+        timings = r["_raw"]["timings"]
+        assert len(timings) == r["pipeline_steps"]
+        intervals += [(t.device_start, t.device_end, r["k"]) for t in timings]
+        assert r["outputs"] == rows[0]["outputs"]
+    intervals.sort()
+    for (_, e0, _), (s1, _, _) in zip(intervals, intervals[1:], strict=False):
+        assert e0 <= s1, "two cases stepped at the same time"
+    switches = sum(a[2] != b[2] for a, b in zip(intervals, intervals[1:], strict=False))
+    assert switches >= 6  # turns, not one case after another
 
 
 async def _main(argv: list[str], seconds: float) -> int:
@@ -201,6 +253,8 @@ async def test_bench_waves_keep_the_batch_full(tmp_path: Path) -> None:
         ["--k", "x"],
         ["--waves", "0"],
         ["--waves", "2", "--num-requests", "4"],
+        ["--interleave", "0"],
+        ["--interleave", "0.1", "--request-rate", "5"],
     ],
 )
 def test_bench_rejects_bad_options(extra: list[str]) -> None:

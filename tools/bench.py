@@ -24,6 +24,14 @@ intervals) per case. ``--save-trace PATH`` saves each run as a request trace
 (``docs/trace.md``: the planned arrivals, each request's result, and a summary) for
 ``spectrio replay`` and ``spectrio diff``.
 
+``--interleave SECONDS`` runs the cases of a batch size side by side instead of one after
+another: every case's runtime is open at once with all its requests queued, and they take
+turns of SECONDS on the machine (``Runtime.pause``/``resume``: one steps at a time, in an
+order rotated every turn). Tokens per second count each case's own turns. On a shared
+machine whose speed drifts over seconds to minutes, each case then meets every stretch
+instead of its own, so the ratios between cases hold still where one-after-another
+rounds moved by 10-20%. Latencies would include the other cases' turns: the rows have none.
+
 Run: ``spectrio bench [--model M] [--batch 1 16] [--k 0 1 2 3 auto] [--waves W] [--request-rate R]
 [--logprobs off 0 20] [--max-tokens 64] [--overlap] [--json out.json] [--plot out.png]
 [--save-trace run.jsonl]``.
@@ -32,7 +40,8 @@ JSON (``--json``; stable, for scripts that compare runs): ``{"schema": 2, "machi
 "args" (the options), "rows": [...]}`` with one row per case, keys:
 
 * case: ``batch``, ``k`` (int or "auto"), ``logprobs`` ("off" or N), ``dtype``,
-  ``overlap``, ``request_rate`` (null: all at once), ``requests``, ``max_tokens``;
+  ``overlap``, ``request_rate`` (null: all at once), ``interleave`` (the turn in seconds
+  with ``--interleave``, else null), ``requests``, ``max_tokens``;
 * throughput: ``tokens`` (output tokens), ``seconds`` (wall, first arrival to last
   token), ``tokens_per_second``, ``requests_per_second``, ``tokens_per_second_runs``
   (every ``--repeat`` run; the row is the median one);
@@ -66,6 +75,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -78,10 +88,10 @@ from typing import Any
 
 import numpy as np
 import trio
+import trio.testing
 from tqdm import tqdm
 
-from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
-from spectrio.core.messages import PublishedStep
+from spectrio import Runtime, RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
 from spectrio.core.timing import StepTiming, device_summary
 from spectrio.models import load, reference
 from spectrio.models.synthetic import is_synthetic, parse_spec
@@ -213,11 +223,13 @@ def latency_summary(traces: Sequence[RequestTrace]) -> dict[str, dict[str, float
     return {"ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl), "tpot_ms": percentiles(tpot)}
 
 
-def timing_summary(timings: Sequence[StepTiming], wall: float) -> dict[str, Any]:
+def timing_summary(
+    timings: Sequence[StepTiming], wall: float, pauses: Sequence[tuple[float, float]] = ()
+) -> dict[str, Any]:
     """The device keys of a row (``efficiency``, ``bubble``, ``model_share``,
     ``overhead_share``, ``breakdown_ms``) from the measured steps' timings; every value
-    None when there are none."""
-    summary = device_summary(list(timings), wall)
+    None when there are none. ``pauses``: spans the runtime was paused (not idle)."""
+    summary = device_summary(list(timings), wall, pauses)
     if not summary:
         return {
             "efficiency": None,
@@ -233,6 +245,27 @@ def timing_summary(timings: Sequence[StepTiming], wall: float) -> dict[str, Any]
         "overhead_share": round(1.0 - summary["model_share"], 4),
         "breakdown_ms": {name: round(summary[f"{name}_ms"], 4) for name in BREAKDOWN},
     }
+
+
+def _case_config(
+    model: str,
+    dtype: str,
+    batch: int,
+    spec: SpeculativeConfig,
+    prompts: list[list[int]],
+    max_tokens: int,
+    overlap: bool,
+) -> RuntimeConfig:
+    """The runtime of one case: ``batch`` running requests at most."""
+    return RuntimeConfig(
+        model=model,
+        dtype=dtype,
+        speculative=spec,
+        max_num_seqs=max(batch, 1),
+        max_num_batched_tokens=max(2048, batch * spec.tokens_per_seq),
+        max_model_len=max(512, len(max(prompts, key=len)) + max_tokens + 1),
+        enable_overlap=overlap,
+    )
 
 
 async def run_case(
@@ -254,17 +287,8 @@ async def run_case(
     """One case: returns its JSON row, plus ``outputs`` (token ids per request) and
     ``_raw`` (traces and step timings, for plots) that the JSON leaves out. With
     ``trace_path``, the run is also saved as a request trace (``docs/trace.md``)."""
-    spec = spec_config(k, k_max)
     count = batch if num_requests is None else num_requests
-    cfg = RuntimeConfig(
-        model=model,
-        dtype=dtype,
-        speculative=spec,
-        max_num_seqs=max(batch, 1),
-        max_num_batched_tokens=max(2048, batch * spec.tokens_per_seq),
-        max_model_len=max(512, len(max(prompts, key=len)) + max_tokens + 1),
-        enable_overlap=overlap,
-    )
+    cfg = _case_config(model, dtype, batch, spec_config(k, k_max), prompts, max_tokens, overlap)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
     arrivals = poisson_arrivals(count, request_rate, seed)
     with contextlib.ExitStack() as stack:
@@ -283,8 +307,137 @@ async def run_case(
         "dtype": dtype,
         "overlap": overlap,
         "request_rate": request_rate,
+        "interleave": None,
         **measured,
     }
+
+
+class _CaseRun:
+    """One case's requests on its runtime, and what they produced: the measured keys of
+    its row (:meth:`row`). Shared by the plain run (:func:`_measure`) and the
+    interleaved one (:func:`_measure_interleaved`)."""
+
+    def __init__(
+        self,
+        rt: Runtime,
+        params: SamplingParams,
+        prompts: list[list[int]],
+        arrivals: list[float],
+        writer: TraceWriter | None,
+        progress: bool,
+        batch: int,
+        k: int | str,
+    ) -> None:
+        self.rt, self.params, self.prompts, self.arrivals = rt, params, prompts, arrivals
+        self.writer, self.batch = writer, batch
+        count = len(arrivals)
+        self.record_bytes: list[int] = []
+        self.bar = tqdm(
+            total=count * (params.max_tokens or 0),
+            desc=f"batch={batch} k={k}",
+            unit="tok",
+            leave=False,
+            disable=not progress,
+        )
+        self.builders = [ResultBuilder(f"r{i}", start=0.0) for i in range(count)]
+        self.stats = [GenerationStats() for _ in range(count)]
+        self.outputs: list[list[int]] = [[] for _ in range(count)]
+        self.traces: list[RequestTrace] = []
+        self.unfinished = count
+        self.done = trio.Event()
+        self.steps0 = 0
+        self.last_warm_step = -1
+
+    async def warm_up(self) -> None:
+        """One short request, so the first measured step does not pay one-time costs."""
+        rt = self.rt
+        async for _ in rt.generate(self.prompts[0][:8], SamplingParams(max_tokens=4)):
+            pass
+        await rt.wait_idle()
+
+    def start(self) -> float:
+        """Mark the start of the measured window; returns its time."""
+        rt = self.rt
+        self.steps0 = rt.num_steps
+        before = rt.step_timings()
+        self.last_warm_step = before[-1].step if before else -1  # the window: later steps
+        rt.add_record_observer(lambda pub: self.record_bytes.append(len(pub.record)))
+        t0 = time.perf_counter()
+        self.traces = [RequestTrace(arrival=t0 + a) for a in self.arrivals]
+        for i, (b, a) in enumerate(zip(self.builders, self.arrivals, strict=True)):
+            b.start = t0 + a
+            if self.writer is not None:  # the planned arrivals, in order
+                self.writer.add_request(b.request_id, self._prompt(i), self.params, arrival_s=a)
+        if not self.arrivals:
+            self.done.set()
+        return t0
+
+    def _prompt(self, i: int) -> list[int]:
+        return self.prompts[i % len(self.prompts)]
+
+    async def request(self, i: int) -> None:
+        """Run request ``i`` from its arrival to its last delta."""
+        trace, builder = self.traces[i], self.builders[i]
+        await trio.sleep(max(0.0, trace.arrival - time.perf_counter()))
+        async for delta in self.rt.generate(
+            self._prompt(i), self.params, request_id=builder.request_id
+        ):
+            now = time.perf_counter()
+            trace.add(now, len(delta.token_ids))
+            builder.add(delta, now)
+            self.stats[i].add(delta)
+            self.outputs[i] += delta.token_ids
+            self.bar.update(len(delta.token_ids))
+        if self.writer is not None:
+            self.writer.add_result(builder.result())
+        self.unfinished -= 1
+        if self.unfinished == 0:
+            self.done.set()
+
+    async def row(self, wall: float, pauses: Sequence[tuple[float, float]] = ()) -> dict[str, Any]:
+        """The measured keys of the case's row, ``wall`` seconds after :meth:`start`
+        (``pauses``: the spans it was paused, interleaved; then it has no latencies)."""
+        rt = self.rt
+        steps = rt.num_steps - self.steps0
+        await rt.wait_idle()
+        timings = [t for t in rt.step_timings() if t.step > self.last_warm_step]
+        self.bar.close()
+        count = len(self.arrivals)
+        if self.writer is not None:
+            self.writer.add_summary(wall, summarize([b.result() for b in self.builders], wall))
+        total = GenerationStats()
+        for s in self.stats:
+            total.merge(s)
+        tokens = total.num_tokens
+        latency = latency_summary([] if pauses else self.traces)
+        return {
+            "requests": count,
+            "max_tokens": self.params.max_tokens,
+            "tokens": tokens,
+            "seconds": round(wall, 4),
+            "tokens_per_second": round(tokens / wall, 1),
+            "requests_per_second": round(count / wall, 3),
+            **latency,
+            "mean_accept_len": round(total.mean_accept_len, 3),
+            "mean_accepted": round(total.mean_accepted, 3),
+            "acceptance_per_position": [round(x, 4) for x in total.conditional_acceptance],
+            "accepted_per_position": [round(x, 4) for x in total.accepted_per_position],
+            "drafts_proposed": sum(total.proposed),
+            "drafts_accepted": sum(total.accepted),
+            "pipeline_steps": steps,
+            **timing_summary(timings, wall, pauses),
+            "record_bytes_per_step": round(
+                sum(self.record_bytes) / max(1, len(self.record_bytes)), 1
+            ),
+            "fixed_bytes_same_batch": fixed_layout_bytes(self.batch),
+            "fixed_bytes_512": FIXED_512_BYTES,
+            "outputs": self.outputs,
+            "_raw": {
+                "traces": [] if pauses else self.traces,
+                "timings": timings,
+                "t0": self.traces[0].arrival if self.traces else 0.0,
+            },
+        }
 
 
 async def _measure(
@@ -298,88 +451,95 @@ async def _measure(
     k: int | str,
 ) -> dict[str, Any]:
     """Run one case's requests on a fresh runtime; the row's measured keys (run_case)."""
-    count = len(arrivals)
-    max_tokens = params.max_tokens
-    record_bytes: list[int] = []
-
-    def observe(pub: PublishedStep) -> None:
-        record_bytes.append(len(pub.record))
-
-    bar = tqdm(
-        total=count * max_tokens,
-        desc=f"batch={batch} k={k}",
-        unit="tok",
-        leave=False,
-        disable=not progress,
-    )
-    builders = [ResultBuilder(f"r{i}", start=0.0) for i in range(count)]
     async with open_runtime(cfg) as rt:
-        async for _ in rt.generate(prompts[0][:8], SamplingParams(max_tokens=4)):  # warm-up
-            pass
-        await rt.wait_idle()
-        stats = [GenerationStats() for _ in range(count)]
-        outputs: list[list[int]] = [[] for _ in range(count)]
-        steps0 = rt.num_steps
-        before = rt.step_timings()
-        last_warm_step = before[-1].step if before else -1  # the window: later steps
-        rt.add_record_observer(observe)
-        t0 = time.perf_counter()
-        traces = [RequestTrace(arrival=t0 + a) for a in arrivals]
-        for i, (b, a) in enumerate(zip(builders, arrivals, strict=True)):
-            b.start = t0 + a
-            if writer is not None:  # the planned arrivals, in order
-                writer.add_request(b.request_id, prompts[i % len(prompts)], params, arrival_s=a)
-
-        async def one(i: int) -> None:
-            await trio.sleep(max(0.0, traces[i].arrival - time.perf_counter()))
-            rid = builders[i].request_id
-            async for delta in rt.generate(prompts[i % len(prompts)], params, request_id=rid):
-                now = time.perf_counter()
-                traces[i].add(now, len(delta.token_ids))
-                builders[i].add(delta, now)
-                stats[i].add(delta)
-                outputs[i] += delta.token_ids
-                bar.update(len(delta.token_ids))
-            if writer is not None:
-                writer.add_result(builders[i].result())
-
+        case = _CaseRun(rt, params, prompts, arrivals, writer, progress, batch, k)
+        await case.warm_up()
+        t0 = case.start()
         async with trio.open_nursery() as nursery:
-            for i in range(count):
-                nursery.start_soon(one, i)
-        wall = time.perf_counter() - t0
-        steps = rt.num_steps - steps0
-        await rt.wait_idle()
-        timings = [t for t in rt.step_timings() if t.step > last_warm_step]
-    bar.close()
-    if writer is not None:
-        writer.add_summary(wall, summarize([b.result() for b in builders], wall))
-    total = GenerationStats()
-    for s in stats:
-        total.merge(s)
-    tokens = total.num_tokens
-    device = timing_summary(timings, wall)
-    return {
-        "requests": count,
-        "max_tokens": max_tokens,
-        "tokens": tokens,
-        "seconds": round(wall, 4),
-        "tokens_per_second": round(tokens / wall, 1),
-        "requests_per_second": round(count / wall, 3),
-        **latency_summary(traces),
-        "mean_accept_len": round(total.mean_accept_len, 3),
-        "mean_accepted": round(total.mean_accepted, 3),
-        "acceptance_per_position": [round(x, 4) for x in total.conditional_acceptance],
-        "accepted_per_position": [round(x, 4) for x in total.accepted_per_position],
-        "drafts_proposed": sum(total.proposed),
-        "drafts_accepted": sum(total.accepted),
-        "pipeline_steps": steps,
-        **device,
-        "record_bytes_per_step": round(sum(record_bytes) / max(1, len(record_bytes)), 1),
-        "fixed_bytes_same_batch": fixed_layout_bytes(batch),
-        "fixed_bytes_512": FIXED_512_BYTES,
-        "outputs": outputs,
-        "_raw": {"traces": traces, "timings": timings, "t0": t0},
-    }
+            for i in range(len(arrivals)):
+                nursery.start_soon(case.request, i)
+        return await case.row(time.perf_counter() - t0)
+
+
+async def run_interleaved(
+    model: str,
+    dtype: str,
+    ks: Sequence[int | str],
+    batch: int,
+    prompts: list[list[int]],
+    max_tokens: int,
+    slice_seconds: float,
+    logprobs: int | None = None,
+    overlap: bool = False,
+    k_max: int = 4,
+    num_requests: int | None = None,
+    round_: int = 0,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """The cases ``ks`` of one batch size side by side: every case's runtime is open at
+    once, with all its requests queued, and the cases take turns of ``slice_seconds`` on
+    the machine (:meth:`Runtime.pause` / :meth:`Runtime.resume`; only one steps at a
+    time), in an order rotated by one each turn and by ``round_``. A case's tokens per
+    second count its own turns only. The machine's speed drifts by 25% over stretches of
+    seconds to minutes, more than the differences being measured; run one after
+    another, each case meets a different stretch, taking turns every case meets all of
+    them. Latencies include the pauses, so the rows have none. Returns one row per k."""
+    count = batch if num_requests is None else num_requests
+    arrivals = [0.0] * count
+    rows: list[dict[str, Any]] = []
+    async with contextlib.AsyncExitStack() as stack:
+        cases: list[_CaseRun] = []
+        for k in ks:
+            cfg = _case_config(
+                model, dtype, batch, spec_config(k, k_max), prompts, max_tokens, overlap
+            )
+            rt = await stack.enter_async_context(open_runtime(cfg))
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+            case = _CaseRun(rt, params, prompts, arrivals, None, progress, batch, k)
+            await case.warm_up()
+            await rt.pause()
+            cases.append(case)
+        active = [0.0] * len(cases)
+        pauses: list[list[tuple[float, float]]] = [[] for _ in cases]
+        async with trio.open_nursery() as nursery:
+            starts = [case.start() for case in cases]
+            for case in cases:
+                for i in range(count):
+                    nursery.start_soon(case.request, i)
+            await trio.testing.wait_all_tasks_blocked()  # every request is queued
+            last_end = list(starts)
+            turn = round_
+            running = list(range(len(cases)))
+            while running:
+                shift = turn % len(running)
+                for c in running[shift:] + running[:shift]:
+                    case = cases[c]
+                    t0 = time.perf_counter()
+                    pauses[c].append((last_end[c], t0))
+                    case.rt.resume()
+                    with trio.move_on_after(slice_seconds):
+                        await case.done.wait()
+                    await case.rt.pause()
+                    last_end[c] = time.perf_counter()
+                    active[c] += last_end[c] - t0
+                running = [c for c in running if not cases[c].done.is_set()]
+                turn += 1
+        for c, case in enumerate(cases):
+            case.rt.resume()
+            rows.append(await case.row(active[c], pauses[c]))
+    return [
+        {
+            "batch": batch,
+            "k": k,
+            "logprobs": "off" if logprobs is None else logprobs,
+            "dtype": dtype,
+            "overlap": overlap,
+            "request_rate": None,
+            "interleave": slice_seconds,
+            **row,
+        }
+        for k, row in zip(ks, rows, strict=True)
+    ]
 
 
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -527,6 +687,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seeds arrivals and synthetic prompts")
     p.add_argument("--agreement", action="store_true", help="float32 agreement with the reference")
     p.add_argument("--overlap", action="store_true", help="run with enable_overlap=True")
+    p.add_argument(
+        "--interleave",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="run the cases of a batch size side by side, taking turns of SECONDS on the "
+        "machine (tokens per second over each case's own turns; no latencies)",
+    )
     p.add_argument("--json", type=str, default=None, help="write results to this file")
     p.add_argument("--plot", type=str, default=None, help="write a figure (PNG) to this file")
     p.add_argument(
@@ -571,44 +739,79 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--agreement needs a reference model; the synthetic device has none")
     if args.agreement and args.dtype != "float32":
         p.error("--agreement compares float32 runs")
+    if args.interleave is not None:
+        if not 0 < args.interleave < math.inf:
+            p.error("--interleave must be a positive number of seconds")
+        if args.request_rate is not None or args.save_trace is not None:
+            p.error("--interleave runs requests all at once and saves no trace")
     progress = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
     counts = {b: args.num_requests or b * args.waves for b in args.batch}  # requests per case
     prompts = bench_prompts(max(counts.values()), args.prompt_tokens, args.model, args.seed)
     cases = [(b, k, lp) for b in args.batch for k in ks for lp in settings]
     runs: dict[tuple[int, int | str, int | None], list[dict[str, Any]]] = {c: [] for c in cases}
-    # Rounds alternate the cases, so a busy machine slows every case alike.
-    single = len(cases) * args.repeat == 1
-    for round_, (b, k, lp) in tqdm(
-        [(r, c) for r in range(args.repeat) for c in round_order(cases, r)],
-        desc="bench",
-        unit="case",
-        disable=not progress,
-    ):
-        runs[(b, k, lp)].append(
-            trio.run(
-                run_case,
-                args.model,
-                args.dtype,
-                k,
-                b,
-                prompts,
-                args.max_tokens,
-                lp,
-                args.overlap,
-                args.k_max,
-                args.request_rate,
-                counts[b],
-                args.seed,
-                progress,
-                trace_path(args.save_trace, b, k, lp, round_, single),
+    if args.interleave is not None:
+        groups = [(b, lp) for b in args.batch for lp in settings]
+        for round_, (b, lp) in tqdm(
+            [(r, g) for r in range(args.repeat) for g in groups],
+            desc="bench",
+            unit="batch",
+            disable=not progress,
+        ):
+            rows_ = trio.run(
+                functools.partial(
+                    run_interleaved,
+                    args.model,
+                    args.dtype,
+                    ks,
+                    b,
+                    prompts,
+                    args.max_tokens,
+                    args.interleave,
+                    logprobs=lp,
+                    overlap=args.overlap,
+                    k_max=args.k_max,
+                    num_requests=counts[b],
+                    round_=round_,
+                    progress=progress,
+                )
             )
-        )
+            for row in rows_:
+                runs[(b, row["k"], lp)].append(row)
+    else:
+        # Rounds alternate the cases, so a busy machine slows every case alike.
+        single = len(cases) * args.repeat == 1
+        for round_, (b, k, lp) in tqdm(
+            [(r, c) for r in range(args.repeat) for c in round_order(cases, r)],
+            desc="bench",
+            unit="case",
+            disable=not progress,
+        ):
+            runs[(b, k, lp)].append(
+                trio.run(
+                    run_case,
+                    args.model,
+                    args.dtype,
+                    k,
+                    b,
+                    prompts,
+                    args.max_tokens,
+                    lp,
+                    args.overlap,
+                    args.k_max,
+                    args.request_rate,
+                    counts[b],
+                    args.seed,
+                    progress,
+                    trace_path(args.save_trace, b, k, lp, round_, single),
+                )
+            )
     rows = [_median_run(runs[c]) for c in cases]
     machine = _machine()
     print(
         f"machine: {machine}; model={args.model} dtype={args.dtype} max_tokens={args.max_tokens} "
         f"overlap={args.overlap} request_rate={args.request_rate or 'all at once'} "
         f"requests={args.num_requests or f'{args.waves} x batch'}"
+        + ("" if args.interleave is None else f" interleave={args.interleave}s turns")
     )
     print(summary_table(rows))
     gains = speedups(rows)
