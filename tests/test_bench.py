@@ -244,6 +244,18 @@ async def test_bench_waves_keep_the_batch_full(tmp_path: Path) -> None:
     assert 24 <= row["pipeline_steps"] <= 26
 
 
+async def test_bench_min_requests_lengthen_small_batches(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    argv = [
+        "--model", SYNTH, "--batch", "1", "4", "--k", "0", "--max-tokens", "4",
+        "--prompt-tokens", "6", "--waves", "2", "--min-requests", "5", "--json", str(out),
+        "--progress", "off",
+    ]  # fmt: skip
+    assert await _main(argv, 60) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["requests"], r["tokens"]) for r in rows] == [(1, 5, 20), (4, 8, 32)]
+
+
 @pytest.mark.parametrize(
     "extra",
     [
@@ -254,6 +266,8 @@ async def test_bench_waves_keep_the_batch_full(tmp_path: Path) -> None:
         ["--waves", "0"],
         ["--waves", "2", "--num-requests", "4"],
         ["--interleave", "0"],
+        ["--min-requests", "0"],
+        ["--min-requests", "4", "--num-requests", "4"],
         ["--interleave", "0.1", "--request-rate", "5"],
     ],
 )

@@ -2,7 +2,9 @@
 step's time goes.
 
 For each batch size and speculation setting it runs ``--num-requests`` requests (default:
-the batch size times ``--waves``, default 1) with at most ``batch`` running at once
+the batch size times ``--waves``, default 1, and at least ``--min-requests``: a small
+batch then runs long enough to reach its steady state, as a server's runtime does, where
+a few requests would time mostly its first steps) with at most ``batch`` running at once
 (``max_num_seqs``), each ``ignore_eos`` with a fixed ``--max-tokens``. With several waves
 a finished request's slot goes to the next waiting one, so the batch stays full until the
 last wave: the steady state of a server, rather than one batch that shrinks at its end as
@@ -679,6 +681,12 @@ def main(argv: list[str] | None = None) -> int:
         "last wave); not with --num-requests",
     )
     p.add_argument(
+        "--min-requests",
+        type=int,
+        default=1,
+        help="at least this many requests per case with --waves (small batches run longer)",
+    )
+    p.add_argument(
         "--request-rate",
         type=float,
         default=None,
@@ -729,8 +737,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--num-requests must be positive")
     if args.waves < 1:
         p.error("--waves must be positive")
-    if args.waves != 1 and args.num_requests is not None:
-        p.error("--waves and --num-requests both set the requests per case: give one")
+    if (args.waves != 1 or args.min_requests != 1) and args.num_requests is not None:
+        p.error("--waves and --min-requests do not go with --num-requests: give one")
+    if args.min_requests < 1:
+        p.error("--min-requests must be positive")
     if args.request_rate is not None and not 0 < args.request_rate < math.inf:
         p.error("--request-rate must be a positive number")
     if args.max_tokens < 1 or args.prompt_tokens < 1 or args.repeat < 1:
@@ -745,7 +755,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.request_rate is not None or args.save_trace is not None:
             p.error("--interleave runs requests all at once and saves no trace")
     progress = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
-    counts = {b: args.num_requests or b * args.waves for b in args.batch}  # requests per case
+    counts = {  # requests per case
+        b: args.num_requests or max(b * args.waves, args.min_requests) for b in args.batch
+    }
     prompts = bench_prompts(max(counts.values()), args.prompt_tokens, args.model, args.seed)
     cases = [(b, k, lp) for b in args.batch for k in ks for lp in settings]
     runs: dict[tuple[int, int | str, int | None], list[dict[str, Any]]] = {c: [] for c in cases}
@@ -810,7 +822,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"machine: {machine}; model={args.model} dtype={args.dtype} max_tokens={args.max_tokens} "
         f"overlap={args.overlap} request_rate={args.request_rate or 'all at once'} "
-        f"requests={args.num_requests or f'{args.waves} x batch'}"
+        f"requests={args.num_requests or f'{args.waves} x batch, at least {args.min_requests}'}"
         + ("" if args.interleave is None else f" interleave={args.interleave}s turns")
     )
     print(summary_table(rows))
