@@ -270,6 +270,27 @@ def _case_config(
     )
 
 
+def _case_keys(
+    batch: int,
+    k: int | str,
+    logprobs: int | None,
+    dtype: str,
+    overlap: bool,
+    request_rate: float | None,
+    interleave: float | None,
+) -> dict[str, Any]:
+    """The keys of a row that name its case (the JSON's "case" keys)."""
+    return {
+        "batch": batch,
+        "k": k,
+        "logprobs": "off" if logprobs is None else logprobs,
+        "dtype": dtype,
+        "overlap": overlap,
+        "request_rate": request_rate,
+        "interleave": interleave,
+    }
+
+
 async def run_case(
     model: str,
     dtype: str,
@@ -302,22 +323,13 @@ async def run_case(
             )
         )
         measured = await _measure(cfg, params, prompts, arrivals, writer, progress, batch, k)
-    return {
-        "batch": batch,
-        "k": k,
-        "logprobs": "off" if logprobs is None else logprobs,
-        "dtype": dtype,
-        "overlap": overlap,
-        "request_rate": request_rate,
-        "interleave": None,
-        **measured,
-    }
+    return {**_case_keys(batch, k, logprobs, dtype, overlap, request_rate, None), **measured}
 
 
 class _CaseRun:
     """One case's requests on its runtime, and what they produced: the measured keys of
     its row (:meth:`row`). Shared by the plain run (:func:`_measure`) and the
-    interleaved one (:func:`_measure_interleaved`)."""
+    interleaved one (:func:`run_interleaved`)."""
 
     def __init__(
         self,
@@ -349,6 +361,7 @@ class _CaseRun:
         self.done = trio.Event()
         self.steps0 = 0
         self.last_warm_step = -1
+        self.t0 = 0.0  # the start of the measured window
 
     async def warm_up(self) -> None:
         """One short request, so the first measured step does not pay one-time costs."""
@@ -364,7 +377,7 @@ class _CaseRun:
         before = rt.step_timings()
         self.last_warm_step = before[-1].step if before else -1  # the window: later steps
         rt.add_record_observer(lambda pub: self.record_bytes.append(len(pub.record)))
-        t0 = time.perf_counter()
+        self.t0 = t0 = time.perf_counter()
         self.traces = [RequestTrace(arrival=t0 + a) for a in self.arrivals]
         for i, (b, a) in enumerate(zip(self.builders, self.arrivals, strict=True)):
             b.start = t0 + a
@@ -437,7 +450,7 @@ class _CaseRun:
             "_raw": {
                 "traces": [] if pauses else self.traces,
                 "timings": timings,
-                "t0": self.traces[0].arrival if self.traces else 0.0,
+                "t0": self.t0,
             },
         }
 
@@ -488,6 +501,7 @@ async def run_interleaved(
     them. Latencies include the pauses, so the rows have none. Returns one row per k."""
     count = batch if num_requests is None else num_requests
     arrivals = [0.0] * count
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
     rows: list[dict[str, Any]] = []
     async with contextlib.AsyncExitStack() as stack:
         cases: list[_CaseRun] = []
@@ -496,7 +510,6 @@ async def run_interleaved(
                 model, dtype, batch, spec_config(k, k_max), prompts, max_tokens, overlap
             )
             rt = await stack.enter_async_context(open_runtime(cfg))
-            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
             case = _CaseRun(rt, params, prompts, arrivals, None, progress, batch, k)
             await case.warm_up()
             await rt.pause()
@@ -530,16 +543,7 @@ async def run_interleaved(
             case.rt.resume()
             rows.append(await case.row(active[c], pauses[c]))
     return [
-        {
-            "batch": batch,
-            "k": k,
-            "logprobs": "off" if logprobs is None else logprobs,
-            "dtype": dtype,
-            "overlap": overlap,
-            "request_rate": None,
-            "interleave": slice_seconds,
-            **row,
-        }
+        {**_case_keys(batch, k, logprobs, dtype, overlap, None, slice_seconds), **row}
         for k, row in zip(ks, rows, strict=True)
     ]
 
