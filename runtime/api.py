@@ -355,6 +355,7 @@ class Runtime:
             accepted_per_position=list(self._accepted_at),
             proposed_per_position=list(self._proposed_at),
             finished=dict(sched.finished_by_reason),
+            steps_by_k=dict(sorted(sched.steps_by_k.items())),
         )
 
     def metrics(self) -> dict[str, object]:

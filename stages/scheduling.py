@@ -109,6 +109,9 @@ class Scheduler:
         self._step = 0
         self.num_preemptions = 0
         self.finished_by_reason: dict[str, int] = {}
+        # Planned steps with decoding sequences, by the drafts each proposes (0: none), so
+        # a user sees which k the adaptive policy ran.
+        self.steps_by_k: dict[int, int] = {}
         spec = config.speculative
         self.policy = SpecPolicy(spec.effective_num_model_steps, adaptive=spec.adaptive)
         self._step_k = self.policy.k_max  # drafts per decoding sequence in the planned step
@@ -246,6 +249,9 @@ class Scheduler:
         retired, self._retired = self._retired, []
         self._inflight[self._step] = {w.seq_id: w for w in works}
         self._inflight_k[self._step] = self._step_k
+        if any(w.pending or (w.sample and len(w.token_ids) == 1) for w in works):
+            k = max((w.num_drafts for w in works), default=0)
+            self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
         return StepPlan(
             step=self._step,
             seqs=works,

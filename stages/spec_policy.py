@@ -33,24 +33,24 @@ The rule: pick the k that maximises expected tokens per second,
   timing first scaled to the bucket's full size (:func:`scale_to_bucket`). Unscaled, the
   bucket of 33-64 sequences compared k = 3 timed on the 40 sequences of a draining batch
   with k = 2 timed on 64: at batch 64 with a queue behind it, its estimate for k = 3 read
-  48 ms against the 66 ms such a step takes when full. Interference on a shared machine
-  only ever adds time, in spikes of 1.5-3x at about one step in ten on the 2-core
-  development host, so every estimate is the mean of the faster half of its timings (a
-  plain mean let one spike decide between two k within 5% of each other). The machine's
-  speed also drifts in stretches of 20-40 steps, 25% either side of its median whatever
-  k runs (a tape of shuffled k at batch 16 on a 2-core Xeon), so k are compared in pairs
-  close in time (:class:`_BucketTimes`): the k the bucket runs most keeps its own last
-  ``window`` times, and every other k its times as ratios to that reference's level when
-  it ran. Before, a k timed only in a run's slow first steps kept that time: live at
-  batch 16, k = 4 read 43 ms against its 32 ms median and ran on 17 of 189 steps though
-  it was the best fixed k. Replayed on that tape from a run's start, the policy went from
-  0.964 to 0.98-1.0 of fixed k = 4; from other starts it is unchanged (0.987-0.988), and
-  on a second batch-16 tape and a batch-64 one (``tools/policy_replay --batch``) the two
-  rules are level (0.989 against 0.988, 0.999 against 0.996 of the best fixed k).
+  48 ms against the 66 ms such a step takes when full. The machine's speed drifts
+  (a shared 2-core host: a step's time correlates 0.67 with the step before it, 0.4 with
+  one 16 steps back, and about one step in ten is a spike of 1.5-3x), so k are compared
+  where they ran beside each other (:class:`_BucketTimes`): a timing of k right after
+  steps of k - 1 or k + 1 gives a sample of their ratio against those neighbours' last
+  few times, a probe among steps of the best k gives two (the probe against the steps
+  before it, the next step against the probe), every neighbouring pair keeps the median
+  of its last ``pair_window`` samples, and the ratios chained from the k run last give
+  every k's time. Before, each k's times were ratios to the level of the k run most
+  over its last 16 steps, and their mean of the faster half: replayed on a batch-1 tape
+  (``tools/policy_replay``, 32 requests, 16 starts) the policy read k = 4 at 1.25-1.3x
+  k = 3 where the tape's medians give 1.12, ran k = 3 on a third of its steps and made
+  0.970 of fixed k = 4 (worst start 0.939); paired, 0.991 (worst 0.977), against 0.995
+  for the same policy told the tape's true medians.
 
 Exploration starts at ``k_max`` (after a batch size's first ``warmup_steps`` steps,
 which are not timed) and goes down one k at a time while the smaller k does better (each
-k runs twice: its first step pays one-time costs, so the second's time replaces it); a
+k runs twice: its first step pays one-time costs and is not counted); a
 batch bucket not timed yet borrows the times of a neighbouring one, scaled, instead of
 exploring again. One step in ``probe_every`` re-measures whichever of the best k's two
 neighbours was timed longer ago (the larger on ties), so a noisy early timing is
@@ -68,6 +68,7 @@ speculating. Output never depends on the choice: acceptance is lossless for any 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import deque
 from collections.abc import Collection
 
@@ -103,84 +104,78 @@ class _Decayed:
         self.weight = self.weight * decay + 1.0
 
 
-def _fast_half_mean(times: Collection[float]) -> float:
-    """Mean of the faster half (rounded up) of ``times``."""
-    fast = sorted(times)[: (len(times) + 1) // 2]
-    return sum(fast) / len(fast)
+def _median(xs: Collection[float]) -> float:
+    v = sorted(xs)
+    n = len(v)
+    return (v[(n - 1) // 2] + v[n // 2]) / 2
 
 
 class _BucketTimes:
-    """One batch bucket's step times, compared in pairs close in time.
+    """One batch bucket's step times, as ratios between neighbouring k measured side by
+    side.
 
-    The machine's speed drifts in stretches (on a 2-core host, 20-40 steps at a time 25%
-    faster or slower than its median, whatever k runs), so two k timed at different
-    moments compare the moments as much as the k. The k the bucket runs most (the
-    reference) keeps its own recent times; every other k keeps each of its times as a
-    ratio to the reference's level (the mean of the faster half of its last
-    ``2 * window`` times) when it ran, and its estimate is that ratio times the
-    reference's level now.
-    A k timed in a slow stretch at the start of a run (the first exploration) is then not
-    kept out of use by it for good. When another k becomes the most run, it becomes the
-    reference and every ratio is re-based on it."""
+    The machine's speed drifts (on a 2-core host a step's time correlates 0.67 with the
+    step before it and still 0.4 sixteen steps apart), so a k is compared with its
+    neighbours where they ran next to it: a timing of k that follows one of k +/- 1
+    within ``span`` timings, with no timing of k in between, gives one sample of
+    ``log T(k) - log T(k +/- 1)`` against the median of that neighbour's last few times
+    in the span. A probe among steps of the best k thus gives two samples: the probe
+    against the steps before it, and the next step of the best k against the probe. Each
+    neighbouring pair keeps its last ``pair_window`` samples; their median is its ratio,
+    and chained from the k run most recently they give every k's time. The first timing
+    of a k is dropped: it pays one-time costs (new tensor shapes, cold caches)."""
 
-    def __init__(self, window: int) -> None:
-        self.window = window
-        self.ref: int | None = None
-        # The reference's times: the last ``window`` give its estimate; all of them, the
-        # level other k's ratios are taken against (twice as many, so that level's own
-        # noise adds little to theirs: with half, a k 3% slower than the reference read
-        # as faster often enough to be run half the time).
-        self.level: deque[float] = deque(maxlen=2 * window)
-        self.ratios: dict[int, deque[float]] = {}  # other k: time / the level then
-        self.warm: set[int] = set()  # k whose first timing was replaced
-        self._recent: deque[int] = deque(maxlen=2 * window)  # k of the last timings
+    def __init__(self, window: int, pair_window: int, span: int = 16) -> None:
+        self.window, self.span = window, span
+        self.pair_window = pair_window
+        self._recent: dict[int, deque[tuple[int, float]]] = {}  # k -> (timing no., seconds)
+        self._pairs: dict[int, deque[float]] = {}  # k -> samples of log T(k+1) / T(k)
+        self.warm: set[int] = set()  # k with a timing that counts
+        self._seen: set[int] = set()
         self._timings = 0
-        self._last_timed: dict[int, int] = {}  # k -> the number of its latest timing
-
-    def _samples(self, k: int) -> deque[float]:
-        if k == self.ref:
-            return self.level
-        return self.ratios.setdefault(k, deque(maxlen=self.window))
+        self._last_timed: dict[int, int] = {}
+        self._last_k: int | None = None
 
     def add(self, k: int, seconds: float) -> None:
-        if self.ref is None:
-            self.ref = k
-        samples = self._samples(k)
-        if k not in self.warm and samples:
-            # The first step of a (bucket, k) pays one-time costs (new tensor shapes, cold
-            # caches): at batch 1 it kept k = 3 ahead of a k = 2 that ran 8% faster. The
-            # second replaces it.
-            self.warm.add(k)
-            samples.clear()
-        samples.append(seconds if k == self.ref else seconds / _fast_half_mean(self.level))
-        self._recent.append(k)
+        if k not in self._seen:
+            self._seen.add(k)
+            return
         self._timings += 1
-        self._last_timed[k] = self._timings
-        most = max(set(self._recent), key=lambda j: (self._recent.count(j), j == self.ref))
-        if most != self.ref and most in self.warm:
-            self._rebase(most)
+        n = self._timings
+        since = self._last_timed.get(k, 0)
+        for j in (k - 1, k + 1):
+            near = [t for m, t in self._recent.get(j, ()) if m > since and n - m <= self.span]
+            if not near:
+                continue
+            sample = math.log(seconds / _median(near[-4:]))
+            low = min(j, k)
+            pair = self._pairs.setdefault(low, deque(maxlen=self.pair_window))
+            pair.append(sample if k > j else -sample)
+        self._recent.setdefault(k, deque(maxlen=self.window)).append((n, seconds))
+        self._last_timed[k] = n
+        self._last_k = k
+        self.warm.add(k)
 
-    def _rebase(self, new: int) -> None:
-        """Make ``new`` the reference; every estimate stays what it was."""
-        assert self.ref is not None
-        level, ratio = _fast_half_mean(self.level), _fast_half_mean(self.ratios[new])
-        old = deque((t / level / ratio for t in self.level), maxlen=self.window)
-        self.level = deque((r * level for r in self.ratios.pop(new)), maxlen=2 * self.window)
-        for k, rs in self.ratios.items():
-            self.ratios[k] = deque((r / ratio for r in rs), maxlen=self.window)
-        self.ratios[self.ref] = old
-        self.ref = new
-
-    def estimate(self, k: int) -> float:
-        """Seconds a step with ``k`` drafts takes at the reference's present level."""
-        if k == self.ref:
-            return _fast_half_mean(list(self.level)[-self.window :])
-        return _fast_half_mean(self.ratios[k]) * _fast_half_mean(self.level)
+    def estimates(self) -> dict[int, float]:
+        """Seconds a step takes per k, for every k linked to the latest one by pairs."""
+        anchor = self._last_k
+        if anchor is None:
+            return {}
+        out = {anchor: _median([t for _, t in self._recent[anchor]])}
+        for step in (-1, 1):
+            log_t, k = math.log(out[anchor]), anchor
+            while True:
+                low = min(k, k + step)
+                pair = self._pairs.get(low)
+                if not pair or (k + step) not in self.warm:
+                    break
+                log_t += _median(pair) * step
+                k += step
+                out[k] = math.exp(log_t)
+        return out
 
     def last(self, k: int) -> int:
-        """The number of ``k``'s latest timing that counts (0: none yet, or only its
-        first, which is replaced)."""
-        return self._last_timed.get(k, 0) if k in self.warm else 0
+        return self._last_timed.get(k, 0)
 
 
 class SpecPolicy:
@@ -198,6 +193,7 @@ class SpecPolicy:
         prior_acceptance: float = 0.5,
         prior_weight: float = 4.0,
         stale_decay: float = 0.95,
+        pair_window: int = 32,
     ) -> None:
         if k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {k_max}")
@@ -207,6 +203,9 @@ class SpecPolicy:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.window = window
+        if pair_window < 1:
+            raise ValueError(f"pair_window must be >= 1, got {pair_window}")
+        self.pair_window = pair_window
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         # The first decode steps at a batch size run slower than the rest whatever k is:
@@ -247,7 +246,7 @@ class SpecPolicy:
         seen = self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
         if seen <= self.warmup_steps:
             return
-        times = self._times.setdefault(bucket, _BucketTimes(self.window))
+        times = self._times.setdefault(bucket, _BucketTimes(self.window, self.pair_window))
         times.add(k, scale_to_bucket(seconds, num_seqs, bucket))
 
     # ---- decision ---------------------------------------------------------------------
@@ -266,10 +265,9 @@ class SpecPolicy:
     def step_times(self) -> dict[tuple[int, int], float]:
         """Estimated step time per (batch bucket, k) (see the module docstring)."""
         return {
-            (bucket, k): times.estimate(k)
+            (bucket, k): t
             for bucket, times in self._times.items()
-            for k in [times.ref, *times.ratios]
-            if k is not None
+            for k, t in times.estimates().items()
         }
 
     def expected_tokens(self, k: int) -> float:
@@ -314,17 +312,17 @@ class SpecPolicy:
             if k < self.k_max and rate(k) < rate(k + 1):
                 break
         best = max(times, key=rate)
+        timed = self._times.get(bucket)
+
+        def last(k: int) -> int:
+            return timed.last(k) if timed is not None else 0
+
+        near = [k for k in (best - 1, best + 1) if 0 <= k <= self.k_max]
         if self._num_choices % self.probe_every == 0:
             # Re-measure the neighbour of the best timed longest ago (ties: the larger,
             # which also measures the next position's acceptance), so one unlucky early
             # timing (or a borrowed one) cannot keep a good k out of use for good, and
             # both neighbours' estimates stay current.
-            timed = self._times.get(bucket)
-
-            def last(k: int) -> int:
-                return timed.last(k) if timed is not None else 0
-
-            near = [k for k in (best - 1, best + 1) if 0 <= k <= self.k_max]
             return min(near, key=lambda k: (last(k), -k))
         return best
 
@@ -362,4 +360,4 @@ class SpecPolicy:
     def _timed(self, bucket: int) -> dict[int, float]:
         """The bucket's own step-time estimate of every k timed past its warm-up step."""
         times = self._times.get(bucket)
-        return {} if times is None else {k: times.estimate(k) for k in sorted(times.warm)}
+        return {} if times is None else times.estimates()

@@ -27,7 +27,8 @@ ROW_KEYS = {
     "tokens", "seconds", "tokens_per_second", "requests_per_second", "tokens_per_second_runs",
     "ttft_ms", "itl_ms", "tpot_ms", "mean_accept_len", "mean_accepted",
     "acceptance_per_position", "accepted_per_position", "drafts_proposed", "drafts_accepted",
-    "pipeline_steps", "efficiency", "bubble", "model_share", "overhead_share", "breakdown_ms",
+    "pipeline_steps", "steps_by_k", "efficiency", "bubble", "model_share", "overhead_share",
+    "breakdown_ms",
     "record_bytes_per_step", "fixed_bytes_same_batch", "fixed_bytes_512",
 }  # fmt: skip
 
@@ -156,6 +157,12 @@ async def test_interleaved_cases_take_turns_and_stay_lossless() -> None:
         assert len(timings) == r["pipeline_steps"]
         intervals += [(t.device_start, t.device_end, r["k"]) for t in timings]
         assert r["outputs"] == rows[0]["outputs"]
+        by_k = r["steps_by_k"]
+        assert sum(by_k.values()) <= r["pipeline_steps"]
+        if r["k"] != "auto":  # a fixed k drafts that many, or none on a request's last steps
+            assert set(by_k) <= {"0", "1", str(r["k"])} and by_k[str(r["k"])] > 0
+        else:
+            assert set(by_k) <= {"0", "1", "2", "3"} and sum(by_k.values()) > 0
     intervals.sort()
     for (_, e0, _), (s1, _, _) in zip(intervals, intervals[1:], strict=False):
         assert e0 <= s1, "two cases stepped at the same time"

@@ -132,6 +132,9 @@ async def test_scrape_after_a_short_run() -> None:
     free = m["spectrio_kv_blocks"][(("state", "free"),)]
     assert used == 0 and free > 0
     assert m["spectrio_drafts_proposed_total"][(("position", "1"),)] > 0
+    # fixed k = 2 drafts 2 a step, fewer only on a request's last steps
+    by_k = {labels[0][1]: n for labels, n in m["spectrio_steps_by_k_total"].items()}
+    assert by_k["2"] > 0 and set(by_k) <= {"0", "1", "2"}
     assert 1.0 <= m["spectrio_mean_accepted_length"][()] <= 3.0
     assert m["spectrio_acceptance_drift"][(("position", "1"),)] == 0
     assert m["spectrio_step_duration_seconds_count"][()] > 0

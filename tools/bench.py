@@ -59,7 +59,9 @@ JSON (``--json``; stable, for scripts that compare runs): ``{"schema": 2, "machi
 * device (from ``Runtime.step_timings()`` over the measured steps, after the warm-up;
   :func:`spectrio.core.timing.device_summary`): ``efficiency`` (device busy / wall),
   ``bubble`` (device idle between steps / wall), ``model_share`` (model forwards /
-  wall), ``overhead_share`` (1 - model_share), ``pipeline_steps``, ``breakdown_ms``:
+  wall), ``overhead_share`` (1 - model_share), ``pipeline_steps``, ``steps_by_k``
+  (steps with decoding sequences by the drafts each proposed, keys as strings: the
+  adaptive policy's choices; the table prints their shares for ``auto``), ``breakdown_ms``:
   mean per step of ``schedule``, ``draft``, ``verify``, ``sample``, ``publish``,
   ``idle`` (idle: mean gap between steps);
 * records: ``record_bytes_per_step``, ``fixed_bytes_same_batch``, ``fixed_bytes_512``;
@@ -360,6 +362,7 @@ class _CaseRun:
         self.unfinished = count
         self.done = trio.Event()
         self.steps0 = 0
+        self.steps_by_k0: dict[int, int] = {}
         self.last_warm_step = -1
         self.t0 = 0.0  # the start of the measured window
 
@@ -374,6 +377,7 @@ class _CaseRun:
         """Mark the start of the measured window; returns its time."""
         rt = self.rt
         self.steps0 = rt.num_steps
+        self.steps_by_k0 = dict(rt.stats().steps_by_k)
         before = rt.step_timings()
         self.last_warm_step = before[-1].step if before else -1  # the window: later steps
         rt.add_record_observer(lambda pub: self.record_bytes.append(len(pub.record)))
@@ -440,6 +444,11 @@ class _CaseRun:
             "drafts_proposed": sum(total.proposed),
             "drafts_accepted": sum(total.accepted),
             "pipeline_steps": steps,
+            "steps_by_k": {
+                str(k): n - self.steps_by_k0.get(k, 0)
+                for k, n in rt.stats().steps_by_k.items()
+                if n > self.steps_by_k0.get(k, 0)
+            },
             **timing_summary(timings, wall, pauses),
             "record_bytes_per_step": round(
                 sum(self.record_bytes) / max(1, len(self.record_bytes)), 1
@@ -616,6 +625,15 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> str:
     if accept:
         lines.append("acceptance per draft position (conditional):")
         lines += ["  " + a for a in accept]
+    chosen = [
+        f"batch={r['batch']}: "
+        + " ".join(f"k={k} {n / total:.0%}" for k, n in r["steps_by_k"].items())
+        for r in rows
+        if r["k"] == "auto" and (total := sum(r["steps_by_k"].values()))
+    ]
+    if chosen:
+        lines.append("adaptive k, share of decoding steps:")
+        lines += ["  " + c for c in chosen]
     return "\n".join(lines)
 
 

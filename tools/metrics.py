@@ -262,6 +262,14 @@ def _stats_metrics(s: RuntimeStats | None, drift: DriftDetector) -> Iterable[Met
     yield fin
     yield CounterMetricFamily("spectrio_preemptions", "Requests preempted", value=s.num_preemptions)
     yield CounterMetricFamily("spectrio_steps", "Pipeline steps published", value=s.num_steps)
+    by_k = CounterMetricFamily(
+        "spectrio_steps_by_k",
+        "Planned steps with decoding sequences, by drafts per sequence (the adaptive k)",
+        labels=["k"],
+    )
+    for k, n in sorted(s.steps_by_k.items()):
+        by_k.add_metric([str(k)], n)
+    yield by_k
     prop = CounterMetricFamily(
         "spectrio_drafts_proposed", "Draft tokens proposed, by draft position", labels=["position"]
     )
