@@ -87,6 +87,12 @@ class Sequence:
         self.state = advance(self.state, to, f"request {self.request_id}")
 
 
+def _decodes(work: SeqWork) -> bool:
+    """The work is a decode step: one committed token (or one resolved on the device,
+    when planned ahead) whose next tokens the sampler emits, with no prefill rows."""
+    return work.sample and (work.pending or len(work.token_ids) == 1)
+
+
 class Scheduler:
     def __init__(
         self, config: RuntimeConfig, blocks: BlockManager, *, max_in_flight: int | None = None
@@ -249,7 +255,7 @@ class Scheduler:
         retired, self._retired = self._retired, []
         self._inflight[self._step] = {w.seq_id: w for w in works}
         self._inflight_k[self._step] = self._step_k
-        if any(w.pending or (w.sample and len(w.token_ids) == 1) for w in works):
+        if any(_decodes(w) for w in works):
             k = max((w.num_drafts for w in works), default=0)
             self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
         return StepPlan(
@@ -393,12 +399,7 @@ class Scheduler:
             seconds = result.device_seconds or None
         if seconds is not None and works:
             catch_up = self.policy.k_max + 1
-            if all(
-                w.sample
-                and (w.pending or len(w.token_ids) == 1)
-                and len(w.mtp_token_ids) <= catch_up
-                for w in works.values()
-            ):
+            if all(_decodes(w) and len(w.mtp_token_ids) <= catch_up for w in works.values()):
                 drafted = any(r.num_drafts for r in result.results)
                 # The same count choose() was given: the step's speculative sequences.
                 speculative = sum(1 for w in works.values() if w.speculative)

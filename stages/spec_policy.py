@@ -71,6 +71,7 @@ import dataclasses
 import math
 from collections import deque
 from collections.abc import Collection
+from statistics import median
 
 __all__ = ["SpecPolicy", "batch_bucket", "scale_to_bucket"]
 
@@ -104,12 +105,6 @@ class _Decayed:
         self.weight = self.weight * decay + 1.0
 
 
-def _median(xs: Collection[float]) -> float:
-    v = sorted(xs)
-    n = len(v)
-    return (v[(n - 1) // 2] + v[n // 2]) / 2
-
-
 class _BucketTimes:
     """One batch bucket's step times, as ratios between neighbouring k measured side by
     side.
@@ -130,10 +125,9 @@ class _BucketTimes:
         self.pair_window = pair_window
         self._recent: dict[int, deque[tuple[int, float]]] = {}  # k -> (timing no., seconds)
         self._pairs: dict[int, deque[float]] = {}  # k -> samples of log T(k+1) / T(k)
-        self.warm: set[int] = set()  # k with a timing that counts
         self._seen: set[int] = set()
         self._timings = 0
-        self._last_timed: dict[int, int] = {}
+        self._last_timed: dict[int, int] = {}  # k -> the number of its latest timing
         self._last_k: int | None = None
 
     def add(self, k: int, seconds: float) -> None:
@@ -147,21 +141,25 @@ class _BucketTimes:
             near = [t for m, t in self._recent.get(j, ()) if m > since and n - m <= self.span]
             if not near:
                 continue
-            sample = math.log(seconds / _median(near[-4:]))
+            sample = math.log(seconds / median(near[-4:]))
             low = min(j, k)
             pair = self._pairs.setdefault(low, deque(maxlen=self.pair_window))
             pair.append(sample if k > j else -sample)
         self._recent.setdefault(k, deque(maxlen=self.window)).append((n, seconds))
         self._last_timed[k] = n
         self._last_k = k
-        self.warm.add(k)
+
+    @property
+    def warm(self) -> Collection[int]:
+        """The k with a timing that counts (past their first)."""
+        return self._last_timed.keys()
 
     def estimates(self) -> dict[int, float]:
         """Seconds a step takes per k, for every k linked to the latest one by pairs."""
         anchor = self._last_k
         if anchor is None:
             return {}
-        out = {anchor: _median([t for _, t in self._recent[anchor]])}
+        out = {anchor: median([t for _, t in self._recent[anchor]])}
         for step in (-1, 1):
             log_t, k = math.log(out[anchor]), anchor
             while True:
@@ -169,12 +167,14 @@ class _BucketTimes:
                 pair = self._pairs.get(low)
                 if not pair or (k + step) not in self.warm:
                     break
-                log_t += _median(pair) * step
+                log_t += median(pair) * step
                 k += step
                 out[k] = math.exp(log_t)
         return out
 
     def last(self, k: int) -> int:
+        """The number of ``k``'s latest timing that counts (0: none yet, or only its
+        first, which is dropped)."""
         return self._last_timed.get(k, 0)
 
 
@@ -312,17 +312,17 @@ class SpecPolicy:
             if k < self.k_max and rate(k) < rate(k + 1):
                 break
         best = max(times, key=rate)
-        timed = self._times.get(bucket)
-
-        def last(k: int) -> int:
-            return timed.last(k) if timed is not None else 0
-
-        near = [k for k in (best - 1, best + 1) if 0 <= k <= self.k_max]
         if self._num_choices % self.probe_every == 0:
             # Re-measure the neighbour of the best timed longest ago (ties: the larger,
             # which also measures the next position's acceptance), so one unlucky early
             # timing (or a borrowed one) cannot keep a good k out of use for good, and
             # both neighbours' estimates stay current.
+            timed = self._times.get(bucket)
+
+            def last(k: int) -> int:
+                return timed.last(k) if timed is not None else 0
+
+            near = [k for k in (best - 1, best + 1) if 0 <= k <= self.k_max]
             return min(near, key=lambda k: (last(k), -k))
         return best
 
