@@ -69,10 +69,15 @@ async def run_all(
 async def test_greedy_output_equals_reference_in_float64(
     k: int | str | None, bundled64: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if k == "auto":  # these requests are short: time every step, so the policy varies k
+    if k == "auto":
+        # These requests are short: time every step, and make every draft look worthless
+        # (acceptance pinned near 0 by the prior), so the policy's own exploration walks k
+        # down from 3 one draft at a time, each k timed beside the one before. With the
+        # measured acceptance (about 0.9) a run this short may settle on k = 3 after one
+        # timing of k = 2 and never try a third k.
         monkeypatch.setattr(
             "spectrio.stages.scheduling.SpecPolicy",
-            functools.partial(SpecPolicy, warmup_steps=0),
+            functools.partial(SpecPolicy, warmup_steps=0, prior_acceptance=0.0, prior_weight=1e9),
         )
     batch = prompts(bundled64.tokenizer)  # type: ignore[attr-defined]
     assert len(batch) >= 20
