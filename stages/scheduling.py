@@ -49,7 +49,7 @@ from spectrio.core.messages import SeqResult, SeqWork, StepPlan, StepResult
 from spectrio.core.params import SamplingParams
 from spectrio.stages.block_manager import BlockManager
 from spectrio.stages.lifecycle import RequestState, advance
-from spectrio.stages.spec_policy import SeqAcceptance, SpecPolicy
+from spectrio.stages.spec_policy import SpecPolicy
 
 
 @dataclasses.dataclass(eq=False)
@@ -70,7 +70,6 @@ class Sequence:
     pending: SeqWork | None = None  # the in-flight sampling work whose result is unknown
     drafts_proposed: int = 0  # over the request's life
     drafts_accepted: int = 0
-    acceptance: SeqAcceptance = dataclasses.field(default_factory=SeqAcceptance)  # recent
 
     @property
     def tokens(self) -> list[int]:
@@ -122,7 +121,6 @@ class Scheduler:
         spec = config.speculative
         self.policy = SpecPolicy(spec.effective_num_model_steps, adaptive=spec.adaptive)
         self._step_k = self.policy.k_max  # drafts per decoding sequence in the planned step
-        self._caps: dict[int, int] = {}  # seq id -> its drafts in the planned step (at most k)
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -194,10 +192,9 @@ class Scheduler:
         """Plan one step, or None when nothing can run now."""
         if len(self._inflight) >= self.max_in_flight:
             raise RuntimeError(f"schedule() called with {len(self._inflight)} steps in flight")
-        drafting = [s for s in self.running if (s.decoding or s.pending) and s.speculative]
-        self._step_k = self.policy.choose(len(drafting))
-        caps = self.policy.draft_caps([s.acceptance for s in drafting], self._step_k)
-        self._caps = {s.seq_id: d for s, d in zip(drafting, caps, strict=True)}
+        self._step_k = self.policy.choose(
+            sum(1 for s in self.running if (s.decoding or s.pending) and s.speculative)
+        )
         budget = self.config.max_chunk_tokens()
         planned: list[tuple[Sequence, int, int]] = []  # (seq, rows, drafts)
         preempted: list[str] = []
@@ -309,12 +306,7 @@ class Scheduler:
         if not seq.speculative:
             return 0
         return max(
-            0,
-            min(
-                self._caps.get(seq.seq_id, self._step_k),
-                seq.remaining_tokens - 1,
-                self.config.max_model_len - seq.length,
-            ),
+            0, min(self._step_k, seq.remaining_tokens - 1, self.config.max_model_len - seq.length)
         )
 
     def _work(self, slot: int, seq: Sequence, rows: int, drafts: int) -> SeqWork:
@@ -410,16 +402,10 @@ class Scheduler:
             if all(_decodes(w) and len(w.mtp_token_ids) <= catch_up for w in works.values()):
                 drafted = any(r.num_drafts for r in result.results)
                 # The same count choose() was given: the step's speculative sequences.
-                spec = [w for w in works.values() if w.speculative]
-                mean = sum(w.num_drafts for w in spec) / len(spec) if spec else None
-                self.policy.observe_step(len(spec), step_k if drafted else 0, seconds, mean)
+                speculative = sum(1 for w in works.values() if w.speculative)
+                self.policy.observe_step(speculative, step_k if drafted else 0, seconds)
         for r in result.results:
-            seq = self._by_id.get(r.seq_id)
-            work = works.get(r.seq_id)
-            if seq is not None and work is not None and work.sample and seq.speculative:
-                # Also with no drafts: the sequence's record fades towards the batch's.
-                self.policy.observe_acceptance(r.num_drafts, r.num_accepted, seq.acceptance)
-            elif r.num_drafts:
+            if r.num_drafts:
                 self.policy.observe_acceptance(r.num_drafts, r.num_accepted)
         published: list[SeqResult] = []
         for r in result.results:

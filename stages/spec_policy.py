@@ -70,10 +70,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from statistics import median
 
-__all__ = ["SeqAcceptance", "SpecPolicy", "batch_bucket", "scale_to_bucket"]
+__all__ = ["SpecPolicy", "batch_bucket", "scale_to_bucket"]
 
 
 def batch_bucket(num_seqs: int) -> int:
@@ -103,58 +103,6 @@ class _Decayed:
     def add(self, x: float, decay: float) -> None:
         self.value = self.value * decay + x
         self.weight = self.weight * decay + 1.0
-
-
-class SeqAcceptance:
-    """One sequence's recent acceptance per draft position: decayed counts of the steps
-    that reached each position and of those that accepted it (see
-    :meth:`SpecPolicy.draft_caps`). Every step of the sequence decays every position,
-    drafted or not: a position the sequence no longer drafts (its record said no) must
-    fade back to the batch's rate, or one stretch of rejections would cap it for good."""
-
-    __slots__ = ("accepted", "reached")
-
-    def __init__(self) -> None:
-        self.reached: list[float] = []
-        self.accepted: list[float] = []
-
-    def observe(self, num_drafts: int, num_accepted: int, decay: float) -> None:
-        seen = min(num_drafts, num_accepted + 1)
-        while len(self.reached) < seen:
-            self.reached.append(0.0)
-            self.accepted.append(0.0)
-        for j in range(len(self.reached)):
-            self.reached[j] *= decay
-            self.accepted[j] *= decay
-            if j < seen:
-                self.reached[j] += 1.0
-                self.accepted[j] += 1.0 if j < num_accepted else 0.0
-
-
-def _down_to_zero(times: dict[int, float], k: int) -> dict[int, float] | None:
-    """Step times for 0..k from the run of timed k that ends at ``k``, extended below
-    its lowest by that run's lowest step (a policy settled on k = 3 times 2, 3 and 4,
-    and rarely 1 or 0); None without two timed k."""
-    low = k
-    while low - 1 in times:
-        low -= 1
-    if k not in times or low == k:
-        return None
-    out = {j: times[j] for j in range(low, k + 1)}
-    slope = times[low + 1] - times[low]
-    for j in range(low - 1, -1, -1):
-        out[j] = max(out[j + 1] - slope, 0.25 * times[low])
-    return out
-
-
-def _interpolated(times: dict[int, float], drafts: float) -> float:
-    """A step's time with ``drafts`` drafts per sequence on average, between the two
-    whole k around it."""
-    low = min(int(drafts), max(times))
-    if low == max(times) or low + 1 not in times:
-        return times[low]
-    frac = drafts - low
-    return times[low] * (1.0 - frac) + times[low + 1] * frac
 
 
 class _BucketTimes:
@@ -246,8 +194,6 @@ class SpecPolicy:
         prior_weight: float = 4.0,
         stale_decay: float = 0.95,
         pair_window: int = 32,
-        seq_decay: float = 0.9,
-        seq_prior_weight: float = 6.0,
     ) -> None:
         if k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {k_max}")
@@ -279,52 +225,29 @@ class SpecPolicy:
         if not 0.0 < stale_decay <= 1.0:
             raise ValueError(f"stale_decay must be in (0, 1], got {stale_decay}")
         self.stale_decay = stale_decay
-        if not 0.0 < seq_decay <= 1.0:
-            raise ValueError(f"seq_decay must be in (0, 1], got {seq_decay}")
-        if seq_prior_weight < 0:
-            raise ValueError(f"seq_prior_weight must be >= 0, got {seq_prior_weight}")
-        self.seq_decay, self.seq_prior_weight = seq_decay, seq_prior_weight
         self._reached = [_Decayed() for _ in range(k_max)]  # per draft position
         self._times: dict[int, _BucketTimes] = {}  # per batch bucket
         self._num_choices = 0
-        self._chosen_with: tuple[int, dict[int, float]] | None = None
 
     # ---- feedback ---------------------------------------------------------------------
 
-    def observe_acceptance(
-        self, num_drafts: int, num_accepted: int, seq: SeqAcceptance | None = None
-    ) -> None:
+    def observe_acceptance(self, num_drafts: int, num_accepted: int) -> None:
         """One sequence's step: drafts 1..num_accepted were accepted and, when
-        ``num_accepted < num_drafts``, draft ``num_accepted + 1`` was rejected. ``seq``,
-        the sequence's own record, is updated too."""
-        num_drafts = min(num_drafts, self.k_max)
-        for j in range(min(num_drafts, num_accepted + 1)):
+        ``num_accepted < num_drafts``, draft ``num_accepted + 1`` was rejected."""
+        for j in range(min(num_drafts, num_accepted + 1, self.k_max)):
             self._reached[j].add(1.0 if j < num_accepted else 0.0, self.acceptance_decay)
-        if seq is not None:
-            seq.observe(num_drafts, num_accepted, self.seq_decay)
 
-    def observe_step(
-        self, num_seqs: int, k: int, seconds: float, mean_drafts: float | None = None
-    ) -> None:
-        """Wall time of a step that ran up to ``k`` drafts (``mean_drafts`` per sequence
-        on average, when some drafted fewer) for ``num_seqs`` decoding sequences (filed
-        under their bucket, scaled to its full size and to every sequence drafting k)."""
+    def observe_step(self, num_seqs: int, k: int, seconds: float) -> None:
+        """Wall time of a step that ran ``k`` drafts for ``num_seqs`` decoding sequences
+        (filed under their bucket, scaled to its full size)."""
         if num_seqs <= 0 or not 0 <= k <= self.k_max:
             return
         bucket = batch_bucket(num_seqs)
-        self._chosen_with = None
         seen = self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
         if seen <= self.warmup_steps:
             return
-        seconds = scale_to_bucket(seconds, num_seqs, bucket)
-        if mean_drafts is not None and 0 <= mean_drafts < k:
-            # A step whose sequences drafted fewer than k (capped, or near their end) is
-            # filed as the all-k step it stands for, by the estimate's own shape.
-            est = _down_to_zero(self._estimated_times(bucket), k)
-            if est is not None:
-                seconds *= est[k] / _interpolated(est, mean_drafts)
         times = self._times.setdefault(bucket, _BucketTimes(self.window, self.pair_window))
-        times.add(k, seconds)
+        times.add(k, scale_to_bucket(seconds, num_seqs, bucket))
 
     # ---- decision ---------------------------------------------------------------------
 
@@ -375,7 +298,6 @@ class SpecPolicy:
         self._num_choices += 1
         bucket = batch_bucket(num_seqs)
         times = self._estimated_times(bucket)
-        self._chosen_with = (bucket, times)  # draft_caps() for the same step reuses them
         tokens = self._expected_tokens_all()
 
         def rate(k: int) -> float:
@@ -403,61 +325,6 @@ class SpecPolicy:
             near = [k for k in (best - 1, best + 1) if 0 <= k <= self.k_max]
             return min(near, key=lambda k: (last(k), -k))
         return best
-
-    def draft_caps(self, seqs: Sequence[SeqAcceptance], k: int) -> list[int]:
-        """Drafts for each decoding sequence of a step that runs up to ``k``.
-
-        A sequence's draft j is worth its cost when the chance that it and the drafts
-        before it are all accepted, ``P_j``, is at least the time it adds times the
-        tokens per second the step makes: ``P_j >= (T(j) - T(j - 1)) / B * rate``
-        (``T`` the bucket's step times, ``B`` its size). ``P_j`` is the sequence's own
-        recent acceptance per position (``seq_decay`` a step), shrunk towards the
-        batch's by ``seq_prior_weight`` pseudo-observations; ``rate`` is found by
-        iterating (Dinkelbach) from every sequence drafting k. Acceptance comes in
-        stretches per request, so at a large batch, where every draft row costs real
-        time, the drafts go to the sequences that are accepting now. Every sequence
-        drafts k until the bucket has times for k and k - 1 (the k below the lowest timed
-        one are extrapolated from it, see :func:`_down_to_zero`)."""
-        n = len(seqs)
-        if not self.adaptive or k == 0 or n == 0:
-            return [k] * n
-        bucket = batch_bucket(n)
-        cached = self._chosen_with
-        estimated = cached[1] if cached and cached[0] == bucket else self._estimated_times(bucket)
-        times = _down_to_zero(estimated, k)
-        if times is None:
-            return [k] * n
-        shared, w = self.acceptance(), self.seq_prior_weight
-        cumulative: list[list[float]] = []
-        for seq in seqs:
-            run, row = 1.0, []
-            for j in range(k):
-                reached = seq.reached[j] if j < len(seq.reached) else 0.0
-                accepted = seq.accepted[j] if j < len(seq.accepted) else 0.0
-                total = reached + w
-                run *= (accepted + w * shared[j]) / total if total > 0 else shared[j]
-                row.append(run)
-            cumulative.append(row)
-        cost = [(times[j] - times[j - 1]) / bucket for j in range(1, k + 1)]
-        scale = (STEP_FIXED_SEQS + n) / (STEP_FIXED_SEQS + bucket)
-
-        def rate_of(caps: list[int]) -> float:
-            tokens = sum(1.0 + sum(row[:d]) for row, d in zip(cumulative, caps, strict=True))
-            return tokens / (_interpolated(times, sum(caps) / n) * scale)
-
-        caps = [k] * n
-        rate = rate_of(caps)
-        for _ in range(3):
-            new = []
-            for row in cumulative:
-                d = 0
-                while d < k and row[d] >= cost[d] * rate:
-                    d += 1
-                new.append(d)
-            if new == caps:
-                break
-            caps, rate = new, rate_of(new)
-        return caps
 
     def _estimated_times(self, bucket: int) -> dict[int, float]:
         """Step time per k for this batch bucket: its own where timed; otherwise borrowed

@@ -7,7 +7,7 @@ import collections
 import numpy as np
 import pytest
 
-from spectrio.stages.spec_policy import SeqAcceptance, SpecPolicy
+from spectrio.stages.spec_policy import SpecPolicy
 from spectrio.tools.policy_replay import Trace, replay_fixed, replay_policy
 
 
@@ -356,104 +356,3 @@ def test_the_reference_moves_to_the_k_run_most_and_estimates_carry_over() -> Non
         policy.observe_step(1, 2, 0.016)  # the machine halves its speed
     slowed = policy.step_times()
     assert slowed[(1, 3)] == pytest.approx(0.020) and slowed[(1, 1)] == pytest.approx(0.014)
-
-
-# Batch 64 on the 2-core CPU: a step costs about 41 ms plus 17.5 ms per draft per sequence.
-B64_TIMES = {k: 0.041 + 0.0175 * k for k in range(5)}
-
-
-def _timed(k_max: int, b: int, times: dict[int, float], steps: int = 200) -> SpecPolicy:
-    """A policy that has timed every k at batch ``b``, each beside its neighbours."""
-    policy = SpecPolicy(k_max, warmup_steps=0)
-    for i in range(steps):
-        policy.observe_step(b, i % (k_max + 1), times[i % (k_max + 1)])
-    return policy
-
-
-def test_drafts_go_to_the_sequences_that_are_accepting() -> None:
-    """At a large batch a draft row costs real time: a sequence whose drafts are being
-    rejected gets none, one whose drafts all pass gets k, a new one follows the batch."""
-    policy = _timed(4, 64, B64_TIMES)
-    rng = np.random.default_rng(0)
-    for _ in range(2000):  # the batch's acceptance: 0.9, 0.85, 0.88, 0.93 per position
-        n = 0
-        while n < 4 and rng.random() < (0.9, 0.85, 0.88, 0.93)[n]:
-            n += 1
-        policy.observe_acceptance(4, n)
-    good, poor, fresh = SeqAcceptance(), SeqAcceptance(), SeqAcceptance()
-    for _ in range(10):
-        policy.observe_acceptance(4, 4, good)
-        policy.observe_acceptance(4, 0, poor)
-    others = [SeqAcceptance() for _ in range(61)]
-    caps = policy.draft_caps([good, poor, fresh, *others], 4)
-    assert caps[0] == 4
-    assert caps[1] == 0
-    assert caps[2] >= 3
-    assert policy.draft_caps([good, poor, fresh, *others], 2)[:2] == [2, 0]  # at most k
-    # A batch size with no times of its own nearby, a policy with none, and a fixed
-    # policy: every sequence drafts k.
-    assert policy.draft_caps([good, poor], 4) == [4, 4]
-    assert SpecPolicy(4).draft_caps([good, poor], 4) == [4, 4]
-    assert SpecPolicy(4, adaptive=False).draft_caps([poor], 3) == [3]
-    with pytest.raises(ValueError, match="seq_decay"):
-        SpecPolicy(4, seq_decay=0.0)
-
-
-def test_a_step_that_drafted_fewer_is_filed_as_the_all_k_step() -> None:
-    """A step with k = 4 whose sequences drafted 2 on average took the time of a k = 2
-    step; filed as it is, it would pull k = 4's estimate down to k = 2's."""
-    policy = _timed(4, 64, B64_TIMES)
-    for _ in range(12):
-        policy.observe_step(64, 3, B64_TIMES[3])
-        policy.observe_step(64, 4, B64_TIMES[2], mean_drafts=2.0)
-        policy.observe_step(64, 4, B64_TIMES[2] + 0.5 * 0.0175, mean_drafts=2.5)
-    assert policy.step_times()[(64, 4)] == pytest.approx(B64_TIMES[4], rel=0.02)
-
-
-def _run_batch(policy: SpecPolicy, b: int, steps: int, seed: int, stretches: bool) -> float:
-    """Tokens per second of ``policy`` at batch ``b`` on a linear device (B64_TIMES
-    scaled to ``b``), each sequence accepting its drafts per position with the batch's
-    rates, or, with ``stretches``, in stretches of about 20 steps of mostly accepted
-    (0.97) or mostly rejected (0.35) drafts, as requests do."""
-    rng = np.random.default_rng(seed)
-    records = [SeqAcceptance() for _ in range(b)]
-    good = [bool(rng.random() < 0.7) for _ in range(b)]
-    tokens = seconds = 0.0
-    for _ in range(steps):
-        k = policy.choose(b)
-        caps = policy.draft_caps(records, k)
-        for i in range(b):
-            if stretches and rng.random() < 0.05:
-                good[i] = bool(rng.random() < 0.7)
-                records[i] = SeqAcceptance()  # a new request in the slot
-            rate = (0.97 if good[i] else 0.35) if stretches else 0.85
-            n = 0
-            while n < caps[i] and rng.random() < rate:
-                n += 1
-            tokens += n + 1
-            policy.observe_acceptance(caps[i], n, records[i])
-        mean = sum(caps) / b
-        t = (0.041 + 0.0175 * mean) * b / 64 * (1.0 + 0.05 * rng.standard_normal())
-        seconds += t
-        policy.observe_step(b, k, t, mean)
-    return tokens / seconds
-
-
-@pytest.mark.parametrize("stretches", [False, True])
-def test_per_sequence_drafts_beat_every_fixed_k_when_requests_differ(stretches: bool) -> None:
-    """Where sequences accept alike, the policy stays within 3% of the best fixed k; where
-    they accept in stretches (a request that is being rejected, beside ones that are
-    not), giving drafts to the accepting ones beats every fixed k."""
-    seeds = range(3)
-    fixed = {
-        k: np.mean(
-            [_run_batch(SpecPolicy(k, adaptive=False), 64, 300, s, stretches) for s in seeds]
-        )
-        for k in range(5)
-    }
-    adaptive = np.mean([_run_batch(SpecPolicy(4), 64, 300, s, stretches) for s in seeds])
-    best = max(fixed.values())
-    if stretches:
-        assert adaptive > 1.05 * best
-    else:
-        assert adaptive > 0.97 * best

@@ -183,9 +183,7 @@ class _CyclePolicy(SpecPolicy):
             self._rng.shuffle(self._cycle)
         return self._cycle.pop()
 
-    def observe_step(
-        self, num_seqs: int, k: int, seconds: float, mean_drafts: float | None = None
-    ) -> None:
+    def observe_step(self, num_seqs: int, k: int, seconds: float) -> None:
         self.timed.append((num_seqs, k, seconds))
 
 
