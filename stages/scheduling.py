@@ -121,6 +121,7 @@ class Scheduler:
         spec = config.speculative
         self.policy = SpecPolicy(spec.effective_num_model_steps, adaptive=spec.adaptive)
         self._step_k = self.policy.k_max  # drafts per decoding sequence in the planned step
+        self._previous_k: int | None = None  # the k of the last decoding step folded in
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -397,13 +398,16 @@ class Scheduler:
         step_k = self._inflight_k.pop(result.step)
         if seconds is None:
             seconds = result.device_seconds or None
+        drafted = any(r.num_drafts for r in result.results)
+        filed_k = step_k if drafted else 0
         if seconds is not None and works:
             catch_up = self.policy.k_max + 1
             if all(_decodes(w) and len(w.mtp_token_ids) <= catch_up for w in works.values()):
-                drafted = any(r.num_drafts for r in result.results)
                 # The same count choose() was given: the step's speculative sequences.
                 speculative = sum(1 for w in works.values() if w.speculative)
-                self.policy.observe_step(speculative, step_k if drafted else 0, seconds)
+                self.policy.observe_step(speculative, filed_k, seconds, self._previous_k)
+        if any(_decodes(w) for w in works.values()):
+            self._previous_k = filed_k
         for r in result.results:
             if r.num_drafts:
                 self.policy.observe_acceptance(r.num_drafts, r.num_accepted)

@@ -123,16 +123,21 @@ class _BucketTimes:
     def __init__(self, window: int, pair_window: int, span: int = 16) -> None:
         self.window, self.span = window, span
         self.pair_window = pair_window
-        self._recent: dict[int, deque[tuple[int, float]]] = {}  # k -> (timing no., seconds)
+        # k -> (timing no., seconds)
+        self._recent: dict[int, deque[tuple[int, float]]] = {}
         self._pairs: dict[int, deque[float]] = {}  # k -> samples of log T(k+1) / T(k)
         self._seen: set[int] = set()
         self._timings = 0
         self._last_timed: dict[int, int] = {}  # k -> the number of its latest timing
         self._last_k: int | None = None
 
-    def add(self, k: int, seconds: float) -> None:
+    def add(self, k: int, seconds: float, after: int | None = None) -> None:
+        """A timing of ``k``; ``after``, the k of the step before it, whose accepted rows
+        this step's MTP pass caught up on (None: unknown, compared with any)."""
         if k not in self._seen:
             self._seen.add(k)
+            return
+        if after is not None and after != k:
             return
         self._timings += 1
         n = self._timings
@@ -186,7 +191,7 @@ class SpecPolicy:
         k_max: int,
         *,
         adaptive: bool = True,
-        probe_every: int = 16,
+        probe_every: int = 24,
         window: int = 8,
         warmup_steps: int = 6,
         acceptance_decay: float = 0.999,
@@ -228,6 +233,7 @@ class SpecPolicy:
         self._reached = [_Decayed() for _ in range(k_max)]  # per draft position
         self._times: dict[int, _BucketTimes] = {}  # per batch bucket
         self._num_choices = 0
+        self._probing: tuple[int, int] | None = None  # (bucket, k) of a probe's second step
 
     # ---- feedback ---------------------------------------------------------------------
 
@@ -237,9 +243,17 @@ class SpecPolicy:
         for j in range(min(num_drafts, num_accepted + 1, self.k_max)):
             self._reached[j].add(1.0 if j < num_accepted else 0.0, self.acceptance_decay)
 
-    def observe_step(self, num_seqs: int, k: int, seconds: float) -> None:
+    def observe_step(
+        self, num_seqs: int, k: int, seconds: float, previous_k: int | None = None
+    ) -> None:
         """Wall time of a step that ran ``k`` drafts for ``num_seqs`` decoding sequences
-        (filed under their bucket, scaled to its full size)."""
+        (filed under their bucket, scaled to its full size). ``previous_k``, the k of the
+        step before it: a step's MTP pass first catches up on the rows the step before
+        accepted, so a step's time carries the catch-up of the k before it, and two
+        steps are compared only when the steps before them ran the same k. Compared
+        regardless, the step of k after a probe of k - 1 carried the probe's smaller
+        catch-up against the probe's larger one (of the k before it), which read k - 1
+        dearer against k than it is, every probe the same way."""
         if num_seqs <= 0 or not 0 <= k <= self.k_max:
             return
         bucket = batch_bucket(num_seqs)
@@ -247,7 +261,7 @@ class SpecPolicy:
         if seen <= self.warmup_steps:
             return
         times = self._times.setdefault(bucket, _BucketTimes(self.window, self.pair_window))
-        times.add(k, scale_to_bucket(seconds, num_seqs, bucket))
+        times.add(k, scale_to_bucket(seconds, num_seqs, bucket), previous_k)
 
     # ---- decision ---------------------------------------------------------------------
 
@@ -297,6 +311,12 @@ class SpecPolicy:
     def _choose(self, num_seqs: int) -> int:
         self._num_choices += 1
         bucket = batch_bucket(num_seqs)
+        if self._probing is not None and self._probing[0] == bucket:
+            # A probe runs twice: its first step carries the catch-up of the k before it
+            # and is not timed (observe_step), the second is.
+            k, self._probing = self._probing[1], None
+            return k
+        self._probing = None
         times = self._estimated_times(bucket)
         tokens = self._expected_tokens_all()
 
@@ -323,7 +343,9 @@ class SpecPolicy:
                 return timed.last(k) if timed is not None else 0
 
             near = [k for k in (best - 1, best + 1) if 0 <= k <= self.k_max]
-            return min(near, key=lambda k: (last(k), -k))
+            probe = min(near, key=lambda k: (last(k), -k))
+            self._probing = (bucket, probe)
+            return probe
         return best
 
     def _estimated_times(self, bucket: int) -> dict[int, float]:

@@ -88,9 +88,9 @@ def test_exploration_descends_from_k_max_while_it_improves() -> None:
             policy.observe_acceptance(k, k)
     assert first == [3, 3, 2, 2, 1, 1]  # k = 1 did worse than k = 2: k = 0 never ran
     picks = [policy.choose(5) for _ in range(16)]
-    # Choices 8 and 16 probe a neighbour: k = 3 both times (a tie in weight goes to the
-    # larger, and no timing comes back in between).
-    assert picks.count(2) == 14 and [picks[1], picks[9]] == [3, 3]
+    # Choices 8 and 16 probe a neighbour for two steps: k = 3 both times (a tie in weight
+    # goes to the larger, and no timing comes back in between).
+    assert picks.count(2) == 12 and picks[1:3] == picks[9:11] == [3, 3]
     assert policy.choose(6) == 2  # 6 shares the bucket of 5 (up to 8)
 
 
@@ -98,7 +98,7 @@ def test_probes_climb_to_a_better_k_one_neighbour_at_a_time() -> None:
     """Timings change (another load arrives and leaves): the best k moves from 0 to 3
     through probes of neighbours only, and no probe is ever two or more away from the
     best k of its moment."""
-    policy = SpecPolicy(3, probe_every=4, warmup_steps=0)
+    policy = SpecPolicy(3, probe_every=8, warmup_steps=0)
     slow = {0: 1.0, 1: 3.0, 2: 5.0, 3: 7.0}  # E/T with all accepted: k = 0 best
     fast = {0: 1.0, 1: 0.6, 2: 0.5, 3: 0.45}  # later: k = 3 best
     picks: list[int] = []
@@ -107,7 +107,7 @@ def test_probes_climb_to_a_better_k_one_neighbour_at_a_time() -> None:
         picks.append(k)
         policy.observe_step(1, k, (slow if i < 40 else fast)[k])
         policy.observe_acceptance(k, k)
-    assert picks[-20:].count(3) >= 15
+    assert picks[-20:].count(3) >= 14  # probes of k = 2 take two steps in eight
     assert 2 in picks[40:] and 1 in picks[40:]
 
 
@@ -168,7 +168,7 @@ def test_probes_re_measure_the_least_measured_k() -> None:
         policy.observe_acceptance(k, k)  # every draft accepted: E(k) = 1 + k
     # E/T: k=0 1.0, k=1 3.33, k=2 3.75 -> k = 2 is best, but k = 1 must have been re-measured.
     assert policy.step_times()[(1, 1)] < 5.0
-    assert [policy.choose(1) for _ in range(3)] == [2, 2, 2]
+    assert [policy.choose(1) for _ in range(3)].count(2) >= 2  # one may end a probe
 
 
 def test_a_pairs_first_timing_is_a_warm_up_the_second_replaces() -> None:
@@ -282,7 +282,7 @@ def test_a_position_not_drafted_for_a_while_leans_on_the_one_before_again() -> N
         return chosen
 
     stuck = ks(SpecPolicy(3, stale_decay=1.0))
-    assert stuck[next_request].count(1) >= 30  # the failure this guards against
+    assert stuck[next_request].count(1) >= 25  # the failure this guards against
     back = ks(SpecPolicy(3))
     assert back[next_request].count(3) >= 30
     assert replay_policy(trace, times, SpecPolicy(3)) >= replay_fixed(trace, times, 3)
@@ -356,3 +356,23 @@ def test_the_reference_moves_to_the_k_run_most_and_estimates_carry_over() -> Non
         policy.observe_step(1, 2, 0.016)  # the machine halves its speed
     slowed = policy.step_times()
     assert slowed[(1, 3)] == pytest.approx(0.020) and slowed[(1, 1)] == pytest.approx(0.014)
+
+
+def test_a_step_after_another_k_is_not_compared() -> None:
+    """A step's MTP pass first catches up on the rows the step before accepted, so a step
+    right after one of another k carries that k's catch-up: after k = 4, about 4 rows a
+    sequence, after k = 3 about 3.4. Compared, both steps around a switch read k = 3
+    dearer against k = 4 than it is, every probe the same way (at batch 64, k = 4 against
+    3 read about 1.17x where steady steps of each take 1.27-1.31x). Only steps after one
+    of their own k are timed, so a probe runs two steps."""
+    policy = SpecPolicy(4, warmup_steps=0)
+    steady = {3: 0.100, 4: 0.127}
+    after = {(3, 4): 0.106, (4, 3): 0.121}  # (k, the k before): the other k's catch-up
+    previous = None
+    for i in range(96):
+        k = 4 if (i // 2) % 4 else 3  # two steps of 3 in every eight
+        seconds = steady[k] if previous in (None, k) else after[(k, previous)]
+        policy.observe_step(64, k, seconds, previous)
+        previous = k
+    times = policy.step_times()
+    assert times[(64, 4)] / times[(64, 3)] == pytest.approx(1.27, rel=1e-6)

@@ -128,6 +128,7 @@ def replay_policy(trace: Trace, times: list[float] | Clock, policy: SpecPolicy) 
     clock = fixed_clock(times) if isinstance(times, list) else times
     tokens = seconds = 0.0
     n = 0
+    previous: int | None = None
     for steps in trace:
         for i, (drafts, accepted) in enumerate(steps):
             k = policy.choose(1)
@@ -135,8 +136,10 @@ def replay_policy(trace: Trace, times: list[float] | Clock, policy: SpecPolicy) 
             got = min(accepted, k_eff)
             took = clock(n, k_eff)
             n += 1
-            if i > 0:  # as the scheduler files it: under the step's k if it drafted
-                policy.observe_step(1, k if k_eff else 0, took)
+            filed = k if k_eff else 0  # as the scheduler files it: the step's k if it drafted
+            if i > 0:
+                policy.observe_step(1, filed, took, previous)
+            previous = filed
             if k_eff:
                 policy.observe_acceptance(k_eff, got)
             tokens += got + 1
@@ -183,7 +186,9 @@ class _CyclePolicy(SpecPolicy):
             self._rng.shuffle(self._cycle)
         return self._cycle.pop()
 
-    def observe_step(self, num_seqs: int, k: int, seconds: float) -> None:
+    def observe_step(
+        self, num_seqs: int, k: int, seconds: float, previous_k: int | None = None
+    ) -> None:
         self.timed.append((num_seqs, k, seconds))
 
 
@@ -246,10 +251,12 @@ def replay_batch(clock: Clock, policy: SpecPolicy, accepts: Accepts) -> float:
     the same ones. A model for batches larger than one, where no single request's record
     applies: positions accept independently of each other and of the step before."""
     tokens = seconds = 0.0
+    previous: int | None = None
     for n, step in enumerate(accepts):
         k = policy.choose(len(step))
         took = clock(n, k)
-        policy.observe_step(len(step), k, took)
+        policy.observe_step(len(step), k, took, previous)
+        previous = k
         for row in step:
             got = next((i for i in range(k) if not row[i]), k)
             if k:
