@@ -391,7 +391,9 @@ class Scheduler:
         sequence of the step was decoding and none caught its MTP layer up on more than
         ``k_max + 1`` rows (a step with prefill rows, or the first decode step after a
         prefill, whose MTP pass reads the whole prompt, says nothing about the cost of
-        drafts: at batch 16 in the steady state a new request starts every few steps)."""
+        drafts: at batch 16 in the steady state a new request starts every few steps),
+        with the k of the decoding step before it, whose accepted rows its MTP pass
+        caught up on (:meth:`SpecPolicy.observe_step`)."""
         if not self._inflight or result.step != min(self._inflight):
             raise RuntimeError(f"result of step {result.step}; in flight: {sorted(self._inflight)}")
         works = self._inflight.pop(result.step)

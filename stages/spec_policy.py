@@ -46,13 +46,20 @@ The rule: pick the k that maximises expected tokens per second,
   (``tools/policy_replay``, 32 requests, 16 starts) the policy read k = 4 at 1.25-1.3x
   k = 3 where the tape's medians give 1.12, ran k = 3 on a third of its steps and made
   0.970 of fixed k = 4 (worst start 0.939); paired, 0.991 (worst 0.977), against 0.995
-  for the same policy told the tape's true medians.
+  for the same policy told the tape's true medians. Only a step that follows a step of
+  its own k is timed: a step's MTP pass first catches up on the rows the step before
+  accepted (at k = 4 about 4 a sequence, at 3 about 3.4), so the step right after a
+  switch carries the other k's catch-up, and timed, both steps around every probe read
+  the smaller k dearer than it is. At batch 64, where the catch-up is real work, steady
+  steps of k = 4 take 1.27-1.31x those of k = 3 (cycled step by step) while the policy
+  read 1.17 and ran k = 4, 4-6% slower than k = 3 on the bench, on 86% of its steps.
 
 Exploration starts at ``k_max`` (after a batch size's first ``warmup_steps`` steps,
 which are not timed) and goes down one k at a time while the smaller k does better (each
 k runs twice: its first step pays one-time costs and is not counted); a
 batch bucket not timed yet borrows the times of a neighbouring one, scaled, instead of
-exploring again. One step in ``probe_every`` re-measures whichever of the best k's two
+exploring again. One step in ``probe_every`` starts a probe that re-measures, for two
+steps (the first, after the best k, is not timed), whichever of the best k's two
 neighbours was timed longer ago (the larger on ties), so a noisy early timing is
 corrected, both neighbours' ratios stay current, and the next position's acceptance keeps
 being measured while the policy prefers fewer drafts.
@@ -114,8 +121,10 @@ class _BucketTimes:
     neighbours where they ran next to it: a timing of k that follows one of k +/- 1
     within ``span`` timings, with no timing of k in between, gives one sample of
     ``log T(k) - log T(k +/- 1)`` against the median of that neighbour's last few times
-    in the span. A probe among steps of the best k thus gives two samples: the probe
-    against the steps before it, and the next step of the best k against the probe. Each
+    in the span. Only a timing that follows a step of its own k counts (``add``'s
+    ``after``): the step after a switch carries the other k's MTP catch-up. A two-step
+    probe among steps of the best k thus gives two samples: the probe's second step
+    against the steps before it, and the second step back at the best k against it. Each
     neighbouring pair keeps its last ``pair_window`` samples; their median is its ratio,
     and chained from the k run most recently they give every k's time. The first timing
     of a k is dropped: it pays one-time costs (new tensor shapes, cold caches)."""
