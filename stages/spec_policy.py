@@ -38,8 +38,9 @@ The rule: pick the k that maximises expected tokens per second,
   one 16 steps back, and about one step in ten is a spike of 1.5-3x), so k are compared
   where they ran beside each other (:class:`_BucketTimes`): a timing of k right after
   steps of k - 1 or k + 1 gives a sample of their ratio against those neighbours' last
-  few times, a probe among steps of the best k gives two (the probe against the steps
-  before it, the next step against the probe), every neighbouring pair keeps the median
+  few times, a two-step probe among steps of the best k gives two (its second step
+  against the steps before it, the second step back at the best k against the probe;
+  the first step after a switch is not timed, below), every neighbouring pair keeps the median
   of its last ``pair_window`` samples, and the ratios chained from the k run last give
   every k's time. Before, each k's times were ratios to the level of the k run most
   over its last 16 steps, and their mean of the faster half: replayed on a batch-1 tape
