@@ -27,8 +27,15 @@ def test_best_fixed_k_and_adaptive_against_the_better_of_the_two() -> None:
     assert s.best_over_none_rounds == pytest.approx([1.8, 170.0 / 110.0, 175.0 / 90.0])
     assert s.auto_over_better == pytest.approx(176.0 / 175.0)
     assert s.auto_over_better_rounds == pytest.approx([171.5 / 180.0, 176.0 / 170.0, 180.0 / 175.0])
+    # Paired: the median of the rounds' ratios, which here differs from the ratio of
+    # medians (auto's median, 176, ran in round 2; k = 2's, 175, in round 3).
+    assert s.best_over_none_paired == pytest.approx(1.8)
+    assert s.auto_over_better_paired == pytest.approx(180.0 / 175.0)
     text = format_speedups([s])
-    assert "batch=1: k=2 1.75× (rounds 1.55-1.94×); auto ÷ k=2 1.006 (rounds 0.95-1.04)" in text
+    assert (
+        "batch=1: k=2 1.75× (paired 1.80×, rounds 1.55-1.94×);"
+        " auto ÷ k=2 1.006 (paired 1.029, rounds 0.95-1.04)"
+    ) in text
 
 
 def test_where_no_speculation_wins_adaptive_is_compared_with_it() -> None:
@@ -42,6 +49,7 @@ def test_where_no_speculation_wins_adaptive_is_compared_with_it() -> None:
     assert s.best_k == 1 and s.better == 0
     assert s.best_over_none == pytest.approx(2300.0 / 2400.0)
     assert s.auto_over_better == pytest.approx(0.99)
+    assert s.auto_over_better_paired == pytest.approx(0.99)
     # One round: no spread to show.
     assert format_speedups([s]).splitlines()[1] == "  batch=64: k=1 0.96×; auto ÷ none 0.990"
 
@@ -61,5 +69,6 @@ def test_ties_go_to_the_smaller_k_and_groups_need_both_cases() -> None:
     got = speedups(rows)
     assert [(s.batch, s.logprobs, s.best_k) for s in got] == [(4, "off", 2), (4, 5, 1)]
     assert got[0].auto_over_better is None and got[0].auto_over_better_rounds == []
+    assert got[0].auto_over_better_paired is None
     assert "lp=5" in format_speedups(got) and "auto" not in format_speedups(got)
     assert speedups([]) == [] and format_speedups([]) == ""

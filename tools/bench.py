@@ -70,8 +70,9 @@ JSON (``--json``; stable, for scripts that compare runs): ``{"schema": 2, "machi
 ``"speedups"``: per batch size (and logprob setting) that has ``k = 0`` and a fixed k,
 :class:`spectrio.tools.bench_speedup.Speedup` as a map: ``best_k``, ``best_over_none``
 and ``auto_over_better`` (ratios of medians; null without an ``auto`` case), each also
-``..._rounds`` (round by round), and ``better`` (``best_k``, or 0 where no speculation
-was faster). The text output prints them under the table.
+``..._rounds`` (round by round) and ``..._paired`` (the median of the rounds' ratios),
+and ``better`` (``best_k``, or 0 where no speculation was faster). The text output prints
+them under the table.
 """
 
 from __future__ import annotations
