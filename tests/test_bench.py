@@ -25,6 +25,7 @@ ROW_KEYS = {
     "batch", "k", "logprobs", "dtype", "overlap", "request_rate", "interleave", "requests",
     "max_tokens",
     "tokens", "seconds", "tokens_per_second", "requests_per_second", "tokens_per_second_runs",
+    "samples", "tokens_per_second_pooled", "tokens_per_second_se",
     "ttft_ms", "itl_ms", "tpot_ms", "mean_accept_len", "mean_accepted",
     "acceptance_per_position", "accepted_per_position", "drafts_proposed", "drafts_accepted",
     "pipeline_steps", "steps_by_k", "efficiency", "bubble", "model_share", "overhead_share",
@@ -153,6 +154,10 @@ async def test_interleaved_cases_take_turns_and_stay_lossless() -> None:
         assert r["interleave"] == 0.005 and r["tokens"] == 6 * 16 and r["requests"] == 6
         assert r["ttft_ms"]["p50"] is None and r["itl_ms"]["p50"] is None
         assert r["tokens_per_second"] == pytest.approx(r["tokens"] / r["seconds"], rel=0.01)
+        # One sample per turn: together they are the case's tokens and its own seconds.
+        assert len(r["samples"]) >= 2
+        assert sum(t for t, _ in r["samples"]) == r["tokens"]
+        assert sum(s for _, s in r["samples"]) == pytest.approx(r["seconds"], abs=1e-3)
         timings = r["_raw"]["timings"]
         assert len(timings) == r["pipeline_steps"]
         intervals += [(t.device_start, t.device_end, r["k"]) for t in timings]
@@ -193,6 +198,10 @@ async def test_bench_json_plot_and_table(
     for r in rows:
         assert set(r) == ROW_KEYS
         assert r["tokens"] == r["requests"] * 24 == r["batch"] * 24
+        # One run: one sample, the run itself, and no error to give.
+        assert r["samples"] == [[r["tokens"], pytest.approx(r["seconds"], abs=1e-4)]]
+        assert r["tokens_per_second_pooled"] == pytest.approx(r["tokens_per_second"], abs=0.2)
+        assert r["tokens_per_second_se"] is None
         assert r["requests_per_second"] == pytest.approx(r["requests"] / r["seconds"], rel=0.02)
         assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
         assert r["itl_ms"]["p50"] <= r["itl_ms"]["p90"] <= r["itl_ms"]["p99"]

@@ -46,7 +46,10 @@ JSON (``--json``; stable, for scripts that compare runs): ``{"schema": 2, "machi
   with ``--interleave``, else null), ``requests``, ``max_tokens``;
 * throughput: ``tokens`` (output tokens), ``seconds`` (wall, first arrival to last
   token), ``tokens_per_second``, ``requests_per_second``, ``tokens_per_second_runs``
-  (every ``--repeat`` run; the row is the median one);
+  (every ``--repeat`` run; the row is the median one), ``samples`` (``[tokens,
+  seconds]`` of every turn of every run with ``--interleave``, of every run otherwise),
+  ``tokens_per_second_pooled`` (all of them pooled) and ``tokens_per_second_se`` (its
+  standard error, null with one sample; :func:`spectrio.tools.bench_speedup.pooled_rate`);
 * latency, each ``{"p50", "p90", "p99", "mean"}`` in ms (null when there is no sample):
   ``ttft_ms`` (arrival to first token), ``itl_ms`` (gap between consecutive deltas of a
   request; a delta carries every token a step emitted), ``tpot_ms`` (per request:
@@ -70,8 +73,9 @@ JSON (``--json``; stable, for scripts that compare runs): ``{"schema": 2, "machi
 ``"speedups"``: per batch size (and logprob setting) that has ``k = 0`` and a fixed k,
 :class:`spectrio.tools.bench_speedup.Speedup` as a map: ``best_k``, ``best_over_none``
 and ``auto_over_better`` (ratios of medians; null without an ``auto`` case), each also
-``..._rounds`` (round by round) and ``..._paired`` (the median of the rounds' ratios),
-and ``better`` (``best_k``, or 0 where no speculation was faster). The text output prints
+``..._rounds`` (round by round), ``..._paired`` (the median of the rounds' ratios),
+``..._pooled`` (the ratio of pooled rates) and ``..._se`` (its standard error), and
+``better`` (``best_k``, or 0 where no speculation was faster). The text output prints
 them under the table.
 """
 
@@ -100,7 +104,7 @@ from spectrio import Runtime, RuntimeConfig, SamplingParams, SpeculativeConfig, 
 from spectrio.core.timing import StepTiming, device_summary
 from spectrio.models import load, reference
 from spectrio.models.synthetic import is_synthetic, parse_spec
-from spectrio.tools.bench_speedup import format_speedups, speedups
+from spectrio.tools.bench_speedup import format_speedups, pooled_rate, speedups
 from spectrio.tools.corpus import corpus_files, read_texts
 from spectrio.tools.generation_stats import GenerationStats
 from spectrio.tools.trace import ResultBuilder, TraceWriter, runtime_fields, summarize
@@ -361,6 +365,7 @@ class _CaseRun:
         self.outputs: list[list[int]] = [[] for _ in range(count)]
         self.traces: list[RequestTrace] = []
         self.unfinished = count
+        self.tokens = 0  # output tokens received so far
         self.done = trio.Event()
         self.steps0 = 0
         self.steps_by_k0: dict[int, int] = {}
@@ -407,6 +412,7 @@ class _CaseRun:
             builder.add(delta, now)
             self.stats[i].add(delta)
             self.outputs[i] += delta.token_ids
+            self.tokens += len(delta.token_ids)
             self.bar.update(len(delta.token_ids))
         if self.writer is not None:
             self.writer.add_result(builder.result())
@@ -483,7 +489,8 @@ async def _measure(
         async with trio.open_nursery() as nursery:
             for i in range(len(arrivals)):
                 nursery.start_soon(case.request, i)
-        return await case.row(time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
+        return {**await case.row(wall), "samples": [[case.tokens, round(wall, 6)]]}
 
 
 async def run_interleaved(
@@ -508,7 +515,8 @@ async def run_interleaved(
     second count its own turns only. The machine's speed drifts by 25% over stretches of
     seconds to minutes, more than the differences being measured; run one after
     another, each case meets a different stretch, taking turns every case meets all of
-    them. Latencies include the pauses, so the rows have none. Returns one row per k."""
+    them. Latencies include the pauses, so the rows have none. Each row's ``samples`` are
+    its turns' ``[tokens, seconds]``. Returns one row per k."""
     count = batch if num_requests is None else num_requests
     arrivals = [0.0] * count
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
@@ -526,6 +534,7 @@ async def run_interleaved(
             cases.append(case)
         active = [0.0] * len(cases)
         pauses: list[list[tuple[float, float]]] = [[] for _ in cases]
+        turns: list[list[list[float]]] = [[] for _ in cases]
         async with trio.open_nursery() as nursery:
             starts = [case.start() for case in cases]
             for case in cases:
@@ -539,6 +548,7 @@ async def run_interleaved(
                 shift = turn % len(running)
                 for c in running[shift:] + running[:shift]:
                     case = cases[c]
+                    tokens0 = case.tokens
                     t0 = time.perf_counter()
                     pauses[c].append((last_end[c], t0))
                     case.rt.resume()
@@ -547,11 +557,14 @@ async def run_interleaved(
                     await case.rt.pause()
                     last_end[c] = time.perf_counter()
                     active[c] += last_end[c] - t0
+                    # The turn's last deltas reach their streams' readers now, off its clock.
+                    await trio.testing.wait_all_tasks_blocked()
+                    turns[c].append([case.tokens - tokens0, round(last_end[c] - t0, 6)])
                 running = [c for c in running if not cases[c].done.is_set()]
                 turn += 1
         for c, case in enumerate(cases):
             case.rt.resume()
-            rows.append(await case.row(active[c], pauses[c]))
+            rows.append({**await case.row(active[c], pauses[c]), "samples": turns[c]})
     return [
         {**_case_keys(batch, k, logprobs, dtype, overlap, None, slice_seconds), **row}
         for k, row in zip(ks, rows, strict=True)
@@ -559,10 +572,15 @@ async def run_interleaved(
 
 
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run with the median tokens per second, with every run's figure attached."""
+    """The run with the median tokens per second, with every run's figure and every
+    run's samples attached, and the samples' pooled rate and its standard error."""
     ordered = sorted(runs, key=lambda r: float(r["tokens_per_second"]))
     row = dict(ordered[len(ordered) // 2])
     row["tokens_per_second_runs"] = [r["tokens_per_second"] for r in runs]
+    row["samples"] = [s for r in runs for s in r["samples"]]
+    rate, se = pooled_rate(row["samples"])
+    row["tokens_per_second_pooled"] = round(rate, 1)
+    row["tokens_per_second_se"] = None if se is None else round(se, 2)
     return row
 
 
@@ -623,6 +641,15 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> str:
         for r in rows
         if r["acceptance_per_position"]
     ]
+    pooled = [
+        f"batch={r['batch']} k={r['k']}: {r['tokens_per_second_pooled']:.1f}"
+        f" ± {1.96 * se:.1f} ({len(r['samples'])} samples)"
+        for r in rows
+        if (se := r.get("tokens_per_second_se")) is not None
+    ]
+    if pooled:
+        lines.append("tokens/s pooled over every turn or run, ± its 95% interval:")
+        lines += ["  " + p for p in pooled]
     if accept:
         lines.append("acceptance per draft position (conditional):")
         lines += ["  " + a for a in accept]
