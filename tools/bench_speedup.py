@@ -30,7 +30,9 @@ ratio to each other had a standard deviation of 15-17%, and whole cases differin
 to 4.6% after 54 turns each: a difference of 2% between two cases is resolved only
 where the interval says so. ``..._pooled`` is the ratio of pooled rates and ``..._se``
 its standard error, from the two cases' errors as if independent (turns of two cases in
-one cycle share some of the machine's drift, so this errs wide).
+one cycle share some of the machine's drift, so this errs wide; so does the workload's
+own shape, since a turn of prompts or of a draining batch runs at another rate than a
+steady one, and that spread is counted as noise).
 
 Pure functions of the bench's rows (:func:`spectrio.tools.bench._median_run`): no I/O.
 """
