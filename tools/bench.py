@@ -104,7 +104,7 @@ from spectrio import Runtime, RuntimeConfig, SamplingParams, SpeculativeConfig, 
 from spectrio.core.timing import StepTiming, device_summary
 from spectrio.models import load, reference
 from spectrio.models.synthetic import is_synthetic, parse_spec
-from spectrio.tools.bench_speedup import format_speedups, pooled_rate, speedups
+from spectrio.tools.bench_speedup import Z_95, format_speedups, pooled_rate, speedups
 from spectrio.tools.corpus import corpus_files, read_texts
 from spectrio.tools.generation_stats import GenerationStats
 from spectrio.tools.trace import ResultBuilder, TraceWriter, runtime_fields, summarize
@@ -643,7 +643,7 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> str:
     ]
     pooled = [
         f"batch={r['batch']} k={r['k']}: {r['tokens_per_second_pooled']:.1f}"
-        f" ± {1.96 * se:.1f} ({len(r['samples'])} samples)"
+        f" ± {Z_95 * se:.1f} ({len(r['samples'])} samples)"
         for r in rows
         if (se := r.get("tokens_per_second_se")) is not None
     ]

@@ -44,7 +44,10 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["Speedup", "format_speedups", "pooled_rate", "speedups"]
+__all__ = ["Z_95", "Speedup", "format_speedups", "pooled_rate", "speedups"]
+
+Z_95 = 1.96
+"""Standard errors in a 95% interval's half-width (normal approximation)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +173,7 @@ def _spread(rounds: Sequence[float], unit: str, digits: int) -> str:
 def _pooled_text(ratio: float | None, se: float | None, unit: str, digits: int) -> str:
     if ratio is None or se is None:
         return ""
-    return f" [pooled {ratio:.{digits}f}{unit} ± {1.96 * se:.{digits}f}]"
+    return f" [pooled {ratio:.{digits}f}{unit} ± {Z_95 * se:.{digits}f}]"
 
 
 def format_speedups(items: Sequence[Speedup]) -> str:
