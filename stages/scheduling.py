@@ -387,13 +387,12 @@ class Scheduler:
         """Fold the oldest in-flight step's results in. Returns what to publish: the
         result without requests aborted since it was planned.
 
-        ``seconds``, the step's time, feeds the adaptive speculation policy when every
-        sequence of the step was decoding and none caught its MTP layer up on more than
-        ``k_max + 1`` rows (a step with prefill rows, or the first decode step after a
-        prefill, whose MTP pass reads the whole prompt, says nothing about the cost of
-        drafts: at batch 16 in the steady state a new request starts every few steps),
-        with the k of the decoding step before it, whose accepted rows its MTP pass
-        caught up on (:meth:`SpecPolicy.observe_step`)."""
+        ``seconds``, the step's time, feeds the adaptive speculation policy, with the
+        step's extra rows (target prompt rows, and MTP catch-up rows beyond ``k_max + 1``
+        a sequence: a request's first decode step reads its whole prompt through the MTP
+        layer), whose cost does not depend on k and which the policy takes off, and the k
+        of the decoding step before it, whose accepted rows its MTP pass caught up on
+        (:meth:`SpecPolicy.observe_step`)."""
         if not self._inflight or result.step != min(self._inflight):
             raise RuntimeError(f"result of step {result.step}; in flight: {sorted(self._inflight)}")
         works = self._inflight.pop(result.step)
@@ -404,10 +403,13 @@ class Scheduler:
         filed_k = step_k if drafted else 0
         if seconds is not None and works:
             catch_up = self.policy.k_max + 1
-            if all(_decodes(w) and len(w.mtp_token_ids) <= catch_up for w in works.values()):
-                # The same count choose() was given: the step's speculative sequences.
-                speculative = sum(1 for w in works.values() if w.speculative)
-                self.policy.observe_step(speculative, filed_k, seconds, self._previous_k)
+            # The same count choose() was given: the step's decoding speculative sequences.
+            speculative = sum(1 for w in works.values() if w.speculative and _decodes(w))
+            prompt_rows = sum(len(w.token_ids) for w in works.values() if not _decodes(w))
+            catch_up_rows = sum(max(0, len(w.mtp_token_ids) - catch_up) for w in works.values())
+            self.policy.observe_step(
+                speculative, filed_k, seconds, self._previous_k, (prompt_rows, catch_up_rows)
+            )
         if any(_decodes(w) for w in works.values()):
             self._previous_k = filed_k
         for r in result.results:

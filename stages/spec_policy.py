@@ -193,6 +193,58 @@ class _BucketTimes:
         return self._last_timed.get(k, 0)
 
 
+class _ExtraRowCost:
+    """One batch bucket's cost per row of the work a step may carry besides its decoding
+    sequences: the target's prompt rows (a new request's prefill, chunked) and the MTP
+    layer's catch-up rows beyond the ``k_max + 1`` a decoding sequence brings (a request's
+    first decode step reads its whole prompt through the MTP layer). Its cost does not
+    depend on k, so :meth:`SpecPolicy.observe_step` takes it off before timing the step.
+
+    At batch 64 in a server's steady state nearly every step carries such rows (a new
+    request every step or two), so steps were timed only at a run's start and its tail:
+    the bench's batch-64 case (256 requests, 128 tokens) timed 2 steps of k = 3 in 172,
+    judged k = 3 on one of them and ran k = 4 on 88% of its steps, at 0.85-0.88 of fixed
+    k = 2 and 3 (plain runs, 2-core AMD EPYC).
+
+    Learnt from two steps of one k in a row (each after a step of that k) that differ in
+    one kind of row only: one sample of seconds per row of that kind, their difference
+    over the rows' difference. The machine's speed drifts slowly (a step's time correlates
+    0.67 with the one before it), so neighbouring steps compare best; the median of the
+    last ``window`` samples is the cost, used once ``min_samples`` have come in, and only
+    for as many rows as twice the largest difference a sample came from (a long prompt's
+    attention costs more per row than the short ones it was learnt on)."""
+
+    def __init__(self, window: int = 32, min_samples: int = 8) -> None:
+        self.min_samples = min_samples
+        self._samples = (deque[float](maxlen=window), deque[float](maxlen=window))
+        self._reach = [0, 0]  # per kind: the largest row difference a sample came from
+        self._last: tuple[int, int | None, tuple[int, int], float] | None = None
+
+    def add(self, k: int, after: int | None, rows: tuple[int, int], seconds: float) -> None:
+        """A step of ``k`` drafts after one of ``after``, with ``rows`` extra rows (prompt,
+        catch-up), that took ``seconds``."""
+        last, self._last = self._last, (k, after, rows, seconds)
+        if last is None or not (k == after == last[0] == last[1]):
+            return
+        delta = (rows[0] - last[2][0], rows[1] - last[2][1])
+        for kind in (0, 1):
+            if delta[kind] != 0 and delta[1 - kind] == 0:
+                self._samples[kind].append((seconds - last[3]) / delta[kind])
+                self._reach[kind] = max(self._reach[kind], abs(delta[kind]))
+
+    def cost(self, rows: tuple[int, int]) -> float | None:
+        """Seconds the ``rows`` add to a step; None where a kind is not known well enough."""
+        total = 0.0
+        for kind in (0, 1):
+            if rows[kind] == 0:
+                continue
+            samples = self._samples[kind]
+            if len(samples) < self.min_samples or rows[kind] > 2 * self._reach[kind]:
+                return None
+            total += max(0.0, median(samples)) * rows[kind]
+        return total
+
+
 class SpecPolicy:
     """Chooses drafts per step. ``adaptive=False`` always returns ``k_max`` (fixed k)."""
 
@@ -242,6 +294,7 @@ class SpecPolicy:
         self.stale_decay = stale_decay
         self._reached = [_Decayed() for _ in range(k_max)]  # per draft position
         self._times: dict[int, _BucketTimes] = {}  # per batch bucket
+        self._extra: dict[int, _ExtraRowCost] = {}  # per batch bucket
         self._num_choices = 0
         self._probing: tuple[int, int] | None = None  # (bucket, k) of a probe's second step
 
@@ -254,7 +307,12 @@ class SpecPolicy:
             self._reached[j].add(1.0 if j < num_accepted else 0.0, self.acceptance_decay)
 
     def observe_step(
-        self, num_seqs: int, k: int, seconds: float, previous_k: int | None = None
+        self,
+        num_seqs: int,
+        k: int,
+        seconds: float,
+        previous_k: int | None = None,
+        extra_rows: tuple[int, int] = (0, 0),
     ) -> None:
         """Wall time of a step that ran ``k`` drafts for ``num_seqs`` decoding sequences
         (filed under their bucket, scaled to its full size). ``previous_k``, the k of the
@@ -263,15 +321,26 @@ class SpecPolicy:
         steps are compared only when the steps before them ran the same k. Compared
         regardless, the step of k after a probe of k - 1 carried the probe's smaller
         catch-up against the probe's larger one (of the k before it), which read k - 1
-        dearer against k than it is, every probe the same way."""
+        dearer against k than it is, every probe the same way. ``extra_rows``: the step's
+        target prompt rows and MTP catch-up rows beyond ``k_max + 1`` a sequence; their
+        learnt cost (:class:`_ExtraRowCost`) is taken off, and a step whose extra rows'
+        cost is not known yet, or is more than half of it, is not timed."""
         if num_seqs <= 0 or not 0 <= k <= self.k_max:
             return
         bucket = batch_bucket(num_seqs)
         seen = self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
         if seen <= self.warmup_steps:
             return
+        scaled = scale_to_bucket(seconds, num_seqs, bucket)
+        extra = self._extra.setdefault(bucket, _ExtraRowCost())
+        extra.add(k, previous_k, extra_rows, scaled)
+        if any(extra_rows):
+            cost = extra.cost(extra_rows)
+            if cost is None or cost > 0.5 * scaled:
+                return
+            scaled -= cost
         times = self._times.setdefault(bucket, _BucketTimes(self.window, self.pair_window))
-        times.add(k, scale_to_bucket(seconds, num_seqs, bucket), previous_k)
+        times.add(k, scaled, previous_k)
 
     # ---- decision ---------------------------------------------------------------------
 

@@ -414,10 +414,26 @@ def test_step_times_are_filed_under_the_count_choose_was_given() -> None:
     assert {k for _, k in sched.policy.step_times()} >= {2, 1}  # it moved past k_max
 
 
-def test_the_mtp_catch_up_over_a_prompt_is_not_timed() -> None:
-    """The first decode step after a prefill runs the MTP layer over the whole prompt: its
-    time says nothing about the cost of drafts, so only the steps after it are timed."""
+def test_a_steps_extra_rows_go_to_the_policy_beside_its_time() -> None:
+    """The first decode step after a prefill runs the MTP layer over the whole prompt, and
+    a new request's prefill rides in a decoding step: their rows reach the policy with
+    the step's time (it takes their learnt cost off), counted beyond the k + 1 rows a
+    decoding sequence brings, and the step is filed under its decoding sequences."""
     sched = adaptive_scheduler(2, (True,), prompt_len=12)
+    seen: list[tuple[int, tuple[int, int]]] = []
+    observe = sched.policy.observe_step
+
+    def recording(
+        num_seqs: int,
+        k: int,
+        seconds: float,
+        previous_k: int | None = None,
+        extra_rows: tuple[int, int] = (0, 0),
+    ) -> None:
+        seen.append((num_seqs, extra_rows))
+        observe(num_seqs, k, seconds, previous_k, extra_rows)
+
+    sched.policy.observe_step = recording  # type: ignore[method-assign]
     catch_up: list[int] = []
     for _ in range(4):
         plan = sched.schedule()
@@ -425,4 +441,20 @@ def test_the_mtp_catch_up_over_a_prompt_is_not_timed() -> None:
         catch_up.append(len(plan.seqs[0].mtp_token_ids))
         accept_all(sched, plan, 1.0)
     assert catch_up == [0, 12, 3, 3]  # prefill, the prompt's catch-up, then k + 1 rows
-    assert sched.policy._bucket_steps == {1: 2}  # the last two steps only
+    # The prefill has no decoding sequence; the catch-up step has 12 - 3 extra rows.
+    assert seen == [(0, (12, 0)), (1, (0, 9)), (1, (0, 0)), (1, (0, 0))]
+    assert sched.policy._bucket_steps == {1: 3}  # the prefill is nobody's step
+    sched.add(
+        Sequence(
+            seq_id=9,
+            request_id="r9",
+            prompt_ids=list(range(5, 15)),
+            params=SamplingParams(max_tokens=200),
+            eos_token_ids=[],
+            speculative=True,
+        )
+    )
+    plan = sched.schedule()
+    assert plan is not None
+    accept_all(sched, plan, 1.0)
+    assert seen[-1] == (1, (10, 0))  # one decoding sequence, and the new prompt's rows

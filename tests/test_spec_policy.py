@@ -7,7 +7,7 @@ import collections
 import numpy as np
 import pytest
 
-from spectrio.stages.spec_policy import SpecPolicy
+from spectrio.stages.spec_policy import SpecPolicy, _ExtraRowCost
 from spectrio.tools.policy_replay import Trace, replay_fixed, replay_policy
 
 
@@ -376,3 +376,67 @@ def test_a_step_after_another_k_is_not_compared() -> None:
         previous = k
     times = policy.step_times()
     assert times[(64, 4)] / times[(64, 3)] == pytest.approx(1.27, rel=1e-6)
+
+
+def test_extra_row_cost_is_learnt_from_neighbouring_steps_that_differ_in_one_kind() -> None:
+    """Two steps of one k in a row that differ in prompt rows only (or catch-up rows
+    only) give one sample of that kind's seconds per row; the cost is their median, used
+    once enough samples came in, and only up to twice the largest difference learnt."""
+    extra = _ExtraRowCost(min_samples=4)
+    rng = np.random.default_rng(0)
+    per_row = (0.3e-3, 0.1e-3)
+    rows = [(48, 43), (96, 43), (48, 43), (48, 86), (0, 86), (0, 43), (48, 0), (96, 0)] * 3
+    assert extra.cost((48, 0)) is None
+    for r in rows:
+        seconds = 0.1 + per_row[0] * r[0] + per_row[1] * r[1] + 1e-3 * rng.standard_normal()
+        extra.add(3, 3, r, seconds)
+    assert extra.cost((0, 0)) == 0.0
+    assert extra.cost((48, 0)) == pytest.approx(48 * per_row[0], rel=0.15)
+    assert extra.cost((0, 86)) == pytest.approx(86 * per_row[1], rel=0.3)
+    # Learnt on differences of 48 prompt rows: good for up to 96.
+    assert extra.cost((96, 0)) is not None and extra.cost((97, 0)) is None
+    # Steps of another k, or right after a switch, teach nothing.
+    other = _ExtraRowCost(min_samples=1)
+    for k, after, r in [(3, 3, (0, 0)), (2, 3, (48, 0)), (2, 2, (96, 0)), (3, 2, (0, 0))]:
+        other.add(k, after, r, 0.1 + per_row[0] * r[0])
+    assert other.cost((48, 0)) is None
+
+
+def test_steps_that_all_carry_prompt_rows_are_timed_with_those_rows_taken_off() -> None:
+    """A server's steady state at a large batch: a new request's prompt (or its MTP
+    catch-up) rides in every step, so no step is free of extra rows. Their cost is learnt
+    and taken off, and the policy finds the best k; timing only clean steps it never
+    left k_max (the bundled model at batch 64: k = 4 on 88% of the steps, 0.85-0.88 of
+    fixed k = 2 and 3)."""
+    base = {k: 0.060 + 0.015 * k for k in range(4)}  # k = 2 best: 5-7% ahead of 1 and 3
+    per_row = (0.3e-3, 0.1e-3)
+    best = max(range(4), key=lambda k: _tokens(k, ACCEPT) / base[k])
+    assert best == 2
+    efficiency = []
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        policy = SpecPolicy(3)
+        chosen: collections.Counter[int] = collections.Counter()
+        previous = None
+        for step in range(600):
+            k = policy.choose(64)
+            if step >= 300:
+                chosen[k] += 1
+            for _ in range(64):
+                n = 0
+                while n < k and rng.random() < ACCEPT[n]:
+                    n += 1
+                policy.observe_acceptance(k, n)
+            rows = (int(rng.choice([48, 96])), int(rng.choice([43, 86])))
+            seconds = base[k] + per_row[0] * rows[0] + per_row[1] * rows[1]
+            seconds *= np.exp(0.05 * rng.standard_normal())
+            policy.observe_step(64, k, seconds, previous, rows)
+            previous = k
+        assert chosen.most_common(1)[0][0] == best, chosen
+        rate = sum(_tokens(k, ACCEPT) / base[k] * n for k, n in chosen.items()) / 300
+        efficiency.append(rate / (_tokens(best, ACCEPT) / base[best]))
+    assert min(efficiency) >= 0.97, efficiency
+
+
+def _tokens(k: int, accept: list[float]) -> float:
+    return 1.0 + sum(float(np.prod(accept[:j])) for j in range(1, k + 1))

@@ -187,9 +187,15 @@ class _CyclePolicy(SpecPolicy):
         return self._cycle.pop()
 
     def observe_step(
-        self, num_seqs: int, k: int, seconds: float, previous_k: int | None = None
+        self,
+        num_seqs: int,
+        k: int,
+        seconds: float,
+        previous_k: int | None = None,
+        extra_rows: tuple[int, int] = (0, 0),
     ) -> None:
-        self.timed.append((num_seqs, k, seconds))
+        if num_seqs > 0 and not any(extra_rows):  # a tape holds decode steps only
+            self.timed.append((num_seqs, k, seconds))
 
 
 async def record_tape(
