@@ -11,9 +11,14 @@ from spectrio.stages.spec_policy import SpecPolicy, _ExtraRowCost
 from spectrio.tools.policy_replay import Trace, replay_fixed, replay_policy
 
 
+def _tokens(k: int, accept: list[float]) -> float:
+    """Expected tokens a sequence emits per step with k drafts, positions accepting with
+    the conditional probabilities ``accept``."""
+    return 1.0 + sum(float(np.prod(accept[:j])) for j in range(1, k + 1))
+
+
 def _true_rate(k: int, b: int, accept: list[float], cost: dict[str, float]) -> float:
-    tokens = 1.0 + sum(float(np.prod(accept[:j])) for j in range(1, k + 1))
-    return tokens / _step_time(k, b, cost)
+    return _tokens(k, accept) / _step_time(k, b, cost)
 
 
 def _step_time(k: int, b: int, cost: dict[str, float]) -> float:
@@ -436,7 +441,3 @@ def test_steps_that_all_carry_prompt_rows_are_timed_with_those_rows_taken_off() 
         rate = sum(_tokens(k, ACCEPT) / base[k] * n for k, n in chosen.items()) / 300
         efficiency.append(rate / (_tokens(best, ACCEPT) / base[best]))
     assert min(efficiency) >= 0.97, efficiency
-
-
-def _tokens(k: int, accept: list[float]) -> float:
-    return 1.0 + sum(float(np.prod(accept[:j])) for j in range(1, k + 1))
