@@ -124,12 +124,18 @@ class SpeculativeConfig:
     320 / 363 / 373 tokens/s, 2-core CPU, ``spectrio bench --waves 4``); from batch 4 up
     the policy drafts fewer where that pays, and with k = 4 to choose from it did as well
     or better than with 3 at batch 1, 4, 16 and 64 (README, *Performance*).
+
+    ``timing_cache`` is where the adaptive policy keeps what it measured about this
+    machine's step times between runs (:mod:`spectrio.runtime.timing_cache`): ``"auto"``
+    (``$SPECTRIO_CACHE_DIR``, else ``$XDG_CACHE_HOME/spectrio``, else
+    ``~/.cache/spectrio``), ``"off"``, or a folder.
     """
 
     method: str | None = "mtp"
     num_speculative_tokens: int = 4
     num_model_steps: int | None = None
     adaptive: bool = True
+    timing_cache: str = "auto"
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPEC_METHODS:
@@ -141,6 +147,10 @@ class SpeculativeConfig:
             raise ConfigError(f"num_speculative_tokens: must be an int, got {k!r}")
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"adaptive: must be a bool, got {self.adaptive!r}")
+        if not isinstance(self.timing_cache, str) or not self.timing_cache:
+            raise ConfigError(
+                f"timing_cache: must be 'auto', 'off' or a folder, got {self.timing_cache!r}"
+            )
         steps = self.num_model_steps
         if steps is not None and not _is_int(steps):
             raise ConfigError(f"num_model_steps: must be an int or None, got {steps!r}")

@@ -29,6 +29,7 @@ import paddle.nn.functional as F
 
 __all__ = [
     "add",
+    "cpu_signature",
     "fused_norm_runs_here",
     "fused_rms_norm",
     "gather",
@@ -163,7 +164,8 @@ print("ok" if good else "wrong")
 """
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
+    """The machine architecture, Paddle's version and the CPU's instruction-set flags."""
     try:
         with open("/proc/cpuinfo") as fh:
             flags = next((line for line in fh if line.startswith("flags")), "")
@@ -203,7 +205,7 @@ def fused_norm_runs_here() -> bool:
     forced = os.environ.get("SPECTRIO_FUSED_RMS_NORM")
     if forced in ("0", "1"):
         return forced == "1"
-    key = hashlib.sha256(_cpu_signature().encode()).hexdigest()[:16]
+    key = hashlib.sha256(cpu_signature().encode()).hexdigest()[:16]
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     record = root / "spectrio" / f"fused_rms_norm-{key}"
     try:

@@ -1,5 +1,6 @@
 """spectrio.runtime: configuration and planning, typed channels, the rank's workspace,
-pipeline assembly and the public embedding API (Trio and asyncio)."""
+pipeline assembly, the adaptive policy's timing cache (``timing_cache``) and the public
+embedding API (Trio and asyncio)."""
 
 from typing import TYPE_CHECKING
 

@@ -38,6 +38,7 @@ from spectrio.core.timing import StepTiming, device_summary
 from spectrio.errors import EngineDead
 from spectrio.models import LoadedModel, load
 from spectrio.models.paddle_setup import MKL_CPU_TYPE, configure_paddle
+from spectrio.runtime import timing_cache
 from spectrio.runtime.device_worker import DeviceWorker
 from spectrio.runtime.tp import TPGroup, make_workspace
 from spectrio.stages.block_manager import BlockManager
@@ -103,6 +104,11 @@ class Runtime:
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.workspace: Workspace = make_workspace(loaded.model, num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.blocks)
+        self._timing_identity = timing_cache.identity(config, loaded.path)
+        self._timing_file = timing_cache.cache_file(config, self._timing_identity)
+        # Whether the adaptive policy started from an earlier run's step times.
+        self.timing_cache_warm = False
+        self._restore_timings()
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer)
         self.worker = DeviceWorker(self.workspace, self.sampler, group=group)
         self._watch_scope = trio.CancelScope()
@@ -129,6 +135,32 @@ class Runtime:
         k = config.speculative.effective_num_model_steps if config.speculative.enabled else 0
         self._proposed_at = [0] * k
         self._accepted_at = [0] * k
+
+    # ---- the adaptive policy's timing cache -------------------------------------------
+
+    def _restore_timings(self) -> None:
+        """Start the adaptive policy from the step times an earlier run kept."""
+        path = self._timing_file
+        if path is None:
+            return
+        kept = timing_cache.load_timings(path, self._timing_identity)
+        if kept is None:
+            log.info("timing cache empty; the policy starts cold", path=str(path))
+            return
+        try:
+            self.scheduler.policy.import_timings(kept)
+        except ValueError as exc:
+            log.warning("timing cache malformed; starting cold", path=str(path), error=str(exc))
+            return
+        self.timing_cache_warm = bool(kept["buckets"])
+        log.info("timing cache loaded", path=str(path), buckets=sorted(map(int, kept["buckets"])))
+
+    def _keep_timings(self) -> None:
+        """Write what the adaptive policy measured, for the next run."""
+        if self._timing_file is not None:
+            timings = self.scheduler.policy.export_timings()
+            if timing_cache.save_timings(self._timing_file, self._timing_identity, timings):
+                log.info("timing cache written", path=str(self._timing_file))
 
     # ---- assembly ---------------------------------------------------------------------
 
@@ -789,6 +821,7 @@ async def open_runtime(
                 if waited.cancelled_caught:
                     log.warning("stages did not end in time; cancelling", seconds=shutdown_timeout)
                 nursery.cancel_scope.cancel()
+                rt._keep_timings()
     finally:
         if group is not None:
             from spectrio.runtime.tp_start import stop_group

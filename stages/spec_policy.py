@@ -80,6 +80,7 @@ import math
 from collections import deque
 from collections.abc import Collection
 from statistics import median
+from typing import Any
 
 __all__ = ["SpecPolicy", "batch_bucket", "scale_to_bucket"]
 
@@ -140,6 +141,7 @@ class _BucketTimes:
         self._timings = 0
         self._last_timed: dict[int, int] = {}  # k -> the number of its latest timing
         self._last_k: int | None = None
+        self._seeded: dict[int, float] = {}  # k -> seconds, from an earlier run (seed())
 
     def add(self, k: int, seconds: float, after: int | None = None) -> None:
         """A timing of ``k``; ``after``, the k of the step before it, whose accepted rows
@@ -173,14 +175,14 @@ class _BucketTimes:
         """Seconds a step takes per k, for every k linked to the latest one by pairs."""
         anchor = self._last_k
         if anchor is None:
-            return {}
+            return dict(self._seeded)
         out = {anchor: median([t for _, t in self._recent[anchor]])}
         for step in (-1, 1):
             log_t, k = math.log(out[anchor]), anchor
             while True:
                 low = min(k, k + step)
                 pair = self._pairs.get(low)
-                if not pair or (k + step) not in self.warm:
+                if not pair or ((k + step) not in self.warm and (k + step) not in self._seeded):
                     break
                 log_t += median(pair) * step
                 k += step
@@ -191,6 +193,22 @@ class _BucketTimes:
         """The number of ``k``'s latest timing that counts (0: none yet, or only its
         first, which is dropped)."""
         return self._last_timed.get(k, 0)
+
+    def export(self) -> dict[str, dict[int, Any]]:
+        """What an earlier run learnt, for :meth:`seed`: each pair's samples and each
+        k's estimated seconds."""
+        return {
+            "pairs": {k: list(v) for k, v in self._pairs.items() if v},
+            "times": self.estimates(),
+        }
+
+    def seed(self, pairs: dict[int, list[float]], times: dict[int, float]) -> None:
+        """Start from an earlier run's pairs and times: every k they cover has an
+        estimate before it runs, and this run's samples push the old ones out of each
+        pair's window as they come in."""
+        for low, samples in pairs.items():
+            self._pairs[low] = deque(samples[-self.pair_window :], maxlen=self.pair_window)
+        self._seeded = dict(times)
 
 
 class _ExtraRowCost:
@@ -233,6 +251,16 @@ class _ExtraRowCost:
             if delta[kind] != 0 and delta[1 - kind] == 0:
                 self._samples[kind].append((seconds - last[3]) / delta[kind])
                 self._reach[kind] = max(self._reach[kind], abs(delta[kind]))
+
+    def export(self) -> dict[str, list[Any]]:
+        """The learnt samples and reach per kind, for :meth:`seed`."""
+        return {"samples": [list(d) for d in self._samples], "reach": list(self._reach)}
+
+    def seed(self, samples: list[list[float]], reach: list[int]) -> None:
+        """Start from an earlier run's samples (the newest ``window`` of them)."""
+        for kind in (0, 1):
+            self._samples[kind].extend(samples[kind])
+            self._reach[kind] = max(self._reach[kind], int(reach[kind]))
 
     def cost(self, rows: tuple[int, int]) -> float | None:
         """Seconds the ``rows`` add to a step; None where a kind is not known well enough."""
@@ -343,6 +371,56 @@ class SpecPolicy:
             scaled -= cost
         times = self._times.setdefault(bucket, _BucketTimes(self.window, self.pair_window))
         times.add(k, scaled, previous_k)
+
+    def export_timings(self) -> dict[str, Any]:
+        """Everything this policy learnt about the machine (not the workload: acceptance
+        stays out), as JSON-ready data for :meth:`import_timings` in a later run."""
+        buckets: dict[str, Any] = {}
+        for bucket, times in self._times.items():
+            entry: dict[str, Any] = times.export()
+            extra = self._extra.get(bucket)
+            if extra is not None and any(extra.export()["samples"]):
+                entry["extra"] = extra.export()
+            if entry["pairs"] or entry["times"] or "extra" in entry:
+                buckets[str(bucket)] = entry
+        return {"k_max": self.k_max, "buckets": buckets}
+
+    def import_timings(self, data: dict[str, Any]) -> None:
+        """Start from an earlier run's :meth:`export_timings`. Raises ``ValueError`` on
+        data of another shape or another ``k_max``; nothing is changed then."""
+        if data.get("k_max") != self.k_max:
+            raise ValueError(f"timings are for k_max={data.get('k_max')}, not {self.k_max}")
+        parsed: list[tuple[int, dict[int, list[float]], dict[int, float], Any]] = []
+        try:
+            for key, entry in dict(data["buckets"]).items():
+                bucket = int(key)
+                if bucket < 1 or bucket & (bucket - 1):
+                    raise ValueError(f"bucket {bucket} is not a power of two")
+                pairs = {
+                    int(k): [float(x) for x in v]
+                    for k, v in dict(entry.get("pairs", {})).items()
+                    if 0 <= int(k) < self.k_max
+                }
+                times = {
+                    int(k): float(t)
+                    for k, t in dict(entry.get("times", {})).items()
+                    if 0 <= int(k) <= self.k_max and float(t) > 0
+                }
+                extra = entry.get("extra")
+                if extra is not None:
+                    extra = (
+                        [[float(x) for x in extra["samples"][kind]] for kind in (0, 1)],
+                        [int(extra["reach"][kind]) for kind in (0, 1)],
+                    )
+                parsed.append((bucket, pairs, times, extra))
+        except (KeyError, TypeError, IndexError, AttributeError) as exc:
+            raise ValueError(f"malformed timings: {exc!r}") from exc
+        for bucket, pairs, times, extra in parsed:
+            self._times.setdefault(bucket, _BucketTimes(self.window, self.pair_window)).seed(
+                pairs, times
+            )
+            if extra is not None:
+                self._extra.setdefault(bucket, _ExtraRowCost()).seed(*extra)
 
     # ---- decision ---------------------------------------------------------------------
 

@@ -42,3 +42,13 @@ def bundled() -> LoadedModel:
 @pytest.fixture(scope="session")
 def bundled64() -> LoadedModel:
     return load("bundled", dtype="float64")
+
+
+@pytest.fixture(autouse=True)
+def _own_timing_cache(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each test starts the adaptive policy cold: its runtimes keep their step times in a
+    folder of its own (``timing_cache="auto"`` reads ``$SPECTRIO_CACHE_DIR``), never the
+    user's cache or another test's."""
+    monkeypatch.setenv("SPECTRIO_CACHE_DIR", str(tmp_path_factory.mktemp("spectrio_cache")))

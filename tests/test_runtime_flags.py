@@ -84,6 +84,7 @@ def test_a_field_without_a_flag_is_an_error(monkeypatch: pytest.MonkeyPatch) -> 
         (["--k", "3"], "speculative.num_speculative_tokens", 3),
         (["--num-model-steps", "1"], "speculative.num_model_steps", 1),
         (["--no-adaptive"], "speculative.adaptive", False),
+        (["--timing-cache", "off"], "speculative.timing_cache", "off"),
     ],
 )
 def test_each_flag_sets_its_field(argv: list[str], field: str, value: object) -> None:

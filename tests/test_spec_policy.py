@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import json
 
 import numpy as np
 import pytest
@@ -441,3 +442,44 @@ def test_steps_that_all_carry_prompt_rows_are_timed_with_those_rows_taken_off() 
         rate = sum(_tokens(k, ACCEPT) / base[k] * n for k, n in chosen.items()) / 300
         efficiency.append(rate / (_tokens(best, ACCEPT) / base[best]))
     assert min(efficiency) >= 0.97, efficiency
+
+
+def test_a_policy_started_from_kept_timings_does_not_explore_again() -> None:
+    """A cold policy explores from k_max down; one started from an earlier run's
+    timings (through JSON, as the timing cache keeps them) runs the best k at once."""
+    b = 64
+    best = max(range(4), key=lambda k: _true_rate(k, b, ACCEPT, CPU_LIKE))
+    earlier = SpecPolicy(3)
+    _simulate(earlier, b, ACCEPT, CPU_LIKE, steps=300)
+    kept = json.loads(json.dumps(earlier.export_timings()))
+    cold, warm = SpecPolicy(3), SpecPolicy(3)
+    warm.import_timings(kept)
+    assert warm.step_times() and not cold.step_times()
+    first_cold = [cold.choose(b) for _ in range(12)]
+    first_warm = [warm.choose(b) for _ in range(12)]
+    assert first_cold[0] == 3 != best and set(first_warm) == {best}, (first_cold, first_warm)
+    # and it goes on learning: the machine changed (drafts now nearly free), so its own
+    # samples push the kept ones out and it moves to more drafts
+    cheap = {**CPU_LIKE, "per_row": 0.002e-3, "draft_per_row": 0.0}
+    late = _simulate(warm, b, ACCEPT, cheap, steps=600)
+    new_best = max(range(4), key=lambda k: _true_rate(k, b, ACCEPT, cheap))
+    assert new_best > best and late.most_common(1)[0][0] == new_best, late
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"k_max": 4, "buckets": {}},
+        {"k_max": 3},
+        {"k_max": 3, "buckets": {"3": {}}},
+        {"k_max": 3, "buckets": {"4": {"pairs": {"1": "x"}}}},
+        {"k_max": 3, "buckets": {"4": {"extra": {"samples": [[1.0]]}}}},
+    ],
+)
+def test_kept_timings_of_another_shape_are_refused_whole(data: dict) -> None:
+    policy = SpecPolicy(3)
+    _simulate(policy, 4, ACCEPT, CPU_LIKE, steps=60)
+    before = policy.export_timings()
+    with pytest.raises(ValueError):
+        policy.import_timings(data)
+    assert policy.export_timings() == before

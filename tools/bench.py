@@ -104,6 +104,7 @@ from spectrio import Runtime, RuntimeConfig, SamplingParams, SpeculativeConfig, 
 from spectrio.core.timing import StepTiming, device_summary
 from spectrio.models import load, reference
 from spectrio.models.synthetic import is_synthetic, parse_spec
+from spectrio.runtime import timing_cache
 from spectrio.tools.bench_speedup import Z_95, format_speedups, pooled_rate, speedups
 from spectrio.tools.corpus import corpus_files, read_texts
 from spectrio.tools.generation_stats import GenerationStats
@@ -451,6 +452,7 @@ class _CaseRun:
             "drafts_proposed": sum(total.proposed),
             "drafts_accepted": sum(total.accepted),
             "pipeline_steps": steps,
+            "timing_cache_warm": rt.timing_cache_warm,
             "steps_by_k": {
                 str(k): n - self.steps_by_k0.get(k, 0)
                 for k, n in rt.stats().steps_by_k.items()
@@ -656,6 +658,7 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> str:
     chosen = [
         f"batch={r['batch']}: "
         + " ".join(f"k={k} {n / total:.0%}" for k, n in r["steps_by_k"].items())
+        + (" (started from kept step times)" if r.get("timing_cache_warm") else "")
         for r in rows
         if r["k"] == "auto" and (total := sum(r["steps_by_k"].values()))
     ]
@@ -875,6 +878,15 @@ def main(argv: list[str] | None = None) -> int:
         f"requests={args.num_requests or f'{args.waves} x batch, at least {args.min_requests}'}"
         + ("" if args.interleave is None else f" interleave={args.interleave}s turns")
     )
+    if "auto" in ks:
+        warm = [
+            f"batch={b}: {sum(bool(r.get('timing_cache_warm')) for r in runs[(b, 'auto', lp)])}"
+            f"/{len(runs[(b, 'auto', lp)])}"
+            for b in args.batch
+            for lp in settings
+        ]
+        root = timing_cache.cache_root("auto")
+        print(f"adaptive runs started from kept step times ({root or 'off'}): " + ", ".join(warm))
     print(summary_table(rows))
     gains = speedups(rows)
     if gains:

@@ -138,6 +138,13 @@ RUNTIME_FLAGS: Final[tuple[FlagSpec, ...]] = (
         "whichever the measured acceptance and step times say is fastest "
         "(--no-adaptive: always k)",
     ),
+    FlagSpec(
+        "speculative.timing_cache",
+        "--timing-cache",
+        "where the adaptive policy keeps its measured step times between runs: "
+        "'auto' ($SPECTRIO_CACHE_DIR or ~/.cache/spectrio), 'off', or a folder",
+        "DIR",
+    ),
 )
 """One flag per config field, in ``--help`` order. The only place their help lives."""
 

@@ -1,0 +1,139 @@
+"""The adaptive policy's timing cache: what it measured about this machine's step times,
+kept between runs.
+
+The policy compares k by their step times measured side by side (one sample at a time,
+each with 10-15% of the machine's noise at batch 64 on a 2-core host), so a run of a few
+hundred steps ends before the close calls are settled, and every run used to start
+again from nothing: exploring k = 4 down to 0 and choosing between neighbours on a
+handful of samples. The samples are a property of the machine, the checkpoint and the
+settings, not of the requests, so they are kept: at shutdown the policy's pair samples,
+step times and extra-row costs per batch bucket (:meth:`SpecPolicy.export_timings`) are
+written to one JSON file per identity, and the next runtime with the same identity
+starts from them (:meth:`SpecPolicy.import_timings`). Its own samples push the old ones
+out of each pair's window as they come in, so a cache follows the machine. Acceptance
+is not kept: it depends on the requests.
+
+The identity is every setting that moves a step's time: the checkpoint (its folder, and
+the size and modification time of its config and weight files), dtype, threads, tensor-parallel
+size, overlap, k, the CPU (model name, count, instruction-set flags) and Paddle's
+version. A file for another identity is never read; an unreadable or malformed file is
+logged and ignored (the run starts cold), and a write that fails is logged, never
+raised: the cache only saves time. Files are written atomically (a temporary file
+renamed over the old one), so two runtimes closing at once leave one whole file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from spectrio.core.config import RuntimeConfig
+
+__all__ = ["cache_file", "cache_root", "identity", "load_timings", "save_timings"]
+
+log = structlog.get_logger("spectrio.timing_cache")
+
+SCHEMA = 1
+
+
+def cache_root(setting: str) -> Path | None:
+    """The folder a ``timing_cache`` setting names; None for ``"off"``."""
+    if setting == "off":
+        return None
+    if setting != "auto":
+        return Path(setting).expanduser()
+    env = os.environ.get("SPECTRIO_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spectrio"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            line = next((x for x in fh if x.startswith("model name")), "")
+    except OSError:
+        line = ""
+    return line.split(":", 1)[-1].strip() or platform.processor()
+
+
+_MODEL_FILES = ("config.json", "*.safetensors", "*.pdparams")
+
+
+def _checkpoint(path: Path) -> list[Any]:
+    """The checkpoint's folder and the name, size and modification time of each file
+    that defines the model (its config and weights, not its README)."""
+    if not path.is_dir():
+        return [str(path)]
+    files = sorted({p for pattern in _MODEL_FILES for p in path.glob(pattern) if p.is_file()})
+    return [str(path.resolve())] + [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+
+
+def identity(config: RuntimeConfig, model_path: Path) -> dict[str, Any]:
+    """Everything that moves a step's time, as JSON-ready data."""
+    from spectrio.models.fast_ops import cpu_signature
+
+    spec = config.speculative
+    return {
+        "schema": SCHEMA,
+        "checkpoint": _checkpoint(model_path),
+        "dtype": config.dtype,
+        "threads": config.resolve_num_threads(),
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "overlap": config.enable_overlap,
+        "k": spec.effective_num_model_steps,
+        "cpu": [_cpu_model(), os.cpu_count(), cpu_signature()],
+    }
+
+
+def cache_file(config: RuntimeConfig, ident: dict[str, Any]) -> Path | None:
+    """The file of the timings of ``ident`` (:func:`identity`); None where there is
+    nothing to keep (the cache is off, or the policy is not adaptive)."""
+    spec = config.speculative
+    root = cache_root(spec.timing_cache)
+    if root is None or not spec.enabled or not spec.adaptive:
+        return None
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
+    return root / "spec_timings" / f"{digest}.json"
+
+
+def load_timings(path: Path, ident: dict[str, Any]) -> dict[str, Any] | None:
+    """The timings kept at ``path`` for ``ident``; None when there are none (no file, or
+    one that cannot be read or is for another identity: logged)."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("timing cache unreadable; starting cold", path=str(path), error=repr(exc))
+        return None
+    if not isinstance(data, dict) or data.get("identity") != ident:
+        log.warning("timing cache is for another identity; starting cold", path=str(path))
+        return None
+    timings = data.get("timings")
+    return timings if isinstance(timings, dict) else None
+
+
+def save_timings(path: Path, ident: dict[str, Any], timings: dict[str, Any]) -> bool:
+    """Write the timings atomically; False (logged) where the file cannot be written."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+        try:
+            with os.fdopen(fd, "w") as fh:
+                json.dump({"identity": ident, "timings": timings}, fh)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        log.warning("timing cache not written", path=str(path), error=repr(exc))
+        return False
+    return True
