@@ -119,3 +119,14 @@ def test_an_unwritable_folder_only_logs(tmp_path: Path) -> None:
 def test_timing_cache_setting_is_checked(bad: object) -> None:
     with pytest.raises(ConfigError, match="timing_cache"):
         SpeculativeConfig(timing_cache=bad)  # type: ignore[arg-type]
+
+
+def test_a_file_is_read_only_for_its_own_identity(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    ident = {"schema": timing_cache.SCHEMA, "threads": 2}
+    timings = {"k_max": 3, "buckets": {"64": {"pairs": {"2": [0.2]}, "times": {"2": 0.05}}}}
+    assert timing_cache.load_timings(path, ident) is None  # nothing kept yet
+    assert timing_cache.save_timings(path, ident, timings)
+    assert timing_cache.load_timings(path, ident) == timings
+    assert timing_cache.load_timings(path, {**ident, "threads": 4}) is None
+    assert [p.name for p in tmp_path.iterdir()] == ["t.json"]  # no temporary file left
