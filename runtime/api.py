@@ -106,8 +106,9 @@ class Runtime:
         self.scheduler = Scheduler(config, self.blocks)
         self._timing_identity = timing_cache.identity(config, loaded.path)
         self._timing_file = timing_cache.cache_file(config, self._timing_identity)
-        # Whether the adaptive policy started from an earlier run's step times.
-        self.timing_cache_warm = False
+        # The batch buckets whose step times the adaptive policy started from (kept by
+        # an earlier run); empty: it started cold.
+        self.timing_cache_buckets: list[int] = []
         self._restore_timings()
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer)
         self.worker = DeviceWorker(self.workspace, self.sampler, group=group)
@@ -152,8 +153,8 @@ class Runtime:
         except ValueError as exc:
             log.warning("timing cache malformed; starting cold", path=str(path), error=str(exc))
             return
-        self.timing_cache_warm = bool(kept["buckets"])
-        log.info("timing cache loaded", path=str(path), buckets=sorted(map(int, kept["buckets"])))
+        self.timing_cache_buckets = sorted(map(int, kept["buckets"]))
+        log.info("timing cache loaded", path=str(path), buckets=self.timing_cache_buckets)
 
     def _keep_timings(self) -> None:
         """Write what the adaptive policy measured, for the next run."""

@@ -28,7 +28,8 @@ ROW_KEYS = {
     "samples", "tokens_per_second_pooled", "tokens_per_second_se",
     "ttft_ms", "itl_ms", "tpot_ms", "mean_accept_len", "mean_accepted",
     "acceptance_per_position", "accepted_per_position", "drafts_proposed", "drafts_accepted",
-    "pipeline_steps", "steps_by_k", "efficiency", "bubble", "model_share", "overhead_share",
+    "pipeline_steps", "timing_cache_warm", "steps_by_k", "efficiency", "bubble", "model_share",
+    "overhead_share",
     "breakdown_ms",
     "record_bytes_per_step", "fixed_bytes_same_batch", "fixed_bytes_512",
 }  # fmt: skip
@@ -228,6 +229,24 @@ async def test_bench_json_plot_and_table(
         k3 = next(r for r in rows if r["batch"] == g["batch"] and r["k"] == 3)
         assert g["best_over_none"] == pytest.approx(k3["tokens_per_second"] / by_batch[g["batch"]])
         assert f"batch={g['batch']}: k=3 {g['best_over_none']:.2f}×" in table
+
+
+async def test_bench_says_which_adaptive_runs_started_from_kept_step_times(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first adaptive run starts cold and keeps its step times; the second starts from
+    them (the test's own cache folder, conftest), and the bench says so."""
+    out = tmp_path / "out.json"
+    argv = [
+        "--model", SYNTH, "--batch", "8", "--k", "auto", "--max-tokens", "64",
+        "--prompt-tokens", "6", "--repeat", "2", "--json", str(out), "--progress", "off",
+    ]  # fmt: skip
+    assert await _main(argv, 120) == 0
+    printed = capsys.readouterr().out
+    assert "adaptive runs started from kept step times" in printed
+    assert "batch=8: 1/2" in printed, printed
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["k"] == "auto" and isinstance(row["timing_cache_warm"], bool)
 
 
 async def test_bench_request_rate(tmp_path: Path) -> None:

@@ -64,7 +64,9 @@ JSON (``--json``; stable, for scripts that compare runs): ``{"schema": 2, "machi
   ``bubble`` (device idle between steps / wall), ``model_share`` (model forwards /
   wall), ``overhead_share`` (1 - model_share), ``pipeline_steps``, ``steps_by_k``
   (steps with decoding sequences by the drafts each proposed, keys as strings: the
-  adaptive policy's choices; the table prints their shares for ``auto``), ``breakdown_ms``:
+  adaptive policy's choices; the table prints their shares for ``auto``),
+  ``timing_cache_warm`` (the adaptive policy started this batch's bucket from step times
+  kept by an earlier run: ``runtime/timing_cache.py``), ``breakdown_ms``:
   mean per step of ``schedule``, ``draft``, ``verify``, ``sample``, ``publish``,
   ``idle`` (idle: mean gap between steps);
 * records: ``record_bytes_per_step``, ``fixed_bytes_same_batch``, ``fixed_bytes_512``;
@@ -105,6 +107,7 @@ from spectrio.core.timing import StepTiming, device_summary
 from spectrio.models import load, reference
 from spectrio.models.synthetic import is_synthetic, parse_spec
 from spectrio.runtime import timing_cache
+from spectrio.stages.spec_policy import batch_bucket
 from spectrio.tools.bench_speedup import Z_95, format_speedups, pooled_rate, speedups
 from spectrio.tools.corpus import corpus_files, read_texts
 from spectrio.tools.generation_stats import GenerationStats
@@ -452,7 +455,7 @@ class _CaseRun:
             "drafts_proposed": sum(total.proposed),
             "drafts_accepted": sum(total.accepted),
             "pipeline_steps": steps,
-            "timing_cache_warm": rt.timing_cache_warm,
+            "timing_cache_warm": batch_bucket(self.batch) in rt.timing_cache_buckets,
             "steps_by_k": {
                 str(k): n - self.steps_by_k0.get(k, 0)
                 for k, n in rt.stats().steps_by_k.items()
@@ -658,7 +661,7 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> str:
     chosen = [
         f"batch={r['batch']}: "
         + " ".join(f"k={k} {n / total:.0%}" for k, n in r["steps_by_k"].items())
-        + (" (started from kept step times)" if r.get("timing_cache_warm") else "")
+        + (" (started from kept step times)" if r.get("timing_cache_warm") else " (cold)")
         for r in rows
         if r["k"] == "auto" and (total := sum(r["steps_by_k"].values()))
     ]
