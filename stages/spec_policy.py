@@ -523,8 +523,10 @@ class SpecPolicy:
 
             near = [k for k in (best - 1, best + 1) if 0 <= k <= self.k_max]
             probe = min(near, key=lambda k: (last(k), -k))
-            settled = timed is not None and timed.settled(
-                min(best, probe), abs(math.log(rate(best) / rate(probe)))
+            settled = (
+                timed is not None
+                and probe in times
+                and timed.settled(min(best, probe), abs(math.log(rate(best) / rate(probe))))
             )
             if settled and (self._num_choices // self.probe_every) % 2 == 1:
                 return best  # a neighbour clearly behind is probed half as often
