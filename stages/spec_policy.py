@@ -63,7 +63,9 @@ exploring again. One step in ``probe_every`` starts a probe that re-measures, fo
 steps (the first, after the best k, is not timed), whichever of the best k's two
 neighbours was timed longer ago (the larger on ties), so a noisy early timing is
 corrected, both neighbours' ratios stay current, and the next position's acceptance keeps
-being measured while the policy prefers fewer drafts.
+being measured while the policy prefers fewer drafts. A neighbour whose rate is more than
+3 standard errors of its pair's median behind the best (:meth:`_BucketTimes.settled`) is
+probed half as often: a probe of a k that is clearly worse mostly costs.
 Only neighbours: the rate is unimodal in k (each extra draft adds less, and costs at
 least as much), so a better k is always reachable one step at a time, and a probe never
 spends a step on a k far from the best (at batch 1 a probe of k = 0 cost about 1/16 of
