@@ -156,3 +156,16 @@ async def test_replay_against_a_server_matches_the_committed_output_twice(
                 assert s["mean_accept_len"] >= 1.0
     finally:
         server.stop()
+
+
+def test_a_trace_carries_no_host_local_setting() -> None:
+    """The timing cache's folder belongs to the recording host: a trace leaves it out, and
+    a replay with --same-config uses the replaying host's default."""
+    from spectrio.core.config import RuntimeConfig, SpeculativeConfig
+
+    cfg = RuntimeConfig(speculative=SpeculativeConfig(timing_cache="/home/alice/cache"))
+    fields = runtime_fields(cfg)
+    assert "timing_cache" not in fields["speculative"]
+    back = config_from_fields(json.loads(json.dumps(fields)))
+    assert back.speculative.timing_cache == "auto"
+    assert runtime_fields(back) == fields

@@ -198,9 +198,20 @@ def read_trace(path: str | Path) -> Trace:
         raise TraceError(f"{path}: cannot read: {exc.strerror or exc}") from None
 
 
+# Settings of the recording host, not of the run: a trace replayed elsewhere with
+# --same-config must not carry the recording host's cache folder, and they never change
+# a token.
+_HOST_LOCAL = {"speculative": ("timing_cache",)}
+
+
 def runtime_fields(config: object) -> dict[str, Any]:
-    """A RuntimeConfig's fields as plain JSON values, for :attr:`Header.runtime`."""
-    return msgspec.to_builtins(dataclasses.asdict(config))  # type: ignore[call-overload]
+    """A RuntimeConfig's fields as plain JSON values, for :attr:`Header.runtime`, less the
+    settings of the recording host (``_HOST_LOCAL``: the replaying host uses its own)."""
+    fields: dict[str, Any] = msgspec.to_builtins(dataclasses.asdict(config))  # type: ignore[call-overload]
+    for section, names in _HOST_LOCAL.items():
+        for name in names:
+            (fields.get(section) or {}).pop(name, None)
+    return fields
 
 
 def config_from_fields(fields: dict[str, Any]) -> Any:
