@@ -30,6 +30,7 @@ import paddle.nn.functional as F
 __all__ = [
     "add",
     "cpu_signature",
+    "cpuinfo_line",
     "fused_norm_runs_here",
     "fused_rms_norm",
     "gather",
@@ -164,14 +165,18 @@ print("ok" if good else "wrong")
 """
 
 
-def cpu_signature() -> str:
-    """The machine architecture, Paddle's version and the CPU's instruction-set flags."""
+def cpuinfo_line(prefix: str) -> str:
+    """The first line of ``/proc/cpuinfo`` that starts with ``prefix`` ("" where none)."""
     try:
         with open("/proc/cpuinfo") as fh:
-            flags = next((line for line in fh if line.startswith("flags")), "")
+            return next((line for line in fh if line.startswith(prefix)), "")
     except OSError:
-        flags = ""
-    return f"{platform.machine()} {paddle.__version__} {flags}"
+        return ""
+
+
+def cpu_signature() -> str:
+    """The machine architecture, Paddle's version and the CPU's instruction-set flags."""
+    return f"{platform.machine()} {paddle.__version__} {cpuinfo_line('flags')}"
 
 
 def _probe() -> bool | None:

@@ -56,12 +56,9 @@ def cache_root(setting: str) -> Path | None:
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            line = next((x for x in fh if x.startswith("model name")), "")
-    except OSError:
-        line = ""
-    return line.split(":", 1)[-1].strip() or platform.processor()
+    from spectrio.models.fast_ops import cpuinfo_line
+
+    return cpuinfo_line("model name").split(":", 1)[-1].strip() or platform.processor()
 
 
 _MODEL_FILES = ("config.json", "*.safetensors", "*.pdparams")

@@ -411,8 +411,9 @@ class SpecPolicy:
         for bucket, times in self._times.items():
             entry: dict[str, Any] = times.export()
             extra = self._extra.get(bucket)
-            if extra is not None and any(extra.export()["samples"]):
-                entry["extra"] = extra.export()
+            learnt = None if extra is None else extra.export()
+            if learnt is not None and any(learnt["samples"]):
+                entry["extra"] = learnt
             if entry["pairs"] or entry["times"] or "extra" in entry:
                 buckets[str(bucket)] = entry
         return {"k_max": self.k_max, "buckets": buckets}
