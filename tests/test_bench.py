@@ -291,6 +291,25 @@ async def test_bench_min_requests_lengthen_small_batches(tmp_path: Path) -> None
     assert [(r["batch"], r["requests"], r["tokens"]) for r in rows] == [(1, 5, 20), (4, 8, 32)]
 
 
+async def test_bench_requests_per_batch_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One --num-requests count per --batch, in its order (so each batch size can run
+    about as long), interleaved too."""
+    out = tmp_path / "out.json"
+    argv = [
+        "--model", SYNTH, "--batch", "4", "1", "--k", "0", "2", "--max-tokens", "4",
+        "--prompt-tokens", "6", "--num-requests", "9", "3", "--interleave", "0.05",
+        "--json", str(out), "--progress", "off",
+    ]  # fmt: skip
+    assert await _main(argv, 60) == 0
+    assert "requests=9 at batch 4, 3 at batch 1" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["k"], r["requests"], r["tokens"]) for r in rows] == [
+        (4, 0, 9, 36), (4, 2, 9, 36), (1, 0, 3, 12), (1, 2, 3, 12)
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "extra",
     [
@@ -303,6 +322,9 @@ async def test_bench_min_requests_lengthen_small_batches(tmp_path: Path) -> None
         ["--interleave", "0"],
         ["--min-requests", "0"],
         ["--min-requests", "4", "--num-requests", "4"],
+        ["--batch", "1", "4", "--num-requests", "2", "3", "4"],
+        ["--num-requests", "0"],
+        ["--batch", "4", "4"],
         ["--interleave", "0.1", "--request-rate", "5"],
     ],
 )

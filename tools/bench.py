@@ -1,8 +1,10 @@
 """Benchmark of the pipeline on a model: throughput, latency, acceptance and where each
 step's time goes.
 
-For each batch size and speculation setting it runs ``--num-requests`` requests (default:
-the batch size times ``--waves``, default 1, and at least ``--min-requests``: a small
+For each batch size and speculation setting it runs ``--num-requests`` requests (one
+count, or one per batch size, so that each batch size's cases run about as long: a case's
+figure carries the machine's noise in proportion to one over the root of its seconds;
+default: the batch size times ``--waves``, default 1, and at least ``--min-requests``: a small
 batch then runs long enough to reach its steady state, as a server's runtime does, where
 a few requests would time mostly its first steps) with at most ``batch`` running at once
 (``max_num_seqs``), each ``ignore_eos`` with a fixed ``--max-tokens``. With several waves
@@ -726,8 +728,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--num-requests",
         type=int,
+        nargs="+",
         default=None,
-        help="requests per case (default: the batch size times --waves)",
+        help="requests per case: one count for every batch size, or one per --batch in its "
+        "order, so each batch size runs about as long (default: the batch size times --waves)",
     )
     p.add_argument(
         "--waves",
@@ -789,8 +793,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--k takes integers and 'auto'")
     if any(b < 1 for b in args.batch):
         p.error("--batch sizes must be positive")
-    if args.num_requests is not None and args.num_requests < 1:
-        p.error("--num-requests must be positive")
+    if len(set(args.batch)) != len(args.batch):
+        p.error("--batch sizes must differ")
+    if args.num_requests is not None:
+        if any(n < 1 for n in args.num_requests):
+            p.error("--num-requests must be positive")
+        if len(args.num_requests) not in (1, len(args.batch)):
+            p.error("--num-requests takes one count, or one per --batch")
     if args.waves < 1:
         p.error("--waves must be positive")
     if (args.waves != 1 or args.min_requests != 1) and args.num_requests is not None:
@@ -812,7 +821,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--interleave runs requests all at once and saves no trace")
     progress = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
     counts = {  # requests per case
-        b: args.num_requests or max(b * args.waves, args.min_requests) for b in args.batch
+        b: max(b * args.waves, args.min_requests)
+        if args.num_requests is None
+        else args.num_requests[min(i, len(args.num_requests) - 1)]
+        for i, b in enumerate(args.batch)
     }
     prompts = bench_prompts(max(counts.values()), args.prompt_tokens, args.model, args.seed)
     cases = [(b, k, lp) for b in args.batch for k in ks for lp in settings]
@@ -875,10 +887,15 @@ def main(argv: list[str] | None = None) -> int:
             )
     rows = [_median_run(runs[c]) for c in cases]
     machine = _machine()
+    requests_label = (
+        f"{args.waves} x batch, at least {args.min_requests}"
+        if args.num_requests is None
+        else ", ".join(f"{counts[b]} at batch {b}" for b in args.batch)
+    )
     print(
         f"machine: {machine}; model={args.model} dtype={args.dtype} max_tokens={args.max_tokens} "
         f"overlap={args.overlap} request_rate={args.request_rate or 'all at once'} "
-        f"requests={args.num_requests or f'{args.waves} x batch, at least {args.min_requests}'}"
+        f"requests={requests_label}"
         + ("" if args.interleave is None else f" interleave={args.interleave}s turns")
     )
     if "auto" in ks:
