@@ -19,9 +19,9 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
+from spectrio.cache_dir import cache_dir
 from spectrio.models.paddle_setup import paddle
 
 # isort: split
@@ -203,16 +203,15 @@ def fused_norm_runs_here() -> bool:
     illegal instruction (seen on an earlier development host), which no Python handler
     can catch. So it is tried once in a child process, and a definite answer (it ran and
     agreed with the plain formula; or it died by a signal or disagreed) is kept per (CPU
-    flags, Paddle version) under ``~/.cache/spectrio`` (``$XDG_CACHE_HOME``), written
-    atomically. No verdict (the child could not start or timed out) means off for this
-    process only. ``SPECTRIO_FUSED_RMS_NORM=0`` or ``1`` decides without trying.
+    flags, Paddle version) in spectrio's cache folder (:func:`spectrio.cache_dir.cache_dir`),
+    written atomically. No verdict (the child could not start or timed out) means off for
+    this process only. ``SPECTRIO_FUSED_RMS_NORM=0`` or ``1`` decides without trying.
     """
     forced = os.environ.get("SPECTRIO_FUSED_RMS_NORM")
     if forced in ("0", "1"):
         return forced == "1"
     key = hashlib.sha256(cpu_signature().encode()).hexdigest()[:16]
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    record = root / "spectrio" / f"fused_rms_norm-{key}"
+    record = cache_dir() / f"fused_rms_norm-{key}"
     try:
         kept = record.read_text().strip()
     except OSError:

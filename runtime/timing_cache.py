@@ -34,6 +34,7 @@ from typing import Any
 
 import structlog
 
+from spectrio.cache_dir import cache_dir
 from spectrio.core.config import RuntimeConfig
 
 __all__ = ["cache_file", "cache_root", "identity", "load_timings", "save_timings"]
@@ -49,10 +50,7 @@ def cache_root(setting: str) -> Path | None:
         return None
     if setting != "auto":
         return Path(setting).expanduser()
-    env = os.environ.get("SPECTRIO_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spectrio"
+    return cache_dir()
 
 
 def _cpu_model() -> str:

@@ -79,10 +79,10 @@ def test_the_fused_kernel_is_tried_in_a_child_and_the_answer_kept(
 ) -> None:
     """A kernel that may die of an illegal instruction is never first run in-process: a
     child process tries it, the answer is kept per CPU, and it can be forced off."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("SPECTRIO_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("SPECTRIO_FUSED_RMS_NORM", raising=False)
     runs = fo.fused_norm_runs_here()
-    records = list((tmp_path / "spectrio").glob("fused_rms_norm-*"))  # type: ignore[operator]
+    records = list(tmp_path.glob("fused_rms_norm-*"))  # type: ignore[attr-defined]
     assert len(records) == 1 and records[0].read_text() == ("1" if runs else "0")
     records[0].write_text("0")  # the kept answer is what counts from now on
     assert fo.fused_norm_runs_here() is False
@@ -102,7 +102,7 @@ def test_only_a_definite_verdict_is_kept(
     only); a death by signal (SIGILL) is kept as off; a torn record is probed again."""
     import subprocess
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("SPECTRIO_CACHE_DIR", str(tmp_path / "spectrio"))  # type: ignore[operator]
     monkeypatch.delenv("SPECTRIO_FUSED_RMS_NORM", raising=False)
     folder = tmp_path / "spectrio"  # type: ignore[operator]
 

@@ -130,3 +130,22 @@ def test_a_file_is_read_only_for_its_own_identity(tmp_path: Path) -> None:
     assert timing_cache.load_timings(path, ident) == timings
     assert timing_cache.load_timings(path, {**ident, "threads": 4}) is None
     assert [p.name for p in tmp_path.iterdir()] == ["t.json"]  # no temporary file left
+
+
+def test_one_cache_folder_for_every_layer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """$SPECTRIO_CACHE_DIR, else $XDG_CACHE_HOME/spectrio, else ~/.cache/spectrio (an empty
+    variable counts as unset); the timing cache's "auto" and the fused-kernel verdict
+    (``spectrio.models.fast_ops``) both use it."""
+    from spectrio.cache_dir import cache_dir
+
+    monkeypatch.setenv("SPECTRIO_CACHE_DIR", str(tmp_path / "own"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "own" == timing_cache.cache_root("auto")
+    monkeypatch.setenv("SPECTRIO_CACHE_DIR", "")
+    assert cache_dir() == tmp_path / "xdg" / "spectrio" == timing_cache.cache_root("auto")
+    monkeypatch.delenv("SPECTRIO_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "spectrio"
+    assert timing_cache.cache_root("off") is None
+    assert timing_cache.cache_root(str(tmp_path / "d")) == tmp_path / "d"

@@ -142,7 +142,8 @@ RUNTIME_FLAGS: Final[tuple[FlagSpec, ...]] = (
         "speculative.timing_cache",
         "--timing-cache",
         "where the adaptive policy keeps its measured step times between runs: "
-        "'auto' ($SPECTRIO_CACHE_DIR or ~/.cache/spectrio), 'off', or a folder",
+        "'auto' ($SPECTRIO_CACHE_DIR, else $XDG_CACHE_HOME/spectrio or ~/.cache/spectrio), "
+        "'off', or a folder",
         "DIR",
     ),
 )
