@@ -820,12 +820,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.request_rate is not None or args.save_trace is not None:
             p.error("--interleave runs requests all at once and saves no trace")
     progress = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
-    counts = {  # requests per case
-        b: max(b * args.waves, args.min_requests)
-        if args.num_requests is None
-        else args.num_requests[min(i, len(args.num_requests) - 1)]
-        for i, b in enumerate(args.batch)
-    }
+    if args.num_requests is None:  # requests per case
+        counts = {b: max(b * args.waves, args.min_requests) for b in args.batch}
+    elif len(args.num_requests) == 1:
+        counts = dict.fromkeys(args.batch, args.num_requests[0])
+    else:
+        counts = dict(zip(args.batch, args.num_requests, strict=True))
     prompts = bench_prompts(max(counts.values()), args.prompt_tokens, args.model, args.seed)
     cases = [(b, k, lp) for b in args.batch for k in ks for lp in settings]
     runs: dict[tuple[int, int | str, int | None], list[dict[str, Any]]] = {c: [] for c in cases}
