@@ -340,6 +340,19 @@ def test_bench_synthetic_prompts_are_seeded_ids_in_vocab() -> None:
     assert len(a) == 5 and all(len(p) == 7 and 1 <= min(p) and max(p) < 512 for p in a)
 
 
+def test_bench_held_out_prompts_take_a_second_pass_after_the_first() -> None:
+    """Batch 64 with 8 waves needs 512 prompts of 48 tokens; one pass over the held-out
+    split holds 412. The second pass starts between the first's prompts, which come first
+    and unchanged (so a smaller count gives the same prompts as before)."""
+    many = bench.bench_prompts(600, 48, "bundled")
+    assert many[:100] == bench.bench_prompts(100, 48, "bundled")
+    assert all(len(p) == 48 for p in many)
+    assert len({tuple(p) for p in many}) >= 590  # a few windows of text repeat
+    with pytest.raises(RuntimeError, match=r"holds \d+ prompts of 48 tokens, not the"):
+        bench.bench_prompts(10**6, 48, "bundled")
+    assert bench.PROMPT_STRIDE // 2 > 48  # the passes' windows do not overlap
+
+
 async def test_bench_save_trace_replays_to_the_same_tokens(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
     argv = [
