@@ -341,7 +341,7 @@ def test_bench_synthetic_prompts_are_seeded_ids_in_vocab() -> None:
 
 
 def test_bench_held_out_prompts_take_a_second_pass_after_the_first() -> None:
-    """Batch 64 with 8 waves needs 512 prompts of 48 tokens; one pass over the held-out
+    """Batch 64 with 12 waves needs 768 prompts of 48 tokens; one pass over the held-out
     split holds 412. The second pass starts between the first's prompts, which come first
     and unchanged (so a smaller count gives the same prompts as before)."""
     many = bench.bench_prompts(600, 48, "bundled")

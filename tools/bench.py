@@ -141,7 +141,7 @@ def bench_prompts(count: int, prompt_tokens: int, model: str, seed: int = 0) -> 
     Held-out prompts start every :data:`PROMPT_STRIDE` tokens of each text; a second pass
     starts halfway between the first pass's starts, so the first pass's prompts (412 of
     48 tokens from the bundled split) come first and unchanged, and about twice as many
-    are available (batch 64 with 8 waves of requests needs 512)."""
+    are available (batch 64 with 12 waves of requests, as batch 16 runs, needs 768)."""
     if is_synthetic(model):
         rng = np.random.default_rng(seed)
         ids = rng.integers(1, parse_spec(model).vocab, size=(count, prompt_tokens))
