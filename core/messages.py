@@ -86,6 +86,7 @@ class StepResult(msgspec.Struct, kw_only=True):
     preempted: list[str] = []
     aborted: list[str] = []
     device_seconds: float = 0.0  # the device worker's time on this step (draft+verify+sample)
+    idle_seconds: float = 0.0  # how long the device worker waited for it after its last step
     aborted_drafts: list[list[int]] = []  # per ``aborted`` entry: [drafts proposed, accepted]
 
 

@@ -114,6 +114,7 @@ class DeviceWorker:
         prev_plan: StepPlan | None = None
         prev_result: StepResult | None = None
         link = self._group.link if self._group is not None else None
+        last_end: float | None = None
         while True:
             stage = "tp-link"
             try:
@@ -149,7 +150,11 @@ class DeviceWorker:
                 timing.num_rows = sum(
                     len(w.token_ids) + (len(w.drafts) if w.sample else 0) for w in plan.seqs
                 )
-                result = replace(result, device_seconds=end - timing.device_start)
+                idle = 0.0 if last_end is None else max(0.0, timing.device_start - last_end)
+                last_end = end
+                result = replace(
+                    result, device_seconds=end - timing.device_start, idle_seconds=idle
+                )
             except BaseException as exc:  # reported to the Trio side, which fails the engine
                 self._fail(stage, exc)
                 return

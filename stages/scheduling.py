@@ -87,6 +87,15 @@ class Sequence:
         self.state = advance(self.state, to, f"request {self.request_id}")
 
 
+# A step the device worker waited for longer than this (a pause, a gap between requests)
+# starts on cold caches and sleeping OpenMP threads, and so does the one after it: at
+# batch 16 on the 2-core host, after the bench's 1-second turns (1 s on another runtime)
+# the first step took 1.13-1.24x the median of the same k, the second 1.06-1.07x, the
+# rest 0.99 (10 and 8 turns at k = 3 and 4). Between steps the worker waits 0.5-9 ms.
+IDLE_UNTIMED_S = 0.05
+UNTIMED_AFTER_IDLE = 2
+
+
 def _decodes(work: SeqWork) -> bool:
     """The work is a decode step: one committed token (or one resolved on the device,
     when planned ahead) whose next tokens the sampler emits, with no prefill rows."""
@@ -122,6 +131,7 @@ class Scheduler:
         self.policy = SpecPolicy(spec.effective_num_model_steps, adaptive=spec.adaptive)
         self._step_k = self.policy.k_max  # drafts per decoding sequence in the planned step
         self._previous_k: int | None = None  # the k of the last decoding step folded in
+        self._untimed = 0  # steps still not timed after an idle device (IDLE_UNTIMED_S)
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -392,13 +402,20 @@ class Scheduler:
         a sequence: a request's first decode step reads its whole prompt through the MTP
         layer), whose cost does not depend on k and which the policy takes off, and the k
         of the decoding step before it, whose accepted rows its MTP pass caught up on
-        (:meth:`SpecPolicy.observe_step`)."""
+        (:meth:`SpecPolicy.observe_step`). The first :data:`UNTIMED_AFTER_IDLE` steps
+        after the device waited more than :data:`IDLE_UNTIMED_S` are not timed: they
+        run slower whatever k is."""
         if not self._inflight or result.step != min(self._inflight):
             raise RuntimeError(f"result of step {result.step}; in flight: {sorted(self._inflight)}")
         works = self._inflight.pop(result.step)
         step_k = self._inflight_k.pop(result.step)
         if seconds is None:
             seconds = result.device_seconds or None
+        if result.idle_seconds > IDLE_UNTIMED_S:
+            self._untimed = UNTIMED_AFTER_IDLE
+        if self._untimed:
+            self._untimed -= 1
+            seconds = None
         drafted = any(r.num_drafts for r in result.results)
         filed_k = step_k if drafted else 0
         if seconds is not None and works:

@@ -8,7 +8,7 @@ from scheduler_helpers import seq_result
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig
 from spectrio.core.messages import SeqResult, StepPlan, StepResult
 from spectrio.stages.block_manager import BlockManager
-from spectrio.stages.scheduling import Scheduler, Sequence
+from spectrio.stages.scheduling import IDLE_UNTIMED_S, UNTIMED_AFTER_IDLE, Scheduler, Sequence
 
 
 def make(k: int = 2, blocks: int = 64, **kw: object) -> Scheduler:
@@ -42,14 +42,16 @@ def finish_step(
     emit: int = 1,
     accepted: int | None = 0,
     seconds: float | None = None,
+    idle: float = 0.0,
 ) -> None:
     """Fold ``plan`` in: each sampling sequence emits ``accepted`` drafts (None: all of
-    its drafts) plus ``emit`` tokens; ``seconds`` times the step for the policy."""
+    its drafts) plus ``emit`` tokens; ``seconds`` times the step for the policy, which
+    the device waited ``idle`` seconds for."""
     results = []
     for w in plan.seqs:
         n = w.num_drafts if accepted is None else accepted
         results.append(seq_result(w, n, [7] * (n + emit)) if w.sample else seq_result(w, 0, []))
-    s.update(StepResult(step=plan.step, results=results), seconds=seconds)
+    s.update(StepResult(step=plan.step, results=results, idle_seconds=idle), seconds=seconds)
 
 
 def adaptive_scheduler(k: int, speculative: tuple[bool, ...], prompt_len: int = 3) -> Scheduler:
@@ -412,6 +414,43 @@ def test_step_times_are_filed_under_the_count_choose_was_given() -> None:
         accept_all(sched, plan, 1.0)
     assert {bucket for bucket, _ in sched.policy.step_times()} == {1}
     assert {k for _, k in sched.policy.step_times()} >= {2, 1}  # it moved past k_max
+
+
+def test_the_steps_after_an_idle_device_are_not_timed() -> None:
+    """After a pause or a gap between requests the device starts on cold caches: the
+    first two steps run slower whatever k is, so their times never reach the policy. A
+    wait as short as the pipeline's own between steps changes nothing, and the k of an
+    untimed step still counts as the one the next step's MTP pass caught up on."""
+    sched = adaptive_scheduler(2, (True,))
+    seen: list[tuple[int, int | None]] = []
+    observe = sched.policy.observe_step
+
+    def recording(
+        num_seqs: int,
+        k: int,
+        seconds: float,
+        previous_k: int | None = None,
+        extra_rows: tuple[int, int] = (0, 0),
+    ) -> None:
+        seen.append((k, previous_k))
+        observe(num_seqs, k, seconds, previous_k, extra_rows)
+
+    sched.policy.observe_step = recording  # type: ignore[method-assign]
+    waits = [0.0, 0.0, 0.004, IDLE_UNTIMED_S + 0.01, 0.0, 0.0, 0.0, 2.0, 0.003, 0.0]
+    timed, drafts = [], []
+    for i, idle in enumerate(waits):
+        plan = sched.schedule()
+        assert plan is not None
+        drafts.append(plan.seqs[0].num_drafts)
+        before = len(seen)
+        finish_step(sched, plan, accepted=None, seconds=0.01, idle=idle)
+        if len(seen) > before:
+            timed.append(i)
+    # Steps 3-4 and 7-8 follow an idle device (step 0 is the prefill, filed under no
+    # decoding sequence).
+    assert timed == [0, 1, 2, 5, 6, 9]
+    assert UNTIMED_AFTER_IDLE == 2
+    assert seen[3][1] == drafts[4] and seen[5][1] == drafts[8]
 
 
 def test_a_steps_extra_rows_go_to_the_policy_beside_its_time() -> None:
