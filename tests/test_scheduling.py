@@ -416,13 +416,12 @@ def test_step_times_are_filed_under_the_count_choose_was_given() -> None:
     assert {k for _, k in sched.policy.step_times()} >= {2, 1}  # it moved past k_max
 
 
-def test_the_steps_after_an_idle_device_are_not_timed() -> None:
-    """After a pause or a gap between requests the device starts on cold caches: the
-    first two steps run slower whatever k is, so their times never reach the policy. A
-    wait as short as the pipeline's own between steps changes nothing, and the k of an
-    untimed step still counts as the one the next step's MTP pass caught up on."""
-    sched = adaptive_scheduler(2, (True,))
-    seen: list[tuple[int, int | None]] = []
+def record_observed_steps(
+    sched: Scheduler,
+) -> list[tuple[int, int, int | None, tuple[int, int]]]:
+    """What the scheduler files with its policy from now on, one entry per
+    :meth:`SpecPolicy.observe_step` call: (num_seqs, k, previous_k, extra_rows)."""
+    seen: list[tuple[int, int, int | None, tuple[int, int]]] = []
     observe = sched.policy.observe_step
 
     def recording(
@@ -432,10 +431,20 @@ def test_the_steps_after_an_idle_device_are_not_timed() -> None:
         previous_k: int | None = None,
         extra_rows: tuple[int, int] = (0, 0),
     ) -> None:
-        seen.append((k, previous_k))
+        seen.append((num_seqs, k, previous_k, extra_rows))
         observe(num_seqs, k, seconds, previous_k, extra_rows)
 
     sched.policy.observe_step = recording  # type: ignore[method-assign]
+    return seen
+
+
+def test_the_steps_after_an_idle_device_are_not_timed() -> None:
+    """After a pause or a gap between requests the device starts on cold caches: the
+    first two steps run slower whatever k is, so their times never reach the policy. A
+    wait as short as the pipeline's own between steps changes nothing, and the k of an
+    untimed step still counts as the one the next step's MTP pass caught up on."""
+    sched = adaptive_scheduler(2, (True,))
+    seen = record_observed_steps(sched)
     waits = [0.0, 0.0, 0.004, IDLE_UNTIMED_S + 0.01, 0.0, 0.0, 0.0, 2.0, 0.003, 0.0]
     timed, drafts = [], []
     for i, idle in enumerate(waits):
@@ -450,7 +459,7 @@ def test_the_steps_after_an_idle_device_are_not_timed() -> None:
     # decoding sequence).
     assert timed == [0, 1, 2, 5, 6, 9]
     assert UNTIMED_AFTER_IDLE == 2
-    assert seen[3][1] == drafts[4] and seen[5][1] == drafts[8]
+    assert seen[3][2] == drafts[4] and seen[5][2] == drafts[8]
 
 
 def test_a_steps_extra_rows_go_to_the_policy_beside_its_time() -> None:
@@ -459,20 +468,7 @@ def test_a_steps_extra_rows_go_to_the_policy_beside_its_time() -> None:
     the step's time (it takes their learnt cost off), counted beyond the k + 1 rows a
     decoding sequence brings, and the step is filed under its decoding sequences."""
     sched = adaptive_scheduler(2, (True,), prompt_len=12)
-    seen: list[tuple[int, tuple[int, int]]] = []
-    observe = sched.policy.observe_step
-
-    def recording(
-        num_seqs: int,
-        k: int,
-        seconds: float,
-        previous_k: int | None = None,
-        extra_rows: tuple[int, int] = (0, 0),
-    ) -> None:
-        seen.append((num_seqs, extra_rows))
-        observe(num_seqs, k, seconds, previous_k, extra_rows)
-
-    sched.policy.observe_step = recording  # type: ignore[method-assign]
+    observed = record_observed_steps(sched)
     catch_up: list[int] = []
     for _ in range(4):
         plan = sched.schedule()
@@ -481,6 +477,7 @@ def test_a_steps_extra_rows_go_to_the_policy_beside_its_time() -> None:
         accept_all(sched, plan, 1.0)
     assert catch_up == [0, 12, 3, 3]  # prefill, the prompt's catch-up, then k + 1 rows
     # The prefill has no decoding sequence; the catch-up step has 12 - 3 extra rows.
+    seen = [(num_seqs, extra) for num_seqs, _, _, extra in observed]
     assert seen == [(0, (12, 0)), (1, (0, 9)), (1, (0, 0)), (1, (0, 0))]
     assert sched.policy._bucket_steps == {1: 3}  # the prefill is nobody's step
     sched.add(
@@ -496,4 +493,5 @@ def test_a_steps_extra_rows_go_to_the_policy_beside_its_time() -> None:
     plan = sched.schedule()
     assert plan is not None
     accept_all(sched, plan, 1.0)
-    assert seen[-1] == (1, (10, 0))  # one decoding sequence, and the new prompt's rows
+    num_seqs, _, _, extra = observed[-1]
+    assert (num_seqs, extra) == (1, (10, 0))  # one decoding sequence, and the new prompt's rows
