@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import numpy as np
 
@@ -89,6 +90,9 @@ class SpectrioForCausalLM(nn.Layer):
         self._rope_table: paddle.Tensor | None = None  # [max_position_embeddings, D, D]
         self._head_weight: paddle.Tensor | None = None  # [d, V] for serving
         self.staging = Staging()  # persistent input buffers (models/staging.py)
+        # Held for a serving pass: runtimes sharing this model (open_runtime's ``loaded``)
+        # take turns, since a pass stages its inputs in ``staging``.
+        self.step_lock = threading.Lock()
 
     def train(self) -> SpectrioForCausalLM:  # type: ignore[override]
         """Training changes the weights, so the fused serving copies of them are dropped."""

@@ -768,9 +768,18 @@ async def open_runtime(
     encoded_channels: bool = False,
     warmup: bool = True,
     shutdown_timeout: float = 30.0,
+    loaded: LoadedModel | None = None,
 ) -> AsyncIterator[Runtime]:
     """Load the model, run the warm-up pass over ``config.warmup_num_tokens()`` tokens,
     start the five stages, and yield the running :class:`Runtime`.
+
+    ``loaded``: a checkpoint already loaded (:func:`spectrio.models.load`) to run instead
+    of loading ``config.model``; one rank only, in ``config.dtype``. Runtimes may share
+    one: their steps then take turns on it (the model's ``step_lock``), since a forward
+    pass stages its inputs in buffers the model owns. ``spectrio bench --interleave``
+    runs the cases it compares on one copy of the weights: four identical runtimes at
+    batch 64 differed by 2.0% (rms of the rounds' standard deviations) each on its own
+    copy and by 0.9% on a shared one, however long they ran (README, eighteenth session).
 
     On exit, requests still streaming end with ``finish_reason="abort"`` (reason
     ``"shutdown"``); the control channel closes, the scheduler lets the steps in flight
@@ -782,7 +791,14 @@ async def open_runtime(
     threads = configure_paddle(config.resolve_num_threads())
     log.info("paddle configured", threads=threads, mkl_cpu_type=MKL_CPU_TYPE)
     group: TPGroup | None = None
-    if config.tensor_parallel_size > 1:
+    if loaded is not None:
+        if config.tensor_parallel_size > 1:
+            raise ConfigError("loaded: a preloaded model runs on one rank only")
+        if loaded.model.dtype != config.dtype:
+            raise ConfigError(
+                f"loaded: the model is {loaded.model.dtype}, the config asks for {config.dtype}"
+            )
+    elif config.tensor_parallel_size > 1:
         from spectrio.runtime.tp_start import start_group
 
         group, loaded = await start_group(config, warmup)

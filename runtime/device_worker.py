@@ -129,21 +129,22 @@ class DeviceWorker:
             template, timing = job
             stage = "draft"
             try:
-                timing.device_start = time.perf_counter()
-                fwd0 = ws.forward_seconds
-                plan = resolve_plan(template, prev_plan, prev_result)
-                if link is not None:  # one decision: every rank runs this very plan
-                    stage = "tp-link"
-                    link.send_plan(plan)
-                    stage = "draft"
-                plan = self.draft(ws, plan)
-                timing.draft_end = time.perf_counter()
-                stage = "verify"
-                logits = self.verify(ws, plan)
-                timing.verify_end = time.perf_counter()
-                stage = "sampler"
-                result = self.sample(self.sampler, ws, plan, logits)
-                timing.device_end = end = time.perf_counter()
+                with ws.model.step_lock:
+                    timing.device_start = time.perf_counter()
+                    fwd0 = ws.forward_seconds
+                    plan = resolve_plan(template, prev_plan, prev_result)
+                    if link is not None:  # one decision: every rank runs this very plan
+                        stage = "tp-link"
+                        link.send_plan(plan)
+                        stage = "draft"
+                    plan = self.draft(ws, plan)
+                    timing.draft_end = time.perf_counter()
+                    stage = "verify"
+                    logits = self.verify(ws, plan)
+                    timing.verify_end = time.perf_counter()
+                    stage = "sampler"
+                    result = self.sample(self.sampler, ws, plan, logits)
+                    timing.device_end = end = time.perf_counter()
                 timing.model_seconds = ws.forward_seconds - fwd0
                 timing.num_seqs = len(plan.seqs)
                 timing.num_drafts = sum(len(w.drafts) for w in plan.seqs)

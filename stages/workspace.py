@@ -79,7 +79,7 @@ class Workspace:
         batch = PackedBatch.from_sequences([[0] * n for n in lens], [0] * len(lens), tables)
         batch.logits_indices = batch.last_rows()
         t0 = time.perf_counter()
-        with paddle.no_grad():
+        with self.model.step_lock, paddle.no_grad():
             out = self.model.forward(batch, cache)
             if self.mtp_cache is not None:
                 self.model.mtp_forward(batch, out.hidden, self.mtp_cache)
