@@ -87,6 +87,11 @@ class SpectrioForCausalLM(nn.Layer):
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias_attr=False)
         )
         self.mtp = MTPLayer(cfg) if cfg.has_mtp else None
+        self._init_serving_state()
+
+    def _init_serving_state(self) -> None:
+        """What the serving path keeps besides the weights (a tensor-parallel shard's
+        model sets it up too)."""
         self._rope_table: paddle.Tensor | None = None  # [max_position_embeddings, D, D]
         self._head_weight: paddle.Tensor | None = None  # [d, V] for serving
         self.staging = Staging()  # persistent input buffers (models/staging.py)

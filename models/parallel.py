@@ -53,7 +53,6 @@ from spectrio.models.loader import (
     tokenizer_of,
 )
 from spectrio.models.model import MTPLayer, SharedHead, SpectrioForCausalLM
-from spectrio.models.staging import Staging
 
 log = structlog.get_logger("spectrio.models.parallel")
 
@@ -244,9 +243,7 @@ class ParallelCausalLM(SpectrioForCausalLM):
             else nn.Linear(cfg.hidden_size, cfg.vocab_size // tp.size, bias_attr=False)
         )
         self.mtp = ParallelMTPLayer(cfg, tp) if cfg.has_mtp else None
-        self._rope_table = None
-        self._head_weight = None
-        self.staging = Staging()
+        self._init_serving_state()
 
     @property
     def num_local_kv_heads(self) -> int:
