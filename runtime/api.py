@@ -777,9 +777,7 @@ async def open_runtime(
     of loading ``config.model``; one rank only, in ``config.dtype``. Runtimes may share
     one: their steps then take turns on it (the model's ``step_lock``), since a forward
     pass stages its inputs in buffers the model owns. ``spectrio bench --interleave``
-    runs the cases it compares on one copy of the weights: four identical runtimes at
-    batch 64 differed by 2.0% (rms of the rounds' standard deviations) each on its own
-    copy and by 0.9% on a shared one, however long they ran (README, eighteenth session).
+    runs the cases it compares on one copy of the weights (why: its ``run_interleaved``).
 
     On exit, requests still streaming end with ``finish_reason="abort"`` (reason
     ``"shutdown"``); the control channel closes, the scheduler lets the steps in flight

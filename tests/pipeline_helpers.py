@@ -1,11 +1,12 @@
-"""Helpers shared by the pipeline tests: prompts, a collector, and the oracle."""
+"""Helpers shared by the pipeline tests: prompts, a small float64 config, a collector, and
+the oracle."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import lru_cache
 
-from spectrio import Runtime, SamplingParams
+from spectrio import Runtime, RuntimeConfig, SamplingParams, SpeculativeConfig
 from spectrio.models import load, reference
 from spectrio.tools.corpus import corpus_files, read_texts
 
@@ -21,6 +22,19 @@ HANDWRITTEN = [
     "try:\n    import",
     "x = [i * i for i in",
 ]
+
+
+def float64_config(*, k: int = 3, adaptive: bool = False, overlap: bool = False) -> RuntimeConfig:
+    """A small float64 runtime (8 sequences, 512-token chunks) whose greedy output the
+    oracle checks token for token."""
+    return RuntimeConfig(
+        dtype="float64",
+        max_model_len=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        enable_overlap=overlap,
+        speculative=SpeculativeConfig(num_speculative_tokens=k, adaptive=adaptive),
+    )
 
 
 @lru_cache(maxsize=1)

@@ -9,21 +9,11 @@ import pytest
 import trio
 import trio.testing
 from pipeline_helpers import collect, oracle, prompts
+from pipeline_helpers import float64_config as config
 
-from spectrio import Runtime, RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
+from spectrio import Runtime, SamplingParams, open_runtime
 
 MAX_TOKENS = 24
-
-
-def config(*, overlap: bool = False, adaptive: bool = False) -> RuntimeConfig:
-    return RuntimeConfig(
-        dtype="float64",
-        max_model_len=256,
-        max_num_seqs=8,
-        max_num_batched_tokens=512,
-        enable_overlap=overlap,
-        speculative=SpeculativeConfig(num_speculative_tokens=3, adaptive=adaptive),
-    )
 
 
 def _prompts() -> list[list[int]]:

@@ -8,23 +8,13 @@ from __future__ import annotations
 import pytest
 import trio
 from pipeline_helpers import collect, oracle, prompts
+from pipeline_helpers import float64_config as config
 
-from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
+from spectrio import RuntimeConfig, SamplingParams, open_runtime
 from spectrio.core.config import ConfigError
 from spectrio.models import load
 
 MAX_TOKENS = 24
-
-
-def config(*, k: int, adaptive: bool = False, overlap: bool = False) -> RuntimeConfig:
-    return RuntimeConfig(
-        dtype="float64",
-        max_model_len=256,
-        max_num_seqs=8,
-        max_num_batched_tokens=512,
-        enable_overlap=overlap,
-        speculative=SpeculativeConfig(num_speculative_tokens=k, adaptive=adaptive),
-    )
 
 
 async def test_runtimes_on_one_loaded_model_run_side_by_side_unchanged() -> None:
