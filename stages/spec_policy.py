@@ -55,10 +55,12 @@ The rule: pick the k that maximises expected tokens per second,
   steps of k = 4 take 1.27-1.31x those of k = 3 (cycled step by step) while the policy
   read 1.17 and ran k = 4, 4-6% slower than k = 3 on the bench, on 86% of its steps.
 
-Exploration starts at ``k_max`` (after a batch size's first ``warmup_steps`` steps,
-which are not timed) and goes down one k at a time while the smaller k does better (each
-k runs twice: its first step pays one-time costs and is not counted); a
-batch bucket not timed yet borrows the times of a neighbouring one, scaled, instead of
+A run drafts ``k_max`` until the first draft position has been seen
+``acceptance_warmup`` times, whatever kept times say: before that the expected tokens are
+only the prior's. Exploration starts at ``k_max`` (after a batch size's first
+``warmup_steps`` steps, which are not timed) and goes down one k at a time while the
+smaller k does better (each k runs twice: its first step pays one-time costs and is not
+counted); a batch bucket not timed yet borrows the times of a neighbouring one, scaled, instead of
 exploring again. One step in ``probe_every`` starts a probe that re-measures, for two
 steps (the first, after the best k, is not timed), whichever of the best k's two
 neighbours was timed longer ago (the larger on ties), so a noisy early timing is
@@ -323,6 +325,7 @@ class SpecPolicy:
         prior_weight: float = 4.0,
         stale_decay: float = 0.95,
         pair_window: int = 32,
+        acceptance_warmup: int = 8,
     ) -> None:
         if k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {k_max}")
@@ -354,6 +357,17 @@ class SpecPolicy:
         if not 0.0 < stale_decay <= 1.0:
             raise ValueError(f"stale_decay must be in (0, 1], got {stale_decay}")
         self.stale_decay = stale_decay
+        if acceptance_warmup < 0:
+            raise ValueError(f"acceptance_warmup must be >= 0, got {acceptance_warmup}")
+        # Until the first draft position has been seen this many times, the expected
+        # tokens are the prior's (0.5 a position), under which one draft looks best. A
+        # run started from kept step times then chose by them before its first
+        # acceptance came in: `spectrio bench` at batch 16 drafted k = 0 on its first 9-11
+        # steps of every warm round (the kept times had no k = 0 to compare with, so it
+        # was explored), about 1% of the round, and k = 0 on 10 steps at batch 1. k_max
+        # observes every position at once; a cold run starts there anyway.
+        self.acceptance_warmup = acceptance_warmup
+        self._first_position_seen = 0
         self._reached = [_Decayed() for _ in range(k_max)]  # per draft position
         self._times: dict[int, _BucketTimes] = {}  # per batch bucket
         self._extra: dict[int, _ExtraRowCost] = {}  # per batch bucket
@@ -365,6 +379,8 @@ class SpecPolicy:
     def observe_acceptance(self, num_drafts: int, num_accepted: int) -> None:
         """One sequence's step: drafts 1..num_accepted were accepted and, when
         ``num_accepted < num_drafts``, draft ``num_accepted + 1`` was rejected."""
+        if num_drafts > 0:
+            self._first_position_seen += 1
         for j in range(min(num_drafts, num_accepted + 1, self.k_max)):
             self._reached[j].add(1.0 if j < num_accepted else 0.0, self.acceptance_decay)
 
@@ -495,6 +511,10 @@ class SpecPolicy:
         if not self.adaptive or self.k_max == 0 or num_seqs <= 0:
             return self.k_max
         k = self._choose(num_seqs)
+        if self._first_position_seen < self.acceptance_warmup:
+            # Where nothing is timed yet, the choice was k_max already (exploration
+            # starts there): a cold run is not changed.
+            k, self._probing = self.k_max, None
         for r in self._reached[k:]:  # the positions this step does not draft
             r.value *= self.stale_decay
             r.weight *= self.stale_decay

@@ -446,7 +446,8 @@ def test_steps_that_all_carry_prompt_rows_are_timed_with_those_rows_taken_off() 
 
 def test_a_policy_started_from_kept_timings_does_not_explore_again() -> None:
     """A cold policy explores from k_max down; one started from an earlier run's
-    timings (through JSON, as the timing cache keeps them) runs the best k at once."""
+    timings (through JSON, as the timing cache keeps them) runs the best k once it has
+    seen one step's acceptance."""
     b = 64
     best = max(range(4), key=lambda k: _true_rate(k, b, ACCEPT, CPU_LIKE))
     earlier = SpecPolicy(3)
@@ -456,8 +457,18 @@ def test_a_policy_started_from_kept_timings_does_not_explore_again() -> None:
     warm.import_timings(kept)
     assert warm.step_times() and not cold.step_times()
     first_cold = [cold.choose(b) for _ in range(12)]
-    first_warm = [warm.choose(b) for _ in range(12)]
-    assert first_cold[0] == 3 != best and set(first_warm) == {best}, (first_cold, first_warm)
+    rng = np.random.default_rng(7)
+    first_warm = []
+    for _ in range(12):
+        first_warm.append(k := warm.choose(b))
+        for _ in range(b):
+            n = 0
+            while n < k and rng.random() < ACCEPT[n]:
+                n += 1
+            warm.observe_acceptance(k, n)
+    # its first step drafts k_max all the same, to see the acceptance it weighs times by
+    assert first_cold[0] == 3 != best and first_warm[0] == 3, (first_cold, first_warm)
+    assert set(first_warm[1:]) == {best}, first_warm
     # and it goes on learning: the machine changed (drafts now nearly free), so its own
     # samples push the kept ones out and it moves to more drafts
     cheap = {**CPU_LIKE, "per_row": 0.002e-3, "draft_per_row": 0.0}
@@ -483,6 +494,30 @@ def test_kept_timings_of_another_shape_are_refused_whole(data: dict) -> None:
     with pytest.raises(ValueError):
         policy.import_timings(data)
     assert policy.export_timings() == before
+
+
+def test_kept_timings_wait_for_the_first_acceptance() -> None:
+    """Before any acceptance is seen the expected tokens are the prior's (0.5 a
+    position), under which the fewest drafts look best: kept times of k = 1-4 (the
+    bench's batch 16: none for k = 0) sent a warm run to explore k = 0 on its first
+    steps. It drafts k_max until the first position has been seen ``acceptance_warmup``
+    times (one sequence's steps at batch 1: that many steps), then chooses by the times."""
+    kept = {
+        "k_max": 4,
+        "buckets": {"1": {"pairs": {}, "times": {"1": 0.030, "2": 0.039, "3": 0.048, "4": 0.055}}},
+    }
+    blind = SpecPolicy(4, acceptance_warmup=0)
+    blind.import_timings(kept)
+    assert blind.choose(1) == 0  # the failure this guards against
+    policy = SpecPolicy(4)
+    policy.import_timings(kept)
+    chosen = []
+    for _ in range(12):
+        chosen.append(k := policy.choose(1))
+        policy.observe_acceptance(k, min(k, 4))  # every draft accepted
+    assert chosen == [4] * 12, chosen
+    with pytest.raises(ValueError, match="acceptance_warmup"):
+        SpecPolicy(4, acceptance_warmup=-1)
 
 
 def test_a_neighbour_clearly_behind_is_probed_half_as_often() -> None:
