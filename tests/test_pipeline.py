@@ -77,7 +77,13 @@ async def test_greedy_output_equals_reference_in_float64(
         # timing of k = 2 and never try a third k.
         monkeypatch.setattr(
             "spectrio.stages.scheduling.SpecPolicy",
-            functools.partial(SpecPolicy, warmup_steps=0, prior_acceptance=0.0, prior_weight=1e9),
+            functools.partial(
+                SpecPolicy,
+                warmup_steps=0,
+                acceptance_warmup=0,
+                prior_acceptance=0.0,
+                prior_weight=1e9,
+            ),
         )
     batch = prompts(bundled64.tokenizer)  # type: ignore[attr-defined]
     assert len(batch) >= 20

@@ -64,7 +64,8 @@ def adaptive_scheduler(k: int, speculative: tuple[bool, ...], prompt_len: int = 
         speculative=SpeculativeConfig(num_speculative_tokens=k, adaptive=True),
     )
     sched = Scheduler(cfg, BlockManager(64, cfg.block_size))
-    sched.policy.warmup_steps = 0  # the warm-up rule has its own test (test_spec_policy)
+    # the warm-up rules have their own tests (test_spec_policy)
+    sched.policy.warmup_steps = sched.policy.acceptance_warmup = 0
     for i, flag in enumerate(speculative):
         sched.add(
             Sequence(
