@@ -364,8 +364,8 @@ class SpecPolicy:
         # run started from kept step times then chose by them before its first
         # acceptance came in: `spectrio bench` at batch 16 drafted k = 0 on its first 9-11
         # steps of every warm round (the kept times had no k = 0 to compare with, so it
-        # was explored), about 1% of the round, and k = 0 on 10 steps at batch 1. k_max
-        # observes every position at once; a cold run starts there anyway.
+        # was explored), about 1% of the round. k_max observes every position at once;
+        # a cold run starts there anyway.
         self.acceptance_warmup = acceptance_warmup
         self._first_position_seen = 0
         self._reached = [_Decayed() for _ in range(k_max)]  # per draft position
