@@ -60,8 +60,8 @@ A run drafts ``k_max`` until the first draft position has been seen
 only the prior's. Exploration starts at ``k_max`` (after a batch size's first
 ``warmup_steps`` steps, which are not timed) and goes down one k at a time while the
 smaller k does better (each k runs twice: its first step pays one-time costs and is not
-counted); a batch bucket not timed yet borrows the times of a neighbouring one, scaled, instead of
-exploring again. One step in ``probe_every`` starts a probe that re-measures, for two
+counted); a batch bucket not timed yet borrows the times of a neighbouring one, scaled,
+instead of exploring again. One step in ``probe_every`` starts a probe that re-measures, for two
 steps (the first, after the best k, is not timed), whichever of the best k's two
 neighbours was timed longer ago (the larger on ties), so a noisy early timing is
 corrected, both neighbours' ratios stay current, and the next position's acceptance keeps

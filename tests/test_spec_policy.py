@@ -28,6 +28,18 @@ def _step_time(k: int, b: int, cost: dict[str, float]) -> float:
     return verify + draft
 
 
+def _observe_draws(
+    policy: SpecPolicy, k: int, b: int, accept: list[float], rng: np.random.Generator
+) -> None:
+    """One step's acceptance for ``b`` sequences of ``k`` drafts: draft i accepted with
+    probability ``accept[i]`` given the drafts before it."""
+    for _ in range(b):
+        n = 0
+        while n < k and rng.random() < accept[n]:
+            n += 1
+        policy.observe_acceptance(k, n)
+
+
 def _simulate(
     policy: SpecPolicy,
     b: int,
@@ -42,11 +54,7 @@ def _simulate(
     for _ in range(steps):
         k = policy.choose(b)
         chosen[k] += 1
-        for _ in range(b):
-            n = 0
-            while n < k and rng.random() < accept[n]:
-                n += 1
-            policy.observe_acceptance(k, n)
+        _observe_draws(policy, k, b, accept, rng)
         noise = 1.0 + 0.05 * rng.standard_normal()
         policy.observe_step(b, k, _step_time(k, b, cost) * noise)
     return chosen
@@ -428,11 +436,7 @@ def test_steps_that_all_carry_prompt_rows_are_timed_with_those_rows_taken_off() 
             k = policy.choose(64)
             if step >= 300:
                 chosen[k] += 1
-            for _ in range(64):
-                n = 0
-                while n < k and rng.random() < ACCEPT[n]:
-                    n += 1
-                policy.observe_acceptance(k, n)
+            _observe_draws(policy, k, 64, ACCEPT, rng)
             rows = (int(rng.choice([48, 96])), int(rng.choice([43, 86])))
             seconds = base[k] + per_row[0] * rows[0] + per_row[1] * rows[1]
             seconds *= np.exp(0.05 * rng.standard_normal())
@@ -461,11 +465,7 @@ def test_a_policy_started_from_kept_timings_does_not_explore_again() -> None:
     first_warm = []
     for _ in range(12):
         first_warm.append(k := warm.choose(b))
-        for _ in range(b):
-            n = 0
-            while n < k and rng.random() < ACCEPT[n]:
-                n += 1
-            warm.observe_acceptance(k, n)
+        _observe_draws(warm, k, b, ACCEPT, rng)
     # its first step drafts k_max all the same, to see the acceptance it weighs times by
     assert first_cold[0] == 3 != best and first_warm[0] == 3, (first_cold, first_warm)
     assert set(first_warm[1:]) == {best}, first_warm
