@@ -114,6 +114,9 @@ class Scheduler:
         self._by_id: dict[int, Sequence] = {}
         self._inflight: dict[int, dict[int, SeqWork]] = {}  # step -> seq id -> its work
         self._inflight_k: dict[int, int] = {}  # step -> the k the policy chose for it
+        # step -> whether requests waited for a slot when it was planned, and after it
+        # admitted (SpecPolicy.observe_occupancy)
+        self._inflight_queued: dict[int, tuple[bool, bool]] = {}
         self._released: list[int] = []
         self._aborted: list[str] = []  # request ids aborted since the last plan
         self._aborted_drafts: list[list[int]] = []  # their [drafts proposed, accepted]
@@ -207,6 +210,7 @@ class Scheduler:
             sum(1 for s in self.running if (s.decoding or s.pending) and s.speculative)
         )
         budget = self.config.max_chunk_tokens()
+        queued = bool(self.waiting)
         planned: list[tuple[Sequence, int, int]] = []  # (seq, rows, drafts)
         preempted: list[str] = []
         for seq in list(self.running):
@@ -266,6 +270,7 @@ class Scheduler:
         retired, self._retired = self._retired, []
         self._inflight[self._step] = {w.seq_id: w for w in works}
         self._inflight_k[self._step] = self._step_k
+        self._inflight_queued[self._step] = (queued, bool(self.waiting))
         if any(_decodes(w) for w in works):
             k = max((w.num_drafts for w in works), default=0)
             self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
@@ -409,6 +414,7 @@ class Scheduler:
             raise RuntimeError(f"result of step {result.step}; in flight: {sorted(self._inflight)}")
         works = self._inflight.pop(result.step)
         step_k = self._inflight_k.pop(result.step)
+        self._observe_occupancy(works, result, *self._inflight_queued.pop(result.step))
         if seconds is None:
             seconds = result.device_seconds or None
         if result.idle_seconds > IDLE_UNTIMED_S:
@@ -449,6 +455,23 @@ class Scheduler:
             if seq is not None or not work.pending:
                 raise RuntimeError(f"step {result.step} returned no result for sequence {seq_id}")
         return replace(result, results=published)
+
+    def _observe_occupancy(
+        self, works: dict[int, SeqWork], result: StepResult, queued: bool, still_queued: bool
+    ) -> None:
+        """Tell the policy the step's tokens and, if requests waited for a slot when it
+        was planned, the slots that advanced no request's decoding: its prefill works, the
+        free slots if requests still waited after it admitted, and half a step for each
+        request it finished (:meth:`SpecPolicy.observe_occupancy`)."""
+        tokens = sum(len(r.token_ids) for r in result.results)
+        overhead = 0.0
+        if queued:
+            decoding = sum(1 for w in works.values() if _decodes(w))
+            overhead = len(works) - decoding
+            if still_queued:
+                overhead += max(0, self.config.max_num_seqs - len(works))
+            overhead += 0.5 * sum(1 for r in result.results if r.finish_reason is not None)
+        self.policy.observe_occupancy(overhead, tokens)
 
     def _apply_sample(self, seq: Sequence, work: SeqWork, r: SeqResult) -> None:
         seq.output_ids.extend(r.token_ids)

@@ -2,11 +2,12 @@
 
 Pure logic: no Trio, no device, no clock. The scheduler asks :meth:`SpecPolicy.choose`
 once per step with the number of decoding sequences, and feeds back what happened
-(:meth:`observe_acceptance` per sequence, :meth:`observe_step` per step).
+(:meth:`observe_acceptance` per sequence, :meth:`observe_step` and
+:meth:`observe_occupancy` per step).
 
 The rule: pick the k that maximises expected tokens per second,
 
-    rate(k, B) = E[tokens per sequence | k] / T(B, k)
+    rate(k, B) = E[tokens per sequence | k] / ((1 + o * E[tokens | k]) * T(B, k))
 
 * ``E[tokens | k] = 1 + sum_{j=1..k} prod_{i<=j} a_i``, where ``a_i`` is the measured
   probability that draft i is accepted given that drafts 1..i-1 were (counted over
@@ -28,6 +29,10 @@ The rule: pick the k that maximises expected tokens per second,
   k = 3: 0.86 to 0.96, 0.986 to 0.989). It costs a little where acceptance is steady and
   falls with depth: deep positions revisited more often than needed (simulated at
   batch 4, 0.992 of the best k against 0.995);
+* ``o`` is the batch's slot-steps lost per emitted token while requests wait for a slot
+  (:meth:`SpecPolicy.observe_occupancy`: prefill steps, empty slots, a request's last
+  short step); 0 without a queue. A request pays them whatever k is, at k's step time,
+  so under a queue they take back part of what a larger k gains a step;
 * ``T(B, k)`` is the measured wall time of a step (draft substeps plus verification)
   with ``B`` decoding sequences in the same power-of-two bucket and k drafts each, each
   timing first scaled to the bucket's full size (:func:`scale_to_bucket`). Unscaled, the
@@ -326,6 +331,7 @@ class SpecPolicy:
         stale_decay: float = 0.95,
         pair_window: int = 32,
         acceptance_warmup: int = 8,
+        occupancy_decay: float = 0.99,
     ) -> None:
         if k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {k_max}")
@@ -368,6 +374,11 @@ class SpecPolicy:
         # a cold run starts there anyway.
         self.acceptance_warmup = acceptance_warmup
         self._first_position_seen = 0
+        if not 0.0 < occupancy_decay <= 1.0:
+            raise ValueError(f"occupancy_decay must be in (0, 1], got {occupancy_decay}")
+        self.occupancy_decay = occupancy_decay
+        self._overhead_slots = _Decayed()  # .value: slot-steps lost while requests waited
+        self._emitted = _Decayed()  # .value: tokens emitted, every step
         self._reached = [_Decayed() for _ in range(k_max)]  # per draft position
         self._times: dict[int, _BucketTimes] = {}  # per batch bucket
         self._extra: dict[int, _ExtraRowCost] = {}  # per batch bucket
@@ -383,6 +394,27 @@ class SpecPolicy:
             self._first_position_seen += 1
         for j in range(min(num_drafts, num_accepted + 1, self.k_max)):
             self._reached[j].add(1.0 if j < num_accepted else 0.0, self.acceptance_decay)
+
+    def observe_occupancy(self, overhead_slots: float, tokens: int) -> None:
+        """One step: ``tokens`` emitted, and ``overhead_slots`` of the batch's slots that
+        advanced no request's decoding while requests waited for one (0 when none waited):
+        a request's prefill steps, empty slots, and about half a step for each request that
+        finished (its last step stops short of a full step's tokens).
+
+        Under a queue a slot's every step costs a step's time, and each request pays such
+        steps however fast it decodes: a larger k finishes requests in fewer steps but still
+        pays them, each priced at its dearer step. A step's expected tokens alone leave that
+        out: at batch 64 (`spectrio bench`'s 384 requests of 128 tokens) k = 4 emitted 1.164x
+        the tokens of k = 3 a step where acceptance gave 1.189 (k = 3 over 2: 1.223 and
+        1.254), so a pair of k read level by step times ran 2-3% apart on throughput."""
+        self._overhead_slots.add(max(0.0, overhead_slots), self.occupancy_decay)
+        self._emitted.add(max(0, tokens), self.occupancy_decay)
+
+    def overhead_per_token(self) -> float:
+        """Slot-steps lost per emitted token while requests waited (recent steps weigh
+        more; 0 without a queue)."""
+        emitted = self._emitted.value
+        return self._overhead_slots.value / emitted if emitted > 0 else 0.0
 
     def observe_step(
         self,
@@ -531,9 +563,12 @@ class SpecPolicy:
         self._probing = None
         times = self._estimated_times(bucket)
         tokens = self._expected_tokens_all()
+        overhead = self.overhead_per_token()
 
         def rate(k: int) -> float:
-            return tokens[k] / times[k]
+            # Per token a sequence spends 1 / tokens[k] decode steps and ``overhead`` lost
+            # ones (observe_occupancy), all at this k's step time.
+            return tokens[k] / ((1.0 + overhead * tokens[k]) * times[k])
 
         # Explore downwards from k_max while each smaller k does better (the rate is
         # unimodal in k): at batch 1 the k below the best is timed, and k = 0 is not. A k

@@ -496,3 +496,45 @@ def test_a_steps_extra_rows_go_to_the_policy_beside_its_time() -> None:
     accept_all(sched, plan, 1.0)
     num_seqs, _, _, extra = observed[-1]
     assert (num_seqs, extra) == (1, (10, 0))  # one decoding sequence, and the new prompt's rows
+
+
+def test_slots_lost_under_a_queue_go_to_the_policy_with_every_steps_tokens() -> None:
+    """While requests wait for a slot, a step's prefill works, its free slots (if
+    requests still wait after it admitted) and half a step per request it finished are
+    slot-steps no request decoded in; the policy gets them with the step's tokens. Once
+    nobody waits they are 0, and the tokens still come."""
+    sched = make(k=2, max_num_seqs=2)
+    seen: list[tuple[float, int]] = []
+    observe = sched.policy.observe_occupancy
+
+    def recording(overhead_slots: float, tokens: int) -> None:
+        seen.append((overhead_slots, tokens))
+        observe(overhead_slots, tokens)
+
+    sched.policy.observe_occupancy = recording  # type: ignore[method-assign]
+    for i in range(3):
+        sched.add(seq(i, 4))
+
+    def fold(plan: StepPlan, finish: set[int]) -> None:
+        results = [
+            seq_result(w, 0, [7], "length" if w.seq_id in finish else None)
+            if w.sample
+            else seq_result(w, 0, [])
+            for w in plan.seqs
+        ]
+        sched.update(StepResult(step=plan.step, results=results))
+
+    plan = sched.schedule()
+    assert plan is not None and len(plan.seqs) == 2 and len(sched.waiting) == 1
+    fold(plan, set())  # two prefills, a request still waiting
+    plan = sched.schedule()
+    assert plan is not None
+    fold(plan, {0})  # both decode; r0 finishes
+    plan = sched.schedule()
+    assert plan is not None and len(sched.waiting) == 0
+    fold(plan, set())  # r2's prefill, admitted from the queue; nobody waits after
+    plan = sched.schedule()
+    assert plan is not None
+    fold(plan, {1, 2})  # nobody waited: nothing lost
+    assert seen == [(2.0, 2), (0.5, 2), (1.0, 2), (0.0, 2)]
+    assert sched.policy.overhead_per_token() == pytest.approx(3.5 / 8, rel=0.05)

@@ -538,3 +538,33 @@ def test_a_neighbour_clearly_behind_is_probed_half_as_often() -> None:
     _simulate(policy, b, accept, CPU_LIKE, steps=400)
     late = _simulate(policy, b, accept, CPU_LIKE, steps=480, seed=1)
     assert sum(n for k, n in late.items() if k != late.most_common(1)[0][0]) >= 480 // 24 * 2 - 4
+
+
+def test_slots_lost_under_a_queue_tip_a_near_tie_to_fewer_drafts() -> None:
+    """Every draft accepted, k = 4 emits 5/4 of k = 3's tokens a step for 1.24x its time:
+    1% ahead on a step's rate. A queue that costs 2 slot-steps per 100 tokens (prefills,
+    free slots, short last steps: ``observe_occupancy``) charges each k them at its own
+    step time, which puts k = 3 2% ahead; once nobody waits, that fades and k = 4 is
+    best again."""
+    kept = {
+        "k_max": 4,
+        "buckets": {
+            "64": {"pairs": {}, "times": {"0": 0.04, "1": 0.06, "2": 0.08, "3": 0.1, "4": 0.124}}
+        },
+    }
+    policy = SpecPolicy(4, acceptance_warmup=0, prior_weight=0.0)
+    policy.import_timings(kept)
+    for _ in range(50):
+        policy.observe_acceptance(4, 4)
+    assert policy.overhead_per_token() == 0.0
+    assert policy.choose(64) == 4
+    for _ in range(20):
+        policy.observe_occupancy(2.0, 100)
+    assert policy.overhead_per_token() == pytest.approx(0.02)
+    assert policy.choose(64) == 3
+    for _ in range(400):  # the queue is gone: no slot is lost
+        policy.observe_occupancy(0.0, 100)
+    assert policy.overhead_per_token() < 0.001
+    assert policy.choose(64) == 4
+    with pytest.raises(ValueError, match="occupancy_decay"):
+        SpecPolicy(4, occupancy_decay=0.0)
