@@ -44,7 +44,8 @@ class Server:
         return self.proc.pid
 
     def stderr(self) -> str:
-        self._err.flush()
+        if not self._err.closed:
+            self._err.flush()
         return self.stderr_path.read_text()
 
     def wait_endpoints(self, timeout: float = START_TIMEOUT) -> dict[str, str]:
@@ -82,7 +83,13 @@ def servers() -> Iterator[list[Server]]:
     started: list[Server] = []
     yield started
     for server in started:
+        running = server.proc.poll() is None
+        err = server.stderr()
         server.stop()
+        # Captured, so pytest shows it with a failing test only: the server's side (a
+        # client timeout alone says nothing of whether the server hung, died or lost output).
+        state = "killed at teardown" if running else f"exited {server.proc.returncode}"
+        sys.stderr.write(f"--- serve pid {server.pid}, {state}; its stderr:\n{err[-8000:]}\n")
 
 
 def private_dir(path: Path) -> Path:
@@ -292,7 +299,9 @@ def test_one_sigterm_with_the_default_grace_exits_within_15_s(
 ) -> None:
     """The longest sequence: one signal, the default 10 s grace outlived by every request."""
     server = Server(
-        tmp_path, "serve", "--run-dir", str(tmp_path / "run"), "--max-model-len", "2000"
+        tmp_path,
+        *("--log-level", "info"),  # for the fixture's report, should this ever time out
+        *("serve", "--run-dir", str(tmp_path / "run"), "--max-model-len", "2000"),
     )
     servers.append(server)
     eps = server.wait_endpoints()
