@@ -461,8 +461,12 @@ class Scheduler:
     ) -> None:
         """Tell the policy the step's tokens and, if requests waited for a slot when it
         was planned, the slots that advanced no request's decoding: its prefill works, the
-        free slots if requests still waited after it admitted, and half a step for each
-        request it finished (:meth:`SpecPolicy.observe_occupancy`)."""
+        slots it left unplanned (free, or a running request with nothing to run) if
+        requests still waited after it admitted, and half a step for each request it
+        finished (:meth:`SpecPolicy.observe_occupancy`). A step with no work (it only
+        reports aborts or preemptions) runs nothing on the device and is left out."""
+        if not works:
+            return
         tokens = sum(len(r.token_ids) for r in result.results)
         overhead = 0.0
         if queued:

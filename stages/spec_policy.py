@@ -29,10 +29,11 @@ The rule: pick the k that maximises expected tokens per second,
   k = 3: 0.86 to 0.96, 0.986 to 0.989). It costs a little where acceptance is steady and
   falls with depth: deep positions revisited more often than needed (simulated at
   batch 4, 0.992 of the best k against 0.995);
-* ``o`` is the batch's slot-steps lost per emitted token while requests wait for a slot
-  (:meth:`SpecPolicy.observe_occupancy`: prefill steps, empty slots, a request's last
-  short step); 0 without a queue. A request pays them whatever k is, at k's step time,
-  so under a queue they take back part of what a larger k gains a step;
+* ``o`` is the batch's slot-steps lost while requests wait for a slot, per token emitted
+  over the last hundred or so steps (:meth:`SpecPolicy.observe_occupancy`: prefill
+  steps, unplanned slots, a request's last short step); without a queue it fades to 0. A
+  request pays them whatever k is, at k's step time, so under a queue they take back
+  part of what a larger k gains a step;
 * ``T(B, k)`` is the measured wall time of a step (draft substeps plus verification)
   with ``B`` decoding sequences in the same power-of-two bucket and k drafts each, each
   timing first scaled to the bucket's full size (:func:`scale_to_bucket`). Unscaled, the
@@ -398,8 +399,8 @@ class SpecPolicy:
     def observe_occupancy(self, overhead_slots: float, tokens: int) -> None:
         """One step: ``tokens`` emitted, and ``overhead_slots`` of the batch's slots that
         advanced no request's decoding while requests waited for one (0 when none waited):
-        a request's prefill steps, empty slots, and about half a step for each request that
-        finished (its last step stops short of a full step's tokens).
+        a request's prefill steps, slots left unplanned, and about half a step for each
+        request that finished (its last step stops short of a full step's tokens).
 
         Under a queue a slot's every step costs a step's time, and each request pays such
         steps however fast it decodes: a larger k finishes requests in fewer steps but still
@@ -411,8 +412,8 @@ class SpecPolicy:
         self._emitted.add(max(0, tokens), self.occupancy_decay)
 
     def overhead_per_token(self) -> float:
-        """Slot-steps lost per emitted token while requests waited (recent steps weigh
-        more; 0 without a queue)."""
+        """Slot-steps lost while requests waited, per token emitted (both decayed at
+        ``occupancy_decay`` a step: without a queue it fades towards 0)."""
         emitted = self._emitted.value
         return self._overhead_slots.value / emitted if emitted > 0 else 0.0
 

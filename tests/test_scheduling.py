@@ -498,12 +498,9 @@ def test_a_steps_extra_rows_go_to_the_policy_beside_its_time() -> None:
     assert (num_seqs, extra) == (1, (10, 0))  # one decoding sequence, and the new prompt's rows
 
 
-def test_slots_lost_under_a_queue_go_to_the_policy_with_every_steps_tokens() -> None:
-    """While requests wait for a slot, a step's prefill works, its free slots (if
-    requests still wait after it admitted) and half a step per request it finished are
-    slot-steps no request decoded in; the policy gets them with the step's tokens. Once
-    nobody waits they are 0, and the tokens still come."""
-    sched = make(k=2, max_num_seqs=2)
+def record_occupancy(sched: Scheduler) -> list[tuple[float, int]]:
+    """What the scheduler files with its policy from now on, one entry per
+    :meth:`SpecPolicy.observe_occupancy` call: (overhead slots, tokens)."""
     seen: list[tuple[float, int]] = []
     observe = sched.policy.observe_occupancy
 
@@ -512,6 +509,16 @@ def test_slots_lost_under_a_queue_go_to_the_policy_with_every_steps_tokens() -> 
         observe(overhead_slots, tokens)
 
     sched.policy.observe_occupancy = recording  # type: ignore[method-assign]
+    return seen
+
+
+def test_slots_lost_under_a_queue_go_to_the_policy_with_every_steps_tokens() -> None:
+    """While requests wait for a slot, a step's prefill works, its free slots (if
+    requests still wait after it admitted) and half a step per request it finished are
+    slot-steps no request decoded in; the policy gets them with the step's tokens. Once
+    nobody waits they are 0, and the tokens still come."""
+    sched = make(k=2, max_num_seqs=2)
+    seen = record_occupancy(sched)
     for i in range(3):
         sched.add(seq(i, 4))
 
@@ -538,3 +545,17 @@ def test_slots_lost_under_a_queue_go_to_the_policy_with_every_steps_tokens() -> 
     fold(plan, {1, 2})  # nobody waited: nothing lost
     assert seen == [(2.0, 2), (0.5, 2), (1.0, 2), (0.0, 2)]
     assert sched.policy.overhead_per_token() == pytest.approx(3.5 / 8, rel=0.05)
+
+
+def test_slots_a_step_leaves_unplanned_under_a_queue_are_lost_too() -> None:
+    """A token budget that admits one prompt and a chunk of the next leaves the third
+    slot unplanned while two requests still wait: three slot-steps lost, one token."""
+    sched = make(k=2, max_num_seqs=3, max_num_batched_tokens=9)
+    seen = record_occupancy(sched)
+    for i in range(4):
+        sched.add(seq(i, 8))
+    plan = sched.schedule()
+    assert plan is not None
+    assert [len(w.token_ids) for w in plan.seqs] == [8, 1] and len(sched.waiting) == 2
+    finish_step(sched, plan)
+    assert seen == [(3.0, 1)]

@@ -84,12 +84,14 @@ def servers() -> Iterator[list[Server]]:
     yield started
     for server in started:
         running = server.proc.poll() is None
-        err = server.stderr()
-        server.stop()
-        # Captured, so pytest shows it with a failing test only: the server's side (a
-        # client timeout alone says nothing of whether the server hung, died or lost output).
-        state = "killed at teardown" if running else f"exited {server.proc.returncode}"
-        sys.stderr.write(f"--- serve pid {server.pid}, {state}; its stderr:\n{err[-8000:]}\n")
+        try:
+            server.stop()
+        finally:
+            # Captured, so pytest shows it with a failing test only: the server's side (a
+            # client timeout alone says nothing of whether it hung, died or lost output).
+            state = "killed at teardown" if running else f"exited {server.proc.returncode}"
+            err = server.stderr_path.read_text(errors="replace")[-8000:]
+            sys.stderr.write(f"--- serve pid {server.pid}, {state}; its stderr:\n{err}\n")
 
 
 def private_dir(path: Path) -> Path:

@@ -544,7 +544,7 @@ def test_slots_lost_under_a_queue_tip_a_near_tie_to_fewer_drafts() -> None:
     """Every draft accepted, k = 4 emits 5/4 of k = 3's tokens a step for 1.24x its time:
     1% ahead on a step's rate. A queue that costs 2 slot-steps per 100 tokens (prefills,
     free slots, short last steps: ``observe_occupancy``) charges each k them at its own
-    step time, which puts k = 3 2% ahead; once nobody waits, that fades and k = 4 is
+    step time, which puts k = 3 1% ahead; once nobody waits, that fades and k = 4 is
     best again."""
     kept = {
         "k_max": 4,
