@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import pytest
 from scheduler_helpers import seq_result
 
@@ -43,14 +45,18 @@ def finish_step(
     accepted: int | None = 0,
     seconds: float | None = None,
     idle: float = 0.0,
+    finish: Collection[int] = (),
 ) -> None:
     """Fold ``plan`` in: each sampling sequence emits ``accepted`` drafts (None: all of
-    its drafts) plus ``emit`` tokens; ``seconds`` times the step for the policy, which
-    the device waited ``idle`` seconds for."""
+    its drafts) plus ``emit`` tokens, and those in ``finish`` (seq ids) end by length;
+    ``seconds`` times the step for the policy, which the device waited ``idle`` seconds
+    for."""
     results = []
     for w in plan.seqs:
         n = w.num_drafts if accepted is None else accepted
-        results.append(seq_result(w, n, [7] * (n + emit)) if w.sample else seq_result(w, 0, []))
+        reason = "length" if w.seq_id in finish else None
+        sampled = seq_result(w, n, [7] * (n + emit), reason)
+        results.append(sampled if w.sample else seq_result(w, 0, []))
     s.update(StepResult(step=plan.step, results=results, idle_seconds=idle), seconds=seconds)
 
 
@@ -521,28 +527,18 @@ def test_slots_lost_under_a_queue_go_to_the_policy_with_every_steps_tokens() -> 
     seen = record_occupancy(sched)
     for i in range(3):
         sched.add(seq(i, 4))
-
-    def fold(plan: StepPlan, finish: set[int]) -> None:
-        results = [
-            seq_result(w, 0, [7], "length" if w.seq_id in finish else None)
-            if w.sample
-            else seq_result(w, 0, [])
-            for w in plan.seqs
-        ]
-        sched.update(StepResult(step=plan.step, results=results))
-
     plan = sched.schedule()
     assert plan is not None and len(plan.seqs) == 2 and len(sched.waiting) == 1
-    fold(plan, set())  # two prefills, a request still waiting
+    finish_step(sched, plan)  # two prefills, a request still waiting
     plan = sched.schedule()
     assert plan is not None
-    fold(plan, {0})  # both decode; r0 finishes
+    finish_step(sched, plan, finish={0})  # both decode; r0 finishes
     plan = sched.schedule()
     assert plan is not None and len(sched.waiting) == 0
-    fold(plan, set())  # r2's prefill, admitted from the queue; nobody waits after
+    finish_step(sched, plan)  # r2's prefill, admitted from the queue; nobody waits after
     plan = sched.schedule()
     assert plan is not None
-    fold(plan, {1, 2})  # nobody waited: nothing lost
+    finish_step(sched, plan, finish={1, 2})  # nobody waited: nothing lost
     assert seen == [(2.0, 2), (0.5, 2), (1.0, 2), (0.0, 2)]
     assert sched.policy.overhead_per_token() == pytest.approx(3.5 / 8, rel=0.05)
 
