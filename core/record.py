@@ -62,6 +62,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from spectrio.cuda_kernels.record_layout import record_words
 from spectrio.cuda_kernels.reference import (
     HEADER_WORDS,
     KIND_DRAFT,
@@ -132,10 +133,7 @@ class StepRecord:
 
 def record_nbytes(bsz: int, num_tokens: int, width: int) -> int:
     """Size in bytes of a record with these dimensions."""
-    words = HEADER_WORDS + bsz + num_tokens
-    if width:
-        words += 2 * num_tokens * width + num_tokens
-    return 4 * words
+    return 4 * record_words(bsz, num_tokens, width)
 
 
 def pack_step_record(

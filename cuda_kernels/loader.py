@@ -51,6 +51,7 @@ __all__ = [
 KERNEL_SOURCES: dict[str, str] = {
     "speculate_save": "speculate_save.cu",
     "pack_topk": "pack_topk.cu",
+    "step_record": "step_record.cu",
 }
 """Kernel name -> source file in this package."""
 

@@ -1,0 +1,159 @@
+// step_record: one whole step record (header, accept_num, CSR token_ids and, when
+// width > 0, lp_ids, lp_vals, ranks), written in the wire layout into `out`.
+//
+// Semantics (byte-identical to spectrio.cuda_kernels.record_layout.step_record_ref;
+// the layout is documented in spectrio/core/record.py):
+//
+//   accept_num[i] = -9                        if preempted[i]
+//                 = 0                         else if seq_lens_decoder[i] < prompt_lens[i]
+//                 = accept_counts[i]          otherwise (clamped to [0, cols])
+//   token t of the record belongs to slot s = the slot whose CSR range holds t, at
+//   position j = t - off[s] (off = exclusive prefix sum of max(accept_num, 0));
+//   row(t) = lp_rows_compact ? t : s * tok_stride + j
+//   token_ids[t]    = accepted_tokens[s * tok_stride + j]
+//   lp_ids[t, c]    = c <= topn[s] ? topk_ids[row(t) * w_max + c]  : -1
+//   lp_vals[t, c]   = c <= topn[s] ? topk_vals[row(t) * w_max + c] : 0.0f  (bits copied)
+//   ranks[t]        = topn[s] >= 0 ? ranks[row(t)] : -1
+//   words [record end, fill_to) of `out` are set to 0 (so a fixed-size copy of the
+//   first fill_to words reads only written memory).
+//
+// The per-step scalars live in `params` (read once per block), so one captured launch
+// serves every step of a captured batch size:
+//   params[0] bsz (<= STEP_RECORD_MAX_BSZ), [1] cols = k + 1 this step (<= tok_stride),
+//   params[2] kind | (width << 8) (width <= w_max), [3] fill_to (words, 0: none).
+//
+// Launch: any 1-D grid of STEP_RECORD_THREADS-thread blocks. Every block scans the
+// (<= 1024) slots itself in shared memory, so no block waits for another; the grid
+// then shares the record's words, consecutive threads writing consecutive words.
+
+#define STEP_RECORD_MAX_BSZ 1024
+#define STEP_RECORD_THREADS 256
+#define PREEMPTED_ACCEPT_NUM (-9)
+
+extern "C" __global__ void __launch_bounds__(STEP_RECORD_THREADS) step_record(
+    const volatile int* __restrict__ params,      // [4], see above
+    const int* __restrict__ accepted_tokens,      // [>= bsz, tok_stride]
+    const int tok_stride,
+    const int* __restrict__ accept_counts,        // [>= bsz]
+    const unsigned char* __restrict__ preempted,  // [>= bsz], nonzero = preempted/aborted
+    const int* __restrict__ seq_lens_decoder,     // [>= bsz]
+    const int* __restrict__ prompt_lens,          // [>= bsz]
+    const int* __restrict__ topn,                 // [>= bsz], top-N per slot, -1 none
+    const int* __restrict__ topk_ids,             // [rows, w_max]
+    const int* __restrict__ topk_val_bits,        // [rows, w_max] float32 read as bits
+    const int* __restrict__ ranks,                // [rows]
+    const int w_max,
+    const int lp_rows_compact,
+    const int version,
+    int* __restrict__ out)
+{
+    __shared__ int s_acc[STEP_RECORD_MAX_BSZ];
+    __shared__ int s_off[STEP_RECORD_MAX_BSZ + 1];
+    __shared__ int s_part[STEP_RECORD_THREADS];
+    __shared__ int s_par[4];
+
+    const int tid = threadIdx.x;
+    if (tid < 4) {
+        s_par[tid] = params[tid];
+    }
+    __syncthreads();
+    const int bsz = s_par[0];
+    const int cols = s_par[1];
+    const int packed = s_par[2];
+    const int fill_to = s_par[3];
+    const int width = packed >> 8;
+
+    // accept_num per slot; each thread owns a contiguous run of slots.
+    const int per = (bsz + STEP_RECORD_THREADS - 1) / STEP_RECORD_THREADS;
+    const int first = tid * per;
+    const int last = min(first + per, bsz);
+    int local = 0;
+    for (int i = first; i < last; ++i) {
+        int accept;
+        if (preempted[i]) {
+            accept = PREEMPTED_ACCEPT_NUM;
+        } else if (seq_lens_decoder[i] < prompt_lens[i]) {
+            accept = 0;
+        } else {
+            const int c = accept_counts[i];
+            accept = c < 0 ? 0 : (c > cols ? cols : c);
+        }
+        s_acc[i] = accept;
+        local += accept > 0 ? accept : 0;
+    }
+    // Inclusive Hillis-Steele scan of the per-thread sums.
+    s_part[tid] = local;
+    __syncthreads();
+    for (int stride = 1; stride < STEP_RECORD_THREADS; stride <<= 1) {
+        const int add = tid >= stride ? s_part[tid - stride] : 0;
+        __syncthreads();
+        s_part[tid] += add;
+        __syncthreads();
+    }
+    int run = s_part[tid] - local;  // exclusive
+    for (int i = first; i < last; ++i) {
+        s_off[i] = run;
+        run += s_acc[i] > 0 ? s_acc[i] : 0;
+    }
+    if (tid == STEP_RECORD_THREADS - 1) {
+        s_off[bsz] = s_part[tid];
+    }
+    __syncthreads();
+
+    const int n = s_off[bsz];
+    const long long tok_at = 4 + (long long)bsz;
+    const long long lp_ids_at = tok_at + n;
+    const long long block = (long long)n * width;
+    const long long lp_vals_at = lp_ids_at + block;
+    const long long ranks_at = lp_vals_at + block;
+    const long long end = width > 0 ? ranks_at + n : tok_at + n;
+
+    const long long gtid = (long long)blockIdx.x * blockDim.x + tid;
+    const long long gstride = (long long)gridDim.x * blockDim.x;
+
+    for (long long w = gtid; w < tok_at; w += gstride) {
+        int v;
+        if (w == 0) v = version;
+        else if (w == 1) v = packed;
+        else if (w == 2) v = bsz;
+        else if (w == 3) v = n;
+        else v = s_acc[w - 4];
+        out[w] = v;
+    }
+
+    // The slot owning token t: the largest s with off[s] <= t (always an emitting slot).
+    for (long long t = gtid; t < n; t += gstride) {
+        int lo = 0, hi = bsz - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_off[mid] <= t) lo = mid; else hi = mid - 1;
+        }
+        const int j = (int)(t - s_off[lo]);
+        const long long src = (long long)lo * tok_stride + j;
+        out[tok_at + t] = accepted_tokens[src];
+        if (width > 0) {
+            const long long row = lp_rows_compact ? t : src;
+            out[ranks_at + t] = topn[lo] >= 0 ? ranks[row] : -1;
+        }
+    }
+
+    for (long long w = gtid; w < block; w += gstride) {
+        const long long t = w / width;
+        const int c = (int)(w - t * width);
+        int lo = 0, hi = bsz - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_off[mid] <= t) lo = mid; else hi = mid - 1;
+        }
+        const long long row =
+            lp_rows_compact ? t : (long long)lo * tok_stride + (t - s_off[lo]);
+        const bool want = c <= topn[lo];
+        const long long src = row * w_max + c;
+        out[lp_ids_at + w] = want ? topk_ids[src] : -1;
+        out[lp_vals_at + w] = want ? topk_val_bits[src] : 0;
+    }
+
+    for (long long w = end + gtid; w < fill_to; w += gstride) {
+        out[w] = 0;
+    }
+}
