@@ -11,6 +11,8 @@ For each batch, k and logprob setting (none, top-20), every slot emitting k + 1 
 * ``graph`` / ``raw``: :class:`~spectrio.cuda_kernels.RecordWriter`, mapped pinned
   output, replaying its captured graph / launching the kernel directly;
 * ``copy``: the writer in copy mode (device buffer, then one bounded pinned copy), graph;
+* ``graph_h2d``: ``graph`` with the step's scalars always copied to the device first
+  (``mapped_param_blocks=0``), what grids above four blocks do anyway;
 * ``floor``: one launch of an empty kernel, one pinned copy of a record of the same size
   from device memory, one sync.
 
@@ -127,6 +129,9 @@ class GpuCase:
             "graph": RecordWriter(inputs, stream=self.stream, capture_sizes=sizes),
             "raw": RecordWriter(inputs, stream=self.stream, capture_sizes=sizes, graphs=False),
             "copy": RecordWriter(inputs, stream=self.stream, capture_sizes=sizes, mode="copy"),
+            "graph_h2d": RecordWriter(
+                inputs, stream=self.stream, capture_sizes=sizes, mapped_param_blocks=0
+            ),
         }
         try:
             if os.environ.get("BENCH_RECORD_NO_TORCH"):
@@ -244,12 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     cp, why = _gpu()
-    gpu_variants = ["wrapped", "graph", "raw", "copy", "floor"]
+    gpu_variants = ["wrapped", "graph", "raw", "copy", "graph_h2d", "floor"]
     if args.sanitize:
         # The writer's paths only: the wrapped path copies its whole capacity buffer,
         # which initcheck reports by design of that path.
         args.batch, args.k, args.reps, args.rounds = [1, 16, 300], [3], 2, 1
-        gpu_variants = ["graph", "raw", "copy", "floor"]
+        gpu_variants = ["graph", "raw", "copy", "graph_h2d", "floor"]
     variants = ["numpy"] + (gpu_variants if cp else [])
     results: list[dict[str, Any]] = []
     for bsz in args.batch:

@@ -34,3 +34,10 @@ for tool in memcheck racecheck initcheck synccheck; do
     --error-exitcode 9 python3 benchmarks/bench_record.py --sanitize >"$OUT/san_$tool.log" 2>&1
   echo "$tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|error" "$OUT/san_$tool.log" | tail -n 4
 done
+
+# Where a sanitizer points into step_record, its SASS (CuPy keeps the cubins it built).
+for f in "$HOME"/.cupy/kernel_cache/*.cubin; do
+  if cuobjdump -sass "$f" 2>/dev/null | grep -q "Function : step_record"; then
+    cuobjdump -sass "$f" >"$OUT/step_record.sass"
+  fi
+done

@@ -15,9 +15,12 @@ four integer stores into pinned memory, one graph launch and one wait:
   the kernel zeroes the words between the record's end and that bound, so the copy
   reads only written memory.
 
-The per-step scalars (batch size, k + 1, kind and width) live in pinned memory that the
-kernel reads, so one graph serves every step of a captured batch size; a real batch runs
-on the smallest captured size that holds it and its padded slots are not in the record.
+The per-step scalars (batch size, k + 1, kind and width) are written into pinned memory,
+so one graph serves every step of a captured batch size; a real batch runs on the smallest
+captured size that holds it and its padded slots are not in the record. A grid of at most
+``mapped_param_blocks`` blocks reads them straight from pinned memory; a larger one gets
+them through a 16-byte copy to the device captured before the launch, because every block
+reading pinned memory pays its own bus round trip and those add up.
 Records come out of a :class:`~spectrio.cuda_kernels.record_layout.RecordRing` of
 pinned buffers: a buffer is written again only after its holder let it go
 (:meth:`RecordBuffer.release`, or :meth:`RecordBuffer.release_when` a send tracker is
@@ -179,6 +182,8 @@ class RecordWriter:
             a publisher may still be sending).
         mode: ``"mapped"`` or ``"copy"`` (module docstring).
         graphs: replay captured graphs (default); False launches the kernel directly.
+        mapped_param_blocks: grids up to this many blocks read the step's scalars from
+            pinned memory; larger ones get them copied to the device first.
     """
 
     def __init__(
@@ -190,6 +195,7 @@ class RecordWriter:
         ring_size: int = 3,
         mode: str = "mapped",
         graphs: bool = True,
+        mapped_param_blocks: int = 4,
     ) -> None:
         cp = _cupy()
         self._cp = cp
@@ -266,6 +272,8 @@ class RecordWriter:
         self._cap = capacity_words(self.max_bsz, self.max_cols, self.w_max)
         self._records = _Pinned(cp, 4 * self._cap * ring_size)
         self._params = _Pinned(cp, 4 * _PARAM_WORDS * ring_size)
+        self._dparams = cp.empty(_PARAM_WORDS * ring_size, dtype=cp.int32)
+        self._mapped_param_blocks = mapped_param_blocks
         self._staging = cp.empty(self._cap * ring_size, dtype=cp.int32) if mode == "copy" else None
         self._events = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(ring_size)]
         self._bounds: list[int] = [0] * ring_size  # words the copy of each slot moves
@@ -285,11 +293,14 @@ class RecordWriter:
         pointers.append(np.uint64(slot_arrays["topn"].data.ptr) if lp else null)
         pointers += [np.uint64(lp[n].data.ptr) if lp else null for n in ("ids", "vals", "ranks")]
         pointers += [np.int32(self.w_max), np.int32(compact), np.int32(RECORD_VERSION)]
-        self._args: list[tuple[Any, ...]] = []
+        # Per slot: the arguments reading the scalars from pinned memory, and from the
+        # device copy.
+        self._args: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = []
         for slot in range(ring_size):
-            params = np.uint64(self._params.device_ptr + 4 * _PARAM_WORDS * slot)
             out = np.uint64(self._out_ptr(slot))
-            self._args.append((params, *pointers, out))
+            pinned = np.uint64(self._params.device_ptr + 4 * _PARAM_WORDS * slot)
+            device = np.uint64(int(self._dparams.data.ptr) + 4 * _PARAM_WORDS * slot)
+            self._args.append(((pinned, *pointers, out), (device, *pointers, out)))
 
     # ------------------------------------------------------------------ per step
 
@@ -365,10 +376,22 @@ class RecordWriter:
         return max(1, min(self._max_blocks, -(-items // STEP_RECORD_THREADS)))
 
     def _enqueue(self, size: int, slot: int, bound: int) -> None:
-        """The launch (and, in copy mode, the bounded copy) on the current stream."""
-        self._kernel((self._grid(size),), (STEP_RECORD_THREADS,), self._args[slot])
+        """The launch (with, where the grid asks for it, the scalars' copy before it and,
+        in copy mode, the bounded copy after it) on the current stream."""
+        rt = self._cp.cuda.runtime
+        grid = self._grid(size)
+        on_device = grid > self._mapped_param_blocks
+        if on_device:
+            off = 4 * _PARAM_WORDS * slot
+            rt.memcpyAsync(
+                int(self._dparams.data.ptr) + off,
+                self._params.host_ptr + off,
+                4 * _PARAM_WORDS,
+                rt.memcpyHostToDevice,
+                self._stream.ptr,
+            )
+        self._kernel((grid,), (STEP_RECORD_THREADS,), self._args[slot][on_device])
         if self._staging is not None:
-            rt = self._cp.cuda.runtime
             rt.memcpyAsync(
                 self._records.host_ptr + 4 * self._cap * slot,
                 self._out_ptr(slot),

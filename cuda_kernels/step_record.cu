@@ -17,8 +17,9 @@
 //   words [record end, fill_to) of `out` are set to 0 (so a fixed-size copy of the
 //   first fill_to words reads only written memory).
 //
-// The per-step scalars live in `params` (read once per block), so one captured launch
-// serves every step of a captured batch size:
+// The per-step scalars live in `params`, so one captured launch serves every step of a
+// captured batch size. `params` is either pinned host memory (each block then pays a bus
+// round trip, cheap for a few blocks) or a device copy of it made just before the launch:
 //   params[0] bsz (<= STEP_RECORD_MAX_BSZ), [1] cols = k + 1 this step (<= tok_stride),
 //   params[2] kind | (width << 8) (width <= w_max), [3] fill_to (words, 0: none).
 //
@@ -50,17 +51,13 @@ extern "C" __global__ void __launch_bounds__(STEP_RECORD_THREADS) step_record(
     __shared__ int s_acc[STEP_RECORD_MAX_BSZ];
     __shared__ int s_off[STEP_RECORD_MAX_BSZ + 1];
     __shared__ int s_part[STEP_RECORD_THREADS];
-    __shared__ int s_par[4];
 
     const int tid = threadIdx.x;
-    if (tid < 4) {
-        s_par[tid] = params[tid];
-    }
-    __syncthreads();
-    const int bsz = s_par[0];
-    const int cols = s_par[1];
-    const int packed = s_par[2];
-    const int fill_to = s_par[3];
+    // Every thread reads the four scalars itself (one broadcast load per warp).
+    const int bsz = params[0];
+    const int cols = params[1];
+    const int packed = params[2];
+    const int fill_to = params[3];
     const int width = packed >> 8;
 
     // accept_num per slot; each thread owns a contiguous run of slots.
