@@ -11,8 +11,6 @@ For each batch, k and logprob setting (none, top-20), every slot emitting k + 1 
 * ``graph`` / ``raw``: :class:`~spectrio.cuda_kernels.RecordWriter`, mapped pinned
   output, replaying its captured graph / launching the kernel directly;
 * ``copy``: the writer in copy mode (device buffer, then one bounded pinned copy), graph;
-* ``graph_h2d``: ``graph`` with the step's scalars always copied to the device first
-  (``mapped_param_blocks=0``), what grids above four blocks do anyway;
 * ``floor``: one launch of an empty kernel, one pinned copy of a record of the same size
   from device memory, one sync.
 
@@ -129,9 +127,6 @@ class GpuCase:
             "graph": RecordWriter(inputs, stream=self.stream, capture_sizes=sizes),
             "raw": RecordWriter(inputs, stream=self.stream, capture_sizes=sizes, graphs=False),
             "copy": RecordWriter(inputs, stream=self.stream, capture_sizes=sizes, mode="copy"),
-            "graph_h2d": RecordWriter(
-                inputs, stream=self.stream, capture_sizes=sizes, mapped_param_blocks=0
-            ),
         }
         try:
             if os.environ.get("BENCH_RECORD_NO_TORCH"):
@@ -243,18 +238,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 256, 1024])
     parser.add_argument("--k", type=int, nargs="+", default=[3, 8])
     parser.add_argument("--reps", type=int, default=300, help="steps per variant per round")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--sanitize", action="store_true", help="a few untimed steps")
     args = parser.parse_args(argv)
 
     cp, why = _gpu()
-    gpu_variants = ["wrapped", "graph", "raw", "copy", "graph_h2d", "floor"]
+    gpu_variants = ["wrapped", "graph", "raw", "copy", "floor"]
     if args.sanitize:
         # The writer's paths only: the wrapped path copies its whole capacity buffer,
         # which initcheck reports by design of that path.
         args.batch, args.k, args.reps, args.rounds = [1, 16, 300], [3], 2, 1
-        gpu_variants = ["graph", "raw", "copy", "graph_h2d", "floor"]
+        gpu_variants = ["graph", "raw", "copy", "floor"]
     variants = ["numpy"] + (gpu_variants if cp else [])
     results: list[dict[str, Any]] = []
     for bsz in args.batch:

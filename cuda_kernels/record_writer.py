@@ -15,12 +15,13 @@ four integer stores into pinned memory, one graph launch and one wait:
   the kernel zeroes the words between the record's end and that bound, so the copy
   reads only written memory.
 
-The per-step scalars (batch size, k + 1, kind and width) are written into pinned memory,
-so one graph serves every step of a captured batch size; a real batch runs on the smallest
-captured size that holds it and its padded slots are not in the record. A grid of at most
-``mapped_param_blocks`` blocks reads them straight from pinned memory; a larger one gets
-them through a 16-byte copy to the device captured before the launch, because every block
-reading pinned memory pays its own bus round trip and those add up.
+The per-step scalars (batch size, k + 1, kind and width) are written into pinned memory
+and reach the kernel through a 16-byte copy captured with it, so one graph serves every
+step of a captured batch size (a kernel reading pinned memory directly pays a serial bus
+round trip per load). A real batch runs on the smallest captured size that holds it; its
+padded slots are not in the record. Each size has two graphs, one with and one without
+a logprob block, because the grid is sized by the words the record can hold.
+
 Records come out of a :class:`~spectrio.cuda_kernels.record_layout.RecordRing` of
 pinned buffers: a buffer is written again only after its holder let it go
 (:meth:`RecordBuffer.release`, or :meth:`RecordBuffer.release_when` a send tracker is
@@ -182,8 +183,6 @@ class RecordWriter:
             a publisher may still be sending).
         mode: ``"mapped"`` or ``"copy"`` (module docstring).
         graphs: replay captured graphs (default); False launches the kernel directly.
-        mapped_param_blocks: grids up to this many blocks read the step's scalars from
-            pinned memory; larger ones get them copied to the device first.
     """
 
     def __init__(
@@ -195,7 +194,6 @@ class RecordWriter:
         ring_size: int = 3,
         mode: str = "mapped",
         graphs: bool = True,
-        mapped_param_blocks: int = 4,
     ) -> None:
         cp = _cupy()
         self._cp = cp
@@ -273,10 +271,8 @@ class RecordWriter:
         self._records = _Pinned(cp, 4 * self._cap * ring_size)
         self._params = _Pinned(cp, 4 * _PARAM_WORDS * ring_size)
         self._dparams = cp.empty(_PARAM_WORDS * ring_size, dtype=cp.int32)
-        self._mapped_param_blocks = mapped_param_blocks
         self._staging = cp.empty(self._cap * ring_size, dtype=cp.int32) if mode == "copy" else None
         self._events = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(ring_size)]
-        self._bounds: list[int] = [0] * ring_size  # words the copy of each slot moves
         self._graphs: dict[tuple[int, int, int], Any] = {}
 
         with cp.cuda.Device(self._device_id):
@@ -293,14 +289,10 @@ class RecordWriter:
         pointers.append(np.uint64(slot_arrays["topn"].data.ptr) if lp else null)
         pointers += [np.uint64(lp[n].data.ptr) if lp else null for n in ("ids", "vals", "ranks")]
         pointers += [np.int32(self.w_max), np.int32(compact), np.int32(RECORD_VERSION)]
-        # Per slot: the arguments reading the scalars from pinned memory, and from the
-        # device copy.
-        self._args: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = []
+        self._args: list[tuple[Any, ...]] = []
         for slot in range(ring_size):
-            out = np.uint64(self._out_ptr(slot))
-            pinned = np.uint64(self._params.device_ptr + 4 * _PARAM_WORDS * slot)
-            device = np.uint64(int(self._dparams.data.ptr) + 4 * _PARAM_WORDS * slot)
-            self._args.append(((pinned, *pointers, out), (device, *pointers, out)))
+            params = np.uint64(int(self._dparams.data.ptr) + 4 * _PARAM_WORDS * slot)
+            self._args.append((params, *pointers, np.uint64(self._out_ptr(slot))))
 
     # ------------------------------------------------------------------ per step
 
@@ -326,7 +318,6 @@ class RecordWriter:
         bound = 0
         if self._mode == "copy":
             bound = record_words(size, size * self.max_cols, width)
-        self._bounds[slot] = bound
         base = _PARAM_WORDS * slot
         words = self._params.words
         words[base] = bsz
@@ -334,16 +325,17 @@ class RecordWriter:
         words[base + 2] = kind | (width << 8)
         words[base + 3] = bound
         stream = self._stream
+        lp = width > 0
         if self._graphs_on:
-            key = (size, slot, width if self._mode == "copy" else 0)
+            key = (size, slot, width if self._mode == "copy" else int(lp))
             graph = self._graphs.get(key)
             if graph is None:
-                graph = self._capture(size, slot, bound)
+                graph = self._capture(size, slot, bound, lp)
                 self._graphs[key] = graph
             graph.launch(stream)
         else:
             with stream:
-                self._enqueue(size, slot, bound)
+                self._enqueue(size, slot, bound, lp)
         self._events[slot].record(stream)
         return PendingRecord(self, slot)
 
@@ -371,26 +363,25 @@ class RecordWriter:
             return int(self._staging.data.ptr) + 4 * self._cap * slot
         return self._records.device_ptr + 4 * self._cap * slot
 
-    def _grid(self, size: int) -> int:
-        items = max(size * self.max_cols * max(self.w_max, 1), 4 + size)
+    def _grid(self, size: int, lp: bool) -> int:
+        """Blocks for the largest record of a captured size: one thread per word of its
+        token ids or logprob block, at most two blocks per multiprocessor."""
+        items = max(size * self.max_cols * (self.w_max if lp else 1), 4 + size)
         return max(1, min(self._max_blocks, -(-items // STEP_RECORD_THREADS)))
 
-    def _enqueue(self, size: int, slot: int, bound: int) -> None:
-        """The launch (with, where the grid asks for it, the scalars' copy before it and,
-        in copy mode, the bounded copy after it) on the current stream."""
+    def _enqueue(self, size: int, slot: int, bound: int, lp: bool) -> None:
+        """The scalars' copy, the launch and, in copy mode, the bounded copy, on the
+        current stream."""
         rt = self._cp.cuda.runtime
-        grid = self._grid(size)
-        on_device = grid > self._mapped_param_blocks
-        if on_device:
-            off = 4 * _PARAM_WORDS * slot
-            rt.memcpyAsync(
-                int(self._dparams.data.ptr) + off,
-                self._params.host_ptr + off,
-                4 * _PARAM_WORDS,
-                rt.memcpyHostToDevice,
-                self._stream.ptr,
-            )
-        self._kernel((grid,), (STEP_RECORD_THREADS,), self._args[slot][on_device])
+        off = 4 * _PARAM_WORDS * slot
+        rt.memcpyAsync(
+            int(self._dparams.data.ptr) + off,
+            self._params.host_ptr + off,
+            4 * _PARAM_WORDS,
+            rt.memcpyHostToDevice,
+            self._stream.ptr,
+        )
+        self._kernel((self._grid(size, lp),), (STEP_RECORD_THREADS,), self._args[slot])
         if self._staging is not None:
             rt.memcpyAsync(
                 self._records.host_ptr + 4 * self._cap * slot,
@@ -400,10 +391,10 @@ class RecordWriter:
                 self._stream.ptr,
             )
 
-    def _capture(self, size: int, slot: int, bound: int) -> Any:
+    def _capture(self, size: int, slot: int, bound: int, lp: bool) -> Any:
         stream = self._stream
         with stream:
-            self._enqueue(size, slot, bound)  # loads the module outside the capture
+            self._enqueue(size, slot, bound, lp)  # loads the module outside the capture
         stream.synchronize()
         rt = self._cp.cuda.runtime
         stream.begin_capture(
@@ -411,7 +402,7 @@ class RecordWriter:
         )
         try:
             with stream:
-                self._enqueue(size, slot, bound)
+                self._enqueue(size, slot, bound, lp)
         finally:
             graph = stream.end_capture()
         graph.upload(stream)

@@ -17,9 +17,8 @@
 //   words [record end, fill_to) of `out` are set to 0 (so a fixed-size copy of the
 //   first fill_to words reads only written memory).
 //
-// The per-step scalars live in `params`, so one captured launch serves every step of a
-// captured batch size. `params` is either pinned host memory (each block then pays a bus
-// round trip, cheap for a few blocks) or a device copy of it made just before the launch:
+// The per-step scalars live in `params`, device memory the host's copy fills just before
+// the launch, so one captured launch serves every step of a captured batch size:
 //   params[0] bsz (<= STEP_RECORD_MAX_BSZ), [1] cols = k + 1 this step (<= tok_stride),
 //   params[2] kind | (width << 8) (width <= w_max), [3] fill_to (words, 0: none).
 //
@@ -32,7 +31,7 @@
 #define PREEMPTED_ACCEPT_NUM (-9)
 
 extern "C" __global__ void __launch_bounds__(STEP_RECORD_THREADS) step_record(
-    const volatile int* __restrict__ params,      // [4], see above
+    const int* __restrict__ params,               // [4], see above
     const int* __restrict__ accepted_tokens,      // [>= bsz, tok_stride]
     const int tok_stride,
     const int* __restrict__ accept_counts,        // [>= bsz]
@@ -49,23 +48,20 @@ extern "C" __global__ void __launch_bounds__(STEP_RECORD_THREADS) step_record(
     int* __restrict__ out)
 {
     __shared__ int s_acc[STEP_RECORD_MAX_BSZ];
-    __shared__ int s_off[STEP_RECORD_MAX_BSZ + 1];
-    __shared__ int s_part[STEP_RECORD_THREADS];
+    __shared__ int s_off[STEP_RECORD_MAX_BSZ];
+    __shared__ int s_warp[STEP_RECORD_THREADS / 32];
 
     const int tid = threadIdx.x;
-    // Every thread reads the four scalars itself (one broadcast load per warp).
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
     const int bsz = params[0];
     const int cols = params[1];
     const int packed = params[2];
     const int fill_to = params[3];
     const int width = packed >> 8;
 
-    // accept_num per slot; each thread owns a contiguous run of slots.
-    const int per = (bsz + STEP_RECORD_THREADS - 1) / STEP_RECORD_THREADS;
-    const int first = tid * per;
-    const int last = min(first + per, bsz);
-    int local = 0;
-    for (int i = first; i < last; ++i) {
+    // accept_num per slot, loaded slot after slot across the block (coalesced).
+    for (int i = tid; i < bsz; i += STEP_RECORD_THREADS) {
         int accept;
         if (preempted[i]) {
             accept = PREEMPTED_ACCEPT_NUM;
@@ -76,28 +72,42 @@ extern "C" __global__ void __launch_bounds__(STEP_RECORD_THREADS) step_record(
             accept = c < 0 ? 0 : (c > cols ? cols : c);
         }
         s_acc[i] = accept;
-        local += accept > 0 ? accept : 0;
-    }
-    // Inclusive Hillis-Steele scan of the per-thread sums.
-    s_part[tid] = local;
-    __syncthreads();
-    for (int stride = 1; stride < STEP_RECORD_THREADS; stride <<= 1) {
-        const int add = tid >= stride ? s_part[tid - stride] : 0;
-        __syncthreads();
-        s_part[tid] += add;
-        __syncthreads();
-    }
-    int run = s_part[tid] - local;  // exclusive
-    for (int i = first; i < last; ++i) {
-        s_off[i] = run;
-        run += s_acc[i] > 0 ? s_acc[i] : 0;
-    }
-    if (tid == STEP_RECORD_THREADS - 1) {
-        s_off[bsz] = s_part[tid];
     }
     __syncthreads();
 
-    const int n = s_off[bsz];
+    // Exclusive prefix sum of max(accept_num, 0): each thread owns a contiguous run of
+    // slots; the runs' sums are scanned within each warp by shuffles, then across warps.
+    const int per = (bsz + STEP_RECORD_THREADS - 1) / STEP_RECORD_THREADS;
+    const int first = min(tid * per, bsz);
+    const int last = min(first + per, bsz);
+    int local = 0;
+    for (int i = first; i < last; ++i) {
+        local += max(s_acc[i], 0);
+    }
+    int incl = local;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int up = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += up;
+    }
+    if (lane == 31) s_warp[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        int w = lane < STEP_RECORD_THREADS / 32 ? s_warp[lane] : 0;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int up = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += up;
+        }
+        if (lane < STEP_RECORD_THREADS / 32) s_warp[lane] = w;
+    }
+    __syncthreads();
+    int run = incl - local + (warp > 0 ? s_warp[warp - 1] : 0);
+    for (int i = first; i < last; ++i) {
+        s_off[i] = run;
+        run += max(s_acc[i], 0);
+    }
+    __syncthreads();
+
+    const int n = s_warp[STEP_RECORD_THREADS / 32 - 1];
     const long long tok_at = 4 + (long long)bsz;
     const long long lp_ids_at = tok_at + n;
     const long long block = (long long)n * width;
