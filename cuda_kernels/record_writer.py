@@ -183,6 +183,9 @@ class RecordWriter:
             a publisher may still be sending).
         mode: ``"mapped"`` or ``"copy"`` (module docstring).
         graphs: replay captured graphs (default); False launches the kernel directly.
+        blocks_per_sm: the grid's cap, per multiprocessor. Every block rescans the
+            slots, so more blocks cost more scans, and fewer leave each thread more words
+            to write one after another.
     """
 
     def __init__(
@@ -194,6 +197,7 @@ class RecordWriter:
         ring_size: int = 3,
         mode: str = "mapped",
         graphs: bool = True,
+        blocks_per_sm: int = 4,
     ) -> None:
         cp = _cupy()
         self._cp = cp
@@ -279,7 +283,9 @@ class RecordWriter:
             props = cp.cuda.runtime.getDeviceProperties(self._device_id)
             sm = int(props["multiProcessorCount"])
             self._kernel = _kernel("step_record", self._device_id)
-        self._max_blocks = 2 * sm
+        if blocks_per_sm < 1:
+            raise ValueError(f"blocks_per_sm must be >= 1, got {blocks_per_sm}")
+        self._max_blocks = blocks_per_sm * sm
         null = np.uint64(0)
         pointers = [np.uint64(tokens.data.ptr), np.int32(self.max_cols)]
         pointers += [
@@ -365,7 +371,7 @@ class RecordWriter:
 
     def _grid(self, size: int, lp: bool) -> int:
         """Blocks for the largest record of a captured size: one thread per word of its
-        token ids or logprob block, at most two blocks per multiprocessor."""
+        token ids or logprob block, at most ``blocks_per_sm`` per multiprocessor."""
         items = max(size * self.max_cols * (self.w_max if lp else 1), 4 + size)
         return max(1, min(self._max_blocks, -(-items // STEP_RECORD_THREADS)))
 

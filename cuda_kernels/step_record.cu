@@ -60,18 +60,28 @@ extern "C" __global__ void __launch_bounds__(STEP_RECORD_THREADS) step_record(
     const int fill_to = params[3];
     const int width = packed >> 8;
 
-    // accept_num per slot, loaded slot after slot across the block (coalesced).
-    for (int i = tid; i < bsz; i += STEP_RECORD_THREADS) {
-        int accept;
-        if (preempted[i]) {
-            accept = PREEMPTED_ACCEPT_NUM;
-        } else if (seq_lens_decoder[i] < prompt_lens[i]) {
-            accept = 0;
-        } else {
-            const int c = accept_counts[i];
-            accept = c < 0 ? 0 : (c > cols ? cols : c);
+    // accept_num per slot, slot after slot across the block (coalesced). Every load of a
+    // thread's (at most four) slots is issued before any is used, so they wait together.
+    constexpr int SLOTS_PER_THREAD = STEP_RECORD_MAX_BSZ / STEP_RECORD_THREADS;
+    unsigned char pre[SLOTS_PER_THREAD];
+    int dec[SLOTS_PER_THREAD], plen[SLOTS_PER_THREAD], cnt[SLOTS_PER_THREAD];
+#pragma unroll
+    for (int r = 0; r < SLOTS_PER_THREAD; ++r) {
+        const int i = tid + r * STEP_RECORD_THREADS;
+        if (i < bsz) {
+            pre[r] = preempted[i];
+            dec[r] = seq_lens_decoder[i];
+            plen[r] = prompt_lens[i];
+            cnt[r] = accept_counts[i];
         }
-        s_acc[i] = accept;
+    }
+#pragma unroll
+    for (int r = 0; r < SLOTS_PER_THREAD; ++r) {
+        const int i = tid + r * STEP_RECORD_THREADS;
+        if (i < bsz) {
+            const int c = cnt[r] < 0 ? 0 : (cnt[r] > cols ? cols : cnt[r]);
+            s_acc[i] = pre[r] ? PREEMPTED_ACCEPT_NUM : (dec[r] < plen[r] ? 0 : c);
+        }
     }
     __syncthreads();
 
