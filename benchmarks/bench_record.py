@@ -11,8 +11,8 @@ For each batch, k and logprob setting (none, top-20), every slot emitting k + 1 
 * ``graph`` / ``raw``: :class:`~spectrio.cuda_kernels.RecordWriter`, mapped pinned
   output, replaying its captured graph / launching the kernel directly;
 * ``copy``: the writer in copy mode (device buffer, then one bounded pinned copy), graph;
-* ``graph_2sm`` / ``graph_8sm``: ``graph`` with the grid capped at 2 / 8 blocks per
-  multiprocessor instead of 4;
+* ``graph_4sm``: ``graph`` with the grid capped at 4 blocks per multiprocessor
+  instead of 2;
 * ``floor``: one launch of an empty kernel, one pinned copy of a record of the same size
   from device memory, one sync.
 
@@ -129,11 +129,8 @@ class GpuCase:
             "graph": RecordWriter(inputs, stream=self.stream, capture_sizes=sizes),
             "raw": RecordWriter(inputs, stream=self.stream, capture_sizes=sizes, graphs=False),
             "copy": RecordWriter(inputs, stream=self.stream, capture_sizes=sizes, mode="copy"),
-            "graph_2sm": RecordWriter(
-                inputs, stream=self.stream, capture_sizes=sizes, blocks_per_sm=2
-            ),
-            "graph_8sm": RecordWriter(
-                inputs, stream=self.stream, capture_sizes=sizes, blocks_per_sm=8
+            "graph_4sm": RecordWriter(
+                inputs, stream=self.stream, capture_sizes=sizes, blocks_per_sm=4
             ),
         }
         try:
@@ -252,12 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     cp, why = _gpu()
-    gpu_variants = ["wrapped", "graph", "raw", "copy", "graph_2sm", "graph_8sm", "floor"]
+    gpu_variants = ["wrapped", "graph", "raw", "copy", "graph_4sm", "floor"]
     if args.sanitize:
         # The writer's paths only: the wrapped path copies its whole capacity buffer,
         # which initcheck reports by design of that path.
         args.batch, args.k, args.reps, args.rounds = [1, 16, 300], [3], 2, 1
-        gpu_variants = ["graph", "raw", "copy", "graph_8sm", "floor"]
+        gpu_variants = ["graph", "raw", "copy", "graph_4sm", "floor"]
     variants = ["numpy"] + (gpu_variants if cp else [])
     results: list[dict[str, Any]] = []
     for bsz in args.batch:

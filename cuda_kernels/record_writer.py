@@ -197,7 +197,7 @@ class RecordWriter:
         ring_size: int = 3,
         mode: str = "mapped",
         graphs: bool = True,
-        blocks_per_sm: int = 4,
+        blocks_per_sm: int = 2,
     ) -> None:
         cp = _cupy()
         self._cp = cp
