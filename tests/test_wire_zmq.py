@@ -192,3 +192,35 @@ async def test_open_socket_checks_its_arguments(ctx: zmq.Context[zmq.Socket[byte
             with pytest.raises(zmq.ZMQError) as info:
                 await router.send_multipart([b"nobody", b"x"])
             assert info.value.errno == zmq.EHOSTUNREACH
+
+
+async def test_tracked_zero_copy_send_holds_a_record_buffer_until_sent(
+    ctx: zmq.Context[zmq.Socket[bytes]], tmp_path: Path
+) -> None:
+    """The GPU record path's reuse rule over a real socket: a record frame sent without a
+    copy keeps its ring buffer held until pyzmq's tracker says the send is done."""
+    import numpy as np
+
+    from spectrio.cuda_kernels import RecordRing, RingExhausted
+
+    ring = RecordRing(1)
+    memory = np.arange(200_000, dtype="<i4")  # above pyzmq's 64 KiB copy threshold
+    push, where = bound(ctx, zmq.PUSH, f"ipc://{tmp_path}/rec")
+    pull = open_socket(ctx, zmq.PULL, connect=where)
+    try:
+        with trio.fail_after(TIMEOUT):
+            slot = ring.acquire()
+            frames_out = [b"envelope", memoryview(memory)]
+            tracker = await push.send_multipart(frames_out, copy=False, track=True)
+            assert tracker is not None
+            ring.release_when(slot, lambda: tracker.done)
+            frames = await pull.recv_multipart()
+            assert frames[1] == memory.tobytes()
+            await trio.to_thread.run_sync(tracker.wait, TIMEOUT)
+            assert ring.acquire() == slot  # the send is done: the buffer may be reused
+            with pytest.raises(RingExhausted):
+                ring.acquire()
+            assert await push.send_multipart([b"x"], copy=False, track=False) is None
+    finally:
+        push.close()
+        pull.close()

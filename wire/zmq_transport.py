@@ -117,21 +117,26 @@ class TrioSocket:
             raise trio.ClosedResourceError("the socket was closed")
         return ready
 
-    async def send_multipart(self, frames: Sequence[Frame], *, copy: bool = True) -> None:
+    async def send_multipart(
+        self, frames: Sequence[Frame], *, copy: bool = True, track: bool = False
+    ) -> zmq.MessageTracker | None:
         """Send one multipart message, waiting while the socket is at its high-water mark.
         With ``copy=False`` a caller must not reuse a frame's buffer before the send
-        is done (pyzmq copies frames under 64 KiB anyway)."""
+        is done (pyzmq copies frames under 64 KiB anyway); ``track=True`` returns the
+        tracker whose ``done`` says so (a pinned record buffer's release condition)."""
         with self._owned():
             await trio.lowlevel.checkpoint_if_cancelled()
             retried = False
             while True:
                 try:
-                    self._sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+                    tracker = self._sock.send_multipart(
+                        frames, zmq.NOBLOCK, copy=copy, track=track and not copy
+                    )
                 except zmq.Again:
                     retried = await self._wait(zmq.POLLOUT, retried)
                 else:
                     await trio.lowlevel.cancel_shielded_checkpoint()
-                    return
+                    return tracker if track and isinstance(tracker, zmq.MessageTracker) else None
 
     def try_send_multipart(self, frames: Sequence[Frame]) -> bool:
         """Send one multipart message now or not at all: False when the socket (for a
