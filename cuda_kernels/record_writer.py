@@ -143,7 +143,7 @@ class _Pinned:
         )
         raw = (ctypes.c_char * self.nbytes).from_address(self.host_ptr)
         self.bytes = memoryview(raw).cast("B")
-        self.words = np.frombuffer(raw, dtype="<i4")
+        self.words = np.frombuffer(self.bytes, dtype="<i4")
 
     def free(self) -> None:
         self._finalizer()
