@@ -6,7 +6,7 @@ instructions the CPU has. On a 2-core AMD EPYC (Zen 3, AVX2 and FMA, no AVX-512)
 Paddle 3.3.1: a ``[16, 192] × [192, 1536]`` matmul took 220-337 µs (29-43 GFLOP/s)
 against 130 µs in torch on the same cores, and with ``MKL_DEBUG_CPU_TYPE=5`` (MKL's
 switch for "use the AVX2 path") 94 µs (101 GFLOP/s); the bundled target's forward
-(``tools/bench_models``) fell from 16.1 to 11.7 ms at 16 rows, 37.5 to 22.3 ms at 64 and
+(``benchmarks/bench_models.py``) fell from 16.1 to 11.7 ms at 16 rows, 37.5 to 22.3 ms at 64 and
 8.0 to 6.8 ms at 1. MKL reads the variable once, when it initialises on its first call,
 so it has to be in the environment before Paddle's first matmul; it also reaches child
 processes (tensor-parallel followers) from there.

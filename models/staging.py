@@ -6,7 +6,7 @@ grows without bound. Copying into a tensor allocated once leaks nothing and is f
 The copy goes through the tensor's own ``DenseTensor`` (``set``, 0.5 µs for a small
 index array on the 2-core CPU), not ``Tensor.set_value`` (3.6 µs: Python checks), nor
 ``to_tensor`` (10.8 µs) nor assigning into a slice of a larger buffer (10.1 µs);
-``tools/soak.py`` measures the whole runtime's memory.
+``benchmarks/soak.py`` measures the whole runtime's memory.
 
 A :class:`Staging` keeps tensors by (dtype, shape): a serving loop's shapes repeat (the
 same batch, the same number of context blocks), so after the first steps every input is
