@@ -1,6 +1,6 @@
 """Runtime configuration and capacity planning (pure: no I/O, no Trio, no Paddle).
 
-The planning rules follow DESIGN.md, "Rules carried over from the MTP serving work":
+The planning rules (docs/architecture.md, *Capacity planning*):
 
 * every speculating sequence verifies ``k + 1`` tokens per step, so the decode
   role's largest chunk is ``max_num_seqs * (k + 1)`` and
