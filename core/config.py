@@ -1,6 +1,6 @@
 """Runtime configuration and capacity planning (pure: no I/O, no Trio, no Paddle).
 
-The planning rules follow DESIGN.md, "Rules carried over from the MTP serving work":
+The planning rules (docs/architecture.md, *Capacity planning*):
 
 * every speculating sequence verifies ``k + 1`` tokens per step, so the decode
   role's largest chunk is ``max_num_seqs * (k + 1)`` and
@@ -120,10 +120,8 @@ class SpeculativeConfig:
     and step times say is fastest (:mod:`spectrio.stages.spec_policy`); ``False`` always
     drafts the full k. Capacity planning always assumes the full k.
 
-    The default k = 4 is the bundled model's best at batch 1 (fixed k = 2 / 3 / 4 ran
-    320 / 363 / 373 tokens/s, 2-core CPU, ``spectrio bench --waves 4``); from batch 4 up
-    the policy drafts fewer where that pays, and with k = 4 to choose from it did as well
-    or better than with 3 at batch 1, 4, 16 and 64 (README, *Performance*).
+    The default k = 4 is the bundled model's best fixed k at batch 1; from batch 4 up
+    the policy drafts fewer where that pays (docs/performance.md).
 
     ``timing_cache`` is where the adaptive policy keeps what it measured about this
     machine's step times between runs (:mod:`spectrio.runtime.timing_cache`): ``"auto"``

@@ -76,7 +76,7 @@ class PackedBatch:
         """The batch of these sequences' new tokens. Built consistent by construction, so
         it checks its arguments in plain Python and skips :meth:`__post_init__`'s array
         checks: this runs three times a speculative step, and those checks cost more than
-        the building (35 of 52 µs at batch 1 on the 2-core CPU)."""
+        the building."""
         lens = [len(t) for t in token_ids]
         if not lens or len(start_positions) != len(lens) or len(block_tables) != len(lens):
             raise ValueError(
@@ -154,10 +154,9 @@ class AttentionPlan:
       rows: decode, verification) with prefill chunks, one plan per kind, each padded only
       to its own longest sequence; a group's ``pad_rows`` index the whole batch's packed
       rows, and ``order`` puts the groups' concatenated outputs back in packed order (None
-      when they already are). Padded to a 48-row prefill, 15 verifications of 3 rows cost
-      16x their attention: such a step took 65 ms against 18 ms without the prefill, and
-      at batch 16 with speculation (requests finish on different steps, so new ones start
-      one at a time) a third of the steps were such.
+      when they already are). Padded to a 48-row prefill, 15 verifications of 3 rows would
+      cost 16x their attention, and with speculation requests finish on different steps,
+      so new ones start one at a time, beside other requests' verifications.
     """
 
     write_rows: paddle.Tensor
@@ -280,9 +279,8 @@ class AttentionPlan:
         ``[1, 1, KVH, max_ctx, D]`` broadcast over the rows, instead of transposing the
         rows into ``[1, KVH, G * max_q, D]`` and back. For one sequence and a few rows
         (batch 1: a verification, an MTP catch-up) that saves a layer two copies and two
-        ops: a 3-row forward of the bundled model 3.87 -> 3.73 ms on the 2-core CPU. The
-        broadcast runs one small GEMM per row and head, so from a few sequences (batch 16:
-        11.95 -> 12.77 ms) or rows (a 48-row prefill chunk: 11.4 -> 12.1 ms) it is slower."""
+        ops. The broadcast runs one small GEMM per row and head, so from a few sequences
+        or rows (a prefill chunk) it is slower."""
         return self.num_seqs == 1 and 1 < self.max_q <= BROADCAST_KV_MAX_Q
 
     def mask_for_groups(self, group: int) -> paddle.Tensor:

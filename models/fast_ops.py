@@ -1,12 +1,11 @@
 """Paddle's C++ eager ops, bound once, for the serving forward.
 
-The public Python APIs wrap each op in argument-alias decorators and mode checks that
-cost 0.5-4.5 µs per call on the 2-core development CPU (``paddle.split`` 7.4 µs against
-2.9 µs for the op it calls, ``Tensor.reshape`` 3.0 against 1.5). A batch-1 forward of the
-bundled model is ~450 ops of a few µs each, so those wrappers were a tenth of it. These
-bindings call ``paddle._C_ops`` with positional arguments, and fall back to the public
-API where a build lacks the op; ``tests/test_fast_ops.py`` checks each against the public
-API. Only the serving forward (no autograd) uses them.
+The public Python APIs wrap each op in argument-alias decorators and mode checks whose
+cost is of the order of the op's own for the small tensors of a decode step, and a
+forward is hundreds of such ops. These bindings call ``paddle._C_ops`` with positional
+arguments, and fall back to the public API where a build lacks the op;
+``tests/test_fast_ops.py`` checks each against the public API. Only the serving forward
+(no autograd) uses them.
 """
 
 from __future__ import annotations
@@ -97,9 +96,8 @@ def gather(x: Tensor, index: Tensor) -> Tensor:
 
 def lookup_rows(table: Tensor, index: Tensor) -> Tensor:
     """Rows ``index`` of a 2-D ``table``, as :func:`gather` gives them, through the
-    embedding lookup: for the paged cache's blocks (hundreds of 2 KB rows) it took 10 µs
-    against 15 µs for ``gather`` on the 2-core CPU; for a few short rows ``gather`` is
-    faster (1.9 against 3.0 µs for 16 token embeddings)."""
+    embedding lookup, which is faster than ``gather`` for the paged cache's blocks
+    (hundreds of long rows); for a few short rows ``gather`` is faster."""
     if _embedding is not None:
         return _embedding(index, table, -1, False)
     return paddle.gather(table, index, axis=0)

@@ -2,14 +2,11 @@
 
 Paddle's CPU wheel does its matmuls in the MKL it bundles (``libmklml_intel.so``), and
 that MKL picks a generic, slow code path for any CPU whose vendor is not Intel, whatever
-instructions the CPU has. On a 2-core AMD EPYC (Zen 3, AVX2 and FMA, no AVX-512), with
-Paddle 3.3.1: a ``[16, 192] × [192, 1536]`` matmul took 220-337 µs (29-43 GFLOP/s)
-against 130 µs in torch on the same cores, and with ``MKL_DEBUG_CPU_TYPE=5`` (MKL's
-switch for "use the AVX2 path") 94 µs (101 GFLOP/s); the bundled target's forward
-(``tools/bench_models``) fell from 16.1 to 11.7 ms at 16 rows, 37.5 to 22.3 ms at 64 and
-8.0 to 6.8 ms at 1. MKL reads the variable once, when it initialises on its first call,
-so it has to be in the environment before Paddle's first matmul; it also reaches child
-processes (tensor-parallel followers) from there.
+instructions the CPU has. ``MKL_DEBUG_CPU_TYPE=5`` is MKL's switch for "use the AVX2
+path"; on an AMD EPYC it makes matmuls 2.5-3.5x faster (docs/performance.md). MKL
+reads the variable once, when it initialises on its first call, so it has to be in the
+environment before Paddle's first matmul; it also reaches child processes
+(tensor-parallel followers) from there.
 
 It is set only where it is safe: an AMD CPU that reports both AVX2 and FMA (the AVX2 path
 uses both; forcing it elsewhere would die of an illegal instruction). A value the user

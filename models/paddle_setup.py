@@ -8,9 +8,8 @@ serving forward relies on.
   logger (Paddle configures it) are as they were before.
 
 * ``FLAGS_use_stride_kernel`` off. With it on (Paddle 3's default) ``transpose`` returns
-  a strided view, and the next ``matmul`` copies it through a generic strided kernel:
-  measured on the 2-core CPU, a transposed ``[16, 4, 65, 32]`` key block made one
-  attention matmul take 1.37 ms instead of 19 µs. With it off, transpose is a real
+  a strided view, and the next ``matmul`` copies it through a generic strided kernel,
+  tens of times slower than the matmul itself. With it off, transpose is a real
   (fast) copy. ``reshape`` of a contiguous tensor still shares its storage, and the
   paged KV cache relies on that for its blocked view of each pool (the paged-vs-dense
   equality tests would catch a copy).
@@ -19,8 +18,8 @@ serving forward relies on.
   (``omp_set_num_threads``) sets the *calling thread's* count only: a thread started
   later runs Paddle's own parallel loops on one thread while MKL's matmuls use all. The
   device worker runs the model on its own thread, so it calls
-  :func:`use_configured_threads` first: a 16-row forward took 11.3 ms there against
-  9.2 ms on the thread that had configured Paddle (2-core CPU; no difference at 1 row).
+  :func:`use_configured_threads` first; without it a multi-row forward runs slower there
+  than on the thread that configured Paddle.
 * MKL on AMD. Before the import, :func:`~spectrio.models.mkl_dispatch.apply_mkl_dispatch`
   points the MKL that Paddle bundles at its AVX2 path on AMD CPUs that have it (it
   otherwise takes a generic path there: matmuls 2.5-3.6 times slower than they need be).

@@ -3,10 +3,10 @@
 In Paddle 3.3.1 every ``paddle.to_tensor`` call leaks about 112 bytes for good (and
 ``paddle.Tensor(array)`` about 64), so a serving loop that makes a few dozen per step
 grows without bound. Copying into a tensor allocated once leaks nothing and is faster.
-The copy goes through the tensor's own ``DenseTensor`` (``set``, 0.5 µs for a small
-index array on the 2-core CPU), not ``Tensor.set_value`` (3.6 µs: Python checks), nor
-``to_tensor`` (10.8 µs) nor assigning into a slice of a larger buffer (10.1 µs);
-``tools/soak.py`` measures the whole runtime's memory.
+The copy goes through the tensor's own ``DenseTensor`` (``set``), the cheapest of the
+ways to fill a tensor (``Tensor.set_value`` adds Python checks; ``to_tensor`` and
+assigning into a slice of a larger buffer cost more still); ``benchmarks/soak.py``
+measures the whole runtime's memory.
 
 A :class:`Staging` keeps tensors by (dtype, shape): a serving loop's shapes repeat (the
 same batch, the same number of context blocks), so after the first steps every input is

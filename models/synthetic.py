@@ -286,8 +286,8 @@ def _check_tables(batch: PackedBatch, block_size: int) -> None:
 class DeadlineSleeper:
     """Sleeps (GIL released) until a ``perf_counter()`` deadline, on average exactly.
 
-    ``time.sleep`` wakes late by the OS's timer slack and scheduling (about 100 us
-    here, 5% of a 2 ms step), so each sleep is shortened by a running estimate of that
+    ``time.sleep`` wakes late by the OS's timer slack and scheduling (a few percent of
+    a 2 ms step), so each sleep is shortened by a running estimate of that
     lateness. A single call may end some tens of microseconds early or late; the median
     is the deadline. No spinning: a waiting device costs no CPU, which
     the runtime's own threads need."""

@@ -4,9 +4,9 @@ step's device program (resolve, draft, verify, sample) back to back.
 The scheduler actor hands it plans through a queue and never waits for it; the worker
 puts each result into a second queue and goes straight on to the next plan. Waking the
 Trio loop is left to a pump task (:meth:`next_result` in a Trio worker thread), off the
-device's critical path: waking Trio from this thread (``run_sync_soon``) cost 4-9 ms
-per step on a busy 2-core host, the time to get the GIL back after the wake-up
-write, during which the device sat idle.
+device's critical path: waking Trio from this thread (``run_sync_soon``) costs the time
+to get the GIL back after the wake-up write, milliseconds on a busy host, during which
+the device would sit idle (docs/architecture.md).
 
 With overlap scheduling the queue holds the next step's plan while the current one
 runs, so the worker starts step N+1 the moment step N's sampling is done, resolving

@@ -1,17 +1,16 @@
 """The adaptive policy's timing cache: what it measured about this machine's step times,
 kept between runs.
 
-The policy compares k by their step times measured side by side (one sample at a time,
-each with 10-15% of the machine's noise at batch 64 on a 2-core host), so a run of a few
-hundred steps ends before the close calls are settled, and every run used to start
-again from nothing: exploring k = 4 down to 0 and choosing between neighbours on a
-handful of samples. The samples are a property of the machine, the checkpoint and the
-settings, not of the requests, so they are kept: at shutdown the policy's pair samples,
-step times and extra-row costs per batch bucket (:meth:`SpecPolicy.export_timings`) are
-written to one JSON file per identity, and the next runtime with the same identity
-starts from them (:meth:`SpecPolicy.import_timings`). Its own samples push the old ones
-out of each pair's window as they come in, so a cache follows the machine. Acceptance
-is not kept: it depends on the requests.
+The policy compares k by their step times measured side by side, one noisy sample at a
+time, so a run of a few hundred steps ends before the close calls are settled; without a
+cache every run starts again from nothing, exploring k = 4 down to 0 and choosing
+between neighbours on a handful of samples. The samples are a property of the machine,
+the checkpoint and the settings, not of the requests, so they are kept: at shutdown the
+policy's pair samples, step times and extra-row costs per batch bucket
+(:meth:`SpecPolicy.export_timings`) are written to one JSON file per identity, and the
+next runtime with the same identity starts from them (:meth:`SpecPolicy.import_timings`).
+Its own samples push the old ones out of each pair's window as they come in, so a cache
+follows the machine. Acceptance is not kept: it depends on the requests.
 
 The identity is every setting that moves a step's time: the checkpoint (its folder, and
 the size and modification time of its config and weight files), dtype, threads, tensor-parallel

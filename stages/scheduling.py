@@ -88,10 +88,8 @@ class Sequence:
 
 
 # A step the device worker waited for longer than this (a pause, a gap between requests)
-# starts on cold caches and sleeping OpenMP threads, and so does the one after it: at
-# batch 16 on the 2-core host, after the bench's 1-second turns (1 s on another runtime)
-# the first step took 1.13-1.24x the median of the same k, the second 1.06-1.07x, the
-# rest 0.99 (10 and 8 turns at k = 3 and 4). Between steps the worker waits 0.5-9 ms.
+# starts on cold caches and sleeping OpenMP threads, and so does the one after it: both
+# run slower whatever k is, so the adaptive policy does not time them.
 IDLE_UNTIMED_S = 0.05
 UNTIMED_AFTER_IDLE = 2
 

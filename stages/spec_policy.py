@@ -3,91 +3,51 @@
 Pure logic: no Trio, no device, no clock. The scheduler asks :meth:`SpecPolicy.choose`
 once per step with the number of decoding sequences, and feeds back what happened
 (:meth:`observe_acceptance` per sequence, :meth:`observe_step` and
-:meth:`observe_occupancy` per step).
+:meth:`observe_occupancy` per step). Output never depends on the choice: acceptance is
+lossless for any k, so the policy only changes speed.
 
 The rule: pick the k that maximises expected tokens per second,
 
-    rate(k, B) = E[tokens per sequence | k] / ((1 + o * E[tokens | k]) * T(B, k))
+    rate(k, B) = E[tokens | k] / ((1 + o * E[tokens | k]) * T(B, k))
 
 * ``E[tokens | k] = 1 + sum_{j=1..k} prod_{i<=j} a_i``, where ``a_i`` is the measured
-  probability that draft i is accepted given that drafts 1..i-1 were (counted over
-  every sequence that reached position i, with exponential forgetting), shrunk towards
-  the position before it (``prior_weight`` pseudo-observations; position 1 towards
-  ``prior_acceptance``). A deeper position is observed only on steps that draft that
-  far, so at batch 1 it may have one or two observations when the choice is made: two
-  early rejections read as ``a_2 = 0`` kept ``spectrio generate`` at k = 1, 23% slower
-  than k = 2, for its whole run; shrunk, it reads 0.62 and the next probe decides.
-  A position the step does not draft also forgets its record at ``stale_decay`` a step,
-  so one that has not been seen for a while leans on the position before it again:
-  acceptance comes in stretches per request (at batch 1 one bench request accepts
-  exactly one draft on 28 steps running, the next three 97% at positions 2 and 3), and
-  a stretch of rejections at position 2 that sent the policy to k = 1 otherwise stayed
-  in the record, seen again only by a probe one step in 16: it ran the next request at
-  k = 1 too. Replayed on recorded acceptance and step times (``tools/policy_replay``,
-  48 runs of 4 requests at batch 1 on the machine's step times, up to k = 4), the worst
-  run rose from 0.80 to 0.94 of the best fixed k and the mean from 0.981 to 0.991 (up to
-  k = 3: 0.86 to 0.96, 0.986 to 0.989). It costs a little where acceptance is steady and
-  falls with depth: deep positions revisited more often than needed (simulated at
-  batch 4, 0.992 of the best k against 0.995);
-* ``o`` is the batch's slot-steps lost while requests wait for a slot, per token emitted
-  over the last hundred or so steps (:meth:`SpecPolicy.observe_occupancy`: prefill
-  steps, unplanned slots, a request's last short step); without a queue it fades to 0. A
-  request pays them whatever k is, at k's step time, so under a queue they take back
-  part of what a larger k gains a step;
-* ``T(B, k)`` is the measured wall time of a step (draft substeps plus verification)
-  with ``B`` decoding sequences in the same power-of-two bucket and k drafts each, each
-  timing first scaled to the bucket's full size (:func:`scale_to_bucket`). Unscaled, the
-  bucket of 33-64 sequences compared k = 3 timed on the 40 sequences of a draining batch
-  with k = 2 timed on 64: at batch 64 with a queue behind it, its estimate for k = 3 read
-  48 ms against the 66 ms such a step takes when full. The machine's speed drifts
-  (a shared 2-core host: a step's time correlates 0.67 with the step before it, 0.4 with
-  one 16 steps back, and about one step in ten is a spike of 1.5-3x), so k are compared
-  where they ran beside each other (:class:`_BucketTimes`): a timing of k right after
-  steps of k - 1 or k + 1 gives a sample of their ratio against those neighbours' last
-  few times, a two-step probe among steps of the best k gives two (its second step
-  against the steps before it, the second step back at the best k against the probe;
-  the first step after a switch is not timed, below), every neighbouring pair keeps the median
-  of its last ``pair_window`` samples, and the ratios chained from the k run last give
-  every k's time. Before, each k's times were ratios to the level of the k run most
-  over its last 16 steps, and their mean of the faster half: replayed on a batch-1 tape
-  (``tools/policy_replay``, 32 requests, 16 starts) the policy read k = 4 at 1.25-1.3x
-  k = 3 where the tape's medians give 1.12, ran k = 3 on a third of its steps and made
-  0.970 of fixed k = 4 (worst start 0.939); paired, 0.991 (worst 0.977), against 0.995
-  for the same policy told the tape's true medians. Only a step that follows a step of
-  its own k is timed: a step's MTP pass first catches up on the rows the step before
-  accepted (at k = 4 about 4 a sequence, at 3 about 3.4), so the step right after a
-  switch carries the other k's catch-up, and timed, both steps around every probe read
-  the smaller k dearer than it is. At batch 64, where the catch-up is real work, steady
-  steps of k = 4 take 1.27-1.31x those of k = 3 (cycled step by step) while the policy
-  read 1.17 and ran k = 4, 4-6% slower than k = 3 on the bench, on 86% of its steps.
+  probability that draft i is accepted given that drafts 1..i-1 were, counted over every
+  sequence that reached position i with exponential forgetting, and shrunk towards the
+  position before it (``prior_weight`` pseudo-observations; position 1 towards
+  ``prior_acceptance``): a deep position is seen only on steps that draft that far. A
+  position a step does not draft forgets at ``stale_decay`` a step, so a stretch of
+  rejections does not outlive the request that caused it.
+* ``o`` is the slot-steps the batch lost while requests waited for a slot (prefill
+  steps, unplanned slots, a request's last short step) per token emitted
+  (:meth:`observe_occupancy`); without a queue it fades to 0. A request pays them
+  whatever k is, at k's step time.
+* ``T(B, k)`` is the measured step time with ``B`` decoding sequences in the same
+  power-of-two bucket, each timing scaled to the bucket's full size
+  (:func:`scale_to_bucket`). The machine's speed drifts, so k are compared only where
+  they ran beside each other (:class:`_BucketTimes`): neighbouring k form pairs whose
+  median log-ratio, chained from the k run last, gives every k's time. Only a step that
+  follows a step of its own k is timed (a step's MTP pass catches up on the rows the
+  step before accepted, so the step after a switch carries the other k's work), and a
+  step's prompt or catch-up rows are taken off at their learnt cost
+  (:class:`_ExtraRowCost`).
 
-A run drafts ``k_max`` until the first draft position has been seen
-``acceptance_warmup`` times, whatever kept times say: before that the expected tokens are
-only the prior's. Exploration starts at ``k_max`` (after a batch size's first
-``warmup_steps`` steps, which are not timed) and goes down one k at a time while the
-smaller k does better (each k runs twice: its first step pays one-time costs and is not
-counted); a batch bucket not timed yet borrows the times of a neighbouring one, scaled,
-instead of exploring again. One step in ``probe_every`` starts a probe that re-measures, for two
-steps (the first, after the best k, is not timed), whichever of the best k's two
-neighbours was timed longer ago (the larger on ties), so a noisy early timing is
-corrected, both neighbours' ratios stay current, and the next position's acceptance keeps
-being measured while the policy prefers fewer drafts. A neighbour whose rate is more than
-3 standard errors of its pair's median behind the best (:meth:`_BucketTimes.settled`) is
-probed half as often: a probe of a k that is clearly worse mostly costs.
-Only neighbours: the rate is unimodal in k (each extra draft adds less, and costs at
-least as much), so a better k is always reachable one step at a time, and a probe never
-spends a step on a k far from the best (at batch 1 a probe of k = 0 cost about 1/16 of
-the gain, measured as 0.97 of the best fixed k). At a large batch the device is busy
-anyway and verification rows cost real time, so the measured T grows with k and
-the policy settles on small k or 0; at batch 1 extra rows are nearly free and it keeps
-speculating. Output never depends on the choice: acceptance is lossless for any k.
+Invariants of the search:
 
-What the policy learnt about the machine (every bucket's pair samples, step times and
-extra-row costs; not acceptance, which belongs to the requests) leaves and enters as
-JSON-ready data (:meth:`SpecPolicy.export_timings`, :meth:`SpecPolicy.import_timings`),
-which the runtime keeps between runs (:mod:`spectrio.runtime.timing_cache`): a bucket
-started from kept times has an estimate for every k they cover before it runs, so it
-does not explore again, and its own samples replace the kept ones in each pair's window.
+* A run drafts ``k_max`` until the first draft position has been seen
+  ``acceptance_warmup`` times, whatever kept times say.
+* Exploration starts at ``k_max`` after a bucket's first ``warmup_steps`` (untimed) and
+  goes down one k at a time while the smaller k does better; each k runs twice, its
+  first step untimed. A bucket not timed yet borrows a neighbouring bucket's times.
+* Afterwards one step in ``probe_every`` starts a two-step probe of the best k's
+  neighbour timed longer ago; a neighbour more than 3 standard errors behind
+  (:meth:`_BucketTimes.settled`) is probed half as often. Only neighbours are ever
+  tried: the rate is unimodal in k, so a better k is reachable one step at a time.
+
+What the policy learnt about the machine (pair samples, step times, extra-row costs; not
+acceptance, which belongs to the requests) leaves and enters as JSON-ready data
+(:meth:`SpecPolicy.export_timings`, :meth:`SpecPolicy.import_timings`), which the
+runtime keeps between runs (:mod:`spectrio.runtime.timing_cache`): a bucket started from
+kept times has an estimate for every k they cover and does not explore again.
 """
 
 from __future__ import annotations
@@ -108,9 +68,7 @@ def batch_bucket(num_seqs: int) -> int:
 
 
 # A step's time grows about linearly with its sequences, from a fixed part worth about
-# this many sequences' rows: target forward at 1 and 64 sequences, 2-core CPU, 3.1 and
-# 20.0 ms with 1 row each (about 10 sequences' worth), 3.7 and 45.6 ms with 4 (about 5);
-# whole steps at k = 3, 6.8 and 66 ms (about 6).
+# this many sequences' rows (docs/performance.md).
 STEP_FIXED_SEQS = 8.0
 
 
@@ -135,9 +93,8 @@ class _BucketTimes:
     """One batch bucket's step times, as ratios between neighbouring k measured side by
     side.
 
-    The machine's speed drifts (on a 2-core host a step's time correlates 0.67 with the
-    step before it and still 0.4 sixteen steps apart), so a k is compared with its
-    neighbours where they ran next to it: a timing of k that follows one of k +/- 1
+    The machine's speed drifts, so a k is compared with its neighbours where they ran
+    next to it: a timing of k that follows one of k +/- 1
     within ``span`` timings, with no timing of k in between, gives one sample of
     ``log T(k) - log T(k +/- 1)`` against the median of that neighbour's last few times
     in the span. Only a timing that follows a step of its own k counts (``add``'s
@@ -186,9 +143,7 @@ class _BucketTimes:
     def settled(self, low: int, gap: float, min_samples: int = 8, z: float = 3.0) -> bool:
         """Whether a rate ``gap`` (log) between ``low`` and ``low + 1`` is more than ``z``
         standard errors of their pair's median (a robust spread, from the samples' median
-        absolute deviation), on ``min_samples`` samples at least. At batch 1 fixed k = 3
-        is 8% behind k = 4, and a probe of it every 24 steps cost 0.7% of the run (9% of
-        the steps at k = 3, `spectrio bench`, fourteenth session)."""
+        absolute deviation), on ``min_samples`` samples at least."""
         pair = self._pairs.get(low)
         if pair is None or len(pair) < min_samples:
             return False
@@ -227,9 +182,8 @@ class _BucketTimes:
     def export(self, min_samples: int = 4) -> dict[str, dict[int, Any]]:
         """What this run learnt, for :meth:`seed`: the samples of each pair with at least
         ``min_samples``, and the estimated seconds of every k those pairs link to the k run
-        last. A pair of one or two samples is not kept: a 64-token ``spectrio generate``
-        (22 steps) kept such pairs, and the next run, trusting them instead of exploring,
-        drafted less (27 steps for the same 64 tokens)."""
+        last. A pair of fewer samples is not kept: the next run trusts kept pairs instead
+        of exploring."""
         pairs = {k: list(v) for k, v in self._pairs.items() if len(v) >= min_samples}
         estimates = self.estimates()
         if self._last_k is None:  # nothing timed in this run: pass on what was seeded
@@ -256,20 +210,14 @@ class _ExtraRowCost:
     sequences: the target's prompt rows (a new request's prefill, chunked) and the MTP
     layer's catch-up rows beyond the ``k_max + 1`` a decoding sequence brings (a request's
     first decode step reads its whole prompt through the MTP layer). Its cost does not
-    depend on k, so :meth:`SpecPolicy.observe_step` takes it off before timing the step.
-
-    At batch 64 in a server's steady state nearly every step carries such rows (a new
-    request every step or two), so steps were timed only at a run's start and its tail:
-    the bench's batch-64 case (256 requests, 128 tokens) timed 84 of its 173 steps, all
-    but a few at its start and its draining tail, and the steady state between kept the
-    k its first comparisons chose (k = 4 on 88% of the steps). Side by side with the old
-    rule at batch 64 it measured level (README, twelfth session): the estimates it feeds
-    are the same kind, only many more of them.
+    depend on k, so :meth:`SpecPolicy.observe_step` takes it off before timing the step:
+    in a large batch's steady state nearly every step carries such rows, and untimed,
+    the steady state would never be measured.
 
     Learnt from two steps of one k in a row (each after a step of that k) that differ in
     one kind of row only: one sample of seconds per row of that kind, their difference
-    over the rows' difference. The machine's speed drifts slowly (a step's time correlates
-    0.67 with the one before it), so neighbouring steps compare best; the median of the
+    over the rows' difference. The machine's speed drifts slowly, so neighbouring steps
+    compare best; the median of the
     last ``window`` samples is the cost, used once ``min_samples`` have come in, and only
     for as many rows as twice the largest difference a sample came from (a long prompt's
     attention costs more per row than the short ones it was learnt on)."""
@@ -347,15 +295,12 @@ class SpecPolicy:
         self.pair_window = pair_window
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-        # The first decode steps at a batch size run slower than the rest whatever k is:
-        # at batch 1, 8.5-12.7 ms for the first, 7-10 ms until the fourth to ninth, then
-        # 6.7-7.5 ms (k = 2 and 3, 2-core CPU). Timed then, the k tried first (k_max)
-        # looked dearer than it is, and a 64-token `spectrio generate` stayed at k = 1.
+        # The first decode steps at a batch size run slower than the rest whatever k is;
+        # timed, they would make the k tried first (k_max) look dearer than it is.
         self.warmup_steps = warmup_steps
         self._bucket_steps: dict[int, int] = {}
         # Acceptance is counted per sequence, so at batch B a step brings B observations;
-        # a slower forgetting keeps its estimate steady at any batch size (a window of
-        # ~100 observations flipped the choice between two k within 3% at batch 16).
+        # a slow forgetting keeps its estimate steady at any batch size.
         self.acceptance_decay = acceptance_decay
         self.prior_acceptance = prior_acceptance
         if prior_weight < 0:
@@ -367,12 +312,9 @@ class SpecPolicy:
         if acceptance_warmup < 0:
             raise ValueError(f"acceptance_warmup must be >= 0, got {acceptance_warmup}")
         # Until the first draft position has been seen this many times, the expected
-        # tokens are the prior's (0.5 a position), under which one draft looks best. A
-        # run started from kept step times then chose by them before its first
-        # acceptance came in: `spectrio bench` at batch 16 drafted k = 0 on its first 9-11
-        # steps of every warm round (the kept times had no k = 0 to compare with, so it
-        # was explored), about 1% of the round. k_max observes every position at once;
-        # a cold run starts there anyway.
+        # tokens are the prior's (0.5 a position), under which one draft looks best, so a
+        # run started from kept step times would choose by them alone. k_max observes
+        # every position at once; a cold run starts there anyway.
         self.acceptance_warmup = acceptance_warmup
         self._first_position_seen = 0
         if not 0.0 < occupancy_decay <= 1.0:
@@ -404,10 +346,8 @@ class SpecPolicy:
 
         Under a queue a slot's every step costs a step's time, and each request pays such
         steps however fast it decodes: a larger k finishes requests in fewer steps but still
-        pays them, each priced at its dearer step. A step's expected tokens alone leave that
-        out: at batch 64 (`spectrio bench`'s 384 requests of 128 tokens) k = 4 emitted 1.164x
-        the tokens of k = 3 a step where acceptance gave 1.189 (k = 3 over 2: 1.223 and
-        1.254), so a pair of k read level by step times ran 2-3% apart on throughput."""
+        pays them, each priced at its dearer step; a step's expected tokens alone leave that
+        out."""
         self._overhead_slots.add(max(0.0, overhead_slots), self.occupancy_decay)
         self._emitted.add(max(0, tokens), self.occupancy_decay)
 
@@ -617,10 +557,8 @@ class SpecPolicy:
         """Step time per k for this batch bucket: its own where timed; otherwise borrowed
         from a bucket next to it (twice or half the size) that timed it, scaled by the
         two buckets' ratio on the k both timed (unscaled when they share none: then only
-        the argmax is used, which the scale does not move). A batch that shrinks through
-        the buckets at the end of a run (16, 8, 4, 2, 1 running sequences) would
-        otherwise spend its last steps re-timing k = 3, 2 and 1 in each: traced at batch
-        16, 15 of the last 23 steps."""
+        the argmax is used, which the scale does not move), so a batch that shrinks through
+        the buckets at the end of a run does not spend its last steps re-timing every k."""
         own = self._timed(bucket)
         if len(own) == self.k_max + 1:
             return own

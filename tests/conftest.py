@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import numpy as np
 import paddle
 import pytest
 
 from spectrio.models import LoadedModel, ModelConfig, SpectrioForCausalLM, build_model, load
+
+# benchmarks/ is not installed: tests of a benchmark import it by its file name, as
+# ``python benchmarks/<name>.py`` runs it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 TINY = ModelConfig(
     vocab_size=97,

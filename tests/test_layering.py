@@ -1,6 +1,7 @@
-"""Sub-packages import one way (README "Layout"): a module may import its own package and
-the layers below it, never a layer above or a sibling of the same rank. Imports inside
-functions and under ``TYPE_CHECKING`` count too: a cycle is a design bug wherever it hides."""
+"""Sub-packages import one way (docs/architecture.md, "Layering"): a module may import its
+own package and the layers below it, never a layer above or a sibling of the same rank.
+Imports inside functions and under ``TYPE_CHECKING`` count too: a cycle is a design bug
+wherever it hides."""
 
 from __future__ import annotations
 

@@ -7,10 +7,7 @@ import json
 
 import pytest
 import trio
-
-from spectrio.stages.spec_policy import SpecPolicy
-from spectrio.tools.bench import bench_prompts
-from spectrio.tools.policy_replay import (
+from policy_replay import (
     Tape,
     Trace,
     acceptance_draws,
@@ -22,6 +19,9 @@ from spectrio.tools.policy_replay import (
     replay_fixed,
     replay_policy,
 )
+
+from spectrio.stages.spec_policy import SpecPolicy
+from spectrio.tools.bench import bench_prompts
 
 TIMES = [0.0041, 0.0056, 0.0069, 0.0075]  # batch 1, 2-core CPU, k = 0..3
 

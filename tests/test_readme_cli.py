@@ -1,7 +1,7 @@
-"""Issue 15 item 8: the README's CLI block names every ``spectrio`` command (and
+"""The CLI synopsis (``docs/cli.md``, *Synopsis*) names every ``spectrio`` command (and
 sub-command) and lists exactly the flags each one's argparse usage shows: a flag or a
-command added to a parser without the README fails here, and so does a README flag that
-does not exist. Each command's flags are read from its own ``--help`` usage."""
+command added to a parser without the synopsis fails here, and so does a documented flag
+that does not exist. Each command's flags are read from its own ``--help`` usage."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from spectrio.tools.cli import main
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+CLI_DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 FLAG = re.compile(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*|-[a-zA-Z])(?![\w-])")
 CHOICES = re.compile(r"\{([a-z0-9_,-]+)\}")
 
@@ -53,10 +53,10 @@ def commands(*prefix: str) -> list[tuple[str, ...]]:
 COMMANDS = commands()
 
 
-def readme_blocks() -> dict[tuple[str, ...], set[str]]:
-    """Flags per command path in the README's ``## CLI`` code block: a line starting with
-    ``spectrio`` and the command's words, plus the indented lines after it."""
-    block = README.read_text().split("## CLI\n", 1)[1].split("```", 2)[1]
+def synopsis_blocks() -> dict[tuple[str, ...], set[str]]:
+    """Flags per command path in the synopsis code block of ``docs/cli.md``: a line
+    starting with ``spectrio`` and the command's words, plus the indented lines after it."""
+    block = CLI_DOC.read_text().split("## Synopsis\n", 1)[1].split("```", 2)[1]
     flags: dict[tuple[str, ...], set[str]] = {}
     current: tuple[str, ...] | None = None
     for line in block.splitlines():
@@ -65,8 +65,8 @@ def readme_blocks() -> dict[tuple[str, ...], set[str]]:
             current = max(
                 (p for p in COMMANDS if tuple(words[: len(p)]) == p), key=len, default=None
             )
-            assert current is not None, f"README names no command: {line!r}"
-            assert current not in flags, f"two README lines for {current!r}"
+            assert current is not None, f"docs/cli.md names no command: {line!r}"
+            assert current not in flags, f"two docs/cli.md lines for {current!r}"
             flags[current] = set()
         elif not line.startswith(" "):
             current = None
@@ -76,13 +76,13 @@ def readme_blocks() -> dict[tuple[str, ...], set[str]]:
 
 
 @pytest.mark.parametrize("path", COMMANDS, ids=lambda p: " ".join(p) or "spectrio")
-def test_the_readme_lists_exactly_the_flags_of(path: tuple[str, ...]) -> None:
-    documented = readme_blocks()
+def test_the_synopsis_lists_exactly_the_flags_of(path: tuple[str, ...]) -> None:
+    documented = synopsis_blocks()
     name = " ".join(("spectrio", *path))
-    assert path in documented, f"no `{name}` line in the README's CLI block"
+    assert path in documented, f"no `{name}` line in docs/cli.md's synopsis"
     real = flags_of(usage(*path))
     assert documented[path] == real, (
-        f"{name}: missing from the README {sorted(real - documented[path])}, "
+        f"{name}: missing from docs/cli.md {sorted(real - documented[path])}, "
         f"not a flag {sorted(documented[path] - real)}"
     )
 

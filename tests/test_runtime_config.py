@@ -1,4 +1,5 @@
-"""Planning rules of RuntimeConfig / SpeculativeConfig (DESIGN.md, "Rules carried over...")."""
+"""Planning rules of RuntimeConfig / SpeculativeConfig (docs/architecture.md, *Capacity
+planning*)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
 """The soak benchmark at a small N (issue 15, item 9): memory per request and collector
 pauses stay bounded. The bound is loose on purpose (a shared CI machine, a short run);
-the benchmark figure is ``python -m spectrio.tools.soak --n 1000``."""
+the benchmark figure is ``python benchmarks/soak.py --n 1000``."""
 
 from __future__ import annotations
 
 import trio
+from soak import slope_per_request, soak
 
 from spectrio import RuntimeConfig
-from spectrio.tools.soak import slope_per_request, soak
 
 
 def test_slope_is_per_request_growth_over_the_second_half() -> None:

@@ -7,9 +7,9 @@ import json
 
 import numpy as np
 import pytest
+from policy_replay import Trace, replay_fixed, replay_policy
 
 from spectrio.stages.spec_policy import SpecPolicy, _ExtraRowCost
-from spectrio.tools.policy_replay import Trace, replay_fixed, replay_policy
 
 
 def _tokens(k: int, accept: list[float]) -> float:

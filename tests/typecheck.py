@@ -5,8 +5,9 @@ through ``package-dir``. mypy cannot follow that mapping through an editable ins
 it would see every ``spectrio.*`` import as missing and, with missing imports ignored,
 as ``Any``, which proves nothing. So this lays the package out the way an install does
 (one ``spectrio/`` tree, ``py.typed`` included) in a temporary folder, checks
-``-p spectrio`` there with the project's mypy settings, and reports paths back in the
-source layout.
+``-p spectrio`` there with the project's mypy settings, together with the scripts in
+``benchmarks/`` (not installed; they import the package as installed), and reports paths
+back in the source layout.
 
 Run: ``python tests/typecheck.py`` (exit status is mypy's).
 """
@@ -43,6 +44,11 @@ def lay_out_package(dest: Path) -> dict[str, str]:
 def run_mypy() -> subprocess.CompletedProcess[str]:
     with tempfile.TemporaryDirectory(prefix="spectrio-typecheck-") as tmp:
         back = lay_out_package(Path(tmp))
+        shutil.copytree(
+            ROOT / "benchmarks",
+            Path(tmp) / "benchmarks",
+            ignore=shutil.ignore_patterns("*.md", "__pycache__"),
+        )
         env = dict(os.environ, MYPYPATH=tmp)
         proc = subprocess.run(
             [
@@ -52,8 +58,8 @@ def run_mypy() -> subprocess.CompletedProcess[str]:
                 "--config-file",
                 str(ROOT / "pyproject.toml"),
                 "--no-incremental",
-                "-p",
                 "spectrio",
+                "benchmarks",
             ],
             cwd=tmp,
             capture_output=True,

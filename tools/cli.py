@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="stream a continuation through an in-process runtime")
     gen.add_argument("prompt")
-    gen.add_argument("--json", action="store_true", help="print one JSON object (README, CLI)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object (docs/cli.md)")
     add_sampling_flags(gen)
     add_runtime_flags(gen)
     gen.set_defaults(func=_generate)

@@ -12,6 +12,12 @@ import hashlib
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from spectrio.models import TextTokenizer
 
 EXCLUDED_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -50,3 +56,22 @@ def read_texts(files: list[Path]) -> Iterator[str]:
             yield path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
+
+
+def held_out_contexts(
+    tokenizer: TextTokenizer | None, count: int, length: int, seed: int
+) -> np.ndarray:
+    """``count`` windows of ``length`` tokens from the held-out files, at random offsets."""
+    assert tokenizer is not None, "held-out contexts need the checkpoint's tokenizer"
+    texts = read_texts(corpus_files("heldout"))
+    streams = [np.asarray(tokenizer.encode(t), dtype=np.int64) for t in texts]
+    streams = [s for s in streams if s.size > length]
+    weights = np.array([s.size - length for s in streams], dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    picks = rng.choice(len(streams), size=count, p=weights / weights.sum())
+    return np.stack(
+        [
+            streams[i][o : o + length]
+            for i, o in ((i, int(rng.integers(0, streams[i].size - length))) for i in picks)
+        ]
+    )

@@ -121,7 +121,7 @@ def add_client_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--requests", required=True, help="the server's requests endpoint")
     p.add_argument("--outputs", required=True, help="the server's outputs endpoint")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for any reply")
-    p.add_argument("--json", action="store_true", help="print one JSON object (README, CLI)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (docs/cli.md)")
     p.add_argument(
         "--curve-server-key",
         default=None,

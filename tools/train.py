@@ -609,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
     from spectrio.models.model import build_model
     from spectrio.models.paddle_setup import paddle
     from spectrio.models.tokenizer import TextTokenizer
-    from spectrio.tools.eval_mtp import held_out_contexts
+    from spectrio.tools.corpus import held_out_contexts
     from spectrio.tools.tokenizer_train import EOS_TOKEN, train_tokenizer
 
     t0 = time.perf_counter()

@@ -31,8 +31,8 @@ The replay is a model, not a re-run: a step that drafts ``k' < k`` is taken to a
 Greedy drafts depend on the context only, but a smaller k moves where later steps start.
 Compare policies on the same records; do not read the figures as the runtime's.
 
-Run: ``python -m spectrio.tools.policy_replay --record acc.json [--requests 24]``, then
-``python -m spectrio.tools.policy_replay --trace acc.json --times 4.1,5.6,6.9,7.5``; or
+Run: ``python benchmarks/policy_replay.py --record acc.json [--requests 24]``, then
+``python benchmarks/policy_replay.py --trace acc.json --times 4.1,5.6,6.9,7.5``; or
 ``--record-tape tape.json [--steps 3000]`` and ``--trace acc.json --tape tape.json``; at
 batch 16: ``--record-tape t16.json --batch 16 --k 4 --steps 300``, then
 ``--tape t16.json --acceptance 0.90,0.86,0.90,0.94``.
@@ -355,7 +355,7 @@ def _replay_acceptance(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m spectrio.tools.policy_replay")
+    p = argparse.ArgumentParser(prog="python benchmarks/policy_replay.py")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--record", metavar="FILE", help="record acceptance into FILE")
     mode.add_argument("--record-tape", metavar="FILE", help="record step times into FILE")

@@ -12,7 +12,7 @@ code windows of equal length, and both sides ignore EOS, so no padding is involv
 
 torch and transformers are not spectrio dependencies. Run this in a scratch
 environment: ``pip install torch==2.13.0`` (a CPU build), then
-``pip install -e '.[compare]'`` and ``python -m spectrio.tools.compare_hf``.
+``pip install -e '.[compare]'`` and ``python benchmarks/compare_hf.py``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Model-level figures: µs and Paddle ops per serving forward (target and one MTP
 substep), checkpoint load time, and optionally the reference generator's speed.
 
-Run: ``python -m spectrio.tools.bench_models [--model bundled] [--rows 1 4 16 64]
+Run: ``python benchmarks/bench_models.py [--model bundled] [--rows 1 4 16 64]
 [--threads N] [--reference]``.
 
 Each forward case is a decode step as the verify stage runs it: ``rows`` sequences with

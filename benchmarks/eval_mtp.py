@@ -15,8 +15,8 @@ paged serving forward at batch 1, one decode row after ``--cost-context`` tokens
 of interleaved repetitions. ``--model-json`` measures a randomly initialised model of that
 shape instead of a checkpoint (sizing a new target).
 
-Run: ``python -m spectrio.tools.eval_mtp [--model bundled] [--contexts 512]`` or
-``python -m spectrio.tools.eval_mtp --cost [--model bundled | --model-json '{...}']``.
+Run: ``python benchmarks/eval_mtp.py [--model bundled] [--contexts 512]`` or
+``python benchmarks/eval_mtp.py --cost [--model bundled | --model-json '{...}']``.
 Set ``OMP_NUM_THREADS`` in the environment: Paddle pins it to 1 at import otherwise,
 and importing spectrio imports Paddle.
 """
@@ -33,29 +33,10 @@ from typing import cast
 import numpy as np
 from tqdm import tqdm
 
-from spectrio.models import SpectrioForCausalLM, TextTokenizer, load, reference
+from spectrio.models import SpectrioForCausalLM, load, reference
 from spectrio.models.config import DType
-from spectrio.tools.corpus import corpus_files, read_texts
+from spectrio.tools.corpus import held_out_contexts
 from spectrio.tools.logging_setup import configure_logging
-
-
-def held_out_contexts(
-    tokenizer: TextTokenizer | None, count: int, length: int, seed: int
-) -> np.ndarray:
-    """``count`` windows of ``length`` tokens from the held-out files, at random offsets."""
-    assert tokenizer is not None, "held-out contexts need the checkpoint's tokenizer"
-    texts = read_texts(corpus_files("heldout"))
-    streams = [np.asarray(tokenizer.encode(t), dtype=np.int64) for t in texts]
-    streams = [s for s in streams if s.size > length]
-    weights = np.array([s.size - length for s in streams], dtype=np.float64)
-    rng = np.random.default_rng(seed)
-    picks = rng.choice(len(streams), size=count, p=weights / weights.sum())
-    return np.stack(
-        [
-            streams[i][o : o + length]
-            for i, o in ((i, int(rng.integers(0, streams[i].size - length))) for i in picks)
-        ]
-    )
 
 
 def evaluate(

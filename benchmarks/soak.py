@@ -8,7 +8,7 @@ of ``--warmup`` requests, and reports:
 * the longest pause of Python's garbage collector (``gc.callbacks``), and how many
   collections ran.
 
-Run: ``python -m spectrio.tools.soak --n 1000 [--concurrency 4] [--max-tokens 16]
+Run: ``python benchmarks/soak.py --n 1000 [--concurrency 4] [--max-tokens 16]
 [--json out.json]``. The issue's bar: under 1 KB per request at N = 1,000, and no
 collector pause over 50 ms. CI runs it at a small N with a loose bound
 (``tests/test_soak.py``).

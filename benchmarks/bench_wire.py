@@ -5,7 +5,7 @@ ROUTER socket, reads every step from the PUSH socket, reassembles and detokenise
 streams, and reports tokens per second published and decoded (first submit to last
 finish) and the bytes per step on the output socket (envelope + record frames).
 
-Run: ``python -m spectrio.tools.bench_wire [--batch 64 256] [--k 3] [--logprobs off 5]``.
+Run: ``python benchmarks/bench_wire.py [--batch 64 256] [--k 3] [--logprobs off 5]``.
 """
 
 from __future__ import annotations
