@@ -26,6 +26,7 @@ steps with no timing, for compute-sanitizer.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -160,7 +161,7 @@ class GpuCase:
         self.nbytes = nbytes
         self.noop = cp.RawKernel('extern "C" __global__ void noop() {}', "noop")
 
-    def run(self, name: str) -> bytes | None:
+    def run(self, name: str) -> bytes | memoryview | None:
         if name in self.writers:
             rec = self.writers[name].write(
                 self.bsz, cols=self.cols, kind=KIND_TARGET, width=self.width
@@ -272,10 +273,10 @@ def main(argv: list[str] | None = None) -> int:
                     for v in variants:
                         fn: Callable[[], Any]
                         if v == "numpy":
-                            fn = lambda step=step: numpy_record(step)  # noqa: E731
+                            fn = functools.partial(numpy_record, step)
                         else:
                             assert case is not None
-                            fn = lambda case=case, v=v: case.run(v)  # noqa: E731
+                            fn = functools.partial(case.run, v)
                         time_calls(fn, max(args.reps // 10, 1))  # warm
                         times[v] += time_calls(fn, args.reps)
                 if case is not None:
