@@ -86,9 +86,10 @@ class Runtime:
             raise ConfigError(f"model: {loaded.path} has no tokenizer.json")
         self.tokenizer = loaded.tokenizer
         cfg = loaded.config
-        if config.speculative.enabled and not cfg.has_mtp:
+        if config.speculative.method == "mtp" and not cfg.has_mtp:
             raise ConfigError(
                 "speculative: the checkpoint has no MTP layer; use SpeculativeConfig(method=None)"
+                " or method='ngram'"
             )
         if config.max_model_len + config.speculative.num_draft_tokens > cfg.max_position_embeddings:
             raise ConfigError(
@@ -102,7 +103,9 @@ class Runtime:
             cfg.head_dim,
         )
         self.blocks = BlockManager(num_blocks, config.block_size)
-        self.workspace: Workspace = make_workspace(loaded.model, num_blocks, config.block_size)
+        self.workspace: Workspace = make_workspace(
+            loaded.model, num_blocks, config.block_size, config.speculative
+        )
         self.scheduler = Scheduler(config, self.blocks)
         self._timing_identity = timing_cache.identity(config, loaded.path)
         self._timing_file = timing_cache.cache_file(config, self._timing_identity)

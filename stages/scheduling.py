@@ -2,11 +2,11 @@
 preemption. No Trio, no device: ``schedule()`` turns state into a StepPlan and
 ``update()`` folds a StepResult back in.
 
-Per sequence, ``num_computed`` counts positions whose target KV is valid and
-``mtp_computed`` those whose MTP KV holds real (non-speculative) entries. In the decode
+Per sequence, ``num_computed`` counts positions whose target KV is valid. In the decode
 phase ``num_computed == len(tokens) - 1``: the last token waits to be verified together
-with the drafts. The MTP cache shares the target's block table, so reserving positions
-for the k+1 verify rows reserves them for the MTP substeps as well.
+with the drafts. The scheduler gives a decoding sequence draft slots and knows nothing of
+how drafts are made (``stages/draft/``); a draft method's cache shares the target's
+block table, so reserving positions for the k+1 verify rows reserves them for it too.
 
 Rules that keep a request's output a function of the request alone:
 
@@ -62,7 +62,6 @@ class Sequence:
     speculative: bool
     output_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0
-    mtp_computed: int = 0
     state: RequestState = RequestState.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
@@ -343,8 +342,6 @@ class Scheduler:
                 token_ids=[],
                 sample=True,
                 num_drafts=drafts,
-                mtp_start=seq.mtp_computed,
-                mtp_token_ids=[],
                 max_new_tokens=min(seq.remaining_tokens, self.config.max_model_len - seq.length),
                 num_output=len(seq.output_ids),
                 context_len=seq.length,
@@ -355,19 +352,12 @@ class Scheduler:
         tokens = seq.tokens
         start = seq.num_computed
         sample = start + rows == seq.length
-        if seq.speculative:
-            mtp_start, mtp_tokens = seq.mtp_computed, tokens[seq.mtp_computed + 1 : start + 1]
-            seq.mtp_computed = start
-        else:
-            mtp_start, mtp_tokens = start, []
         work = SeqWork(
             **common,  # type: ignore[arg-type]
             start_pos=start,
             token_ids=tokens[start : start + rows],
             sample=sample,
             num_drafts=drafts,
-            mtp_start=mtp_start,
-            mtp_token_ids=mtp_tokens,
             max_new_tokens=min(seq.remaining_tokens, self.config.max_model_len - seq.length),
             num_output=len(seq.output_ids),
             context_len=seq.length,
@@ -388,7 +378,6 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
         seq.num_computed = 0
-        seq.mtp_computed = 0
         seq.decoding = False
         seq.move(RequestState.PREEMPTED)
         seq.num_preemptions += 1
@@ -403,10 +392,10 @@ class Scheduler:
         result without requests aborted since it was planned.
 
         ``seconds``, the step's time, feeds the adaptive speculation policy, with the
-        step's extra rows (target prompt rows, and MTP catch-up rows beyond ``k_max + 1``
-        a sequence: a request's first decode step reads its whole prompt through the MTP
-        layer), whose cost does not depend on k and which the policy takes off, and the k
-        of the decoding step before it, whose accepted rows its MTP pass caught up on
+        step's extra rows (target prompt rows, and the proposer's ``draft_rows``, such as
+        MTP's catch-up over a whole prompt chunk), whose cost does not depend on k and
+        which the policy takes off, and the k of the decoding step before it, whose
+        accepted rows a proposer's pass may catch up on
         (:meth:`SpecPolicy.observe_step`). The first :data:`UNTIMED_AFTER_IDLE` steps
         after the device waited more than :data:`IDLE_UNTIMED_S` are not timed: they
         run slower whatever k is."""
@@ -425,13 +414,11 @@ class Scheduler:
         drafted = any(r.num_drafts for r in result.results)
         filed_k = step_k if drafted else 0
         if seconds is not None and works:
-            catch_up = self.policy.k_max + 1
             # The same count choose() was given: the step's decoding speculative sequences.
             speculative = sum(1 for w in works.values() if w.speculative and _decodes(w))
             prompt_rows = sum(len(w.token_ids) for w in works.values() if not _decodes(w))
-            catch_up_rows = sum(max(0, len(w.mtp_token_ids) - catch_up) for w in works.values())
             self.policy.observe_step(
-                speculative, filed_k, seconds, self._previous_k, (prompt_rows, catch_up_rows)
+                speculative, filed_k, seconds, self._previous_k, (prompt_rows, result.draft_rows)
             )
         if any(_decodes(w) for w in works.values()):
             self._previous_k = filed_k
@@ -488,9 +475,6 @@ class Scheduler:
             verified = r.num_computed if work.pending else work.start_pos + len(work.token_ids)
             seq.num_computed = verified + r.num_accepted
             seq.decoding = True
-            if seq.pending is not None and seq.speculative:
-                # The step planned after this one catches the MTP cache up to here.
-                seq.mtp_computed = seq.num_computed
         if r.finish_reason is not None:
             r.total_drafts, r.total_accepted = seq.drafts_proposed, seq.drafts_accepted
             self._finish(seq, r.finish_reason)

@@ -41,8 +41,6 @@ def work(
         token_ids=[5],
         sample=sample,
         num_drafts=len(drafts),
-        mtp_start=0,
-        mtp_token_ids=[],
         eos_token_ids=list(eos),
         max_new_tokens=max_new,
         params=params,
