@@ -81,11 +81,17 @@ class SchedulerActor:
     def __init__(self, scheduler: Scheduler, *, rank: int = 0) -> None:
         self.scheduler = scheduler  # read it only in tests and research tools
         self._log = _log.bind(stage="scheduler", rank=rank)
+        # Seq ids rise in the order their NewRequests arrive (the runtime counts them), so
+        # an abort of a higher id than any admitted one came before its request, which is
+        # still on the control channel: it is applied the moment the request arrives.
+        self._admitted_up_to = 0
+        self._early_aborts: dict[int, str] = {}  # seq id -> reason
 
     def handle(self, msg: NewRequest | AbortRequest) -> tuple[int, int] | None:
         """Admit a request, or abort one now (its blocks are freed, results in flight for
         it are dropped, and the next plan reports it). An abort returns the request's
-        [drafts proposed, accepted] over its life; None if it had already ended."""
+        [drafts proposed, accepted] over its life; None if it had already ended, or has
+        not arrived yet (then it is aborted on arrival)."""
         sched = self.scheduler
         if isinstance(msg, NewRequest):
             sched.add(
@@ -98,9 +104,15 @@ class SchedulerActor:
                     speculative=msg.speculative,
                 )
             )
+            self._admitted_up_to = max(self._admitted_up_to, msg.seq_id)
+            reason = self._early_aborts.pop(msg.seq_id, None)
+            if reason is not None:
+                self.handle(AbortRequest(seq_id=msg.seq_id, reason=reason))
             return None
         seq = sched.abort(msg.seq_id)
         if seq is None:
+            if msg.seq_id > self._admitted_up_to:
+                self._early_aborts[msg.seq_id] = msg.reason
             return None
         self._log.info("request aborted", request_id=seq.request_id, reason=msg.reason)
         return seq.drafts_proposed, seq.drafts_accepted
