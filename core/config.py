@@ -44,7 +44,8 @@ DTYPE_BYTES: dict[str, int] = {"float32": 4, "float64": 8}
 """Accepted compute dtypes and their element sizes."""
 
 ROLES: tuple[str, ...] = ("mixed", "prefill", "decode")
-SPEC_METHODS: tuple[str, ...] = ("mtp",)
+SPEC_METHODS: tuple[str, ...] = ("mtp", "ngram")
+"""Draft methods (``stages/draft/``): the checkpoint's MTP layer, or prompt lookup."""
 
 
 def _base_capture_sizes() -> tuple[int, ...]:
@@ -123,6 +124,12 @@ class SpeculativeConfig:
     The default k = 4 is the bundled model's best fixed k at batch 1; from batch 4 up
     the policy drafts fewer where that pays (docs/performance.md).
 
+    ``method="ngram"`` drafts by prompt lookup (:mod:`spectrio.stages.draft.ngram`): the
+    longest suffix of a request's tokens, ``prompt_lookup_max`` down to
+    ``prompt_lookup_min`` tokens long, that appeared earlier in its prompt or output
+    proposes the tokens that followed it. It needs no draft weights, so it runs on a
+    checkpoint with no MTP layer; ``num_model_steps`` is MTP's only and is ignored.
+
     ``timing_cache`` is where the adaptive policy keeps what it measured about this
     machine's step times between runs (:mod:`spectrio.runtime.timing_cache`): ``"auto"``
     (``$SPECTRIO_CACHE_DIR``, else ``$XDG_CACHE_HOME/spectrio``, else
@@ -134,6 +141,8 @@ class SpeculativeConfig:
     num_model_steps: int | None = None
     adaptive: bool = True
     timing_cache: str = "auto"
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPEC_METHODS:
@@ -152,6 +161,13 @@ class SpeculativeConfig:
         steps = self.num_model_steps
         if steps is not None and not _is_int(steps):
             raise ConfigError(f"num_model_steps: must be an int or None, got {steps!r}")
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            _require_positive_int(name, getattr(self, name))
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(
+                f"prompt_lookup_min: must be <= prompt_lookup_max ({self.prompt_lookup_max}), "
+                f"got {self.prompt_lookup_min}"
+            )
         if self.method is None:
             return
         if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
@@ -180,10 +196,11 @@ class SpeculativeConfig:
 
     @property
     def effective_num_model_steps(self) -> int:
-        """MTP substeps per step: ``num_model_steps`` or k when unset; 0 with no speculation."""
+        """Most drafts a step proposes per sequence (the adaptive policy's ``k_max``): MTP's
+        ``num_model_steps`` or k when unset, k for n-gram; 0 with no speculation."""
         if not self.enabled:
             return 0
-        if self.num_model_steps is None:
+        if self.num_model_steps is None or self.method != "mtp":
             return self.num_speculative_tokens
         return self.num_model_steps
 
@@ -370,7 +387,7 @@ class RuntimeConfig:
     @property
     def num_mtp_layers(self) -> int:
         """KV layers the draft adds: 1 with MTP speculation, else 0."""
-        return 1 if self.speculative.enabled else 0
+        return 1 if self.speculative.method == "mtp" else 0
 
     # ---------------------------------------------------------------- planning
 

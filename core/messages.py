@@ -4,6 +4,8 @@ are referenced by step and slot."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from spectrio.core.params import SamplingParams
@@ -11,18 +13,18 @@ from spectrio.core.params import SamplingParams
 
 class SeqWork(msgspec.Struct, kw_only=True, frozen=True):
     """One sequence's share of a step. Written by the scheduler; the draft stage returns a
-    copy with ``drafts`` filled in. Immutable: a plan is owned by its step."""
+    copy with ``drafts`` filled in. Immutable: a plan is owned by its step. It gives the
+    sequence ``num_drafts`` draft slots and says nothing of how drafts are made
+    (``stages/draft/``)."""
 
     slot: int  # row of this sequence in the step (index into StepPlan.seqs)
     seq_id: int  # scheduler-internal id; keys the workspace's and the sampler's per-sequence state
     request_id: str
-    block_table: list[int]  # shared by the target cache and the MTP cache
+    block_table: list[int]  # shared by the target cache and a draft method's cache
     start_pos: int  # position of token_ids[0]
     token_ids: list[int]  # committed tokens the target reads this step
     sample: bool  # token_ids reach the end of the sequence: the sampler emits tokens
-    num_drafts: int  # MTP substeps wanted (0 when not speculating this step)
-    mtp_start: int  # first MTP catch-up position
-    mtp_token_ids: list[int]  # token at p+1 for each catch-up position p
+    num_drafts: int  # draft slots: the most drafts the proposer may fill (0: none this step)
     eos_token_ids: list[int]  # tokens that end the request (EOS unless ignored, stop ids)
     max_new_tokens: int  # tokens this request may still emit
     params: SamplingParams  # the sampler's knobs; the publisher's logprob width
@@ -32,24 +34,58 @@ class SeqWork(msgspec.Struct, kw_only=True, frozen=True):
     prompt_ids: list[int] = []  # the prompt, sent once on the first sampling step when a
     #                             repetition penalty needs it (the sampler keeps it)
     drafts: list[int] = []  # filled in by the draft stage (on a copy)
-    speculative: bool = False  # keeps an MTP cache (catch-up runs even with 0 drafts)
+    speculative: bool = False  # the request speculates: the proposer keeps state for it
+    #                            (MTP catches up even in a step with 0 draft slots)
     pending: bool = False  # planned ahead: inputs come from the previous step's result
     #                        (stages/overlap.py); token_ids is empty until resolved
     max_model_len: int = 0  # the runtime's limit, for resolving drafts of pending work
 
 
+class Ended(msgspec.Struct, array_like=True, frozen=True):
+    """A sequence that left the batch since the previous plan."""
+
+    seq_id: int
+    request_id: str
+    why: Literal["preempted", "aborted", "finished"]  # preempted: while planning this step
+    drafts: list[int] = []  # aborted: [drafts proposed, accepted] over its life
+
+
 class StepPlan(msgspec.Struct, kw_only=True, frozen=True):
     step: int
     seqs: list[SeqWork]
-    preempted: list[str] = []  # request ids preempted while planning this step (record: -9)
-    aborted: list[str] = []  # request ids aborted since the last plan (record: -9)
-    released: list[int] = []  # seq ids whose workspace state must go: preempted while
-    #                          planning this step, and ended ones (already dropped when they
-    #                          ended, by the sampler stage or the scheduler actor's release
-    #                          hook; dropping again is a no-op)
-    retired: list[int] = []  # seq ids that ended outside the sampler (aborts): drop their state
+    # Every sequence that left the batch since the last plan, in the order it left: the
+    # device drops their state, the record reports the preempted and aborted ones (-9).
+    ended: list[Ended] = []
     k: int = 0  # drafts per decoding sequence the policy chose for this step
-    aborted_drafts: list[list[int]] = []  # per ``aborted`` entry: [drafts proposed, accepted]
+    draft_rows: int = 0  # set by the draft stage: the proposer's rows whose cost does not
+    #                      depend on k (the adaptive policy takes their cost off the step)
+
+    # Views of ``ended``, for the stages that read one kind.
+    @property
+    def preempted(self) -> list[str]:
+        """Request ids preempted while planning this step (record: -9)."""
+        return [e.request_id for e in self.ended if e.why == "preempted"]
+
+    @property
+    def aborted(self) -> list[str]:
+        """Request ids aborted since the last plan (record: -9, finish reason "abort")."""
+        return [e.request_id for e in self.ended if e.why == "aborted"]
+
+    @property
+    def aborted_drafts(self) -> list[list[int]]:
+        """Per ``aborted`` entry: [drafts proposed, accepted]."""
+        return [e.drafts for e in self.ended if e.why == "aborted"]
+
+    @property
+    def released(self) -> list[int]:
+        """Seq ids whose device state must go (all of them; a finished one's is already
+        gone, dropped by the sampler stage: dropping again is a no-op)."""
+        return [e.seq_id for e in self.ended]
+
+    @property
+    def retired(self) -> list[int]:
+        """Seq ids that ended outside the sampler (aborts): it drops their state."""
+        return [e.seq_id for e in self.ended if e.why == "aborted"]
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
@@ -88,6 +124,7 @@ class StepResult(msgspec.Struct, kw_only=True):
     device_seconds: float = 0.0  # the device worker's time on this step (draft+verify+sample)
     idle_seconds: float = 0.0  # how long the device worker waited for it after its last step
     aborted_drafts: list[list[int]] = []  # per ``aborted`` entry: [drafts proposed, accepted]
+    draft_rows: int = 0  # the resolved plan's ``draft_rows``
 
 
 class NewRequest(msgspec.Struct, tag=True, kw_only=True):

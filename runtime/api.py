@@ -44,9 +44,14 @@ from spectrio.runtime.tp import TPGroup, make_workspace
 from spectrio.stages.block_manager import BlockManager
 from spectrio.stages.publisher import run_publisher
 from spectrio.stages.sampling import Sampler
-from spectrio.stages.scheduler import ControlClosed, Resume, StageFailure, run_scheduler
+from spectrio.stages.scheduler import (
+    ControlClosed,
+    Resume,
+    SchedulerActor,
+    StageFailure,
+    run_scheduler,
+)
 from spectrio.stages.scheduling import Scheduler
-from spectrio.stages.scheduling import Sequence as Sequence_
 from spectrio.stages.workspace import Workspace
 
 log = structlog.get_logger("spectrio.runtime")
@@ -86,9 +91,10 @@ class Runtime:
             raise ConfigError(f"model: {loaded.path} has no tokenizer.json")
         self.tokenizer = loaded.tokenizer
         cfg = loaded.config
-        if config.speculative.enabled and not cfg.has_mtp:
+        if config.speculative.method == "mtp" and not cfg.has_mtp:
             raise ConfigError(
                 "speculative: the checkpoint has no MTP layer; use SpeculativeConfig(method=None)"
+                " or method='ngram'"
             )
         if config.max_model_len + config.speculative.num_draft_tokens > cfg.max_position_embeddings:
             raise ConfigError(
@@ -102,8 +108,11 @@ class Runtime:
             cfg.head_dim,
         )
         self.blocks = BlockManager(num_blocks, config.block_size)
-        self.workspace: Workspace = make_workspace(loaded.model, num_blocks, config.block_size)
-        self.scheduler = Scheduler(config, self.blocks)
+        self.workspace: Workspace = make_workspace(
+            loaded.model, num_blocks, config.block_size, config.speculative
+        )
+        # The scheduler's one owner; the runtime goes through it for everything.
+        self._actor = SchedulerActor(Scheduler(config, self.blocks))
         self._timing_identity = timing_cache.identity(config, loaded.path)
         self._timing_file = timing_cache.cache_file(config, self._timing_identity)
         # The batch buckets whose step times the adaptive policy started from (kept by
@@ -131,11 +140,6 @@ class Runtime:
         self._timings: collections.deque[StepTiming] = collections.deque(maxlen=4096)
         self._unpublished: dict[int, StepTiming] = {}
         self.num_steps = 0  # pipeline steps published
-        self.num_drafts_proposed = 0
-        self.num_drafts_accepted = 0
-        k = config.speculative.effective_num_model_steps if config.speculative.enabled else 0
-        self._proposed_at = [0] * k
-        self._accepted_at = [0] * k
 
     # ---- the adaptive policy's timing cache -------------------------------------------
 
@@ -149,7 +153,7 @@ class Runtime:
             log.info("timing cache empty; the policy starts cold", path=str(path))
             return
         try:
-            self.scheduler.policy.import_timings(kept)
+            self._actor.import_timings(kept)
         except ValueError as exc:
             log.warning("timing cache malformed; starting cold", path=str(path), error=str(exc))
             return
@@ -159,7 +163,7 @@ class Runtime:
     def _keep_timings(self) -> None:
         """Write what the adaptive policy measured, for the next run."""
         if self._timing_file is not None:
-            timings = self.scheduler.policy.export_timings()
+            timings = self._actor.export_timings()
             if timing_cache.save_timings(self._timing_file, self._timing_identity, timings):
                 log.info("timing cache written", path=str(self._timing_file))
 
@@ -199,7 +203,7 @@ class Runtime:
                     published_rx,
                     self._deliver,
                     self._publish,
-                    prepare=self.scheduler.published,
+                    prepare=self._actor.published,
                 ),
             )
 
@@ -208,7 +212,7 @@ class Runtime:
                 await self._guard(
                     "scheduler",
                     run_scheduler(
-                        self.scheduler,
+                        self._actor,
                         events_rx,
                         self.worker.submit,
                         published_tx,
@@ -321,12 +325,6 @@ class Runtime:
             self._timings.append(timing)
         self.num_steps += 1
         for r in result.results:
-            self.num_drafts_proposed += r.num_drafts
-            self.num_drafts_accepted += r.num_accepted
-            for i in range(min(r.num_drafts, len(self._proposed_at))):
-                self._proposed_at[i] += 1
-                if i < r.num_accepted:
-                    self._accepted_at[i] += 1
             stream = self._streams.get(r.request_id)
             if stream is not None and (r.token_ids or r.finish_reason):
                 stream.send_nowait(r)
@@ -373,22 +371,40 @@ class Runtime:
 
     # ---- introspection ----------------------------------------------------------------
 
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler actor's state, for tests and research tools to read; the runtime
+        itself only talks to the actor."""
+        return self._actor.scheduler
+
+    @property
+    def num_drafts_proposed(self) -> int:
+        """Drafts proposed so far (the scheduler's count: :meth:`stats`)."""
+        return self._actor.view().acceptance.proposed
+
+    @property
+    def num_drafts_accepted(self) -> int:
+        """Drafts accepted so far (the scheduler's count: :meth:`stats`)."""
+        return self._actor.view().acceptance.accepted
+
     def stats(self) -> RuntimeStats:
         """Counters and gauges of the runtime now."""
-        sched = self.scheduler
+        sched = self._actor.view()
+        acceptance = sched.acceptance  # counted where results are folded in
+        k = self.config.speculative.effective_num_model_steps
         return RuntimeStats(
-            running=len(sched.running),
-            waiting=len(sched.waiting),
+            running=sched.running,
+            waiting=sched.waiting,
             num_kv_blocks=self.blocks.num_blocks,
             free_kv_blocks=self.blocks.num_free_blocks,
             num_steps=self.num_steps,
             num_preemptions=sched.num_preemptions,
-            drafts_proposed=self.num_drafts_proposed,
-            drafts_accepted=self.num_drafts_accepted,
-            accepted_per_position=list(self._accepted_at),
-            proposed_per_position=list(self._proposed_at),
-            finished=dict(sched.finished_by_reason),
-            steps_by_k=dict(sorted(sched.steps_by_k.items())),
+            drafts_proposed=acceptance.proposed,
+            drafts_accepted=acceptance.accepted,
+            accepted_per_position=(acceptance.accepted_at + [0] * k)[:k],
+            proposed_per_position=(acceptance.proposed_at + [0] * k)[:k],
+            finished=sched.finished,
+            steps_by_k=sched.steps_by_k,
         )
 
     def metrics(self) -> dict[str, object]:
@@ -489,30 +505,27 @@ class Runtime:
         else:
             self._send_abort(request_id, reason)
 
-    def _send_abort(self, request_id: str, reason: str) -> Sequence_ | None:
+    def _send_abort(self, request_id: str, reason: str) -> tuple[int, int] | None:
         """Abort in the scheduler now (its blocks are freed, and no token of it computed by
         a step in flight is published), then wake the scheduler actor, which reports the
         abort in the next step."""
         seq_id = self._seq_ids.pop(request_id, None)
         if seq_id is None or self._control is None:
             return None
-        seq = self.scheduler.abort(seq_id)
-        if seq is not None:
-            log.info("request aborted", request_id=request_id, reason=reason)
-        try:
-            self._control.send_nowait(AbortRequest(seq_id=seq_id, reason=reason))
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            pass
-        return seq
+        totals = self._actor.handle(AbortRequest(seq_id=seq_id, reason=reason))
+        if self._events_tx is not None:
+            with suppress(trio.ClosedResourceError, trio.BrokenResourceError):
+                self._events_tx.send_nowait(Resume())
+        return totals
 
     def _is_idle(self) -> bool:
-        sched = self.scheduler
+        sched = self._actor.view()
         pending = 0
         if self._control is not None:
             pending = self._control.statistics().current_buffer_used
         if self._events_tx is not None:
             pending += self._events_tx.statistics().current_buffer_used
-        return not (sched.has_work() or sched.num_in_flight or pending)
+        return not (sched.has_work or sched.num_in_flight or pending)
 
     async def wait_idle(self) -> None:
         """Wait until no request is queued or running and no step is in flight, so every
@@ -541,7 +554,7 @@ class Runtime:
         --interleave`` passes the CPU between the cases it compares): their steps then
         never run at the same time."""
         self._paused = True
-        while self.scheduler.num_in_flight or self._unpublished:
+        while self._actor.num_in_flight or self._unpublished:
             if self._dead is not None:
                 raise self._dead
             if self._stopped.is_set():
@@ -617,7 +630,7 @@ class Runtime:
         self, request_id: str, stream: trio.MemorySendChannel[Delta | SeqResult], reason: str
     ) -> None:
         """Abort a request in the scheduler and give its stream the final ``abort`` delta."""
-        seq = self._send_abort(request_id, reason)
+        totals = self._send_abort(request_id, reason)
         stream.send_nowait(
             Delta(
                 request_id=request_id,
@@ -626,8 +639,8 @@ class Runtime:
                 finished=True,
                 finish_reason="abort",
                 abort_reason=reason,
-                total_drafts=None if seq is None else seq.drafts_proposed,
-                total_accepted=None if seq is None else seq.drafts_accepted,
+                total_drafts=None if totals is None else totals[0],
+                total_accepted=None if totals is None else totals[1],
             )
         )
 

@@ -154,7 +154,10 @@ class DeviceWorker:
                 idle = 0.0 if last_end is None else max(0.0, timing.device_start - last_end)
                 last_end = end
                 result = replace(
-                    result, device_seconds=end - timing.device_start, idle_seconds=idle
+                    result,
+                    device_seconds=end - timing.device_start,
+                    idle_seconds=idle,
+                    draft_rows=plan.draft_rows,
                 )
             except BaseException as exc:  # reported to the Trio side, which fails the engine
                 self._fail(stage, exc)

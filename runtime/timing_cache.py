@@ -83,6 +83,8 @@ def identity(config: RuntimeConfig, model_path: Path) -> dict[str, Any]:
         "tensor_parallel_size": config.tensor_parallel_size,
         "overlap": config.enable_overlap,
         "k": spec.effective_num_model_steps,
+        # MTP's files predate the key: it names only the other methods
+        **({} if spec.method == "mtp" else {"method": spec.method}),
         "cpu": [_cpu_model(), os.cpu_count(), cpu_signature()],
     }
 

@@ -38,9 +38,10 @@ import msgspec
 import numpy as np
 import structlog
 
+from spectrio.core.config import SpeculativeConfig
 from spectrio.core.messages import StepPlan
 from spectrio.errors import ConfigError
-from spectrio.models import PagedKVCache, SpectrioForCausalLM
+from spectrio.models import SpectrioForCausalLM
 from spectrio.models.paddle_setup import paddle
 from spectrio.models.parallel import TPShard
 from spectrio.stages.workspace import Workspace
@@ -158,6 +159,7 @@ class GroupSetup(msgspec.Struct, kw_only=True, frozen=True):
     warmup_tokens: int  # 0: no warm-up pass
     max_model_len: int
     num_threads: int
+    speculative: SpeculativeConfig | None = None  # the draft method every rank runs
 
 
 class PlanLink:
@@ -226,21 +228,20 @@ class PlanLink:
                 raise RuntimeError(f"tensor parallel: unexpected message kind {kind}")
 
 
-def make_workspace(model: SpectrioForCausalLM, num_blocks: int, block_size: int) -> Workspace:
-    """A :class:`Workspace` whose caches hold this rank's KV heads. (The workspace sizes
-    its caches from the full config; it is built with one block and then given the
-    sharded caches, so the full-size pools are never allocated.)"""
-    kvh = getattr(model, "num_local_kv_heads", None)
-    if kvh is None:
-        return Workspace(model, num_blocks, block_size)
-    cfg = model.config
-    ws = Workspace(model, 1, block_size)
-    ws.target_cache = PagedKVCache(
-        cfg.num_hidden_layers, num_blocks, block_size, kvh, cfg.head_dim, model.dtype
+def make_workspace(
+    model: SpectrioForCausalLM,
+    num_blocks: int,
+    block_size: int,
+    speculative: SpeculativeConfig | None = None,
+) -> Workspace:
+    """A :class:`Workspace` whose caches hold this rank's KV heads."""
+    return Workspace(
+        model,
+        num_blocks,
+        block_size,
+        speculative,
+        num_kv_heads=getattr(model, "num_local_kv_heads", None),
     )
-    if ws.mtp_cache is not None:
-        ws.mtp_cache = PagedKVCache(1, num_blocks, block_size, kvh, cfg.head_dim, model.dtype)
-    return ws
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec

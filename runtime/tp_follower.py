@@ -38,7 +38,7 @@ def run_follower() -> int:
     setup = link.recv_setup()
     configure_paddle(setup.num_threads)
     loaded = load_sharded(setup.model, tp, setup.dtype)  # type: ignore[arg-type]
-    ws = make_workspace(loaded.model, setup.num_blocks, setup.block_size)
+    ws = make_workspace(loaded.model, setup.num_blocks, setup.block_size, setup.speculative)
     if setup.warmup_tokens:
         ws.warmup(setup.warmup_tokens, setup.max_model_len)
     log.info("follower ready", rank=tp.rank, size=tp.size)

@@ -71,6 +71,7 @@ async def start_group(config: RuntimeConfig, warmup: bool) -> tuple[TPGroup, Loa
                 warmup_tokens=config.warmup_num_tokens() if warmup else 0,
                 max_model_len=config.max_model_len,
                 num_threads=config.resolve_num_threads(),
+                speculative=config.speculative,
             )
             assert group.link is not None
             await trio.to_thread.run_sync(group.link.send_setup, setup, abandon_on_cancel=True)

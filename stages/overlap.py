@@ -9,9 +9,9 @@ right before N+1 runs:
 
 * a sequence that N finished is dropped (it loses and duplicates no token);
 * otherwise it verifies its last emitted token at ``context_len + e - 1`` (``e`` tokens
-  emitted), its MTP catch-up covers what N verified and emitted, its draft count is
-  clamped by what it may still emit and by ``max_model_len``, and the remaining sequences'
-  slots are renumbered.
+  emitted), its draft slots are clamped by what it may still emit and by
+  ``max_model_len``, and the remaining sequences' slots are renumbered. (A proposer
+  reads the accepted tokens from its history: ``stages/draft/``.)
 
 The result is exactly the plan the scheduler would have made after seeing N's result
 (``tests/test_overlap.py`` checks that), so output is identical with overlap on and off.
@@ -22,6 +22,7 @@ from __future__ import annotations
 from msgspec.structs import replace
 
 from spectrio.core.messages import SeqResult, SeqWork, StepPlan, StepResult
+from spectrio.stages.scheduling import draft_slots
 
 __all__ = ["resolve_plan", "resolve_work"]
 
@@ -39,19 +40,13 @@ def resolve_work(template: SeqWork, prev: SeqWork, result: SeqResult) -> SeqWork
     start = length - 1
     remaining = template.params.max_tokens - num_output
     room = template.max_model_len - length
-    drafts = max(0, min(template.num_drafts, remaining - 1, room))
-    if template.speculative:
-        mtp_start, mtp_tokens = prev.start_pos, list(prev.token_ids[1:]) + emitted
-    else:
-        mtp_start, mtp_tokens = start, []
+    drafts = draft_slots(template.num_drafts, remaining, room)
     return replace(
         template,
         pending=False,
         start_pos=start,
         token_ids=[emitted[-1]],
         num_drafts=drafts,
-        mtp_start=mtp_start,
-        mtp_token_ids=mtp_tokens,
         max_new_tokens=min(remaining, room),
         num_output=num_output,
         context_len=length,

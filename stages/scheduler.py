@@ -4,13 +4,21 @@ back in and hands them to the publisher.
 It never waits for the device. It plans while fewer than ``max_in_flight`` steps are
 in flight (2 with overlap: the device worker holds the next plan while it runs the
 current one), and reacts to one event at a time: a request, an abort, a step's result,
-a device failure, or the control channel's end."""
+a device failure, or the control channel's end.
+
+:class:`SchedulerActor` is the :class:`Scheduler`'s one owner: nothing else calls it.
+The runtime talks to the actor only: requests and aborts are messages
+(:meth:`SchedulerActor.handle`: an abort is applied there, once, at the moment the
+runtime hands it over, so no token of it is published afterwards), and what the runtime
+shows its users is the actor's read-only :meth:`SchedulerActor.view`."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import structlog
@@ -20,11 +28,19 @@ from spectrio.core.channels import ChannelSender
 from spectrio.core.messages import AbortRequest, NewRequest, StepPlan, StepResult
 from spectrio.core.timing import StepTiming
 from spectrio.errors import EngineDead
+from spectrio.stages.acceptance import Acceptance
 from spectrio.stages.scheduling import Scheduler, Sequence
 
 _log = structlog.get_logger("spectrio.stages.scheduler")
 
-__all__ = ["ControlClosed", "Resume", "StageFailure", "run_scheduler"]
+__all__ = [
+    "ControlClosed",
+    "Resume",
+    "SchedulerActor",
+    "SchedulerView",
+    "StageFailure",
+    "run_scheduler",
+]
 
 
 class ControlClosed(msgspec.Struct, tag=True):
@@ -32,7 +48,8 @@ class ControlClosed(msgspec.Struct, tag=True):
 
 
 class Resume(msgspec.Struct, tag=True):
-    """The runtime was resumed after a pause: plan again (wakes the actor's wait)."""
+    """Plan again (wakes the actor's wait): the runtime was resumed after a pause, or
+    handed the actor an abort that the next plan reports."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,28 +60,97 @@ class StageFailure:
     error: BaseException
 
 
-def _handle(
-    sched: Scheduler, msg: NewRequest | AbortRequest, log: structlog.typing.FilteringBoundLogger
-) -> None:
-    if isinstance(msg, NewRequest):
-        sched.add(
-            Sequence(
-                seq_id=msg.seq_id,
-                request_id=msg.request_id,
-                prompt_ids=list(msg.prompt_ids),
-                params=msg.params,
-                eos_token_ids=list(msg.eos_token_ids),
-                speculative=msg.speculative,
+@dataclasses.dataclass(frozen=True)
+class SchedulerView:
+    """What the scheduler's state looks like now, for the runtime's stats (a copy)."""
+
+    running: int
+    waiting: int
+    num_in_flight: int
+    has_work: bool
+    num_preemptions: int
+    finished: dict[str, int]  # requests ended, by finish reason
+    steps_by_k: dict[int, int]
+    acceptance: Acceptance  # every live request's drafts, counted where results fold in
+
+
+class SchedulerActor:
+    """Owns a :class:`Scheduler`. Lives on the Trio thread; :func:`run_scheduler` is its
+    loop, and :meth:`handle` is where every request and abort is applied."""
+
+    def __init__(self, scheduler: Scheduler, *, rank: int = 0) -> None:
+        self.scheduler = scheduler  # read it only in tests and research tools
+        self._log = _log.bind(stage="scheduler", rank=rank)
+        # Seq ids rise in the order their NewRequests arrive (the runtime counts them), so
+        # an abort of a higher id than any admitted one came before its request, which is
+        # still on the control channel: it is applied the moment the request arrives.
+        self._admitted_up_to = 0
+        self._early_aborts: dict[int, str] = {}  # seq id -> reason
+
+    def handle(self, msg: NewRequest | AbortRequest) -> tuple[int, int] | None:
+        """Admit a request, or abort one now (its blocks are freed, results in flight for
+        it are dropped, and the next plan reports it). An abort returns the request's
+        [drafts proposed, accepted] over its life; None if it had already ended, or has
+        not arrived yet (then it is aborted on arrival)."""
+        sched = self.scheduler
+        if isinstance(msg, NewRequest):
+            sched.add(
+                Sequence(
+                    seq_id=msg.seq_id,
+                    request_id=msg.request_id,
+                    prompt_ids=list(msg.prompt_ids),
+                    params=msg.params,
+                    eos_token_ids=list(msg.eos_token_ids),
+                    speculative=msg.speculative,
+                )
             )
+            self._admitted_up_to = max(self._admitted_up_to, msg.seq_id)
+            reason = self._early_aborts.pop(msg.seq_id, None)
+            if reason is not None:
+                self.handle(AbortRequest(seq_id=msg.seq_id, reason=reason))
+            return None
+        seq = sched.abort(msg.seq_id)
+        if seq is None:
+            if msg.seq_id > self._admitted_up_to:
+                self._early_aborts[msg.seq_id] = msg.reason
+            return None
+        self._log.info("request aborted", request_id=seq.request_id, reason=msg.reason)
+        return seq.drafts_proposed, seq.drafts_accepted
+
+    def published(self, result: StepResult) -> StepResult:
+        """``result`` without requests aborted since it was folded in (the publisher's
+        last look before publishing)."""
+        return self.scheduler.published(result)
+
+    def view(self) -> SchedulerView:
+        sched = self.scheduler
+        return SchedulerView(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            num_in_flight=sched.num_in_flight,
+            has_work=sched.has_work(),
+            num_preemptions=sched.num_preemptions,
+            finished=dict(sched.finished_by_reason),
+            steps_by_k=dict(sorted(sched.steps_by_k.items())),
+            acceptance=copy.deepcopy(sched.acceptance),
         )
-    else:
-        seq = sched.abort(msg.seq_id)  # usually done already, synchronously, by the runtime
-        if seq is not None:
-            log.info("request aborted", request_id=seq.request_id, reason=msg.reason)
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.scheduler.num_in_flight
+
+    def export_timings(self) -> dict[str, Any]:
+        """The adaptive policy's measured step times (for the timing cache)."""
+        return self.scheduler.policy.export_timings()
+
+    def import_timings(self, kept: dict[str, Any]) -> None:
+        """Start the adaptive policy from an earlier run's step times; ValueError when
+        they are malformed."""
+        self.scheduler.policy.import_timings(kept)
 
 
 async def run_scheduler(
-    sched: Scheduler,
+    actor: SchedulerActor,
     events: trio.MemoryReceiveChannel[object],
     submit: Callable[[StepPlan, StepTiming], None],
     outbox: ChannelSender[StepResult],
@@ -84,7 +170,7 @@ async def run_scheduler(
     planned; requests, aborts and results are still taken in (a resume sends
     :class:`Resume`, so the actor plans again). A device failure raises
     :class:`EngineDead`."""
-    log = _log.bind(stage="scheduler", rank=rank)
+    sched = actor.scheduler
     task_status.started()
     closing = False
     to_publish: StepResult | None = None
@@ -118,7 +204,7 @@ async def run_scheduler(
                 on_result(to_publish, timing)
             elif isinstance(ev, (NewRequest, AbortRequest)):
                 if not closing:
-                    _handle(sched, ev, log)
+                    actor.handle(ev)
             elif isinstance(ev, ControlClosed):
                 closing = True
             elif isinstance(ev, Resume):

@@ -2,11 +2,11 @@
 preemption. No Trio, no device: ``schedule()`` turns state into a StepPlan and
 ``update()`` folds a StepResult back in.
 
-Per sequence, ``num_computed`` counts positions whose target KV is valid and
-``mtp_computed`` those whose MTP KV holds real (non-speculative) entries. In the decode
+Per sequence, ``num_computed`` counts positions whose target KV is valid. In the decode
 phase ``num_computed == len(tokens) - 1``: the last token waits to be verified together
-with the drafts. The MTP cache shares the target's block table, so reserving positions
-for the k+1 verify rows reserves them for the MTP substeps as well.
+with the drafts. The scheduler gives a decoding sequence draft slots and knows nothing of
+how drafts are made (``stages/draft/``); a draft method's cache shares the target's
+block table, so reserving positions for the k+1 verify rows reserves them for it too.
 
 Rules that keep a request's output a function of the request alone:
 
@@ -45,8 +45,9 @@ from collections import deque
 from msgspec.structs import replace
 
 from spectrio.core.config import RuntimeConfig
-from spectrio.core.messages import SeqResult, SeqWork, StepPlan, StepResult
+from spectrio.core.messages import Ended, SeqResult, SeqWork, StepPlan, StepResult
 from spectrio.core.params import SamplingParams
+from spectrio.stages.acceptance import Acceptance
 from spectrio.stages.block_manager import BlockManager
 from spectrio.stages.lifecycle import RequestState, advance
 from spectrio.stages.spec_policy import SpecPolicy
@@ -62,14 +63,20 @@ class Sequence:
     speculative: bool
     output_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0
-    mtp_computed: int = 0
     state: RequestState = RequestState.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
     decoding: bool = False  # a step sampled it since its context was last (re)computed
     pending: SeqWork | None = None  # the in-flight sampling work whose result is unknown
-    drafts_proposed: int = 0  # over the request's life
-    drafts_accepted: int = 0
+    acceptance: Acceptance = dataclasses.field(default_factory=Acceptance)  # over its life
+
+    @property
+    def drafts_proposed(self) -> int:
+        return self.acceptance.proposed
+
+    @property
+    def drafts_accepted(self) -> int:
+        return self.acceptance.accepted
 
     @property
     def tokens(self) -> list[int]:
@@ -94,6 +101,24 @@ IDLE_UNTIMED_S = 0.05
 UNTIMED_AFTER_IDLE = 2
 
 
+def draft_slots(k: int, remaining_tokens: int, room: int) -> int:
+    """Draft slots of a decoding sequence: the step's ``k``, but never more than it may
+    still emit after the one token every step emits (``remaining_tokens - 1``) nor past
+    ``max_model_len`` (``room`` positions left). The one draft budget: planning and
+    overlap resolution (:mod:`.overlap`) both call it."""
+    return max(0, min(k, remaining_tokens - 1, room))
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A planned step whose result has not been folded in yet."""
+
+    works: dict[int, SeqWork]  # seq id -> its work in the step
+    k: int  # drafts per decoding sequence the policy chose for it
+    queued: bool  # requests waited for a slot when it was planned
+    still_queued: bool  # ... and still did after it admitted (SpecPolicy.observe_occupancy)
+
+
 def _decodes(work: SeqWork) -> bool:
     """The work is a decode step: one committed token (or one resolved on the device,
     when planned ahead) whose next tokens the sampler emits, with no prefill rows."""
@@ -110,21 +135,16 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order, oldest first
         self._by_id: dict[int, Sequence] = {}
-        self._inflight: dict[int, dict[int, SeqWork]] = {}  # step -> seq id -> its work
-        self._inflight_k: dict[int, int] = {}  # step -> the k the policy chose for it
-        # step -> whether requests waited for a slot when it was planned, and after it
-        # admitted (SpecPolicy.observe_occupancy)
-        self._inflight_queued: dict[int, tuple[bool, bool]] = {}
-        self._released: list[int] = []
-        self._aborted: list[str] = []  # request ids aborted since the last plan
-        self._aborted_drafts: list[list[int]] = []  # their [drafts proposed, accepted]
-        self._retired: list[int] = []  # their seq ids (the sampler drops their state)
+        self._inflight: dict[int, _InFlight] = {}  # by step, oldest first
+        self._ended: list[Ended] = []  # since the last plan (StepPlan.ended)
         # aborted seq id -> the last step planned when it was aborted: results of steps up
         # to that one may still carry it, and must not be published (see published()).
         self._aborted_at: dict[int, int] = {}
         self._step = 0
         self.num_preemptions = 0
         self.finished_by_reason: dict[str, int] = {}
+        # Every live request's drafts, counted once, as results are folded in.
+        self.acceptance = Acceptance()
         # Planned steps with decoding sequences, by the drafts each proposes (0: none), so
         # a user sees which k the adaptive policy ran.
         self.steps_by_k: dict[int, int] = {}
@@ -161,11 +181,11 @@ class Scheduler:
         seq.finish_reason = "abort"
         seq.pending = None
         self.finished_by_reason["abort"] = self.finished_by_reason.get("abort", 0) + 1
-        self._aborted.append(seq.request_id)
-        self._aborted_drafts.append([seq.drafts_proposed, seq.drafts_accepted])
-        self._retired.append(seq_id)
         self._aborted_at[seq_id] = self._step
-        self._release(seq)
+        self.blocks.free(seq.seq_id)
+        self._ended.append(
+            Ended(seq_id, seq.request_id, "aborted", [seq.drafts_proposed, seq.drafts_accepted])
+        )
         return seq
 
     def published(self, result: StepResult) -> StepResult:
@@ -184,7 +204,11 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Requests to run, or aborts still to be reported in a step."""
-        return bool(self.waiting or self.running or self._aborted)
+        return bool(self.waiting or self.running or self._aborts_to_report())
+
+    def _aborts_to_report(self) -> bool:
+        """Aborts the next plan reports: they need a step to reach the record."""
+        return any(e.why == "aborted" for e in self._ended)
 
     @property
     def num_in_flight(self) -> int:
@@ -255,32 +279,25 @@ class Scheduler:
                     f"no progress possible: request {head.request_id} needs more KV blocks "
                     f"than the pool holds ({self.blocks.num_blocks})"
                 )
-            if not self._aborted and not preempted:
+            if not self._aborts_to_report() and not preempted:
                 return None
             # Nothing to run, but aborts must still reach the record: an empty step.
         self._step += 1
         works = [
             self._work(slot, seq, rows, drafts) for slot, (seq, rows, drafts) in enumerate(planned)
         ]
-        released, self._released = self._released, []
-        aborted, self._aborted = self._aborted, []
-        aborted_drafts, self._aborted_drafts = self._aborted_drafts, []
-        retired, self._retired = self._retired, []
-        self._inflight[self._step] = {w.seq_id: w for w in works}
-        self._inflight_k[self._step] = self._step_k
-        self._inflight_queued[self._step] = (queued, bool(self.waiting))
+        ended, self._ended = self._ended, []
+        self._inflight[self._step] = _InFlight(
+            {w.seq_id: w for w in works}, self._step_k, queued, bool(self.waiting)
+        )
         if any(_decodes(w) for w in works):
             k = max((w.num_drafts for w in works), default=0)
             self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
         return StepPlan(
             step=self._step,
             seqs=works,
-            preempted=preempted,
-            aborted=aborted,
-            released=released,
-            retired=retired,
+            ended=ended,
             k=self._step_k,
-            aborted_drafts=aborted_drafts,
         )
 
     def _rows_for(self, seq: Sequence, budget: int) -> tuple[int, int, int]:
@@ -304,10 +321,8 @@ class Scheduler:
         one token and no more may follow), or a step after it is already planned."""
         assert seq.pending is not None
         room = min(seq.remaining_tokens, self.config.max_model_len - seq.length)
-        in_newest = seq.seq_id in self._inflight.get(self._step, {})
-        return (
-            room <= 1 or not in_newest or seq.pending is not self._inflight[self._step][seq.seq_id]
-        )
+        newest = self._inflight.get(self._step)
+        return room <= 1 or newest is None or seq.pending is not newest.works.get(seq.seq_id)
 
     def _capacity(self, seq: Sequence, rows: int, drafts: int) -> int:
         """KV positions the step needs reserved for ``seq``."""
@@ -319,8 +334,8 @@ class Scheduler:
     def _num_drafts(self, seq: Sequence) -> int:
         if not seq.speculative:
             return 0
-        return max(
-            0, min(self._step_k, seq.remaining_tokens - 1, self.config.max_model_len - seq.length)
+        return draft_slots(
+            self._step_k, seq.remaining_tokens, self.config.max_model_len - seq.length
         )
 
     def _work(self, slot: int, seq: Sequence, rows: int, drafts: int) -> SeqWork:
@@ -341,8 +356,6 @@ class Scheduler:
                 token_ids=[],
                 sample=True,
                 num_drafts=drafts,
-                mtp_start=seq.mtp_computed,
-                mtp_token_ids=[],
                 max_new_tokens=min(seq.remaining_tokens, self.config.max_model_len - seq.length),
                 num_output=len(seq.output_ids),
                 context_len=seq.length,
@@ -353,19 +366,12 @@ class Scheduler:
         tokens = seq.tokens
         start = seq.num_computed
         sample = start + rows == seq.length
-        if seq.speculative:
-            mtp_start, mtp_tokens = seq.mtp_computed, tokens[seq.mtp_computed + 1 : start + 1]
-            seq.mtp_computed = start
-        else:
-            mtp_start, mtp_tokens = start, []
         work = SeqWork(
             **common,  # type: ignore[arg-type]
             start_pos=start,
             token_ids=tokens[start : start + rows],
             sample=sample,
             num_drafts=drafts,
-            mtp_start=mtp_start,
-            mtp_token_ids=mtp_tokens,
             max_new_tokens=min(seq.remaining_tokens, self.config.max_model_len - seq.length),
             num_output=len(seq.output_ids),
             context_len=seq.length,
@@ -386,13 +392,12 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
         seq.num_computed = 0
-        seq.mtp_computed = 0
         seq.decoding = False
         seq.move(RequestState.PREEMPTED)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
-        self._released.append(seq.seq_id)
+        self._ended.append(Ended(seq.seq_id, seq.request_id, "preempted"))
 
     # ---- results ----------------------------------------------------------------------
 
@@ -401,18 +406,18 @@ class Scheduler:
         result without requests aborted since it was planned.
 
         ``seconds``, the step's time, feeds the adaptive speculation policy, with the
-        step's extra rows (target prompt rows, and MTP catch-up rows beyond ``k_max + 1``
-        a sequence: a request's first decode step reads its whole prompt through the MTP
-        layer), whose cost does not depend on k and which the policy takes off, and the k
-        of the decoding step before it, whose accepted rows its MTP pass caught up on
+        step's extra rows (target prompt rows, and the proposer's ``draft_rows``, such as
+        MTP's catch-up over a whole prompt chunk), whose cost does not depend on k and
+        which the policy takes off, and the k of the decoding step before it, whose
+        accepted rows a proposer's pass may catch up on
         (:meth:`SpecPolicy.observe_step`). The first :data:`UNTIMED_AFTER_IDLE` steps
         after the device waited more than :data:`IDLE_UNTIMED_S` are not timed: they
         run slower whatever k is."""
-        if not self._inflight or result.step != min(self._inflight):
-            raise RuntimeError(f"result of step {result.step}; in flight: {sorted(self._inflight)}")
-        works = self._inflight.pop(result.step)
-        step_k = self._inflight_k.pop(result.step)
-        self._observe_occupancy(works, result, *self._inflight_queued.pop(result.step))
+        if not self._inflight or result.step != next(iter(self._inflight)):
+            raise RuntimeError(f"result of step {result.step}; in flight: {list(self._inflight)}")
+        step = self._inflight.pop(result.step)
+        works, step_k = step.works, step.k
+        self._observe_occupancy(works, result, step.queued, step.still_queued)
         if seconds is None:
             seconds = result.device_seconds or None
         if result.idle_seconds > IDLE_UNTIMED_S:
@@ -423,13 +428,11 @@ class Scheduler:
         drafted = any(r.num_drafts for r in result.results)
         filed_k = step_k if drafted else 0
         if seconds is not None and works:
-            catch_up = self.policy.k_max + 1
             # The same count choose() was given: the step's decoding speculative sequences.
             speculative = sum(1 for w in works.values() if w.speculative and _decodes(w))
             prompt_rows = sum(len(w.token_ids) for w in works.values() if not _decodes(w))
-            catch_up_rows = sum(max(0, len(w.mtp_token_ids) - catch_up) for w in works.values())
             self.policy.observe_step(
-                speculative, filed_k, seconds, self._previous_k, (prompt_rows, catch_up_rows)
+                speculative, filed_k, seconds, self._previous_k, (prompt_rows, result.draft_rows)
             )
         if any(_decodes(w) for w in works.values()):
             self._previous_k = filed_k
@@ -477,8 +480,8 @@ class Scheduler:
 
     def _apply_sample(self, seq: Sequence, work: SeqWork, r: SeqResult) -> None:
         seq.output_ids.extend(r.token_ids)
-        seq.drafts_proposed += r.num_drafts
-        seq.drafts_accepted += min(r.num_accepted, r.num_drafts)
+        seq.acceptance.add(r.num_drafts, r.num_accepted)
+        self.acceptance.add(r.num_drafts, r.num_accepted)
         if seq.pending is work:
             seq.pending = None
         if seq.state is RequestState.RUNNING:
@@ -486,9 +489,6 @@ class Scheduler:
             verified = r.num_computed if work.pending else work.start_pos + len(work.token_ids)
             seq.num_computed = verified + r.num_accepted
             seq.decoding = True
-            if seq.pending is not None and seq.speculative:
-                # The step planned after this one catches the MTP cache up to here.
-                seq.mtp_computed = seq.num_computed
         if r.finish_reason is not None:
             r.total_drafts, r.total_accepted = seq.drafts_proposed, seq.drafts_accepted
             self._finish(seq, r.finish_reason)
@@ -503,8 +503,5 @@ class Scheduler:
         self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
         del self._by_id[seq.seq_id]
         seq.pending = None  # a step planned ahead for it is dropped on the device (overlap.py)
-        self._release(seq)
-
-    def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq.seq_id)
-        self._released.append(seq.seq_id)
+        self._ended.append(Ended(seq.seq_id, seq.request_id, "finished"))

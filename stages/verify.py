@@ -1,7 +1,7 @@
 """The verify stage: one target pass over every sequence's rows of the step.
 
 Runs on the device worker. Rows are the prefill chunk, or ``[last token, drafts...]``;
-the target hidden states of every row are stored for the next step's MTP catch-up."""
+a proposer that asks for them (MTP) gets the target hidden states of the step's rows."""
 
 from __future__ import annotations
 
@@ -41,9 +41,8 @@ def verify(ws: Workspace, plan: StepPlan) -> dict[int, np.ndarray]:
     with paddle.no_grad():
         out = ws.model.forward(batch, ws.target_cache)
     ws.forward_seconds += time.perf_counter() - t0
-    cu = batch.cu_seqlens_q
-    for i, w in enumerate(plan.seqs):
-        ws.store_hidden(w.seq_id, w.start_pos, out.hidden, int(cu[i]), int(cu[i + 1] - cu[i]))
+    if ws.proposer is not None and ws.proposer.wants_hidden:
+        ws.proposer.keep_hidden(plan, out.hidden, batch.cu_seqlens_q)
     if not offsets:
         return {}
     host = out.logits.numpy().astype(np.float64, copy=False)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from spectrio.core.messages import SeqResult, SeqWork
+from msgspec.structs import replace
+
+from spectrio.core.messages import SeqResult, SeqWork, StepPlan
+from spectrio.stages.draft import TokenHistory
+from spectrio.stages.draft.mtp import CatchUp, extra_rows
 
 
 def seq_result(
@@ -21,3 +25,29 @@ def seq_result(
         num_computed=w.start_pos + len(w.token_ids),
         context_len=w.context_len,
     )
+
+
+class MTPCatchUp:
+    """The MTP proposer's bookkeeping without a model: folds each plan into a token
+    history, advances the catch-up positions, and drafts token 7 in every slot (what
+    ``finish_step``-style helpers emit)."""
+
+    def __init__(self, k_max: int) -> None:
+        self.k_max = k_max
+        self.history = TokenHistory()
+        self.catch_up = CatchUp()
+
+    def run(self, plan: StepPlan) -> tuple[dict[int, tuple[int, list[int]]], int]:
+        """seq id -> (first catch-up position, tokens), and the step's draft rows."""
+        self.history.release(plan.released)
+        self.catch_up.release(plan.released)
+        self.history.fold(plan)
+        out = {
+            w.seq_id: self.catch_up.advance(w.seq_id, w.start_pos, self.history.tokens(w.seq_id))
+            for w in plan.seqs
+            if w.speculative
+        }
+        self.history.drafted(
+            replace(plan, seqs=[replace(w, drafts=[7] * w.num_drafts) for w in plan.seqs])
+        )
+        return out, extra_rows((len(t) for _, t in out.values()), self.k_max)

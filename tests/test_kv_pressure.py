@@ -74,15 +74,19 @@ def batch(bundled64: object) -> list[list[int]]:
     return prompts(bundled64.tokenizer)  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
 async def test_every_stream_survives_heavy_preemption_exactly(
-    batch: list[list[int]], bundled64: object
+    batch: list[list[int]], bundled64: object, method: str
 ) -> None:
     tok = bundled64.tokenizer  # type: ignore[attr-defined]
-    free, free_records, free_preemptions = await run(config(), batch)
+    spec = SpeculativeConfig(
+        method=method, num_speculative_tokens=2, adaptive=False, prompt_lookup_min=1
+    )
+    free, free_records, free_preemptions = await run(config(speculative=spec), batch)
     # 9 blocks of 16 hold one max_model_len sequence plus a little: 20 requests thrash.
     # How often depends on how their arrivals interleave with the first plans (17 to 30
     # preemptions seen on a busy 2-core machine), so the floor is set below that range.
-    tight, tight_records, preemptions = await run(config(num_kv_blocks=9), batch)
+    tight, tight_records, preemptions = await run(config(num_kv_blocks=9, speculative=spec), batch)
     assert free_preemptions == 0 and preemptions >= 10
     preempted_ids = {
         rid

@@ -14,11 +14,13 @@ from spectrio.core.messages import PublishedStep
 PROMPTS = [list(range(300 + 17 * i, 300 + 17 * i + 6 + 3 * i)) for i in range(8)]
 
 
-def config(k: int, overlap: bool, blocks: int | None) -> RuntimeConfig:
+def config(k: int, overlap: bool, blocks: int | None, method: str = "mtp") -> RuntimeConfig:
     spec = (
         SpeculativeConfig(method=None)
         if k == 0
-        else SpeculativeConfig(num_speculative_tokens=k, adaptive=False)
+        else SpeculativeConfig(
+            method=method, num_speculative_tokens=k, adaptive=False, prompt_lookup_min=1
+        )
     )
     return RuntimeConfig(
         dtype="float64",
@@ -76,12 +78,16 @@ async def run_all(
     return out, ends
 
 
-@pytest.mark.parametrize("k", [0, 1, 2, 3])
-async def test_overlap_on_and_off_give_the_same_tokens(bundled: object, k: int) -> None:
+@pytest.mark.parametrize(
+    "k,method", [(0, "mtp"), (1, "mtp"), (2, "mtp"), (3, "mtp"), (1, "ngram"), (3, "ngram")]
+)
+async def test_overlap_on_and_off_give_the_same_tokens(
+    bundled: object, k: int, method: str
+) -> None:
     with trio.fail_after(300):
         runs = {}
         for overlap in (False, True):
-            async with open_runtime(config(k, overlap, 26)) as rt:
+            async with open_runtime(config(k, overlap, 26, method)) as rt:
                 runs[overlap] = await run_all(rt, set())
                 assert rt.scheduler.num_preemptions > 0  # KV pressure was real
         assert runs[True][0] == runs[False][0]

@@ -85,6 +85,9 @@ def test_a_field_without_a_flag_is_an_error(monkeypatch: pytest.MonkeyPatch) -> 
         (["--num-model-steps", "1"], "speculative.num_model_steps", 1),
         (["--no-adaptive"], "speculative.adaptive", False),
         (["--timing-cache", "off"], "speculative.timing_cache", "off"),
+        (["--spec-method", "ngram"], "speculative.method", "ngram"),
+        (["--prompt-lookup-max", "6"], "speculative.prompt_lookup_max", 6),
+        (["--prompt-lookup-min", "1"], "speculative.prompt_lookup_min", 1),
     ],
 )
 def test_each_flag_sets_its_field(argv: list[str], field: str, value: object) -> None:
@@ -342,3 +345,11 @@ def test_the_library_never_configures_logging() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith("clean")
+
+
+def test_no_spec_wins_over_spec_method() -> None:
+    """``--spec-method`` picks the draft method; ``--no-spec`` still turns speculation
+    off, whichever order they come in."""
+    assert parse_runtime_flags(["--no-spec", "--spec-method", "ngram"]).speculative.method is None
+    assert parse_runtime_flags(["--spec-method", "ngram", "--no-spec"]).speculative.method is None
+    assert parse_runtime_flags(["--spec", "--spec-method", "ngram"]).speculative.method == "ngram"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 import pytest
-from scheduler_helpers import seq_result
+from scheduler_helpers import MTPCatchUp, seq_result
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig
 from spectrio.core.messages import SeqResult, StepPlan, StepResult
@@ -46,6 +46,7 @@ def finish_step(
     seconds: float | None = None,
     idle: float = 0.0,
     finish: Collection[int] = (),
+    draft_rows: int = 0,
 ) -> None:
     """Fold ``plan`` in: each sampling sequence emits ``accepted`` drafts (None: all of
     its drafts) plus ``emit`` tokens, and those in ``finish`` (seq ids) end by length;
@@ -57,7 +58,10 @@ def finish_step(
         reason = "length" if w.seq_id in finish else None
         sampled = seq_result(w, n, [7] * (n + emit), reason)
         results.append(sampled if w.sample else seq_result(w, 0, []))
-    s.update(StepResult(step=plan.step, results=results, idle_seconds=idle), seconds=seconds)
+    s.update(
+        StepResult(step=plan.step, results=results, idle_seconds=idle, draft_rows=draft_rows),
+        seconds=seconds,
+    )
 
 
 def adaptive_scheduler(k: int, speculative: tuple[bool, ...], prompt_len: int = 3) -> Scheduler:
@@ -94,15 +98,17 @@ def accept_all(sched: Scheduler, plan: StepPlan, seconds: float) -> None:
 def test_chunked_prefill_splits_a_long_prompt_over_steps() -> None:
     s = make()
     s.add(seq(1, 50))
+    mtp = MTPCatchUp(s.policy.k_max)
     p1 = s.schedule()
     assert p1 is not None and p1.seqs[0].token_ids == list(range(1, 33)) and not p1.seqs[0].sample
+    assert mtp.run(p1)[0] == {1: (0, [])}
     finish_step(s, p1)
     p2 = s.schedule()
     assert p2 is not None
     w = p2.seqs[0]
     assert (w.start_pos, len(w.token_ids), w.sample) == (32, 18, True)
     # MTP catches up on the first chunk's 32 positions (token at p+1 for each p).
-    assert (w.mtp_start, w.mtp_token_ids) == (0, list(range(2, 34)))
+    assert mtp.run(p2)[0] == {1: (0, list(range(2, 34)))}
 
 
 def test_decoding_sequence_costs_k_plus_one_and_gets_drafts() -> None:
@@ -238,13 +244,15 @@ def test_schedule_refuses_to_run_twice_in_flight() -> None:
 def test_one_token_prompt_gets_no_drafts_until_the_mtp_has_a_hidden_state() -> None:
     s = make(k=2)
     s.add(seq(1, 1))
+    mtp = MTPCatchUp(s.policy.k_max)
     p = s.schedule()
     assert p is not None and (p.seqs[0].num_drafts, p.seqs[0].sample) == (0, True)
+    mtp.run(p)
     finish_step(s, p)
     p = s.schedule()
     assert p is not None
-    w = p.seqs[0]
-    assert (w.num_drafts, w.mtp_start, w.mtp_token_ids) == (2, 0, [7])
+    assert p.seqs[0].num_drafts == 2
+    assert mtp.run(p)[0] == {1: (0, [7])}
 
 
 def test_plans_carry_what_the_sampler_and_record_need() -> None:
@@ -476,12 +484,14 @@ def test_a_steps_extra_rows_go_to_the_policy_beside_its_time() -> None:
     decoding sequence brings, and the step is filed under its decoding sequences."""
     sched = adaptive_scheduler(2, (True,), prompt_len=12)
     observed = record_observed_steps(sched)
+    mtp = MTPCatchUp(sched.policy.k_max)
     catch_up: list[int] = []
     for _ in range(4):
         plan = sched.schedule()
         assert plan is not None
-        catch_up.append(len(plan.seqs[0].mtp_token_ids))
-        accept_all(sched, plan, 1.0)
+        counts, rows = mtp.run(plan)
+        catch_up.append(len(counts[0][1]))
+        finish_step(sched, plan, accepted=None, seconds=1.0, draft_rows=rows)
     assert catch_up == [0, 12, 3, 3]  # prefill, the prompt's catch-up, then k + 1 rows
     # The prefill has no decoding sequence; the catch-up step has 12 - 3 extra rows.
     seen = [(num_seqs, extra) for num_seqs, _, _, extra in observed]
@@ -499,7 +509,7 @@ def test_a_steps_extra_rows_go_to_the_policy_beside_its_time() -> None:
     )
     plan = sched.schedule()
     assert plan is not None
-    accept_all(sched, plan, 1.0)
+    finish_step(sched, plan, accepted=None, seconds=1.0, draft_rows=mtp.run(plan)[1])
     num_seqs, _, _, extra = observed[-1]
     assert (num_seqs, extra) == (1, (10, 0))  # one decoding sequence, and the new prompt's rows
 
@@ -555,3 +565,34 @@ def test_slots_a_step_leaves_unplanned_under_a_queue_are_lost_too() -> None:
     assert [len(w.token_ids) for w in plan.seqs] == [8, 1] and len(sched.waiting) == 2
     finish_step(sched, plan)
     assert seen == [(3.0, 1)]
+
+
+def test_the_actor_applies_each_abort_once_even_before_its_request_arrives() -> None:
+    """The runtime hands aborts to the scheduler actor directly, and requests over the
+    control channel: an abort may come first. It is applied when the request arrives,
+    once; an abort of a request that already ended changes nothing."""
+    from spectrio.core.messages import AbortRequest, NewRequest
+    from spectrio.stages.scheduler import SchedulerActor
+
+    s = make()
+    actor = SchedulerActor(s)
+
+    def new(seq_id: int) -> NewRequest:
+        return NewRequest(
+            seq_id=seq_id,
+            request_id=f"r{seq_id}",
+            prompt_ids=[1, 2, 3],
+            params=SamplingParams(max_tokens=4),
+            eos_token_ids=[],
+            speculative=True,
+        )
+
+    actor.handle(new(1))
+    assert actor.handle(AbortRequest(seq_id=2)) is None  # r2 is still on its way
+    actor.handle(new(2))
+    assert actor.view().waiting == 1 and s.state(2) is None
+    assert actor.handle(AbortRequest(seq_id=1)) == (0, 0)
+    assert actor.handle(AbortRequest(seq_id=1)) is None  # once
+    p = s.schedule()
+    assert p is not None and p.seqs == [] and p.aborted == ["r2", "r1"]
+    assert actor.view().finished == {"abort": 2} and not actor.view().has_work

@@ -27,14 +27,17 @@ NEIGHBOUR = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=40, temperature=1.0, ignore_eos=True)
 
 
-def config(k: int | str, **kw: object) -> RuntimeConfig:
+def config(k: int | str, method: str = "mtp", **kw: object) -> RuntimeConfig:
     """k = 0: no speculation; N: a fixed N drafts; "auto": the adaptive policy up to 3."""
+    lookup = {"prompt_lookup_min": 1}  # n-gram: a repeated token is enough to draft
     if k == "auto":
-        spec = SpeculativeConfig(num_speculative_tokens=3, adaptive=True)
+        spec = SpeculativeConfig(method=method, num_speculative_tokens=3, adaptive=True, **lookup)
     elif k == 0:
         spec = SpeculativeConfig(method=None)
     else:
-        spec = SpeculativeConfig(num_speculative_tokens=int(k), adaptive=False)
+        spec = SpeculativeConfig(
+            method=method, num_speculative_tokens=int(k), adaptive=False, **lookup
+        )
     fields: dict[str, object] = {
         "dtype": "float64",
         "max_model_len": 64,
@@ -94,10 +97,11 @@ def chunks_of(plans: list[StepPlan], rid: str) -> list[tuple[int, int, bool, int
     ]
 
 
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
 @pytest.mark.parametrize("k", [1, 2, 3])
-async def test_seeded_output_is_independent_of_the_batch(k: int) -> None:
+async def test_seeded_output_is_independent_of_the_batch(k: int, method: str) -> None:
     with trio.fail_after(300):
-        async with open_runtime(config(k), encoded_channels=True) as rt:
+        async with open_runtime(config(k, method), encoded_channels=True) as rt:
             plans = spy_plans(rt)
             alone = (await run_in_order(rt, [("alone", SEEDED_PROMPT, SEEDED)]))["alone"]
             assert len(alone) == 24
@@ -121,7 +125,7 @@ async def test_seeded_output_is_independent_of_the_batch(k: int) -> None:
     # (c) Beside a long request in a KV pool that cannot hold both: the seeded request,
     # admitted last, is preempted and recomputed.
     with trio.fail_after(300):
-        async with open_runtime(config(k, num_kv_blocks=20), encoded_channels=True) as rt:
+        async with open_runtime(config(k, method, num_kv_blocks=20), encoded_channels=True) as rt:
             plans = spy_plans(rt)
             got = await run_in_order(
                 rt, [("long", LONG_PROMPT, LONG), ("s-c", SEEDED_PROMPT, SEEDED)]
@@ -153,17 +157,22 @@ async def test_seeded_output_is_independent_of_speculation_and_overlap() -> None
         ),
     ]
     outputs = []
-    runs: list[tuple[int | str, bool]] = [
-        (0, False),
-        (1, False),
-        (2, True),
-        (3, False),
-        (3, True),
-        ("auto", False),
+    runs: list[tuple[int | str, bool, str]] = [
+        (0, False, "mtp"),
+        (1, False, "mtp"),
+        (2, True, "mtp"),
+        (3, False, "mtp"),
+        (3, True, "mtp"),
+        ("auto", False, "mtp"),
+        (2, True, "ngram"),
+        (3, False, "ngram"),
+        ("auto", False, "ngram"),
     ]
-    for k, overlap in runs:
+    for k, overlap, method in runs:
         with trio.fail_after(120):
-            async with open_runtime(config(k, enable_overlap=overlap), encoded_channels=True) as rt:
+            async with open_runtime(
+                config(k, method, enable_overlap=overlap), encoded_channels=True
+            ) as rt:
                 outputs.append(await run_in_order(rt, requests))
     assert all(out == outputs[0] for out in outputs[1:])
 

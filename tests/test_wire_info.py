@@ -56,7 +56,12 @@ def test_info_round_trip_over_a_real_server(server: Server) -> None:
             max_model_len=256,
             eos_token_id=loaded.tokenizer.eos_token_id,
             speculative=SpeculativeInfo(
-                method="mtp", num_speculative_tokens=3, num_model_steps=None, adaptive=False
+                method="mtp",
+                num_speculative_tokens=3,
+                num_model_steps=None,
+                adaptive=False,
+                prompt_lookup_max=4,
+                prompt_lookup_min=2,
             ),
             tokenizer_sha256=hashlib.sha256(BUNDLED_JSON).hexdigest(),
             tokenizer_bytes=len(BUNDLED_JSON),
@@ -142,3 +147,28 @@ def _fields(info: ModelInfo) -> dict[str, object]:
     import msgspec
 
     return msgspec.structs.asdict(info)
+
+
+def test_info_names_the_ngram_method_and_its_lookup_lengths() -> None:
+    """``--spec-method ngram`` (schema 1.4): the reply says which proposer drafts, with
+    its suffix lengths, so a client can tell the methods apart."""
+    from types import SimpleNamespace
+
+    from spectrio.tools.runtime_flags import parse_runtime_flags
+    from spectrio.wire.server import model_info
+
+    config = parse_runtime_flags(["--spec-method", "ngram", "--prompt-lookup-max", "3"])
+    runtime = SimpleNamespace(
+        config=config,
+        loaded=SimpleNamespace(config=SimpleNamespace(vocab_size=7)),
+        tokenizer=SimpleNamespace(eos_token_id=None),
+    )
+    info = model_info(runtime, "{}")  # type: ignore[arg-type]
+    assert info.speculative == SpeculativeInfo(
+        method="ngram",
+        num_speculative_tokens=4,
+        num_model_steps=None,
+        adaptive=True,
+        prompt_lookup_max=3,
+        prompt_lookup_min=2,
+    )

@@ -97,16 +97,16 @@ def test_stored_hidden_rows_share_a_small_step_and_copy_from_a_large_one() -> No
     from conftest import tiny_model
 
     from spectrio.models.paddle_setup import paddle
-    from spectrio.stages.workspace import SHARE_ROWS, Workspace
+    from spectrio.stages.draft.mtp import SHARE_ROWS, HiddenStore
 
-    ws = Workspace(tiny_model(), num_blocks=4, block_size=4)
+    ws = HiddenStore(tiny_model())
     for rows in (8, SHARE_ROWS + 1):
         step = paddle.to_tensor(np.arange(rows * 3, dtype=np.float64).reshape(rows, 3))
-        ws.store_hidden(7, 10, step, 4, 3)  # positions 10..12 are rows 4..6 of the step
-        held = ws._hidden[7].hidden
+        ws.store(7, 10, step, 4, 3)  # positions 10..12 are rows 4..6 of the step
+        held = ws._rows[7].hidden
         assert (held is step) == (rows <= SHARE_ROWS)
         assert held.shape[0] == (rows if rows <= SHARE_ROWS else 3)
-        np.testing.assert_array_equal(ws.hidden_rows_of([(7, 11, 2)]).numpy(), step.numpy()[5:7])
+        np.testing.assert_array_equal(ws.rows_of([(7, 11, 2)]).numpy(), step.numpy()[5:7])
 
 
 def test_hidden_rows_of_many_sequences_are_stacked_in_order() -> None:
@@ -116,19 +116,19 @@ def test_hidden_rows_of_many_sequences_are_stacked_in_order() -> None:
     from conftest import tiny_model
 
     from spectrio.models.paddle_setup import paddle
-    from spectrio.stages.workspace import SHARE_ROWS, Workspace
+    from spectrio.stages.draft.mtp import SHARE_ROWS, HiddenStore
 
-    ws = Workspace(tiny_model(), num_blocks=4, block_size=4)
+    ws = HiddenStore(tiny_model())
     step = paddle.to_tensor(np.arange(24, dtype=np.float64).reshape(8, 3))
-    ws.store_hidden(1, 20, step, 0, 3)  # positions 20..22: rows 0..2
-    ws.store_hidden(2, 5, step, 3, 1)  # position 5: row 3
-    ws.store_hidden(3, 9, step, 4, 4)  # positions 9..12: rows 4..7
+    ws.store(1, 20, step, 0, 3)  # positions 20..22: rows 0..2
+    ws.store(2, 5, step, 3, 1)  # position 5: row 3
+    ws.store(3, 9, step, 4, 4)  # positions 9..12: rows 4..7
     want = [(3, 10, 2), (1, 22, 1), (2, 5, 1)]
     expect = step.numpy()[[5, 6, 2, 3]]
-    np.testing.assert_array_equal(ws.hidden_rows_of(want).numpy(), expect)
+    np.testing.assert_array_equal(ws.rows_of(want).numpy(), expect)
     big = paddle.to_tensor(np.full((SHARE_ROWS + 1, 3), 7.0))
-    ws.store_hidden(1, 20, big, 10, 3)  # now a copy of its own rows
+    ws.store(1, 20, big, 10, 3)  # now a copy of its own rows
     expect[2] = 7.0
-    np.testing.assert_array_equal(ws.hidden_rows_of(want).numpy(), expect)
+    np.testing.assert_array_equal(ws.rows_of(want).numpy(), expect)
     with pytest.raises(RuntimeError, match="outside stored hidden rows"):
-        ws.hidden_rows_of([(2, 5, 2)])
+        ws.rows_of([(2, 5, 2)])

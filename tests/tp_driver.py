@@ -27,7 +27,7 @@ PROMPTS = [
 ]
 
 
-def config(tp: int, k: int, **kw: object) -> RuntimeConfig:
+def config(tp: int, k: int, method: str = "mtp", **kw: object) -> RuntimeConfig:
     fields: dict[str, object] = {
         "dtype": "float64",
         "max_model_len": 128,
@@ -39,18 +39,20 @@ def config(tp: int, k: int, **kw: object) -> RuntimeConfig:
         "speculative": (
             SpeculativeConfig(method=None)
             if k == 0
-            else SpeculativeConfig(num_speculative_tokens=k, adaptive=False)
+            else SpeculativeConfig(
+                method=method, num_speculative_tokens=k, adaptive=False, prompt_lookup_min=1
+            )
         ),
     }
     fields.update(kw)
     return RuntimeConfig(**fields)  # type: ignore[arg-type]
 
 
-async def generate(tp: int, k: int, max_tokens: int) -> dict[str, object]:
+async def generate(tp: int, k: int, max_tokens: int, method: str = "mtp") -> dict[str, object]:
     records: list[int] = []
     outputs: list[list[int]] = [[] for _ in PROMPTS]
     with trio.fail_after(240):
-        async with open_runtime(config(tp, k)) as rt:
+        async with open_runtime(config(tp, k, method)) as rt:
             rt.add_record_observer(lambda p: records.append(p.step))
             group = rt._group
             pids = [p.pid for p in group.procs.values()] if group is not None else []
@@ -78,7 +80,7 @@ async def generate(tp: int, k: int, max_tokens: int) -> dict[str, object]:
     }
 
 
-async def pressure(tp: int, k: int) -> dict[str, object]:
+async def pressure(tp: int, k: int, method: str = "mtp") -> dict[str, object]:
     """Overlap on, chunked prefill (a 40-token prompt in a 16-token budget), a KV pool
     small enough to preempt, and seeded random requests beside greedy ones."""
     prompts = [
@@ -88,6 +90,7 @@ async def pressure(tp: int, k: int) -> dict[str, object]:
     cfg = config(
         tp,
         k,
+        method,
         max_model_len=80,
         max_num_batched_tokens=16,
         num_kv_blocks=24,
@@ -170,10 +173,13 @@ async def twice() -> dict[str, object]:
 
 def main() -> None:
     what = sys.argv[1]
+    # k as "2", or "ngram:2" for another draft method
+    method, _, k = (sys.argv[3] if len(sys.argv) > 3 else "").rpartition(":")
+    method = method or "mtp"
     if what == "generate":
-        out = trio.run(generate, int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+        out = trio.run(generate, int(sys.argv[2]), int(k), int(sys.argv[4]), method)
     elif what == "pressure":
-        out = trio.run(pressure, int(sys.argv[2]), int(sys.argv[3]))
+        out = trio.run(pressure, int(sys.argv[2]), int(k), method)
     elif what == "twice":
         out = trio.run(twice)
     elif what == "kill":

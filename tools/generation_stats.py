@@ -1,47 +1,49 @@
-"""Per-request speculation statistics, accumulated from a request's deltas (pure)."""
+"""Per-request speculation statistics, accumulated from a request's deltas (pure).
+
+Drafts are counted by the one rule of :class:`spectrio.stages.acceptance.Acceptance`;
+this adds what only a stream of deltas knows (steps and tokens emitted)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from spectrio.runtime.api import Delta
+from spectrio.stages.acceptance import Acceptance
 
 
 @dataclasses.dataclass
 class GenerationStats:
     num_steps: int = 0  # verify steps that emitted tokens for this request
     num_tokens: int = 0
-    proposed: list[int] = dataclasses.field(default_factory=list)  # per draft position
-    accepted: list[int] = dataclasses.field(default_factory=list)
-    # per draft position i: steps that proposed it with drafts 1..i-1 all accepted
-    reached: list[int] = dataclasses.field(default_factory=list)
+    acceptance: Acceptance = dataclasses.field(default_factory=Acceptance)
+
+    @property
+    def proposed(self) -> list[int]:
+        """Per draft position: steps that proposed it."""
+        return self.acceptance.proposed_at
+
+    @property
+    def accepted(self) -> list[int]:
+        """Per draft position: steps that accepted it."""
+        return self.acceptance.accepted_at
+
+    @property
+    def reached(self) -> list[int]:
+        """Per draft position i: steps that proposed it with drafts 1..i-1 all accepted."""
+        return self.acceptance.reached_at
 
     def add(self, delta: Delta) -> None:
         if not delta.token_ids:
             return
         self.num_steps += 1
         self.num_tokens += len(delta.token_ids)
-        while len(self.proposed) < delta.num_drafts:
-            self.proposed.append(0)
-            self.accepted.append(0)
-            self.reached.append(0)
-        for i in range(delta.num_drafts):
-            self.proposed[i] += 1
-            self.accepted[i] += int(i < delta.num_accepted)
-            self.reached[i] += int(i <= delta.num_accepted)
+        self.acceptance.add(delta.num_drafts, delta.num_accepted)
 
     def merge(self, other: GenerationStats) -> None:
         """Add another request's counts (per-position lists are summed)."""
         self.num_steps += other.num_steps
         self.num_tokens += other.num_tokens
-        for mine, theirs in (
-            (self.proposed, other.proposed),
-            (self.accepted, other.accepted),
-            (self.reached, other.reached),
-        ):
-            mine.extend([0] * (len(theirs) - len(mine)))
-            for i, v in enumerate(theirs):
-                mine[i] += v
+        self.acceptance.merge(other.acceptance)
 
     @property
     def mean_accept_len(self) -> float:

@@ -20,7 +20,13 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Final
 
-from spectrio.core.config import DTYPE_BYTES, ROLES, RuntimeConfig, SpeculativeConfig
+from spectrio.core.config import (
+    DTYPE_BYTES,
+    ROLES,
+    SPEC_METHODS,
+    RuntimeConfig,
+    SpeculativeConfig,
+)
 
 __all__ = [
     "RUNTIME_FLAGS",
@@ -117,7 +123,8 @@ RUNTIME_FLAGS: Final[tuple[FlagSpec, ...]] = (
     FlagSpec(
         "speculative.method",
         "--spec",
-        "speculative decoding with the model's MTP draft head (--no-spec: off, one token per step)",
+        "speculative decoding with the model's MTP draft head (--no-spec: off, one token per "
+        "step; --spec-method picks another draft method)",
     ),
     FlagSpec(
         "speculative.num_speculative_tokens",
@@ -139,6 +146,18 @@ RUNTIME_FLAGS: Final[tuple[FlagSpec, ...]] = (
         "(--no-adaptive: always k)",
     ),
     FlagSpec(
+        "speculative.prompt_lookup_max",
+        "--prompt-lookup-max",
+        "n-gram drafting: the longest suffix of a request's tokens looked up earlier in it",
+        "N",
+    ),
+    FlagSpec(
+        "speculative.prompt_lookup_min",
+        "--prompt-lookup-min",
+        "n-gram drafting: the shortest suffix looked up",
+        "N",
+    ),
+    FlagSpec(
         "speculative.timing_cache",
         "--timing-cache",
         "where the adaptive policy keeps its measured step times between runs: "
@@ -149,7 +168,11 @@ RUNTIME_FLAGS: Final[tuple[FlagSpec, ...]] = (
 )
 """One flag per config field, in ``--help`` order. The only place their help lives."""
 
-_SPEC_METHOD: Final = "mtp"  # what --spec selects (SpeculativeConfig's only method)
+_SPEC_METHOD: Final = "mtp"  # what --spec selects; --spec-method names any of SPEC_METHODS
+# --spec-method picks the draft method; --no-spec still turns speculation off whatever it
+# says. Its own dest (outside the runtime namespace): speculative.method keeps one action.
+_METHOD_FLAG: Final = "--spec-method"
+_METHOD_DEST: Final = "spec_method"
 
 
 def _config_fields() -> list[tuple[str, dataclasses.Field[Any], Any]]:
@@ -237,6 +260,15 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
     )
     for spec, f, default in runtime_flag_specs():
         group.add_argument(spec.flag, **_argument(spec, f, default))
+        if spec.path == "speculative.method":
+            group.add_argument(
+                _METHOD_FLAG,
+                dest=_METHOD_DEST,
+                default=argparse.SUPPRESS,
+                choices=SPEC_METHODS,
+                help=f"the draft method (default: {default}): 'mtp', the model's MTP draft "
+                "head, or 'ngram', prompt lookup (needs no draft weights)",
+            )
     group.add_argument(
         "--config",
         type=str,
@@ -263,6 +295,11 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
             value = tuple(value)
         head, _, name = spec.path.rpartition(".")
         (table.setdefault(head, {}) if head else table)[name] = value
+    method = given.get(_METHOD_DEST)
+    if method is not None:
+        speculative = table.setdefault("speculative", {})
+        if speculative.get("method", method) is not None:  # --no-spec wins
+            speculative["method"] = method
     return table
 
 

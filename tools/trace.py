@@ -202,6 +202,9 @@ def read_trace(path: str | Path) -> Trace:
 # --same-config must not carry the recording host's cache folder, and they never change
 # a token.
 _HOST_LOCAL = {"speculative": ("timing_cache",)}
+# SpeculativeConfig fields only one draft method reads: left out of another method's
+# header, which then names only what shaped its run (they keep their defaults on replay).
+_METHOD_ONLY = {"prompt_lookup_max": "ngram", "prompt_lookup_min": "ngram"}
 
 
 def runtime_fields(config: object) -> dict[str, Any]:
@@ -211,6 +214,10 @@ def runtime_fields(config: object) -> dict[str, Any]:
     for section, names in _HOST_LOCAL.items():
         for name in names:
             (fields.get(section) or {}).pop(name, None)
+    spec = fields.get("speculative") or {}
+    for name, method in _METHOD_ONLY.items():
+        if spec.get("method") != method:
+            spec.pop(name, None)
     return fields
 
 

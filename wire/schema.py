@@ -64,13 +64,14 @@ SCHEMA_VERSION: Final = 1
 of another major version (``schema_version``). Bump it for a change an old peer would
 misread: a removed or renamed key, a changed type or meaning."""
 
-SCHEMA_MINOR: Final = 3
+SCHEMA_MINOR: Final = 4
 """Minor version within :data:`SCHEMA_VERSION`: bumped for additions an old peer can
 ignore (an optional key a reader skips, a new request type an old client never sends).
 It is not on every message (an old peer's ``"v"`` stays valid); a client learns the
 server's from the ``Info`` reply. History (``docs/wire.md``, *Versioning*): 1.0 the first
 release; 1.1 ``StepEnvelope.drafts``; 1.2 the ``Info`` request and its ``ModelInfo``
-reply.
+reply; 1.3 aborted requests in ``drafts``; 1.4 ``SpeculativeInfo``'s method ``"ngram"``
+and its ``prompt_lookup_min`` / ``prompt_lookup_max``.
 
 Every change to a message below changes the pin in ``tests/test_wire_schema.py``, which
 fails until one of the two versions is bumped."""
@@ -197,10 +198,14 @@ class Error(_Message, tag="error", frozen=True, kw_only=True):
 class SpeculativeInfo(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The server's speculative configuration (``SpeculativeConfig``'s fields)."""
 
-    method: str | None  # "mtp", or nil: no speculation
+    method: str | None  # "mtp", "ngram" (since 1.4), or nil: no speculation
     num_speculative_tokens: int  # k: the most drafts per sequence per step
     num_model_steps: int | None  # MTP substeps per step; nil: k
     adaptive: bool  # each step drafts 0..k, as the measured acceptance says
+    # n-gram drafting's longest and shortest suffix looked up (since 1.4; nil from an
+    # older server)
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
 
 
 class ModelInfo(_Message, tag="info", frozen=True, kw_only=True):

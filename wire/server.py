@@ -351,6 +351,8 @@ def model_info(runtime: Runtime, tokenizer_json: str) -> ModelInfo:
             num_speculative_tokens=spec.num_speculative_tokens,
             num_model_steps=spec.num_model_steps,
             adaptive=spec.adaptive,
+            prompt_lookup_max=spec.prompt_lookup_max,
+            prompt_lookup_min=spec.prompt_lookup_min,
         ),
         tokenizer_sha256=hashlib.sha256(data).hexdigest(),
         tokenizer_bytes=len(data),

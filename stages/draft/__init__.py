@@ -1,0 +1,75 @@
+"""Drafting: the draft stage, and the seam between the generic step and a draft method.
+
+The scheduler gives each sequence a number of draft slots and knows nothing of how
+drafts are made. On the device worker, each resolved plan goes through :func:`draft`:
+the workspace's :class:`~.base.TokenHistory` folds the plan in, then the configured
+:class:`~.base.Proposer` (:func:`make_proposer`: ``mtp`` or ``ngram``) fills the slots.
+After verify a proposer that asks for them gets the target's hidden rows.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from msgspec.structs import replace
+
+from spectrio.core.config import SpeculativeConfig
+from spectrio.core.messages import StepPlan
+from spectrio.errors import ConfigError
+from spectrio.stages.draft.base import Proposal, Proposer, TokenHistory
+
+if TYPE_CHECKING:
+    from spectrio.models import SpectrioForCausalLM
+    from spectrio.stages.workspace import Workspace
+
+__all__ = ["Proposal", "Proposer", "TokenHistory", "draft", "make_proposer"]
+
+
+def make_proposer(
+    spec: SpeculativeConfig,
+    model: SpectrioForCausalLM,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int | None = None,
+) -> Proposer | None:
+    """The proposer ``spec.method`` names; None with no speculation."""
+    if spec.method is None:
+        return None
+    if spec.method == "mtp":
+        from spectrio.stages.draft.mtp import MTPProposer
+
+        return MTPProposer(
+            model,
+            num_blocks,
+            block_size,
+            k_max=spec.effective_num_model_steps,
+            num_kv_heads=num_kv_heads,
+        )
+    if spec.method == "ngram":
+        from spectrio.stages.draft.ngram import NgramProposer
+
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    raise ConfigError(f"method: no proposer for {spec.method!r}")
+
+
+def draft(ws: Workspace, plan: StepPlan) -> StepPlan:
+    """``plan`` with ``drafts`` filled in where the proposer found any (a copy; the plan
+    is not changed) and ``draft_rows`` set. Drops the state of ``plan.released`` first."""
+    ws.release(plan.released)
+    proposer = ws.proposer
+    if proposer is None:
+        return plan
+    ws.history.fold(plan)
+    proposal = proposer.propose(plan, ws.history)
+    ws.forward_seconds += proposal.forward_seconds
+    if proposal.drafts:
+        found = proposal.drafts
+        seqs = [
+            replace(w, drafts=found[w.slot][: w.num_drafts]) if w.slot in found else w
+            for w in plan.seqs
+        ]
+        plan = replace(plan, seqs=seqs)
+        ws.history.drafted(plan)
+    if proposal.extra_rows:
+        plan = replace(plan, draft_rows=proposal.extra_rows)
+    return plan
