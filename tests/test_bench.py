@@ -353,6 +353,33 @@ def test_bench_held_out_prompts_take_a_second_pass_after_the_first() -> None:
     assert bench.PROMPT_STRIDE // 2 > 48  # the passes' windows do not overlap
 
 
+def test_bench_repeat_prompts_end_with_their_own_start() -> None:
+    plain = bench.bench_prompts(4, 48, "bundled")
+    repeat = bench.bench_prompts(4, 48, "bundled", workload="repeat")
+    assert [p[:48] for p in repeat] == plain
+    assert all(p[48:] == p[:12] for p in repeat)
+    with pytest.raises(ValueError, match="workload"):
+        bench.bench_prompts(4, 48, "bundled", workload="copy")
+
+
+def test_bench_runs_ngram_on_the_repeat_workload(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The n-gram proposer through the bench: the repeat workload's prompts hold what the
+    greedy continuation copies, so lookup drafts are made and accepted."""
+    out_json = tmp_path / "b.json"
+    argv = [
+        "--batch", "2", "--k", "0", "3", "--spec-method", "ngram", "--prompts", "repeat",
+        "--max-tokens", "24", "--prompt-tokens", "64", "--num-requests", "2", "--progress",
+        "off", "--json", str(out_json),
+    ]  # fmt: skip
+    assert bench.main(argv) == 0
+    assert "spec_method=ngram prompts=repeat" in capsys.readouterr().out
+    rows = {r["k"]: r for r in json.loads(out_json.read_text())["rows"]}
+    assert rows[0]["drafts_accepted"] == 0
+    assert rows[3]["drafts_accepted"] > 0
+
+
 async def test_bench_save_trace_replays_to_the_same_tokens(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
     argv = [

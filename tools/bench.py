@@ -134,9 +134,21 @@ PROMPT_STRIDE = 997
 """Tokens between the starts of two held-out prompts in one pass over the split."""
 
 
-def bench_prompts(count: int, prompt_tokens: int, model: str, seed: int = 0) -> list[list[int]]:
+REPEAT_WORKLOAD_HEAD = 4
+"""In the ``repeat`` workload a prompt ends with the first ``1/REPEAT_WORKLOAD_HEAD`` of
+its own held-out window again."""
+
+
+def bench_prompts(
+    count: int, prompt_tokens: int, model: str, seed: int = 0, workload: str = "heldout"
+) -> list[list[int]]:
     """``count`` prompts of ``prompt_tokens`` ids: held-out corpus text, or for the
     synthetic device seeded random ids (no EOS) within its vocabulary.
+
+    ``workload="repeat"`` makes each a request to rewrite code it holds: the held-out
+    window, then its own first quarter again, so a continuation that copies the code
+    (as an edit-and-repeat request's answer does) can be drafted from the prompt itself.
+    Such prompts hold ``prompt_tokens`` plus a quarter of them.
 
     Held-out prompts start every :data:`PROMPT_STRIDE` tokens of each text; a second pass
     starts halfway between the first pass's starts, so the first pass's prompts (412 of
@@ -157,11 +169,15 @@ def bench_prompts(count: int, prompt_tokens: int, model: str, seed: int = 0) -> 
             encoded.append(tok.encode(text))
             yield encoded[-1]
 
+    if workload not in ("heldout", "repeat"):
+        raise ValueError(f"workload must be 'heldout' or 'repeat', got {workload!r}")
+    head = max(prompt_tokens // REPEAT_WORKLOAD_HEAD, 1) if workload == "repeat" else 0
     out: list[list[int]] = []
     for offset, texts in ((0, first_pass()), (PROMPT_STRIDE // 2, encoded)):
         for ids_ in texts:
             for start in range(offset, len(ids_) - prompt_tokens, PROMPT_STRIDE):
-                out.append(ids_[start : start + prompt_tokens])
+                window = ids_[start : start + prompt_tokens]
+                out.append(window + window[:head])
                 if len(out) == count:
                     return out
     raise RuntimeError(
@@ -170,13 +186,14 @@ def bench_prompts(count: int, prompt_tokens: int, model: str, seed: int = 0) -> 
     )
 
 
-def spec_config(k: int | str, k_max: int = 4) -> SpeculativeConfig:
-    """0: no speculation; N: a fixed N drafts per step; "auto": adaptive, up to ``k_max``."""
+def spec_config(k: int | str, k_max: int = 4, method: str = "mtp") -> SpeculativeConfig:
+    """0: no speculation; N: a fixed N drafts per step; "auto": adaptive, up to ``k_max``;
+    drafts made by ``method`` (``mtp`` or ``ngram``)."""
     if k == "auto":
-        return SpeculativeConfig(num_speculative_tokens=k_max, adaptive=True)
+        return SpeculativeConfig(method=method, num_speculative_tokens=k_max, adaptive=True)
     if k == 0:
         return SpeculativeConfig(method=None)
-    return SpeculativeConfig(num_speculative_tokens=int(k), adaptive=False)
+    return SpeculativeConfig(method=method, num_speculative_tokens=int(k), adaptive=False)
 
 
 def round_order(
@@ -340,12 +357,14 @@ async def run_case(
     seed: int = 0,
     progress: bool = False,
     trace_path: str | None = None,
+    method: str = "mtp",
 ) -> dict[str, Any]:
     """One case: returns its JSON row, plus ``outputs`` (token ids per request) and
     ``_raw`` (traces and step timings, for plots) that the JSON leaves out. With
     ``trace_path``, the run is also saved as a request trace (``docs/trace.md``)."""
     count = batch if num_requests is None else num_requests
-    cfg = _case_config(model, dtype, batch, spec_config(k, k_max), prompts, max_tokens, overlap)
+    spec = spec_config(k, k_max, method)
+    cfg = _case_config(model, dtype, batch, spec, prompts, max_tokens, overlap)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
     arrivals = poisson_arrivals(count, request_rate, seed)
     with contextlib.ExitStack() as stack:
@@ -535,6 +554,7 @@ async def run_interleaved(
     num_requests: int | None = None,
     round_: int = 0,
     progress: bool = False,
+    method: str = "mtp",
 ) -> list[dict[str, Any]]:
     """The cases ``ks`` of one batch size side by side: every case's runtime is open at
     once, with all its requests queued, and the cases take turns of ``slice_seconds`` on
@@ -561,7 +581,7 @@ async def run_interleaved(
         cases: list[_CaseRun] = []
         for k in ks:
             cfg = _case_config(
-                model, dtype, batch, spec_config(k, k_max), prompts, max_tokens, overlap
+                model, dtype, batch, spec_config(k, k_max, method), prompts, max_tokens, overlap
             )
             if loaded is None:
                 loaded = await trio.to_thread.run_sync(load, cfg.model, cfg.model_dtype)
@@ -743,6 +763,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--k-max", type=int, default=4, help="largest k the adaptive policy may use")
     p.add_argument(
+        "--spec-method",
+        choices=("mtp", "ngram"),
+        default="mtp",
+        help="how the speculating cases draft: the MTP layer or n-gram prompt lookup",
+    )
+    p.add_argument(
+        "--prompts",
+        choices=("heldout", "repeat"),
+        default="heldout",
+        help="held-out code, or held-out code followed by its own first quarter again "
+        "(a rewrite request whose answer repeats the prompt)",
+    )
+    p.add_argument(
         "--repeat",
         type=int,
         default=1,
@@ -857,7 +890,11 @@ def main(argv: list[str] | None = None) -> int:
         counts = dict.fromkeys(args.batch, args.num_requests[0])
     else:
         counts = dict(zip(args.batch, args.num_requests, strict=True))
-    prompts = bench_prompts(max(counts.values()), args.prompt_tokens, args.model, args.seed)
+    if args.prompts == "repeat" and is_synthetic(args.model):
+        p.error("--prompts repeat needs held-out text; the synthetic device has none")
+    prompts = bench_prompts(
+        max(counts.values()), args.prompt_tokens, args.model, args.seed, args.prompts
+    )
     cases = [(b, k, lp) for b in args.batch for k in ks for lp in settings]
     runs: dict[tuple[int, int | str, int | None], list[dict[str, Any]]] = {c: [] for c in cases}
     if args.interleave is not None:
@@ -884,6 +921,7 @@ def main(argv: list[str] | None = None) -> int:
                     num_requests=counts[b],
                     round_=round_,
                     progress=progress,
+                    method=args.spec_method,
                 )
             )
             for row in rows_:
@@ -914,6 +952,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.seed,
                     progress,
                     trace_path(args.save_trace, b, k, lp, round_, single),
+                    args.spec_method,
                 )
             )
     rows = [_median_run(runs[c]) for c in cases]
@@ -926,6 +965,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"machine: {machine}; model={args.model} dtype={args.dtype} max_tokens={args.max_tokens} "
         f"overlap={args.overlap} request_rate={args.request_rate or 'all at once'} "
+        f"spec_method={args.spec_method} prompts={args.prompts} "
         f"requests={requests_label}"
         + ("" if args.interleave is None else f" interleave={args.interleave}s turns")
     )
