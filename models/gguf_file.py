@@ -180,11 +180,17 @@ class GGUFFile:
         window = self._arch_field("attention.sliding_window", None)
         if window is not None:
             raise ModelConfigError(f"attention.sliding_window={window} is not supported")
-        tokens = self._field("tokenizer.ggml.tokens", None)
-        vocab = int(self._arch_field("vocab_size", len(tokens) if tokens is not None else 0))
         names = set(self._tensors)
-        if vocab == 0 and "model.embed_tokens.weight" in names:
-            vocab = self._tensors["model.embed_tokens.weight"].shape[0]
+        # The embedding's rows are the vocabulary the model has; metadata must agree.
+        embed = self._tensors.get("model.embed_tokens.weight")
+        stated = self._arch_field("vocab_size", None)
+        if embed is None:
+            raise CheckpointError(f"{self.path}: missing tensor 'token_embd.weight'")
+        vocab = embed.shape[0]
+        if stated is not None and int(stated) != vocab:
+            raise ModelConfigError(
+                f"{self.arch}.vocab_size is {stated} but token_embd.weight has {vocab} rows"
+            )
         kv = self._arch_field("attention.head_count_kv", heads)
         if isinstance(kv, list):
             raise ModelConfigError("per-layer attention.head_count_kv is not supported")
@@ -283,9 +289,14 @@ class GGUFFile:
         if len(vocab) != len(tokens):
             raise CheckpointError(f"{self.path}: tokenizer.ggml.tokens repeats a token")
         ignore_merges = pre in ("llama-bpe", "llama3")
-        bpe = models.BPE(
-            vocab, [(a, b) for a, b in merges], fuse_unk=False, ignore_merges=ignore_merges
-        )
+        try:
+            bpe = models.BPE(
+                vocab, [(a, b) for a, b in merges], fuse_unk=False, ignore_merges=ignore_merges
+            )
+        except Exception as exc:  # tokenizers raises a bare Exception
+            raise CheckpointError(
+                f"{self.path}: tokenizer.ggml.tokens and merges do not agree ({exc})"
+            ) from exc
         tok = Tokenizer(bpe)
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         split = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}

