@@ -242,6 +242,12 @@ def smollm2(args: argparse.Namespace) -> int:
         )
         for text in SMOLLM2_CHATS
     ]  # fmt: skip
+    texts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        for text in SMOLLM2_CHATS
+    ]
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float64
     )
@@ -263,6 +269,7 @@ def smollm2(args: argparse.Namespace) -> int:
                 "torch": torch.__version__,
                 "file": gguf.name,
                 "chats": SMOLLM2_CHATS,
+                "prompt_texts": texts,
                 "prompt_ids": prompts,
                 "new_tokens": SMOLLM2_NEW_TOKENS,
                 "token_ids": outs,
