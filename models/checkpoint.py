@@ -1,0 +1,258 @@
+"""Where a checkpoint's tensors come from, under Hugging Face names and layouts.
+
+A :class:`TensorSource` answers three questions for the loader: which tensors exist,
+what shape each has, and the float values of (a row or column range of) one, in
+Hugging Face layout (linear weights ``[out, in]``) and with q/k rows in the decoder's
+rotate-half order. Two sources exist: safetensors folders (one file, several, or a
+``model.safetensors.index.json`` with its shards; float32, float16 or bfloat16) and GGUF
+files (:mod:`spectrio.models.gguf_file`).
+
+:func:`fill_parameters` copies a source into a built model (a whole one or one
+tensor-parallel rank's shard), checking every name and shape first.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+import ml_dtypes  # noqa: F401  # registers numpy's "bfloat16", which safetensors reads
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from spectrio.errors import CheckpointError
+from spectrio.models.config import ModelConfig
+from spectrio.models.paddle_setup import paddle
+
+__all__ = [
+    "SafetensorsSource",
+    "TensorSource",
+    "fill_parameters",
+    "hf_name",
+    "interleaved_to_half",
+    "is_linear",
+    "split_axis",
+]
+
+INDEX_FILE = "model.safetensors.index.json"
+
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+# DeepSeek-V3 stores copies of the shared embedding and head inside the MTP layer;
+# spectrio shares the target's, so those copies are shape-checked and not loaded.
+_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+class TensorSource(Protocol):
+    """A checkpoint's tensors under Hugging Face names ([out, in] linears, rotate-half
+    q/k rows)."""
+
+    where: str  # the folder or file, for messages
+
+    def names(self) -> set[str]: ...
+
+    def shape(self, name: str) -> list[int]: ...
+
+    def read(self, name: str, axis: int | None = None, lo: int = 0, hi: int = 0) -> np.ndarray:
+        """The tensor's values (rows ``lo:hi`` when ``axis`` is 0, columns when 1, whole
+        when None) as a float array of the stored precision or wider."""
+        ...
+
+
+def interleaved_to_half(rows: np.ndarray, head_dim: int) -> np.ndarray:
+    """Reorder the rows of a q or k projection (weight ``[out, in]`` or bias ``[out]``)
+    whose heads rotate adjacent pairs ``(2i, 2i+1)`` into rotate-half order, where pair i
+    is ``(i, i + head_dim/2)``: row ``2i`` of a head goes to ``i``, ``2i+1`` to
+    ``head_dim/2 + i``. Attention scores are unchanged (q and k move alike), so the
+    decoder's rotate-half RoPE then computes what the interleaved one did. This undoes
+    llama.cpp's q/k permutation for its "normal" RoPE, and maps ERNIE 4.5's layout."""
+    rest = rows.shape[1:]
+    heads = rows.shape[0] // head_dim
+    grouped = rows.reshape(heads, head_dim // 2, 2, *rest)
+    return np.ascontiguousarray(grouped.swapaxes(1, 2).reshape(rows.shape))
+
+
+def half_to_interleaved(rows: np.ndarray, head_dim: int) -> np.ndarray:
+    """The inverse of :func:`interleaved_to_half`."""
+    rest = rows.shape[1:]
+    heads = rows.shape[0] // head_dim
+    grouped = rows.reshape(heads, 2, head_dim // 2, *rest)
+    return np.ascontiguousarray(grouped.swapaxes(1, 2).reshape(rows.shape))
+
+
+def is_qk_rows(name: str) -> bool:
+    """A tensor whose rows are q or k head dimensions (weights and biases)."""
+    return name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias"))
+
+
+class SafetensorsSource:
+    """The ``*.safetensors`` files of a folder; with ``model.safetensors.index.json``,
+    exactly the shards it lists, each holding exactly the tensors it maps to them."""
+
+    def __init__(self, folder: Path, cfg: ModelConfig) -> None:
+        self.where = str(folder)
+        self._cfg = cfg
+        self._handles: dict[str, Any] = {}
+        files = self._files(folder)
+        try:
+            for f in files:
+                handle = safe_open(str(f), framework="numpy")
+                for key in handle.keys():
+                    if key in self._handles:
+                        raise CheckpointError(f"{f}: tensor {key!r} appears in more than one file")
+                    self._handles[key] = handle
+        except (SafetensorError, OSError, ValueError) as exc:
+            if isinstance(exc, CheckpointError):
+                raise
+            raise CheckpointError(f"{f}: corrupt or unreadable safetensors file ({exc})") from exc
+        if self._index is not None:
+            self._check_index(folder)
+
+    def _files(self, folder: Path) -> list[Path]:
+        self._index: dict[str, str] | None = None
+        index = folder / INDEX_FILE
+        if index.exists():
+            try:
+                raw = json.loads(index.read_text())
+                weight_map = raw["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise TypeError("weight_map is not an object")
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{index}: unreadable index ({exc})") from exc
+            self._index = {str(k): str(v) for k, v in weight_map.items()}
+            files = [folder / name for name in sorted(set(self._index.values()))]
+            for f in files:
+                if not f.is_file():
+                    raise CheckpointError(f"{index}: lists shard {f.name!r}, which is missing")
+            return files
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{folder}: no *.safetensors files")
+        return files
+
+    def _check_index(self, folder: Path) -> None:
+        assert self._index is not None
+        for name, file in sorted(self._index.items()):
+            handle = self._handles.get(name)
+            if handle is None:
+                raise CheckpointError(
+                    f"{folder / INDEX_FILE}: maps {name!r} to {file!r}, which does not hold it"
+                )
+        for name in sorted(set(self._handles) - set(self._index)):
+            raise CheckpointError(f"{folder}: tensor {name!r} is not in {INDEX_FILE}")
+
+    def names(self) -> set[str]:
+        return set(self._handles)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._handles[name].get_slice(name).get_shape())
+
+    def read(self, name: str, axis: int | None = None, lo: int = 0, hi: int = 0) -> np.ndarray:
+        sl = self._handles[name].get_slice(name)
+        dtype = sl.get_dtype()
+        if dtype not in _FLOAT_DTYPES:
+            raise CheckpointError(f"{self.where}: tensor {name!r} has non-float dtype {dtype}")
+        try:
+            arr = sl[:] if axis is None else (sl[lo:hi] if axis == 0 else sl[:, lo:hi])
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{self.where}: cannot read tensor {name!r} ({exc})") from exc
+        if dtype == "BF16":
+            arr = arr.astype(np.float32)  # exact: bfloat16 is float32's top half
+        if self._cfg.rope_interleaved and is_qk_rows(name):
+            arr = interleaved_to_half(arr, self._cfg.head_dim)
+        return np.asarray(arr)
+
+
+# ---- from a source into a model --------------------------------------------------------
+
+
+def hf_name(paddle_name: str, cfg: ModelConfig) -> str:
+    """The Hugging Face tensor name of a parameter (the MTP layer is layer ``L``)."""
+    if paddle_name.startswith("mtp."):
+        return f"model.layers.{cfg.num_hidden_layers}." + paddle_name[len("mtp.") :]
+    return paddle_name
+
+
+def is_linear(param: paddle.Tensor, name: str) -> bool:
+    """Whether a parameter is a linear weight (Paddle ``[in, out]``, Hugging Face ``[out, in]``)."""
+    return param.ndim == 2 and not name.endswith("embed_tokens.weight")
+
+
+# Which axis of the Hugging Face tensor ([out, in] for linears) a tensor-parallel rank
+# splits: column-parallel outputs (and their biases) and the vocabulary on 0, row-parallel
+# inputs on 1. Row-parallel biases, norms and eh_proj are replicated.
+_SPLIT_ROWS = (
+    "q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight",
+    "q_proj.bias", "k_proj.bias", "v_proj.bias", "gate_proj.bias", "up_proj.bias",
+    "embed_tokens.weight", "lm_head.weight",
+)  # fmt: skip
+_SPLIT_COLS = ("o_proj.weight", "down_proj.weight")
+
+
+def split_axis(name: str) -> int | None:
+    if name.endswith(_SPLIT_ROWS):
+        return 0
+    if name.endswith(_SPLIT_COLS):
+        return 1
+    return None
+
+
+def refuse_unexpected(where: str, cfg: ModelConfig, unexpected: set[str]) -> None:
+    """Raise :class:`CheckpointError` for a stored tensor the architecture does not have
+    (the MTP layer's copies of shared weights and RoPE buffers are tolerated)."""
+    mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
+    for name in sorted(unexpected):
+        suffix = name[len(mtp_prefix) :] if name.startswith(mtp_prefix) else None
+        if suffix in _SHARED_COPIES or name.endswith("rotary_emb.inv_freq"):
+            continue
+        raise CheckpointError(
+            f"{where}: unexpected tensor {name!r} (not part of this architecture)"
+        )
+
+
+def fill_parameters(
+    model: paddle.nn.Layer,
+    cfg: ModelConfig,
+    source: TensorSource,
+    dtype: str,
+    rank: int = 0,
+    size: int = 1,
+) -> None:
+    """Set every parameter of ``model`` (rank ``rank`` of ``size``'s shard when ``size`` >
+    1) from ``source``, widened to ``dtype``. Every name and full shape is checked before
+    any value is read, so a wrong checkpoint fails fast and names the first problem:
+    missing, misshapen, unexpected, or non-float."""
+    names = source.names()
+    plan: list[tuple[paddle.Tensor, str, str, int | None, list[int]]] = []
+    for name, param in model.named_parameters():
+        hf = hf_name(name, cfg)
+        local = list(param.shape)
+        want = local[::-1] if is_linear(param, name) else list(local)
+        axis = split_axis(name) if size > 1 else None
+        if axis is not None:
+            want[axis] *= size
+        if hf not in names:
+            raise CheckpointError(f"{source.where}: missing tensor {hf!r} (expected shape {want})")
+        shape = source.shape(hf)
+        if shape != want:
+            raise CheckpointError(
+                f"{source.where}: tensor {hf!r} has shape {shape}, expected {want}"
+            )
+        plan.append((param, name, hf, axis, want))
+    refuse_unexpected(source.where, cfg, names - {p[2] for p in plan})
+    with paddle.no_grad():
+        for param, name, hf, axis, want in plan:
+            if axis is None:
+                arr = source.read(hf)
+            else:
+                part = want[axis] // size
+                arr = source.read(hf, axis, rank * part, (rank + 1) * part)
+            if not np.issubdtype(arr.dtype, np.floating):
+                raise CheckpointError(
+                    f"{source.where}: tensor {hf!r} has non-float dtype {arr.dtype}"
+                )
+            value = arr.T if is_linear(param, name) else arr
+            # Widen (float16, bfloat16 or dequantized storage) before the model sees it:
+            # compute runs in dtype.
+            param.set_value(np.ascontiguousarray(value).astype(dtype))
