@@ -39,8 +39,9 @@ from spectrio.core.timing import StepTiming, device_summary
 from spectrio.errors import EngineDead
 from spectrio.models import LoadedModel, load
 from spectrio.models.paddle_setup import MKL_CPU_TYPE, configure_paddle
-from spectrio.runtime import timing_cache
 from spectrio.runtime.device_worker import DeviceWorker
+from spectrio.runtime.kv_sizing import check_checkpoint, num_kv_blocks
+from spectrio.runtime.timing_cache import KeptTimings
 from spectrio.runtime.tp import TPGroup, make_workspace
 from spectrio.stages.block_manager import BlockManager
 from spectrio.stages.output_processor import RequestText
@@ -96,34 +97,16 @@ class Runtime:
             raise ConfigError(f"model: {loaded.path} has no tokenizer.json")
         self.tokenizer = loaded.tokenizer
         cfg = loaded.config
-        if config.speculative.method == "mtp" and not cfg.has_mtp:
-            raise ConfigError(
-                "speculative: the checkpoint has no MTP layer; use SpeculativeConfig(method=None)"
-                " or method='ngram'"
-            )
-        if config.max_model_len + config.speculative.num_draft_tokens > cfg.max_position_embeddings:
-            raise ConfigError(
-                f"max_model_len: {config.max_model_len} + k exceeds the model's "
-                f"max_position_embeddings ({cfg.max_position_embeddings})"
-            )
-        # Planned per rank: each rank's caches hold its share of the KV heads.
-        num_blocks = config.resolve_num_kv_blocks(
-            cfg.num_hidden_layers,
-            cfg.num_key_value_heads // config.tensor_parallel_size,
-            cfg.head_dim,
-        )
+        check_checkpoint(config, cfg)
+        num_blocks = num_kv_blocks(config, cfg)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.workspace: Workspace = make_workspace(
             loaded.model, num_blocks, config.block_size, config.speculative
         )
         # The scheduler's one owner; the runtime goes through it for everything.
         self._actor = SchedulerActor(Scheduler(config, self.blocks))
-        self._timing_identity = timing_cache.identity(config, loaded.path)
-        self._timing_file = timing_cache.cache_file(config, self._timing_identity)
-        # The batch buckets whose step times the adaptive policy started from (kept by
-        # an earlier run); empty: it started cold.
-        self.timing_cache_buckets: list[int] = []
-        self._restore_timings()
+        self._kept_timings = KeptTimings(config, loaded.path)
+        self._kept_timings.restore(self._actor)
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer)
         self.worker = DeviceWorker(self.workspace, self.sampler, group=group)
         self._watch_scope = trio.CancelScope()
@@ -145,32 +128,6 @@ class Runtime:
         self._timings: collections.deque[StepTiming] = collections.deque(maxlen=4096)
         self._unpublished: dict[int, StepTiming] = {}
         self.num_steps = 0  # pipeline steps published
-
-    # ---- the adaptive policy's timing cache -------------------------------------------
-
-    def _restore_timings(self) -> None:
-        """Start the adaptive policy from the step times an earlier run kept."""
-        path = self._timing_file
-        if path is None:
-            return
-        kept = timing_cache.load_timings(path, self._timing_identity)
-        if kept is None:
-            log.info("timing cache empty; the policy starts cold", path=str(path))
-            return
-        try:
-            self._actor.import_timings(kept)
-        except ValueError as exc:
-            log.warning("timing cache malformed; starting cold", path=str(path), error=str(exc))
-            return
-        self.timing_cache_buckets = sorted(map(int, kept["buckets"]))
-        log.info("timing cache loaded", path=str(path), buckets=self.timing_cache_buckets)
-
-    def _keep_timings(self) -> None:
-        """Write what the adaptive policy measured, for the next run."""
-        if self._timing_file is not None:
-            timings = self._actor.export_timings()
-            if timing_cache.save_timings(self._timing_file, self._timing_identity, timings):
-                log.info("timing cache written", path=str(self._timing_file))
 
     # ---- assembly ---------------------------------------------------------------------
 
@@ -381,6 +338,12 @@ class Runtime:
         """The scheduler actor's state, for tests and research tools to read; the runtime
         itself only talks to the actor."""
         return self._actor.scheduler
+
+    @property
+    def timing_cache_buckets(self) -> list[int]:
+        """The batch buckets whose step times the adaptive policy started from (kept by
+        an earlier run); empty: it started cold."""
+        return self._kept_timings.buckets
 
     @property
     def num_drafts_proposed(self) -> int:
@@ -846,7 +809,7 @@ async def open_runtime(
                 if waited.cancelled_caught:
                     log.warning("stages did not end in time; cancelling", seconds=shutdown_timeout)
                 nursery.cancel_scope.cancel()
-                rt._keep_timings()
+                rt._kept_timings.keep(rt._actor)
     finally:
         if group is not None:
             from spectrio.runtime.tp_start import stop_group
