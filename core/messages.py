@@ -8,6 +8,7 @@ from typing import Literal
 
 import msgspec
 
+from spectrio.core.acceptance import Acceptance
 from spectrio.core.params import SamplingParams
 
 
@@ -114,6 +115,9 @@ class SeqResult(msgspec.Struct, kw_only=True):
     #                       means chunked prefill is still in progress
     total_drafts: int | None = None  # set when the request ends: drafts proposed over its life
     total_accepted: int | None = None  # ... and accepted
+    # Set when the request ends: its acceptance per draft position over its life, the
+    # scheduler's one count (a copy), for the stream's final delta and per-request stats.
+    acceptance: Acceptance | None = None
 
 
 class StepResult(msgspec.Struct, kw_only=True):

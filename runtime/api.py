@@ -15,6 +15,7 @@ import msgspec
 import structlog
 import trio
 
+from spectrio.core.acceptance import Acceptance
 from spectrio.core.channels import ChannelSender, open_channel
 from spectrio.core.config import ConfigError, RuntimeConfig
 from spectrio.core.messages import (
@@ -38,10 +39,12 @@ from spectrio.core.timing import StepTiming, device_summary
 from spectrio.errors import EngineDead
 from spectrio.models import LoadedModel, load
 from spectrio.models.paddle_setup import MKL_CPU_TYPE, configure_paddle
-from spectrio.runtime import timing_cache
 from spectrio.runtime.device_worker import DeviceWorker
+from spectrio.runtime.kv_sizing import check_checkpoint, num_kv_blocks
+from spectrio.runtime.timing_cache import KeptTimings
 from spectrio.runtime.tp import TPGroup, make_workspace
 from spectrio.stages.block_manager import BlockManager
+from spectrio.stages.output_processor import RequestText
 from spectrio.stages.publisher import run_publisher
 from spectrio.stages.sampling import Sampler
 from spectrio.stages.scheduler import (
@@ -72,6 +75,9 @@ class Delta(msgspec.Struct, kw_only=True):
     total_drafts: int | None = None
     total_accepted: int | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
+    # On the final delta: acceptance per draft position over the request's whole life (the
+    # scheduler's count; :class:`~spectrio.stages.output_processor.RequestStats` reads it).
+    acceptance: Acceptance | None = None
 
 
 class Runtime:
@@ -91,34 +97,16 @@ class Runtime:
             raise ConfigError(f"model: {loaded.path} has no tokenizer.json")
         self.tokenizer = loaded.tokenizer
         cfg = loaded.config
-        if config.speculative.method == "mtp" and not cfg.has_mtp:
-            raise ConfigError(
-                "speculative: the checkpoint has no MTP layer; use SpeculativeConfig(method=None)"
-                " or method='ngram'"
-            )
-        if config.max_model_len + config.speculative.num_draft_tokens > cfg.max_position_embeddings:
-            raise ConfigError(
-                f"max_model_len: {config.max_model_len} + k exceeds the model's "
-                f"max_position_embeddings ({cfg.max_position_embeddings})"
-            )
-        # Planned per rank: each rank's caches hold its share of the KV heads.
-        num_blocks = config.resolve_num_kv_blocks(
-            cfg.num_hidden_layers,
-            cfg.num_key_value_heads // config.tensor_parallel_size,
-            cfg.head_dim,
-        )
+        check_checkpoint(config, cfg)
+        num_blocks = num_kv_blocks(config, cfg)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.workspace: Workspace = make_workspace(
             loaded.model, num_blocks, config.block_size, config.speculative
         )
         # The scheduler's one owner; the runtime goes through it for everything.
         self._actor = SchedulerActor(Scheduler(config, self.blocks))
-        self._timing_identity = timing_cache.identity(config, loaded.path)
-        self._timing_file = timing_cache.cache_file(config, self._timing_identity)
-        # The batch buckets whose step times the adaptive policy started from (kept by
-        # an earlier run); empty: it started cold.
-        self.timing_cache_buckets: list[int] = []
-        self._restore_timings()
+        self._kept_timings = KeptTimings(config, loaded.path)
+        self._kept_timings.restore(self._actor)
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer)
         self.worker = DeviceWorker(self.workspace, self.sampler, group=group)
         self._watch_scope = trio.CancelScope()
@@ -140,32 +128,6 @@ class Runtime:
         self._timings: collections.deque[StepTiming] = collections.deque(maxlen=4096)
         self._unpublished: dict[int, StepTiming] = {}
         self.num_steps = 0  # pipeline steps published
-
-    # ---- the adaptive policy's timing cache -------------------------------------------
-
-    def _restore_timings(self) -> None:
-        """Start the adaptive policy from the step times an earlier run kept."""
-        path = self._timing_file
-        if path is None:
-            return
-        kept = timing_cache.load_timings(path, self._timing_identity)
-        if kept is None:
-            log.info("timing cache empty; the policy starts cold", path=str(path))
-            return
-        try:
-            self._actor.import_timings(kept)
-        except ValueError as exc:
-            log.warning("timing cache malformed; starting cold", path=str(path), error=str(exc))
-            return
-        self.timing_cache_buckets = sorted(map(int, kept["buckets"]))
-        log.info("timing cache loaded", path=str(path), buckets=self.timing_cache_buckets)
-
-    def _keep_timings(self) -> None:
-        """Write what the adaptive policy measured, for the next run."""
-        if self._timing_file is not None:
-            timings = self._actor.export_timings()
-            if timing_cache.save_timings(self._timing_file, self._timing_identity, timings):
-                log.info("timing cache written", path=str(self._timing_file))
 
     # ---- assembly ---------------------------------------------------------------------
 
@@ -378,6 +340,12 @@ class Runtime:
         return self._actor.scheduler
 
     @property
+    def timing_cache_buckets(self) -> list[int]:
+        """The batch buckets whose step times the adaptive policy started from (kept by
+        an earlier run); empty: it started cold."""
+        return self._kept_timings.buckets
+
+    @property
     def num_drafts_proposed(self) -> int:
         """Drafts proposed so far (the scheduler's count: :meth:`stats`)."""
         return self._actor.view().acceptance.proposed
@@ -505,18 +473,18 @@ class Runtime:
         else:
             self._send_abort(request_id, reason)
 
-    def _send_abort(self, request_id: str, reason: str) -> tuple[int, int] | None:
+    def _send_abort(self, request_id: str, reason: str) -> Acceptance | None:
         """Abort in the scheduler now (its blocks are freed, and no token of it computed by
         a step in flight is published), then wake the scheduler actor, which reports the
         abort in the next step."""
         seq_id = self._seq_ids.pop(request_id, None)
         if seq_id is None or self._control is None:
             return None
-        totals = self._actor.handle(AbortRequest(seq_id=seq_id, reason=reason))
+        counted = self._actor.abort(AbortRequest(seq_id=seq_id, reason=reason))
         if self._events_tx is not None:
             with suppress(trio.ClosedResourceError, trio.BrokenResourceError):
                 self._events_tx.send_nowait(Resume())
-        return totals
+        return counted
 
     def _is_idle(self) -> bool:
         sched = self._actor.view()
@@ -607,7 +575,8 @@ class Runtime:
         ``delta.text`` holds complete characters only. With ``params.stop`` strings, the
         last ``max(len(stop)) - 1`` characters are held back until the next step (or the
         finish), so text a stop string later cuts is never streamed. ``delta.logprobs``
-        has one entry per token when ``params.logprobs`` is set.
+        has one entry per token when ``params.logprobs`` is set (text, hold-back and the
+        final delta's statistics: :mod:`spectrio.stages.output_processor`).
 
         The request is checked and submitted here, when ``generate`` is called: that
         raises :class:`InvalidRequest` for a bad prompt, parameters or request id (floats
@@ -630,7 +599,7 @@ class Runtime:
         self, request_id: str, stream: trio.MemorySendChannel[Delta | SeqResult], reason: str
     ) -> None:
         """Abort a request in the scheduler and give its stream the final ``abort`` delta."""
-        totals = self._send_abort(request_id, reason)
+        counted = self._send_abort(request_id, reason)
         stream.send_nowait(
             Delta(
                 request_id=request_id,
@@ -639,8 +608,9 @@ class Runtime:
                 finished=True,
                 finish_reason="abort",
                 abort_reason=reason,
-                total_drafts=None if totals is None else totals[0],
-                total_accepted=None if totals is None else totals[1],
+                total_drafts=None if counted is None else counted.proposed,
+                total_accepted=None if counted is None else counted.accepted,
+                acceptance=counted,
             )
         )
 
@@ -661,10 +631,7 @@ class RequestStream:
         self._request_id: str = uuid.uuid4().hex if request_id is None else request_id
         self._token = trio.lowlevel.current_trio_token()
         self._seq_id = -1
-        self._detok = runtime.tokenizer.stream()
-        self._pending = ""  # text decoded but not yet streamed
-        self._sent = 0  # characters streamed
-        self._hold = 0
+        self._text: RequestText | None = None  # the request's text, once started
         self._start()  # checked and submitted now: errors reach the caller of generate()
 
     @property
@@ -683,9 +650,7 @@ class RequestStream:
         ids, params, rid = self._rt._prepare(self._prompt, self._params, self._request_id)
         self._seq_id, self._receive = self._rt._submit(ids, params, rid)
         self._params, self._prompt = params, None
-        # With stop strings, hold back the text a stop string completed later could still
-        # cut: at most the longest stop string minus one character.
-        self._hold = max((len(s) for s in params.stop), default=1) - 1
+        self._text = RequestText(self._rt.tokenizer, params.stop)
 
     async def __aenter__(self) -> RequestStream:
         try:
@@ -722,18 +687,12 @@ class RequestStream:
             self._done = True
             self._rt._release(rid, self._seq_id, None)
             return item
-        self._pending += self._detok.push(item.token_ids)
         done = item.finish_reason is not None
         if done:
-            self._pending += self._detok.flush()
             self._done = True
             self._rt._release(rid, self._seq_id, None)
-        if item.text_len is not None:
-            self._pending = self._pending[: max(0, item.text_len - self._sent)]
-        keep = 0 if done else min(self._hold, len(self._pending))
-        cut = len(self._pending) - keep
-        text, self._pending = self._pending[:cut], self._pending[cut:]
-        self._sent += len(text)
+        assert self._text is not None
+        text = self._text.push(item.token_ids, finished=done, text_len=item.text_len)
         return Delta(
             request_id=rid,
             token_ids=item.token_ids,
@@ -745,6 +704,7 @@ class RequestStream:
             logprobs=item.logprobs,
             total_drafts=item.total_drafts,
             total_accepted=item.total_accepted,
+            acceptance=item.acceptance,
         )
 
     def close(self, reason: str = "consumer went away") -> None:
@@ -849,7 +809,7 @@ async def open_runtime(
                 if waited.cancelled_caught:
                     log.warning("stages did not end in time; cancelling", seconds=shutdown_timeout)
                 nursery.cancel_scope.cancel()
-                rt._keep_timings()
+                rt._kept_timings.keep(rt._actor)
     finally:
         if group is not None:
             from spectrio.runtime.tp_start import stop_group

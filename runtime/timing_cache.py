@@ -19,6 +19,9 @@ version. A file for another identity is never read; an unreadable or malformed f
 logged and ignored (the run starts cold), and a write that fails is logged, never
 raised: the cache only saves time. Files are written atomically (a temporary file
 renamed over the old one), so two runtimes closing at once leave one whole file.
+
+A runtime reads its file once, when it starts, and writes it once, when it closes
+(:class:`KeptTimings`); nothing else in the runtime touches the cache.
 """
 
 from __future__ import annotations
@@ -29,14 +32,22 @@ import os
 import platform
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
 from spectrio.cache_dir import cache_dir
 from spectrio.core.config import RuntimeConfig
 
-__all__ = ["cache_file", "cache_root", "identity", "load_timings", "save_timings"]
+__all__ = [
+    "KeptTimings",
+    "PolicyTimings",
+    "cache_file",
+    "cache_root",
+    "identity",
+    "load_timings",
+    "save_timings",
+]
 
 log = structlog.get_logger("spectrio.timing_cache")
 
@@ -133,3 +144,46 @@ def save_timings(path: Path, ident: dict[str, Any], timings: dict[str, Any]) -> 
         log.warning("timing cache not written", path=str(path), error=repr(exc))
         return False
     return True
+
+
+class PolicyTimings(Protocol):
+    """What keeps the adaptive policy's timings (the scheduler actor)."""
+
+    def export_timings(self) -> dict[str, Any]: ...
+    def import_timings(self, kept: dict[str, Any]) -> None: ...
+
+
+class KeptTimings:
+    """One runtime's use of the cache: the file for its identity, read once when the
+    runtime starts (:meth:`restore`) and written once when it closes (:meth:`keep`)."""
+
+    def __init__(self, config: RuntimeConfig, model_path: Path) -> None:
+        self.identity = identity(config, model_path)
+        self.path = cache_file(config, self.identity)  # None: nothing to keep
+        # The batch buckets whose step times the policy started from; empty: it started cold.
+        self.buckets: list[int] = []
+
+    def restore(self, policy: PolicyTimings) -> None:
+        """Start ``policy`` from the step times an earlier run kept (cold, logged, when
+        there are none or they are malformed)."""
+        path = self.path
+        if path is None:
+            return
+        kept = load_timings(path, self.identity)
+        if kept is None:
+            log.info("timing cache empty; the policy starts cold", path=str(path))
+            return
+        try:
+            policy.import_timings(kept)
+        except ValueError as exc:
+            log.warning("timing cache malformed; starting cold", path=str(path), error=str(exc))
+            return
+        self.buckets = sorted(map(int, kept["buckets"]))
+        log.info("timing cache loaded", path=str(path), buckets=self.buckets)
+
+    def keep(self, policy: PolicyTimings) -> None:
+        """Write what ``policy`` measured, for the next run (a failed write is logged)."""
+        if self.path is not None and save_timings(
+            self.path, self.identity, policy.export_timings()
+        ):
+            log.info("timing cache written", path=str(self.path))

@@ -10,6 +10,7 @@ from spectrio.errors import EngineDead
 from spectrio.models import LoadedModel, ModelConfig
 from spectrio.models.loader import resolve_path
 from spectrio.models.parallel import check_divisible, load_sharded
+from spectrio.runtime.kv_sizing import num_kv_blocks
 from spectrio.runtime.tp import GroupEnv, GroupSetup, TPGroup, check_can_join
 
 log = structlog.get_logger("spectrio.runtime.tp")
@@ -60,9 +61,7 @@ async def start_group(config: RuntimeConfig, warmup: bool) -> tuple[TPGroup, Loa
             nursery.start_soon(_watch_start, group)
             tp = await trio.to_thread.run_sync(group.join, abandon_on_cancel=True)
             cfg = ModelConfig.from_json(folder / "config.json")
-            num_blocks = config.resolve_num_kv_blocks(
-                cfg.num_hidden_layers, cfg.num_key_value_heads // size, cfg.head_dim
-            )
+            num_blocks = num_kv_blocks(config, cfg)
             setup = GroupSetup(
                 model=str(folder),
                 dtype=config.model_dtype,

@@ -24,11 +24,11 @@ import msgspec
 import structlog
 import trio
 
+from spectrio.core.acceptance import Acceptance
 from spectrio.core.channels import ChannelSender
 from spectrio.core.messages import AbortRequest, NewRequest, StepPlan, StepResult
 from spectrio.core.timing import StepTiming
 from spectrio.errors import EngineDead
-from spectrio.stages.acceptance import Acceptance
 from spectrio.stages.scheduling import Scheduler, Sequence
 
 _log = structlog.get_logger("spectrio.stages.scheduler")
@@ -109,13 +109,19 @@ class SchedulerActor:
             if reason is not None:
                 self.handle(AbortRequest(seq_id=msg.seq_id, reason=reason))
             return None
-        seq = sched.abort(msg.seq_id)
+        counted = self.abort(msg)
+        return None if counted is None else (counted.proposed, counted.accepted)
+
+    def abort(self, msg: AbortRequest) -> Acceptance | None:
+        """:meth:`handle` for an abort, returning the request's acceptance over its life
+        (a copy of the scheduler's count; the stream's final delta carries it)."""
+        seq = self.scheduler.abort(msg.seq_id)
         if seq is None:
             if msg.seq_id > self._admitted_up_to:
                 self._early_aborts[msg.seq_id] = msg.reason
             return None
         self._log.info("request aborted", request_id=seq.request_id, reason=msg.reason)
-        return seq.drafts_proposed, seq.drafts_accepted
+        return seq.acceptance.copy()
 
     def published(self, result: StepResult) -> StepResult:
         """``result`` without requests aborted since it was folded in (the publisher's

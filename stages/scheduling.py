@@ -44,10 +44,10 @@ from collections import deque
 
 from msgspec.structs import replace
 
+from spectrio.core.acceptance import Acceptance
 from spectrio.core.config import RuntimeConfig
 from spectrio.core.messages import Ended, SeqResult, SeqWork, StepPlan, StepResult
 from spectrio.core.params import SamplingParams
-from spectrio.stages.acceptance import Acceptance
 from spectrio.stages.block_manager import BlockManager
 from spectrio.stages.lifecycle import RequestState, advance
 from spectrio.stages.spec_policy import SpecPolicy
@@ -491,6 +491,7 @@ class Scheduler:
             seq.decoding = True
         if r.finish_reason is not None:
             r.total_drafts, r.total_accepted = seq.drafts_proposed, seq.drafts_accepted
+            r.acceptance = seq.acceptance.copy()
             self._finish(seq, r.finish_reason)
 
     def _finish(self, seq: Sequence, reason: str) -> None:

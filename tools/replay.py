@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from spectrio.core.timing import device_summary
+from spectrio.stages.output_processor import final_totals
 from spectrio.tools.trace import (
     ResultBuilder,
     Trace,
@@ -97,14 +98,6 @@ def draft_totals(totals: Iterable[tuple[int, int]]) -> dict[str, Any]:
     }
 
 
-def _totals(item: Any) -> tuple[int, int] | None:
-    """A final delta's or chunk's ``(total_drafts, total_accepted)``, when it has them."""
-    drafts = getattr(item, "total_drafts", None)
-    if drafts is None:
-        return None
-    return int(drafts), int(getattr(item, "total_accepted", None) or 0)
-
-
 def submit_times(requests: Sequence[TraceRequest], speed: float) -> list[float]:
     """Seconds after the start at which each request is submitted (pure)."""
     if not speed > 0:
@@ -146,7 +139,8 @@ async def replay_runtime(
             async with rt.generate(req.prompt_ids, req.params, request_id=req.request_id) as s:
                 async for delta in s:
                     b.add(delta, trio.current_time())
-                    totals = _totals(delta) if delta.finish_reason not in (None, "abort") else None
+                    done = delta.finish_reason not in (None, "abort")
+                    totals = final_totals(delta) if done else None
                     if totals is not None:
                         drafts[req.request_id] = totals
         except InvalidRequest as exc:
@@ -202,7 +196,7 @@ async def replay_wire(
                     if b is None:
                         continue
                     b.add(chunk, now)
-                    totals = _totals(chunk)
+                    totals = final_totals(chunk)
                     if totals is not None:
                         drafts[chunk.request_id] = totals
                     if b.finished:

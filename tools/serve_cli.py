@@ -439,6 +439,7 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 def client_main(args: argparse.Namespace) -> int:
     import zmq
 
+    from spectrio.stages.output_processor import logprob_json
     from spectrio.tools.sampling_flags import sampling_params
     from spectrio.wire.client import Client, RequestRefused
 
@@ -460,15 +461,7 @@ def client_main(args: argparse.Namespace) -> int:
             for chunk in client.generate(args.prompt, params):
                 ids += chunk.token_ids
                 text += chunk.text
-                for lp in chunk.logprobs or ():
-                    logprobs.append(
-                        {
-                            "token_id": lp.token_id,
-                            "logprob": lp.logprob,
-                            "rank": lp.rank,
-                            "top": [list(t) for t in lp.top],
-                        }
-                    )
+                logprobs += map(logprob_json, chunk.logprobs or ())
                 reason = chunk.finish_reason
                 if chunk.finished:
                     totals = {

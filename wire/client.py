@@ -48,7 +48,7 @@ from tokenizers import Tokenizer
 from spectrio.core.messages import TokenLogprob
 from spectrio.core.params import SamplingParams
 from spectrio.models import BUNDLED_DIR, TextTokenizer
-from spectrio.models.tokenizer import IncrementalDetokenizer
+from spectrio.stages.output_processor import RequestText
 from spectrio.wire.codec import decode_reply, decode_step, encode, step_logprobs
 from spectrio.wire.curve import CurveClientKeys
 from spectrio.wire.schema import (
@@ -206,7 +206,7 @@ class StreamAssembler:
         self._follow_all = track is None
         self._followed: set[str] = set(track or ())
         self._received: dict[str, int] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._texts: dict[str, RequestText] = {}
 
     @property
     def tokenizer(self) -> TextTokenizer:
@@ -247,14 +247,15 @@ class StreamAssembler:
             token_ids = [] if ids is None else [int(t) for t in ids]
             if not token_ids and reason is None:
                 continue  # a slot still in prefill, or preempted: no chunk
-            detok = self._detok.get(rid)
-            if detok is None:
-                detok = self._detok[rid] = self.tokenizer.stream()
-            text = detok.push(token_ids) if token_ids else ""
+            # The output processor's text; the wire does not carry the request's stop
+            # strings or its stop cut, so nothing is held back here.
+            texts = self._texts.get(rid)
+            if texts is None:
+                texts = self._texts[rid] = RequestText(self.tokenizer)
+            text = texts.push(token_ids, finished=reason is not None)
             if reason is not None:
-                text += detok.flush()
                 self._received.pop(rid, None)
-                self._detok.pop(rid, None)
+                self._texts.pop(rid, None)
                 self._followed.discard(rid)
             else:
                 self._received[rid] = expected + len(token_ids)

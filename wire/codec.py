@@ -32,6 +32,7 @@ from spectrio.core.params import (
     invalid_from_validation_error,
 )
 from spectrio.core.record import RecordError, unpack
+from spectrio.stages.output_processor import record_logprobs
 from spectrio.wire.schema import (
     MAX_REQUEST_ID_LEN,
     SCHEMA_VERSION,
@@ -434,28 +435,6 @@ def decode_step(frames: Sequence[bytes | memoryview]) -> tuple[StepEnvelope, dic
 def step_logprobs(
     frames: Sequence[bytes | memoryview], request_ids: Sequence[str]
 ) -> dict[str, list[TokenLogprob]]:
-    """Each slot's logprobs from a step message's record (frame 1), keyed by request id:
-    one :class:`TokenLogprob` per emitted token, for requests that asked for logprobs
-    (slots whose tokens carry rank -1 are left out). Alternatives holding id -1 (beyond
-    what the request asked for) are dropped. Vectorised per step; one small loop per
-    emitted token to build the objects."""
-    rec = unpack(frames[1])
-    if rec.width == 0 or rec.lp_ids is None or rec.lp_vals is None or rec.ranks is None:
-        return {}
-    off = rec.offsets
-    ids, vals, ranks = rec.lp_ids.tolist(), rec.lp_vals.tolist(), rec.ranks.tolist()
-    out: dict[str, list[TokenLogprob]] = {}
-    for i, rid in enumerate(request_ids):
-        lo, hi = int(off[i]), int(off[i + 1])
-        if hi == lo or ranks[lo] < 0:
-            continue
-        out[rid] = [
-            TokenLogprob(
-                token_id=ids[r][0],
-                logprob=vals[r][0],
-                rank=ranks[r],
-                top=[(t, v) for t, v in zip(ids[r][1:], vals[r][1:], strict=True) if t >= 0],
-            )
-            for r in range(lo, hi)
-        ]
-    return out
+    """Each slot's logprobs from a step message's record (frame 1), keyed by request id
+    (:func:`spectrio.stages.output_processor.record_logprobs`)."""
+    return record_logprobs(unpack(frames[1]), request_ids)

@@ -19,11 +19,12 @@ Nothing a client does makes the request task wait on that client:
 * Replies are sent without waiting. A client that does not read its replies fills its
   own queue at the ROUTER (``SNDHWM``); from then on its replies are dropped and counted
   (``stats.replies_dropped``), and every other client is served as before.
-* A text prompt is bounded before it is tokenized: a prompt whose UTF-8 length already
-  proves it has ``max_model_len`` tokens or more (at most :attr:`PromptTokenizer.max_token_bytes`
-  bytes per token) gets ``prompt_too_long`` at once. The rest are tokenized in a worker
-  thread (one at a time, with the GIL released) while the event loop keeps running; the
-  ``Ack`` or ``Error`` follows when the tokenizer is done.
+* Admission (:mod:`spectrio.wire.admission`) comes before any cost: per-client rate
+  limits, the size caps, and a text prompt bounded before it is tokenized (one whose
+  UTF-8 length already proves it has ``max_model_len`` tokens or more gets
+  ``prompt_too_long`` at once). The rest are tokenized in a worker thread (one at a time,
+  with the GIL released) while the event loop keeps running; the ``Ack`` or ``Error``
+  follows when the tokenizer is done.
 * ``Abort`` is scoped to the client that submitted the request: its CURVE public key when
   CURVE is on, else its ROUTER identity. Anyone else gets ``unknown_request``, the same
   reply as for an id that does not exist.
@@ -37,9 +38,10 @@ the publisher, and through it the whole pipeline, and the backlog stays bounded 
 so the runtime's request queue does not grow either.
 
 ``ipc://`` endpoints live in a run directory that one server at a time holds
-(:func:`claim_endpoints`, an ``fcntl.flock`` lock): a second server is refused with the
-first one's pid, socket files of a dead server are removed, and a server removes its own
-on exit.
+(:func:`~spectrio.wire.endpoints.claim_endpoints`, in :mod:`spectrio.wire.endpoints`
+with the endpoint policy): a second server is refused with the first one's pid, socket
+files of a dead server are removed, and a server removes its own on exit. The names of
+both modules stay importable from here.
 
 Only rank 0 serves: on any other rank :func:`serve` binds nothing.
 """
@@ -47,39 +49,50 @@ Only rank 0 serves: on any other rank :func:`serve` binds nothing.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import errno
-import fcntl
 import functools
 import hashlib
-import os
-import stat
-import tempfile
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
-from types import TracebackType
 from typing import Final, TypeVar
 
 import msgspec
 import structlog
 import trio
 import zmq
-from tokenizers import Tokenizer
 
 from spectrio.core.messages import PublishedStep
-from spectrio.core.params import InvalidRequest, check_text_length
-from spectrio.models.tokenizer import TextTokenizer
+from spectrio.core.params import InvalidRequest
 from spectrio.runtime.api import RequestStream, Runtime
+from spectrio.wire.admission import (
+    MAX_TOKENIZING,
+    MAX_TOKENIZING_PER_CLIENT,
+    MIN_MESSAGE_BYTES,
+    PendingPrompt,
+    PromptQueue,
+    PromptTokenizer,
+    RateLimiter,
+    check_length,
+    message_cap,
+)
 from spectrio.wire.codec import (
     DEFAULT_MAX_REQUEST_BYTES,
     SequenceCounter,
     WireError,
-    check_submit,
     decode_request,
     encode,
     encode_step,
 )
 from spectrio.wire.curve import ZAP_ENDPOINT, CurveServerKeys, run_zap_handler
+from spectrio.wire.endpoints import (
+    LOCK_FILE,
+    EndpointClaim,
+    EndpointRefused,
+    ServerEndpoints,
+    ServerRunning,
+    check_endpoint,
+    claim_endpoints,
+    default_endpoints,
+)
 from spectrio.wire.schema import (
     Abort,
     Ack,
@@ -91,20 +104,14 @@ from spectrio.wire.schema import (
     SpeculativeInfo,
     Submit,
 )
-from spectrio.wire.zmq_transport import (
-    EndpointRefused,
-    Reach,
-    TrioSocket,
-    check_bind,
-    check_private_dir,
-    check_socket_path,
-    ipc_path,
-    open_socket,
-)
+from spectrio.wire.zmq_transport import TrioSocket, open_socket
 
 __all__ = [
     "DEFAULT_FINISH_S",
     "LOCK_FILE",
+    "MAX_TOKENIZING",
+    "MAX_TOKENIZING_PER_CLIENT",
+    "MIN_MESSAGE_BYTES",
     "EndpointClaim",
     "EndpointRefused",
     "PromptTokenizer",
@@ -130,211 +137,11 @@ DEFAULT_FINISH_S: Final = 3.0
 """Seconds :meth:`WireServer.drain` spends, after the grace period, on aborting what still
 runs, publishing the abort step and handing the last messages to the consumer."""
 
-LOCK_FILE: Final = "spectrio.lock"
-"""The lock file a server holds in each directory with its ``ipc://`` sockets."""
-
-MAX_TOKENIZING: Final = 32
-"""Text prompts waiting for the tokenizer at once, over all clients."""
-
-MAX_TOKENIZING_PER_CLIENT: Final = 2
-"""Text prompts one client may have waiting for the tokenizer."""
-
-MIN_MESSAGE_BYTES: Final = 16 << 20
-"""The least transport message limit (``zmq.MAXMSGSIZE``) :func:`message_cap` sets."""
-
 ABORT_REASON: Final = "aborted by client"
 """The runtime's abort reason for an ``Abort`` request (logs; the wire says ``"abort"``)."""
 
 
-# ---- endpoints and the run directory --------------------------------------------------------
-
-
-def check_endpoint(endpoint: str, *, allow_public: bool = False) -> Reach:
-    """The server's endpoint policy (:func:`spectrio.wire.zmq_transport.check_bind`):
-    loopback ``tcp://`` and ``ipc://`` in a private directory pass; anything another host
-    or user could reach needs ``allow_public``; raises :class:`EndpointRefused`."""
-    return check_bind(endpoint, allow_public=allow_public)
-
-
-def default_endpoints(run_dir: str | os.PathLike[str] | None = None) -> ServerEndpoints:
-    """``ipc://`` endpoints under ``run_dir`` (default ``$XDG_RUNTIME_DIR/spectrio``, else
-    ``<tmp>/spectrio-<uid>``). A missing directory is created with mode 0700; an existing
-    one must be private (owned by this user, no group or other access), otherwise
-    :class:`EndpointRefused` says why."""
-    if run_dir is None:
-        base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-        name = "spectrio" if os.environ.get("XDG_RUNTIME_DIR") else f"spectrio-{os.getuid()}"
-        run_dir = Path(base) / name
-    path = Path(os.path.abspath(run_dir))
-    try:
-        path.mkdir(mode=0o700, parents=True)
-    except FileExistsError:
-        pass
-    check_private_dir(path)
-    return ServerEndpoints(
-        requests=f"ipc://{path}/requests", outputs=f"ipc://{path}/outputs", tap=f"ipc://{path}/tap"
-    )
-
-
-class ServerRunning(RuntimeError):
-    """Another server holds the run directory."""
-
-    def __init__(self, directory: Path, pid: int | None) -> None:
-        who = f"pid {pid}" if pid is not None else "a process whose pid is not recorded"
-        super().__init__(
-            f"run directory {directory} is in use by a running spectrio server ({who}); "
-            "stop it first, or serve from another run directory"
-        )
-        self.directory = directory
-        self.pid = pid
-
-
-def _read_pid(fd: int) -> int | None:
-    try:
-        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-        return int(text) if text else None
-    except (OSError, ValueError):
-        return None
-
-
-def _lock_dir(directory: Path) -> int:
-    """Hold ``directory/spectrio.lock`` (``flock``, not waiting) and write our pid in it."""
-    fd = os.open(
-        directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-    )
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        pid = _read_pid(fd)
-        os.close(fd)
-        raise ServerRunning(directory, pid) from None
-    except BaseException:
-        os.close(fd)
-        raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
-def _remove_stale(path: Path) -> None:
-    """Delete a socket file a dead server left at ``path`` (we hold its directory's lock,
-    so no live spectrio server owns it). Anything else at the path is refused, never
-    deleted."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise EndpointRefused(f"{path} exists and is not a socket; refusing to replace it")
-    check_socket_path(path)  # a live listener that is not a spectrio server: refuse
-    os.unlink(path)
-    log.info("removed a stale socket file", path=str(path))
-
-
-class EndpointClaim:
-    """The endpoints of one server, checked against the endpoint policy, with every
-    directory holding an ``ipc://`` socket locked. Create it with :func:`claim_endpoints`;
-    :meth:`release` (or leaving the ``with`` block) removes this server's socket files and
-    drops the locks."""
-
-    def __init__(
-        self,
-        endpoints: Sequence[str],
-        reaches: Sequence[Reach],
-        paths: Sequence[Path],
-        fds: Sequence[int],
-    ) -> None:
-        self.endpoints = tuple(endpoints)
-        self.reaches = tuple(reaches)
-        self.paths = tuple(paths)
-        self._fds = list(fds)
-
-    @property
-    def public(self) -> bool:
-        """Whether another host or user can reach any of the endpoints."""
-        return any(r is not Reach.LOCAL for r in self.reaches)
-
-    def release(self) -> None:
-        """Remove the socket files (only sockets: never anything else), then unlock. Safe
-        to call twice."""
-        if not self._fds:
-            return
-        for path in self.paths:
-            try:
-                if stat.S_ISSOCK(os.lstat(path).st_mode):
-                    os.unlink(path)
-            except FileNotFoundError:
-                pass
-        for fd in self._fds:
-            try:
-                os.ftruncate(fd, 0)
-            finally:
-                os.close(fd)  # closing the last descriptor drops the flock
-        self._fds = []
-
-    def __enter__(self) -> EndpointClaim:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
-
-
-def claim_endpoints(*endpoints: str | None, allow_public: bool = False) -> EndpointClaim:
-    """Check ``endpoints`` (None entries are skipped) against the policy, lock the
-    directory of every ``ipc://`` socket, and remove the socket files a dead server left.
-    Cheap and done before anything expensive, so a refused server fails at once.
-
-    Raises :class:`EndpointRefused` (the policy, a private-directory violation, a path that
-    is not a socket) or :class:`ServerRunning` (another server holds a run directory,
-    named with its pid)."""
-    given = [ep for ep in endpoints if ep is not None]
-    reaches = [check_endpoint(ep, allow_public=allow_public) for ep in given]
-    paths = [p for p in (ipc_path(ep) for ep in given) if p is not None]
-    fds: list[int] = []
-    try:
-        for directory in sorted({p.parent for p in paths}):
-            fds.append(_lock_dir(directory))
-        for path in paths:
-            _remove_stale(path)
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        raise
-    return EndpointClaim(given, reaches, paths, fds)
-
-
-class ServerEndpoints(msgspec.Struct, frozen=True, kw_only=True):
-    """The endpoints actually bound (``tcp://127.0.0.1:*`` resolved to its port)."""
-
-    requests: str
-    outputs: str
-    tap: str | None = None
-
-
-# ---- prompts --------------------------------------------------------------------------------
-
-
-class PromptTokenizer:
-    """The server's text-prompt tokenizer: the model's ``tokenizer.json`` (an instance
-    of its own, used from the tokenizer's worker thread only), with the exact length bound
-    of :func:`spectrio.core.params.check_text_length` and an ``encode`` that releases the
-    GIL, so a long prompt tokenized in a worker thread does not stall the event loop."""
-
-    def __init__(self, runtime: Runtime) -> None:
-        self.json = (Path(runtime.loaded.path) / "tokenizer.json").read_text(encoding="utf-8")
-        self._tok = TextTokenizer(Tokenizer.from_str(self.json), runtime.tokenizer.eos_token_id)
-        self.max_token_bytes = self._tok.max_token_bytes
-        sample = "def f(x):\n    return {'é': x}  # ok <|endoftext|>"
-        if self.encode(sample) != runtime.tokenizer.encode(sample):
-            raise RuntimeError("the server's tokenizer disagrees with the runtime's")
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode_releasing_gil(text)
+# ---- serving ------------------------------------------------------------------------------
 
 
 def model_info(runtime: Runtime, tokenizer_json: str) -> ModelInfo:
@@ -359,9 +166,6 @@ def model_info(runtime: Runtime, tokenizer_json: str) -> ModelInfo:
     )
 
 
-# ---- the server -----------------------------------------------------------------------------
-
-
 class ServerStats(msgspec.Struct, kw_only=True):
     """Counters, for logs and tests."""
 
@@ -377,17 +181,6 @@ class ServerStats(msgspec.Struct, kw_only=True):
     tap_dropped: int = 0  # step messages the tap dropped
     request_failures: int = 0  # accepted requests that failed inside the runtime
     max_backlog: int = 0  # largest output backlog seen, in steps
-
-
-@dataclasses.dataclass(eq=False)
-class _Tokenizing:
-    """A text ``Submit`` whose prompt is being tokenized (not acknowledged yet)."""
-
-    owner: bytes
-    scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)
-    # Envelopes of ``Abort`` s its client sent meanwhile: once the prompt is tokenized,
-    # the request starts, is aborted, and then each of them gets its ``Ack``.
-    aborts: list[list[bytes]] = dataclasses.field(default_factory=list)
 
 
 class WireServer:
@@ -406,10 +199,8 @@ class WireServer:
         tap: bool = False,
     ) -> None:
         self.runtime = runtime
-        self._rate = rate
-        self._burst = float(burst)
+        self._limits = RateLimiter(rate, burst)
         self._curve = curve
-        self._buckets: dict[bytes, tuple[float, float]] = {}  # owner -> (tokens, time)
         self.stats = ServerStats()
         self._max_request_bytes = max_request_bytes
         self._high_water = output_high_water
@@ -419,10 +210,13 @@ class WireServer:
         self._steps_queued = 0  # steps appended to the backlog, ever
         self._tap_tx, self._tap_rx = trio.open_memory_channel[list[bytes]](tap_buffer)
         self._tap_enabled = tap
-        self._prompts = PromptTokenizer(runtime)
-        self._info = model_info(runtime, self._prompts.json)
-        self._tokenizer_limiter = trio.CapacityLimiter(1)
-        self._tokenizing: dict[str, _Tokenizing] = {}
+        tokenizer = PromptTokenizer(runtime)
+        self._info = model_info(runtime, tokenizer.json)
+        self._prompts = PromptQueue(
+            tokenizer,
+            vocab_size=runtime.loaded.config.vocab_size,
+            max_model_len=runtime.config.max_model_len,
+        )
         self._running: dict[str, bytes] = {}  # acknowledged request id -> its owner
         self._finished = trio.Event()  # replaced each time a request task ends
         self._replies: collections.deque[list[bytes]] = collections.deque()
@@ -510,8 +304,7 @@ class WireServer:
         of ``finish_s`` when it closes. Returns True when every request finished on its
         own and everything was handed over; cancel :func:`serve` afterwards."""
         self.close()  # a publisher held by on_step returns now
-        for pending in list(self._tokenizing.values()):
-            pending.scope.cancel()
+        self._prompts.cancel_all()
         with trio.move_on_after(grace_s):
             async with trio.open_nursery() as grace:
                 if cut is not None:
@@ -626,11 +419,13 @@ class WireServer:
         envelope = [f.bytes for f in frames[:split]]
         body = frames[split:]
         owner = self._owner(frames)
-        if not self._admit(owner):
+        if not self._limits.admit(owner, trio.current_time()):
             self._reply(
                 envelope,
                 self._error(
-                    ErrorCode.RATE_LIMITED, f"over {self._rate} requests/s; retry later", None
+                    ErrorCode.RATE_LIMITED,
+                    f"over {self._limits.rate} requests/s; retry later",
+                    None,
                 ),
             )
             return
@@ -666,91 +461,38 @@ class WireServer:
     def _info_reply(self, msg: Info) -> ModelInfo:
         if not msg.tokenizer:
             return self._info
-        return msgspec.structs.replace(self._info, tokenizer_json=self._prompts.json)
-
-    def _admit(self, owner: bytes) -> bool:
-        """Token bucket per client: ``rate`` requests/s, bursts of ``burst``."""
-        if self._rate is None:
-            return True
-        now = trio.current_time()
-        tokens, then = self._buckets.get(owner, (self._burst, now))
-        tokens = min(self._burst, tokens + (now - then) * self._rate)
-        if len(self._buckets) > 10_000:  # forget idle clients (their buckets are full)
-            self._buckets = {
-                k: v for k, v in self._buckets.items() if (now - v[1]) * self._rate < self._burst
-            }
-        if tokens < 1.0:
-            self._buckets[owner] = (tokens, now)
-            return False
-        self._buckets[owner] = (tokens - 1.0, now)
-        return True
-
-    def _check_length(self, msg: Submit) -> None:
-        """Refuse a prompt that cannot fit under ``max_model_len`` before it costs
-        anything: token ids by count, text by its UTF-8 length and the tokenizer's exact
-        bound (:func:`~spectrio.core.params.check_text_length`)."""
-        limit = self.runtime.config.max_model_len
-        rid = msg.request_id
-        try:
-            if isinstance(msg.prompt, str):
-                check_text_length(
-                    msg.prompt, max_model_len=limit, max_token_bytes=self._prompts.max_token_bytes
-                )
-                return
-        except InvalidRequest as exc:
-            raise WireError(ErrorCode(exc.code), str(exc), rid) from None
-        if len(msg.prompt) >= limit:
-            raise WireError(
-                ErrorCode.PROMPT_TOO_LONG,
-                f"prompt: {len(msg.prompt)} tokens leave no room under max_model_len={limit}",
-                rid,
-            )
-
-    def _check_submit(self, msg: Submit) -> list[int]:
-        rt = self.runtime
-        return check_submit(
-            msg,
-            vocab_size=rt.loaded.config.vocab_size,
-            max_model_len=rt.config.max_model_len,
-            tokenize=self._prompts.encode,
-        )
+        return msgspec.structs.replace(self._info, tokenizer_json=self._prompts.tokenizer.json)
 
     async def _submit(
         self, msg: Submit, owner: bytes, envelope: list[bytes], nursery: trio.Nursery
     ) -> Ack | None:
         rid = msg.request_id
-        self._check_length(msg)
-        if rid in self._running or rid in self._tokenizing:
+        check_length(
+            msg,
+            max_model_len=self.runtime.config.max_model_len,
+            max_token_bytes=self._prompts.tokenizer.max_token_bytes,
+        )
+        if rid in self._running or rid in self._prompts:
             raise WireError(
                 ErrorCode.DUPLICATE_REQUEST, f"request_id {rid!r} is still running", rid
             )
         if isinstance(msg.prompt, str):
-            mine = sum(p.owner == owner for p in self._tokenizing.values())
-            if len(self._tokenizing) >= MAX_TOKENIZING or mine >= MAX_TOKENIZING_PER_CLIENT:
-                raise WireError(
-                    ErrorCode.RATE_LIMITED,
-                    "too many prompts waiting for the tokenizer; retry later",
-                    rid,
-                )
-            pending = self._tokenizing[rid] = _Tokenizing(owner)
+            pending = self._prompts.reserve(msg, owner)
             nursery.start_soon(self._tokenize_then_start, msg, pending, envelope, nursery)
             return None  # the reply follows once the prompt is tokenized
-        await self._start(msg, owner, self._check_submit(msg), nursery)
+        await self._start(msg, owner, self._prompts.check(msg), nursery)
         return Ack(of="submit", request_id=rid)
 
     async def _tokenize_then_start(
-        self, msg: Submit, pending: _Tokenizing, envelope: list[bytes], nursery: trio.Nursery
+        self, msg: Submit, pending: PendingPrompt, envelope: list[bytes], nursery: trio.Nursery
     ) -> None:
         rid = msg.request_id
         reply: Ack | Error
         started = False
         try:
-            with pending.scope:
-                self.stats.prompts_tokenized += 1
-                ids = await trio.to_thread.run_sync(
-                    self._check_submit, msg, limiter=self._tokenizer_limiter, abandon_on_cancel=True
-                )
-            if pending.scope.cancelled_caught or self._closing:
+            self.stats.prompts_tokenized += 1
+            ids = await self._prompts.tokenize(msg, pending)
+            if ids is None or self._closing:
                 reply = self._error(ErrorCode.UNAVAILABLE, "the server is shutting down", rid)
             else:
                 await self._start(msg, pending.owner, ids, nursery)
@@ -759,7 +501,7 @@ class WireServer:
         except WireError as exc:
             reply = self._error(exc.code, exc.reason, exc.request_id)
         finally:
-            del self._tokenizing[rid]
+            self._prompts.done(rid)
         aborted = started and bool(pending.aborts) and await self.runtime.abort(rid, ABORT_REASON)
         if aborted:
             await self._handed_over()
@@ -809,7 +551,7 @@ class WireServer:
         another client's is reported exactly like one that does not exist, so ids of
         others are not revealed."""
         rid = msg.request_id
-        pending = self._tokenizing.get(rid)
+        pending = self._prompts.get(rid)
         if pending is not None and pending.owner == owner:
             pending.aborts.append(envelope)
             return
@@ -837,24 +579,6 @@ class WireServer:
         return self._error(
             ErrorCode.UNKNOWN_REQUEST, f"request_id {rid!r} finished before the abort", rid
         )
-
-
-def message_cap(max_request_bytes: int, max_message_bytes: int | None = None) -> int:
-    """The transport's message limit (``zmq.MAXMSGSIZE``) for a request cap: by default
-    16 times the cap and at least :data:`MIN_MESSAGE_BYTES`, so that any oversized
-    request a real client sends reaches the server and gets ``too_large``. Raises
-    ``ValueError`` for a limit that does not exceed the cap (a frame between the two
-    would vanish without a reply)."""
-    if max_request_bytes < 1:
-        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
-    if max_message_bytes is None:
-        return max(MIN_MESSAGE_BYTES, 16 * max_request_bytes)
-    if max_message_bytes <= max_request_bytes:
-        raise ValueError(
-            f"max_message_bytes ({max_message_bytes}) must exceed max_request_bytes "
-            f"({max_request_bytes}), so that an oversized request gets a too_large reply"
-        )
-    return max_message_bytes
 
 
 async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:

@@ -6,7 +6,11 @@ total, and per draft position ``i`` (0-based): proposed when ``i < n``, accepted
 ``i < a``, and *reached* when ``i <= a`` (every draft before it was accepted, so its own
 acceptance was decided). The scheduler counts every step once, where it folds the
 sampler's result in (:meth:`spectrio.stages.scheduling.Scheduler.update`): for the
-runtime, and for each request (its final totals).
+runtime, and for each request, whose final output carries its count (a copy, on the
+finishing :class:`~spectrio.core.messages.SeqResult` and the stream's final delta), so a
+consumer that wants per-request acceptance reads it there and never counts again.
+
+It lives in ``core`` because the stage messages carry it.
 """
 
 from __future__ import annotations
@@ -39,6 +43,16 @@ class Acceptance:
             self.proposed_at[i] += 1
             self.accepted_at[i] += i < accepted
             self.reached_at[i] += i <= accepted
+
+    def copy(self) -> Acceptance:
+        """An independent copy (the lists are not shared)."""
+        return Acceptance(
+            self.proposed,
+            self.accepted,
+            list(self.proposed_at),
+            list(self.accepted_at),
+            list(self.reached_at),
+        )
 
     def merge(self, other: Acceptance) -> None:
         """Add another count (per-position lists are summed)."""
