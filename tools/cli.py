@@ -16,6 +16,7 @@ from spectrio.tools.sampling_flags import add_sampling_flags
 
 async def _generate_async(args: argparse.Namespace) -> dict[str, object]:
     from spectrio import open_runtime
+    from spectrio.stages.output_processor import logprob_json
     from spectrio.tools.generation_stats import GenerationStats
     from spectrio.tools.sampling_flags import sampling_params
 
@@ -37,15 +38,7 @@ async def _generate_async(args: argparse.Namespace) -> dict[str, object]:
             reason = delta.finish_reason
             if delta.finish_reason is not None:
                 totals = (delta.total_drafts, delta.total_accepted)
-            for lp in delta.logprobs or ():
-                logprobs.append(
-                    {
-                        "token_id": lp.token_id,
-                        "logprob": lp.logprob,
-                        "rank": lp.rank,
-                        "top": [list(t) for t in lp.top],
-                    }
-                )
+            logprobs += [logprob_json(lp) for lp in delta.logprobs or ()]
             if not args.json:
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
