@@ -244,7 +244,7 @@ def load(path_or_name: str | Path = "bundled", dtype: DType = "float32") -> Load
     t0 = time.perf_counter()
     path = resolve_path(path_or_name)
     cfg, source, tokenizer, template = open_checkpoint(path)
-    model = build_model(cfg, dtype)
+    model = build_model(cfg, dtype, init=False)
     fill_parameters(model, cfg, source, dtype)
     model.eval()
     seconds = time.perf_counter() - t0
