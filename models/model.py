@@ -256,8 +256,8 @@ def build_model(
     cfg: ModelConfig, dtype: DType = "float32", seed: int | None = None, init: bool = True
 ) -> SpectrioForCausalLM:
     """A freshly initialised model (small-std normal init, as Llama uses). ``init=False``
-    skips that draw for a model whose every weight is about to be loaded (on
-    SmolLM2-135M it cost 3.6 s of a 18 s load)."""
+    skips that draw for a model whose every weight is about to be loaded: the loader
+    refuses a checkpoint that lacks one, so no drawn value survives a load."""
     if dtype not in ("float32", "float64"):
         raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
     if seed is not None:
