@@ -35,6 +35,7 @@ from spectrio.models.checkpoint import (
 from spectrio.models.config import BUNDLED_DIR, DType, ModelConfig, ModelConfigError
 from spectrio.models.gguf_file import GGUFFile, is_gguf
 from spectrio.models.model import SpectrioForCausalLM, build_model
+from spectrio.models.mtp_head import WithHead, head_path_for, open_head, target_fingerprint
 from spectrio.models.tokenizer import TextTokenizer
 
 log = structlog.get_logger("spectrio.models")
@@ -84,17 +85,22 @@ STORAGE_DTYPES = ("float32", "float16")
 dtype, so float16 halves the file at the cost of rounding each weight once."""
 
 
-def state_dict_hf(model: SpectrioForCausalLM, dtype: str = "float32") -> dict[str, np.ndarray]:
+def state_dict_hf(
+    model: SpectrioForCausalLM, dtype: str = "float32", prefix: str = ""
+) -> dict[str, np.ndarray]:
     """The model's weights under Hugging Face names and layouts, as ``dtype`` arrays (q/k
-    rows back in interleaved order for a family whose checkpoints keep them so)."""
+    rows back in interleaved order for a family whose checkpoints keep them so); only
+    the names starting with ``prefix``."""
     if dtype not in STORAGE_DTYPES:
         raise ValueError(f"storage dtype must be one of {STORAGE_DTYPES}, got {dtype!r}")
     cfg = model.config
     out: dict[str, np.ndarray] = {}
     for name, param in model.named_parameters():
+        hf = hf_name(name, cfg)
+        if not hf.startswith(prefix):
+            continue
         arr = param.numpy().astype(dtype)
         arr = arr.T if is_linear(param, name) else arr
-        hf = hf_name(name, cfg)
         if cfg.rope_interleaved and is_qk_rows(hf):
             arr = half_to_interleaved(arr, cfg.head_dim)
         out[hf] = np.ascontiguousarray(arr)
@@ -160,6 +166,32 @@ def read_config(path: Path) -> ModelConfig:
 
 
 def open_checkpoint(
+    path: Path, name: str | None = None, mtp_head: bool = True
+) -> tuple[ModelConfig, TensorSource, TextTokenizer | None, str | None]:
+    """(config, tensors, tokenizer, chat template) of a folder or GGUF file; the tokenizer
+    is checked against the vocabulary. A model without an MTP layer gets the head
+    ``spectrio train-mtp`` wrote for it, when there is one and ``mtp_head`` is true
+    (:mod:`spectrio.models.mtp_head`; ``name`` is the model's name, for a shipped head)."""
+    cfg, source, tokenizer, template = _open_target(path)
+    if mtp_head and not cfg.has_mtp:
+        cfg, source = attach_head(path, name, cfg, source)
+    return cfg, source, tokenizer, template
+
+
+def attach_head(
+    path: Path, name: str | None, cfg: ModelConfig, source: TensorSource
+) -> tuple[ModelConfig, TensorSource]:
+    """The config and tensors with the model's MTP head attached, or unchanged when it
+    has none; a head that does not belong to this model raises :class:`CheckpointError`."""
+    head_path = head_path_for(path, name)
+    if not head_path.is_file():
+        return cfg, source
+    head = open_head(head_path, cfg, target_fingerprint(cfg, source))
+    log.info("MTP head attached", path=str(head_path), steps=head.head.metadata.get("steps"))
+    return dataclasses.replace(cfg, num_nextn_predict_layers=1), WithHead(source, head)
+
+
+def _open_target(
     path: Path,
 ) -> tuple[ModelConfig, TensorSource, TextTokenizer | None, str | None]:
     """(config, tensors, tokenizer, chat template) of a folder or GGUF file; the tokenizer
@@ -224,13 +256,18 @@ def chat_template_of(folder: Path) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def load(path_or_name: str | Path = "bundled", dtype: DType = "float32") -> LoadedModel:
+def load(
+    path_or_name: str | Path = "bundled", dtype: DType = "float32", mtp_head: bool = True
+) -> LoadedModel:
     """Load ``"bundled"``, ``"smollm2"``, a folder with ``config.json`` and
     ``*.safetensors``, or a ``.gguf`` file.
 
     Every parameter must be present with its exact shape; anything missing, misshapen,
     unexpected or unreadable raises :class:`CheckpointError` naming it, and a config
     the decoder does not implement raises it naming the field.
+
+    A model without an MTP layer gets its ``spectrio train-mtp`` head when one exists
+    (``mtp_head=False``: never); a head made for another model is refused.
 
     ``"synthetic[:key=value,...]"`` loads the synthetic benchmark device instead
     (:mod:`spectrio.models.synthetic`).
@@ -243,7 +280,7 @@ def load(path_or_name: str | Path = "bundled", dtype: DType = "float32") -> Load
         raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
     t0 = time.perf_counter()
     path = resolve_path(path_or_name)
-    cfg, source, tokenizer, template = open_checkpoint(path)
+    cfg, source, tokenizer, template = open_checkpoint(path, str(path_or_name), mtp_head)
     model = build_model(cfg, dtype, init=False)
     fill_parameters(model, cfg, source, dtype)
     model.eval()
