@@ -36,6 +36,9 @@ __all__ = [
 ]
 
 INDEX_FILE = "model.safetensors.index.json"
+HEAD_FILE = "mtp.safetensors"
+"""A ``spectrio train-mtp`` head kept in the checkpoint's folder: not one of its shards
+(:mod:`spectrio.models.mtp_head` reads it)."""
 
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
@@ -126,7 +129,7 @@ class SafetensorsSource:
                 if not f.is_file():
                     raise CheckpointError(f"{index}: lists shard {f.name!r}, which is missing")
             return files
-        files = sorted(folder.glob("*.safetensors"))
+        files = sorted(f for f in folder.glob("*.safetensors") if f.name != HEAD_FILE)
         if not files:
             raise CheckpointError(f"{folder}: no *.safetensors files")
         return files

@@ -26,12 +26,11 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from spectrio.errors import CheckpointError
-from spectrio.models.checkpoint import TensorSource
+from spectrio.models.checkpoint import HEAD_FILE, TensorSource
 
 if TYPE_CHECKING:
     from spectrio.models.config import ModelConfig
 
-HEAD_FILE = "mtp.safetensors"
 FORMAT = "spectrio-mtp-head/1"
 HEADS_DIR = Path(__file__).resolve().parent / "heads"
 

@@ -434,7 +434,8 @@ class Run:
         self.curve, self.evals, self.rng_state = raw["curve"], raw["evals"], raw["rng"]
         assert model.mtp is not None
         model.mtp.set_state_dict(paddle.load(str(self.folder / "mtp.pdparams")))
-        opt.set_state_dict(paddle.load(str(self.folder / "mtp.pdopt")))
+        saved = paddle.load(str(self.folder / "mtp.pdopt"))
+        opt.set_state_dict(_rename_state(saved, _structured_names(model.mtp), invert=True))
         return True
 
     def save(self, model: SpectrioForCausalLM, opt: Any, rng: np.random.Generator) -> None:
@@ -442,7 +443,8 @@ class Run:
 
         assert model.mtp is not None
         paddle.save(model.mtp.state_dict(), str(self.folder / "mtp.pdparams"))
-        paddle.save(opt.state_dict(), str(self.folder / "mtp.pdopt"))
+        state = _rename_state(opt.state_dict(), _structured_names(model.mtp))
+        paddle.save(state, str(self.folder / "mtp.pdopt"))
         state = {
             "step": self.step,
             "seconds": round(self.seconds, 1),
@@ -453,6 +455,26 @@ class Run:
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(state))
         tmp.replace(self.state_file)
+
+
+def _structured_names(layer: Any) -> dict[str, str]:
+    """Paddle's generated parameter name (``linear_3.w_0``, which depends on how many
+    layers the process built before) -> the parameter's path in ``layer``, which does not."""
+    return {p.name: name for name, p in layer.named_parameters()}
+
+
+def _rename_state(
+    state: dict[str, Any], names: dict[str, str], invert: bool = False
+) -> dict[str, Any]:
+    """The optimizer's state with each accumulator's key (``<param name>_moment1_0``...)
+    moved from Paddle's generated names to the structured ones (or back, ``invert``), so
+    a resumed process finds its moments whatever its layers are called."""
+    mapping = {v: k for k, v in names.items()} if invert else names
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        match = max((n for n in mapping if key.startswith(n + "_")), key=len, default=None)
+        out[key if match is None else mapping[match] + key[len(match) :]] = value
+    return out
 
 
 def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
