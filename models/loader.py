@@ -47,6 +47,7 @@ __all__ = [
     "hf_name",
     "is_linear",
     "load",
+    "model_config",
     "open_checkpoint",
     "read_config",
     "refuse_unexpected",
@@ -163,6 +164,17 @@ def read_config(path: Path) -> ModelConfig:
         return ModelConfig.from_json(path / "config.json")
     except ModelConfigError as exc:
         raise CheckpointError(f"{path / 'config.json'}: {exc}") from exc
+
+
+def model_config(path_or_name: str | Path) -> ModelConfig:
+    """The config :func:`load` would give the model, read without its weights: with
+    ``num_nextn_predict_layers: 1`` when a ``spectrio train-mtp`` head sits beside it
+    (``load`` checks that the head belongs to it)."""
+    path = resolve_path(path_or_name)
+    cfg = read_config(path)
+    if not cfg.has_mtp and head_path_for(path, str(path_or_name)).is_file():
+        return dataclasses.replace(cfg, num_nextn_predict_layers=1)
+    return cfg
 
 
 def open_checkpoint(

@@ -208,3 +208,25 @@ def test_prompts_are_distinct_and_the_schedule_anneals() -> None:
     assert lr_at(50, 0.0, 1.0, 10) == pytest.approx(1.0)
     assert lr_at(50, 1.0, 1.0, 10) == pytest.approx(0.1)
     assert lr_at(50, 7.0, 1.0, 10) == pytest.approx(0.1)
+
+
+def test_tensor_parallel_shards_carry_the_head(trained: Path) -> None:
+    """Each rank attaches the head and reads its own slices of it: put back together
+    they are the head the whole model loads. The group's plan sizes the MTP layer's KV
+    from the same config (``model_config``)."""
+    from spectrio.models.loader import model_config
+    from spectrio.models.parallel import TPShard, load_sharded
+
+    assert model_config(str(trained)).has_mtp
+    full = load(trained).model
+    shards = [load_sharded(str(trained), TPShard(r, 2)).model for r in range(2)]
+    assert all(s.mtp is not None for s in shards)
+    assert full.mtp is not None
+    for name, param in full.mtp.named_parameters():
+        parts = [dict(s.mtp.named_parameters())[name].numpy() for s in shards]  # type: ignore[union-attr]
+        whole = param.numpy()
+        if parts[0].shape == whole.shape:
+            np.testing.assert_array_equal(parts[0], whole)
+        else:
+            axis = next(a for a in (0, 1) if parts[0].shape[a] * 2 == whole.shape[a])
+            np.testing.assert_array_equal(np.concatenate(parts, axis=axis), whole)
