@@ -373,6 +373,28 @@ def test_layout_names_are_detected_and_mapped() -> None:
     assert convert("mtp.eh_proj.weight", w, ernie) is w  # ERNIE's order is eh_proj's
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_training_chains_substeps_as_the_runtime_does(
+    folders: dict[str, tuple[Path, Path]], layout: str
+) -> None:
+    """``train-mtp``'s unrolled chain feeds each substep what the serving path feeds it
+    (the pre-norm target state for MiMo, the normed layer output for MiMo and ERNIE)."""
+    from spectrio.tools.train import mtp_chain, target_chain
+
+    model = load(folders[layout][0], dtype="float64").model
+    ids, s, depth = paddle.to_tensor(np.array([PROMPT])), 5, 3
+    with paddle.no_grad():
+        _, hidden, tokens = target_chain(model, ids, depth + 1)
+        chained = [x.numpy() for x in mtp_chain(model, ids, hidden, tokens, depth)]
+        _, h, _ = model.forward_dense(ids[:, : s + 1])
+        g = [tokens[j][:, s : s + 1] for j in range(depth)]
+        logits, mh, past = model.mtp_forward_dense(paddle.concat([ids[:, 1 : s + 1], g[0]], 1), h)
+        for j in range(depth):
+            if j:
+                logits, mh, past = model.mtp_forward_dense(g[j], mh[:, -1:], past)
+            np.testing.assert_allclose(chained[j][:, s], logits.numpy()[:, -1], rtol=0, atol=1e-10)
+
+
 # ---- (b) the same weights in the DeepSeek layout: the same layer, bit for bit -----------
 
 
