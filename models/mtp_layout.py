@@ -51,6 +51,14 @@ Facts, read in the engines that serve these models (never their code):
   names its target already uses (``model.``, separate q/k/v), which is also how vLLM's
   ``ernie_mtp.py`` reads the MTP tensors.
 
+Where the sources disagree, spectrio follows the model's own serving engine and says so:
+SGLang feeds MiMo's layer the normed target state; vLLM's ``ernie_mtp.py`` puts no norm
+before the head; a Paddle ERNIE 4.5 training implementation (``Ernie4_5_Model`` with
+``mtp_block``) feeds and chains unnormed states and norms only for the logits. vLLM and
+SGLang also zero the embedding at position 0 before every MTP layer they run, DeepSeek's
+included (a serving choice; FastDeploy does not); spectrio does not, for any layout. Such
+choices change which tokens are drafted, never what is emitted.
+
 A layout is recognised from the tensor names a checkpoint holds (:func:`detect`); the
 dataflow switches it implies (:class:`MTPLayout`) travel in ``ModelConfig.mtp_layout``.
 Everything here is pure: names, flags and one column permutation.
