@@ -50,6 +50,7 @@ __all__ = [
     "hf_name",
     "is_linear",
     "load",
+    "load_tokenizer",
     "model_config",
     "open_checkpoint",
     "read_config",
@@ -220,19 +221,33 @@ def _open_target(
     if path.is_file():
         gguf = GGUFFile(path)
         cfg = gguf.config
-        raw = gguf.tokenizer_json()
-        tokenizer = None
-        if raw is not None:
-            from tokenizers import Tokenizer
-
-            tokenizer = TextTokenizer(Tokenizer.from_str(raw), cfg.eos_token_id)
-        _check_vocab(path, cfg, tokenizer)
-        return cfg, gguf, tokenizer, gguf.chat_template
+        return cfg, gguf, _gguf_tokenizer(path, gguf, cfg), gguf.chat_template
     cfg = read_config(path)
     source = SafetensorsSource(path, cfg)
     cfg = with_layout(cfg, source.names(), str(path))  # the MTP layout its names show
     tokenizer = tokenizer_of(path, cfg)
     return cfg, source, tokenizer, chat_template_of(path)
+
+
+def load_tokenizer(path_or_name: str | Path) -> TextTokenizer | None:
+    """The model's tokenizer, without its weights (None when it has none)."""
+    path = resolve_path(path_or_name)
+    cfg = read_config(path)
+    if path.is_file():
+        return _gguf_tokenizer(path, GGUFFile(path), cfg)
+    return tokenizer_of(path, cfg)
+
+
+def _gguf_tokenizer(path: Path, gguf: GGUFFile, cfg: ModelConfig) -> TextTokenizer | None:
+    """The tokenizer a GGUF file's metadata describes, checked against the vocabulary."""
+    raw = gguf.tokenizer_json()
+    if raw is None:
+        return None
+    from tokenizers import Tokenizer
+
+    tokenizer = TextTokenizer(Tokenizer.from_str(raw), cfg.eos_token_id)
+    _check_vocab(path, cfg, tokenizer)
+    return tokenizer
 
 
 def _check_vocab(where: Path, cfg: ModelConfig, tokenizer: TextTokenizer | None) -> None:

@@ -107,6 +107,7 @@ from tqdm import tqdm
 from spectrio import Runtime, RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
 from spectrio.core.timing import StepTiming, device_summary
 from spectrio.models import LoadedModel, load, reference
+from spectrio.models.loader import load_tokenizer
 from spectrio.models.synthetic import is_synthetic, parse_spec
 from spectrio.runtime import timing_cache
 from spectrio.stages.spec_policy import batch_bucket
@@ -158,7 +159,7 @@ def bench_prompts(
         rng = np.random.default_rng(seed)
         ids = rng.integers(1, parse_spec(model).vocab, size=(count, prompt_tokens))
         return [[int(t) for t in row] for row in ids]
-    tok = load(model).tokenizer
+    tok = load_tokenizer(model)  # not the weights: the cases load those
     assert tok is not None
     encoded: list[list[int]] = []
 
