@@ -320,6 +320,8 @@ def load(
     cfg, source, tokenizer, template = open_checkpoint(path, str(path_or_name), mtp_head)
     model = build_model(cfg, dtype, init=False)
     fill_parameters(model, cfg, source, dtype)
+    if isinstance(source, WithHead):
+        model.set_draft_vocab(source.head.draft_vocab)
     model.eval()
     seconds = time.perf_counter() - t0
     log.info("model loaded", path=str(path), dtype=dtype, seconds=round(seconds, 3))

@@ -37,6 +37,9 @@ class ForwardOutput:
     #: [M, d]: the rows of ``hidden`` the logits are for, where the pass gathered them
     #: anyway (the MTP pass), so the next draft substep need not gather them again
     picked_hidden: paddle.Tensor | None = None
+    #: ``logits`` column j is token ``vocab_ids[j]``; None: column j is token j (the MTP
+    #: pass over a draft vocabulary, :meth:`SpectrioForCausalLM.set_draft_vocab`)
+    vocab_ids: np.ndarray | None = None
 
 
 class DecoderModel(nn.Layer):
@@ -101,6 +104,8 @@ class SpectrioForCausalLM(nn.Layer):
         self._rope_table: paddle.Tensor | None = None  # [max_position_embeddings, D, D]
         self._inv_freq_cache: np.ndarray | None = None
         self._head_weight: paddle.Tensor | None = None  # [d, V] for serving
+        self.draft_vocab: np.ndarray | None = None  # token ids the MTP pass drafts from
+        self._draft_head: paddle.Tensor | None = None  # [d, len(draft_vocab)]
         layout = layout_of(self.config)
         self._mtp_reads_prenorm = layout.reads_prenorm
         self._mtp_norm_in_layer = layout.norm_in_layer
@@ -120,6 +125,7 @@ class SpectrioForCausalLM(nn.Layer):
         tables); call it after changing weights in place outside training."""
         self._rope_table = None
         self._head_weight = None
+        self._draft_head = None
         for layer in [*self.model.layers, *([self.mtp] if self.mtp is not None else [])]:
             layer.drop_fused()
 
@@ -146,6 +152,36 @@ class SpectrioForCausalLM(nn.Layer):
                 weight = self.lm_head.weight
             self._head_weight = weight.contiguous().detach()
         return fo.matmul(hidden, self._head_weight)
+
+    def set_draft_vocab(self, token_ids: np.ndarray | None) -> None:
+        """Draft from ``token_ids`` only: the MTP pass computes logits for those head rows
+        and no others (None: the whole vocabulary). With a large vocabulary the head is
+        most of a draft substep's work, and the tokens a model emits are concentrated on
+        a small share of it, so drafting over the frequent ones costs a fraction and
+        loses only drafts that would have been rare tokens. Verification is unchanged:
+        output stays lossless whatever is drafted."""
+        if token_ids is not None:
+            token_ids = np.asarray(token_ids, dtype=np.int64)
+            if token_ids.ndim != 1 or token_ids.size == 0:
+                raise ValueError("the draft vocabulary is a non-empty list of token ids")
+            if token_ids.min() < 0 or token_ids.max() >= self.config.vocab_size:
+                raise ValueError("draft vocabulary ids must lie in the model's vocabulary")
+        self.draft_vocab = token_ids
+        self._draft_head = None
+
+    def compute_draft_logits(
+        self, hidden: paddle.Tensor
+    ) -> tuple[paddle.Tensor, np.ndarray | None]:
+        """Logits of ``hidden`` over the draft vocabulary, and the token id of each column
+        (None: the whole vocabulary, column j is token j)."""
+        if self.draft_vocab is None or paddle.is_grad_enabled():
+            return self.compute_logits(hidden), None
+        if self._draft_head is None:
+            self.compute_logits(hidden[:0])  # builds the [d, V] serving copy of the head
+            assert self._head_weight is not None
+            ids = paddle.to_tensor(self.draft_vocab)
+            self._draft_head = paddle.gather(self._head_weight, ids, axis=1).contiguous()
+        return fo.matmul(hidden, self._draft_head), self.draft_vocab
 
     def _embed(self, ids: paddle.Tensor) -> paddle.Tensor:
         """Embedding rows of ``ids`` (a row gather: ``nn.Embedding`` without its Python
@@ -205,11 +241,17 @@ class SpectrioForCausalLM(nn.Layer):
         return ForwardOutput(logits=logits, hidden=summed if self._mtp_reads_prenorm else hidden)
 
     def mtp_forward(
-        self, batch: PackedBatch, prev_hidden: paddle.Tensor, cache: PagedKVCache
+        self,
+        batch: PackedBatch,
+        prev_hidden: paddle.Tensor,
+        cache: PagedKVCache,
+        draft_vocab: bool = False,
     ) -> ForwardOutput:
         """MTP pass. Row r pairs ``prev_hidden[r]`` (state at position p) with
         ``batch.input_ids[r]`` (the token at p+1) and sits at MTP position p; its logits
-        predict the token at p+2. The returned hidden states feed the next substep."""
+        predict the token at p+2. The returned hidden states feed the next substep.
+        ``draft_vocab``: logits over the draft vocabulary where one is set
+        (``out.vocab_ids`` names their tokens)."""
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP layer (num_nextn_predict_layers=0)")
         self.staging.reset()
@@ -223,10 +265,18 @@ class SpectrioForCausalLM(nn.Layer):
             # The norm ends the layer: its output, for every row, is the next input too.
             x = norm.forward(x)
             picked = self._select(x, batch)
-            return ForwardOutput(self.compute_logits(picked), hidden=x, picked_hidden=picked)
+            logits, ids = self._mtp_logits(picked, draft_vocab)
+            return ForwardOutput(logits, hidden=x, picked_hidden=picked, vocab_ids=ids)
         picked = self._select(x, batch)
-        logits = self.compute_logits(norm.forward(picked))
-        return ForwardOutput(logits=logits, hidden=x, picked_hidden=picked)
+        logits, ids = self._mtp_logits(norm.forward(picked), draft_vocab)
+        return ForwardOutput(logits=logits, hidden=x, picked_hidden=picked, vocab_ids=ids)
+
+    def _mtp_logits(
+        self, hidden: paddle.Tensor, draft_vocab: bool
+    ) -> tuple[paddle.Tensor, np.ndarray | None]:
+        if draft_vocab:
+            return self.compute_draft_logits(hidden)
+        return self.compute_logits(hidden), None
 
     # ---- dense: [B, T] causal, no cache (training and the oracle) --------------------
 
