@@ -341,13 +341,64 @@ def sample_picks(
     return out
 
 
-def soft_labels(top_ids: np.ndarray, top_probs: np.ndarray, vocab: int) -> paddle.Tensor:
-    """Dense ``[B, T, V]`` labels: the top-k probabilities renormalised to sum to 1."""
+def soft_labels(
+    top_ids: np.ndarray, top_probs: np.ndarray, columns: Columns
+) -> tuple[paddle.Tensor, np.ndarray]:
+    """Dense ``[B, T, C]`` labels over the logits' columns: the top-k probabilities of
+    the tokens that have a column, renormalised to sum to 1; and a ``[B, T]`` mask of the
+    rows that kept any probability (a row whose top-k all lie outside the draft
+    vocabulary teaches nothing)."""
     from spectrio.models.paddle_setup import paddle
 
-    probs = top_probs / np.maximum(top_probs.sum(axis=-1, keepdims=True), 1e-6)
-    dense = paddle.zeros([*top_ids.shape[:2], vocab], dtype="float32")
-    return paddle.put_along_axis(dense, paddle.to_tensor(top_ids), paddle.to_tensor(probs), axis=-1)
+    cols, probs = columns.index(top_ids), top_probs.copy()
+    probs[cols < 0] = 0.0
+    mass = probs.sum(axis=-1, keepdims=True)
+    probs = probs / np.maximum(mass, 1e-6)
+    dense = paddle.zeros([*top_ids.shape[:2], columns.size], dtype="float32")
+    labels = paddle.put_along_axis(
+        dense,
+        paddle.to_tensor(np.maximum(cols, 0)),
+        paddle.to_tensor(probs.astype(np.float32)),
+        axis=-1,
+        reduce="add",  # a dropped id lands on column 0 with probability 0
+    )
+    return labels, mass[..., 0] > 0
+
+
+class Columns:
+    """Which token each logits column is: every token, or the draft vocabulary only.
+
+    Training on the draft vocabulary's columns matches serving, which drafts from them
+    only, and costs a fraction of the whole head's matmul, its softmax and its backward."""
+
+    def __init__(self, vocab_size: int, draft_vocab: np.ndarray | None) -> None:
+        self.ids = draft_vocab
+        self.size = vocab_size if draft_vocab is None else int(draft_vocab.size)
+        self._index: np.ndarray | None = None
+        if draft_vocab is not None:
+            self._index = np.full(vocab_size, -1, dtype=np.int64)
+            self._index[draft_vocab] = np.arange(draft_vocab.size)
+
+    def index(self, token_ids: np.ndarray) -> np.ndarray:
+        """Each token's column (-1: none)."""
+        return token_ids if self._index is None else self._index[token_ids]
+
+    def tokens(self, cols: np.ndarray) -> np.ndarray:
+        """Each column's token."""
+        return cols if self.ids is None else self.ids[cols]
+
+    def head(self, model: SpectrioForCausalLM) -> Any:
+        """``compute_logits`` over these columns, with gradients to the hidden state
+        only (the head is the frozen target's)."""
+        from spectrio.models.paddle_setup import paddle
+
+        weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        if model.lm_head is not None:
+            weight = weight.t()  # Paddle's Linear is [in, out]; rows must be tokens
+        if self.ids is not None:
+            weight = paddle.gather(weight, paddle.to_tensor(self.ids), axis=0)
+        weight = weight.detach()
+        return lambda hidden: paddle.matmul(hidden, weight, transpose_y=True)
 
 
 def chain_logits(model: SpectrioForCausalLM, batch: Batch, t: int, depth: int) -> list[Any]:
@@ -363,19 +414,17 @@ def chain_logits(model: SpectrioForCausalLM, batch: Batch, t: int, depth: int) -
 
 
 def accepted_per_substep(
-    logits: list[Any], batch: Batch, t: int, vocab: np.ndarray | None = None
+    logits: list[Any], batch: Batch, t: int, columns: Columns | None = None
 ) -> tuple[np.ndarray, int]:
     """Chained greedy acceptance per substep over the rows where the whole chain is the
     target's greedy output: substep j is kept only if it and every earlier one drafted
-    the sequence's next token (drafting from ``vocab`` only, when given, as serving
-    does). Returns (share per substep, rows counted)."""
+    the sequence's next token (logits over ``columns``: the draft vocabulary serving
+    drafts from). Returns (share per substep, rows counted)."""
     from spectrio.models.paddle_setup import paddle
 
     def drafts(lg: Any) -> np.ndarray:
-        if vocab is None:
-            return paddle.argmax(lg, axis=-1).numpy()
-        sub = paddle.index_select(lg, paddle.to_tensor(vocab), axis=-1)
-        return vocab[paddle.argmax(sub, axis=-1).numpy()]
+        best = paddle.argmax(lg, axis=-1).numpy()
+        return best if columns is None else columns.tokens(best)
 
     depth = len(logits)
     hits = np.stack(
@@ -543,7 +592,10 @@ def train(
     weights = [float(x) for x in args.substep_weights.split(",")]
     if len(weights) != depth:
         raise SystemExit(f"error: --substep-weights needs {depth} values")
-    vocab = model.config.vocab_size
+    columns = Columns(model.config.vocab_size, draft_vocab)
+    # The chain's logits over the draft vocabulary's columns only (serving drafts from
+    # them; the target's own compute_logits is left as it is for the model's owner).
+    model.compute_logits = columns.head(model)  # type: ignore[method-assign]
 
     def evaluate() -> None:
         model.eval()
@@ -553,7 +605,7 @@ def train(
             for i in range(0, len(eval_picks), args.batch_size):
                 part = make_batch(seqs, feats, held, eval_picks[i : i + args.batch_size], t, depth)
                 logits = chain_logits(model, part, t, depth)
-                a, n = accepted_per_substep(logits, part, t, draft_vocab)
+                a, n = accepted_per_substep(logits, part, t, columns)
                 acc, rows = acc + a * n, rows + n
         row = {
             "step": run.step,
@@ -596,9 +648,9 @@ def train(
         logits = chain_logits(model, batch, t, depth)
         losses = []
         for j, lg in enumerate(logits):
-            label = soft_labels(*batch.labels[j], vocab)
+            label, kept = soft_labels(*batch.labels[j], columns)
             ce = F.cross_entropy(lg, label, soft_label=True, reduction="none").squeeze(-1)
-            mask = paddle.to_tensor(batch.valid[j].astype(np.float32))
+            mask = paddle.to_tensor((batch.valid[j] & kept).astype(np.float32))
             losses.append((ce * mask).sum() / paddle.clip(mask.sum(), min=1.0))
         loss = paddle.add_n([w * sl for w, sl in zip(weights, losses, strict=True)]) / sum(weights)
         lr = lr_at(run.step, progress(), args.lr, args.warmup)
@@ -606,7 +658,7 @@ def train(
         loss.backward()
         opt.step()
         opt.clear_grad()
-        acc, _ = accepted_per_substep([lg.detach() for lg in logits], batch, t)
+        acc, _ = accepted_per_substep([lg.detach() for lg in logits], batch, t, columns)
         run.step += 1
         run.seconds = base_seconds + time.perf_counter() - t0
         row = {"step": run.step, "lr": lr, "loss": round(float(loss), 4)}
