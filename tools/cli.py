@@ -72,10 +72,22 @@ def _generate(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    refusals = (ConfigError, InvalidRequest, CheckpointError, ModelConfigError)
     try:
         result = trio.run(_generate_async, args)
-    except (ConfigError, InvalidRequest, CheckpointError, ModelConfigError) as exc:
+    except refusals as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except BaseExceptionGroup as group:
+        # A request refused inside the runtime's block (a chat for a model without a
+        # template, an empty prompt) reaches here wrapped by the runtime's nursery.
+        refused, rest = group.split(refusals)
+        if refused is None or rest is not None:
+            raise
+        first = refused.exceptions[0]
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        print(f"error: {first}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(result))
