@@ -2,7 +2,9 @@
 without ``model.safetensors.index.json``) and GGUF files.
 
 Paddle keeps Linear weights as ``[in, out]``; Hugging Face files hold ``[out, in]``.
-The MTP layer is stored as DeepSeek-V3 names it: ``model.layers.{num_hidden_layers}.*``.
+The MTP layer loads from DeepSeek-V3's, MiMo's or ERNIE 4.5's layout and is saved in the
+one it came in (:mod:`spectrio.models.mtp_layout`); spectrio's own is DeepSeek-V3's,
+``model.layers.{num_hidden_layers}.*``.
 
 A model is named by a path (a folder or a ``.gguf`` file) or by one of the names in
 :data:`NAMED_MODELS`.
@@ -35,6 +37,8 @@ from spectrio.models.checkpoint import (
 from spectrio.models.config import BUNDLED_DIR, DType, ModelConfig, ModelConfigError
 from spectrio.models.gguf_file import GGUFFile, is_gguf
 from spectrio.models.model import SpectrioForCausalLM, build_model
+from spectrio.models.mtp_head import WithHead, head_path_for, open_head, target_fingerprint
+from spectrio.models.mtp_layout import convert, with_layout
 from spectrio.models.tokenizer import TextTokenizer
 
 log = structlog.get_logger("spectrio.models")
@@ -46,6 +50,8 @@ __all__ = [
     "hf_name",
     "is_linear",
     "load",
+    "load_tokenizer",
+    "model_config",
     "open_checkpoint",
     "read_config",
     "refuse_unexpected",
@@ -84,19 +90,30 @@ STORAGE_DTYPES = ("float32", "float16")
 dtype, so float16 halves the file at the cost of rounding each weight once."""
 
 
-def state_dict_hf(model: SpectrioForCausalLM, dtype: str = "float32") -> dict[str, np.ndarray]:
+def state_dict_hf(
+    model: SpectrioForCausalLM, dtype: str = "float32", prefix: str = ""
+) -> dict[str, np.ndarray]:
     """The model's weights under Hugging Face names and layouts, as ``dtype`` arrays (q/k
-    rows back in interleaved order for a family whose checkpoints keep them so)."""
+    rows back in interleaved order for a family whose checkpoints keep them so); only
+    the names starting with ``prefix``."""
     if dtype not in STORAGE_DTYPES:
         raise ValueError(f"storage dtype must be one of {STORAGE_DTYPES}, got {dtype!r}")
     cfg = model.config
     out: dict[str, np.ndarray] = {}
     for name, param in model.named_parameters():
-        arr = param.numpy().astype(dtype)
-        arr = arr.T if is_linear(param, name) else arr
         hf = hf_name(name, cfg)
+        if not hf.startswith(prefix):
+            continue
+        arr = param.numpy().astype(dtype)
+        arr = convert(name, arr.T if is_linear(param, name) else arr, cfg)
         if cfg.rope_interleaved and is_qk_rows(hf):
             arr = half_to_interleaved(arr, cfg.head_dim)
+        if hf in out and not np.array_equal(out[hf], arr):
+            # ERNIE's layout stores one final norm for the target and the MTP layer.
+            raise CheckpointError(
+                f"cannot save {name} as {hf!r} in the {cfg.mtp_layout} MTP layout: the "
+                "layout shares that tensor, and the two copies now differ"
+            )
         out[hf] = np.ascontiguousarray(arr)
     return out
 
@@ -159,7 +176,44 @@ def read_config(path: Path) -> ModelConfig:
         raise CheckpointError(f"{path / 'config.json'}: {exc}") from exc
 
 
+def model_config(path_or_name: str | Path) -> ModelConfig:
+    """The config :func:`load` would give the model, read without its weights: with
+    ``num_nextn_predict_layers: 1`` when a ``spectrio train-mtp`` head sits beside it
+    (``load`` checks that the head belongs to it)."""
+    path = resolve_path(path_or_name)
+    cfg = read_config(path)
+    if not cfg.has_mtp and head_path_for(path, str(path_or_name)).is_file():
+        return dataclasses.replace(cfg, num_nextn_predict_layers=1)
+    return cfg
+
+
 def open_checkpoint(
+    path: Path, name: str | None = None, mtp_head: bool = True
+) -> tuple[ModelConfig, TensorSource, TextTokenizer | None, str | None]:
+    """(config, tensors, tokenizer, chat template) of a folder or GGUF file; the tokenizer
+    is checked against the vocabulary. A model without an MTP layer gets the head
+    ``spectrio train-mtp`` wrote for it, when there is one and ``mtp_head`` is true
+    (:mod:`spectrio.models.mtp_head`; ``name`` is the model's name, for a shipped head)."""
+    cfg, source, tokenizer, template = _open_target(path)
+    if mtp_head and not cfg.has_mtp:
+        cfg, source = attach_head(path, name, cfg, source)
+    return cfg, source, tokenizer, template
+
+
+def attach_head(
+    path: Path, name: str | None, cfg: ModelConfig, source: TensorSource
+) -> tuple[ModelConfig, TensorSource]:
+    """The config and tensors with the model's MTP head attached, or unchanged when it
+    has none; a head that does not belong to this model raises :class:`CheckpointError`."""
+    head_path = head_path_for(path, name)
+    if not head_path.is_file():
+        return cfg, source
+    head = open_head(head_path, cfg, target_fingerprint(cfg, source))
+    log.info("MTP head attached", path=str(head_path), steps=head.head.metadata.get("steps"))
+    return dataclasses.replace(cfg, num_nextn_predict_layers=1), WithHead(source, head)
+
+
+def _open_target(
     path: Path,
 ) -> tuple[ModelConfig, TensorSource, TextTokenizer | None, str | None]:
     """(config, tensors, tokenizer, chat template) of a folder or GGUF file; the tokenizer
@@ -167,18 +221,33 @@ def open_checkpoint(
     if path.is_file():
         gguf = GGUFFile(path)
         cfg = gguf.config
-        raw = gguf.tokenizer_json()
-        tokenizer = None
-        if raw is not None:
-            from tokenizers import Tokenizer
-
-            tokenizer = TextTokenizer(Tokenizer.from_str(raw), cfg.eos_token_id)
-        _check_vocab(path, cfg, tokenizer)
-        return cfg, gguf, tokenizer, gguf.chat_template
+        return cfg, gguf, _gguf_tokenizer(path, gguf, cfg), gguf.chat_template
     cfg = read_config(path)
     source = SafetensorsSource(path, cfg)
+    cfg = with_layout(cfg, source.names(), str(path))  # the MTP layout its names show
     tokenizer = tokenizer_of(path, cfg)
     return cfg, source, tokenizer, chat_template_of(path)
+
+
+def load_tokenizer(path_or_name: str | Path) -> TextTokenizer | None:
+    """The model's tokenizer, without its weights (None when it has none)."""
+    path = resolve_path(path_or_name)
+    cfg = read_config(path)
+    if path.is_file():
+        return _gguf_tokenizer(path, GGUFFile(path), cfg)
+    return tokenizer_of(path, cfg)
+
+
+def _gguf_tokenizer(path: Path, gguf: GGUFFile, cfg: ModelConfig) -> TextTokenizer | None:
+    """The tokenizer a GGUF file's metadata describes, checked against the vocabulary."""
+    raw = gguf.tokenizer_json()
+    if raw is None:
+        return None
+    from tokenizers import Tokenizer
+
+    tokenizer = TextTokenizer(Tokenizer.from_str(raw), cfg.eos_token_id)
+    _check_vocab(path, cfg, tokenizer)
+    return tokenizer
 
 
 def _check_vocab(where: Path, cfg: ModelConfig, tokenizer: TextTokenizer | None) -> None:
@@ -224,13 +293,18 @@ def chat_template_of(folder: Path) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def load(path_or_name: str | Path = "bundled", dtype: DType = "float32") -> LoadedModel:
+def load(
+    path_or_name: str | Path = "bundled", dtype: DType = "float32", mtp_head: bool = True
+) -> LoadedModel:
     """Load ``"bundled"``, ``"smollm2"``, a folder with ``config.json`` and
     ``*.safetensors``, or a ``.gguf`` file.
 
     Every parameter must be present with its exact shape; anything missing, misshapen,
     unexpected or unreadable raises :class:`CheckpointError` naming it, and a config
     the decoder does not implement raises it naming the field.
+
+    A model without an MTP layer gets its ``spectrio train-mtp`` head when one exists
+    (``mtp_head=False``: never); a head made for another model is refused.
 
     ``"synthetic[:key=value,...]"`` loads the synthetic benchmark device instead
     (:mod:`spectrio.models.synthetic`).
@@ -243,7 +317,7 @@ def load(path_or_name: str | Path = "bundled", dtype: DType = "float32") -> Load
         raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
     t0 = time.perf_counter()
     path = resolve_path(path_or_name)
-    cfg, source, tokenizer, template = open_checkpoint(path)
+    cfg, source, tokenizer, template = open_checkpoint(path, str(path_or_name), mtp_head)
     model = build_model(cfg, dtype, init=False)
     fill_parameters(model, cfg, source, dtype)
     model.eval()

@@ -24,13 +24,16 @@ from spectrio.models.layers import (
     rope_cos_sin,
     rope_matrices,
 )
+from spectrio.models.mtp_layout import layout_of
 from spectrio.models.staging import Staging
 
 
 @dataclasses.dataclass
 class ForwardOutput:
     logits: paddle.Tensor  # [M, V] for the requested rows
-    hidden: paddle.Tensor  # [N, d] for every row
+    #: [N, d] for every row: the state the MTP layer reads next (the target's final
+    #: hidden state, normed or not as the MTP layout wants; the MTP layer's output)
+    hidden: paddle.Tensor
     #: [M, d]: the rows of ``hidden`` the logits are for, where the pass gathered them
     #: anyway (the MTP pass), so the next draft substep need not gather them again
     picked_hidden: paddle.Tensor | None = None
@@ -73,7 +76,10 @@ class SpectrioForCausalLM(nn.Layer):
 
     Hidden states handed to the MTP layer are the target's final, normed hidden
     states; the MTP layer's own output hidden state (before ``shared_head.norm``)
-    is what the next MTP substep consumes.
+    is what the next MTP substep consumes. A checkpoint whose MTP layer was built
+    otherwise (``config.mtp_layout``) switches either: MiMo's reads the target's state
+    before its final norm, and MiMo's and ERNIE's end in their norm, so the next
+    substep reads the normed state (:mod:`spectrio.models.mtp_layout`).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -95,6 +101,9 @@ class SpectrioForCausalLM(nn.Layer):
         self._rope_table: paddle.Tensor | None = None  # [max_position_embeddings, D, D]
         self._inv_freq_cache: np.ndarray | None = None
         self._head_weight: paddle.Tensor | None = None  # [d, V] for serving
+        layout = layout_of(self.config)
+        self._mtp_reads_prenorm = layout.reads_prenorm
+        self._mtp_norm_in_layer = layout.norm_in_layer
         self.staging = Staging()  # persistent input buffers (models/staging.py)
         # Held for a serving pass: runtimes sharing this model (open_runtime's ``loaded``)
         # take turns, since a pass stages its inputs in ``staging``.
@@ -191,8 +200,9 @@ class SpectrioForCausalLM(nn.Layer):
         delta = None
         for i, layer in enumerate(self.model.layers):
             x, delta = layer.forward_paged(x, rope, plan, cache, i, delta)
-        hidden = self.model.norm.add_normalize(x, delta, weighted=True)[0]
-        return ForwardOutput(logits=self.compute_logits(self._select(hidden, batch)), hidden=hidden)
+        hidden, summed = self.model.norm.add_normalize(x, delta, weighted=True)
+        logits = self.compute_logits(self._select(hidden, batch))
+        return ForwardOutput(logits=logits, hidden=summed if self._mtp_reads_prenorm else hidden)
 
     def mtp_forward(
         self, batch: PackedBatch, prev_hidden: paddle.Tensor, cache: PagedKVCache
@@ -208,8 +218,14 @@ class SpectrioForCausalLM(nn.Layer):
         x = self.mtp.fuse(self._embed(self.staging.put(batch.input_ids)), prev_hidden)
         x, delta = self.mtp.forward_paged(x, rope, plan, cache, 0)
         x = fo.add(x, delta)
+        norm = self.mtp.shared_head.norm
+        if self._mtp_norm_in_layer:
+            # The norm ends the layer: its output, for every row, is the next input too.
+            x = norm.forward(x)
+            picked = self._select(x, batch)
+            return ForwardOutput(self.compute_logits(picked), hidden=x, picked_hidden=picked)
         picked = self._select(x, batch)
-        logits = self.compute_logits(self.mtp.shared_head.norm.forward(picked))
+        logits = self.compute_logits(norm.forward(picked))
         return ForwardOutput(logits=logits, hidden=x, picked_hidden=picked)
 
     # ---- dense: [B, T] causal, no cache (training and the oracle) --------------------
@@ -218,8 +234,9 @@ class SpectrioForCausalLM(nn.Layer):
         self, input_ids: paddle.Tensor, past: list[KV] | None = None
     ) -> tuple[paddle.Tensor, paddle.Tensor, list[KV]]:
         """Causal pass over ``[B, T]`` tokens that follow ``past`` (contiguous per-layer K/V
-        of the earlier positions, or None). Returns logits ``[B, T, V]``, final hidden
-        ``[B, T, d]`` and the K/V of every position so far."""
+        of the earlier positions, or None). Returns logits ``[B, T, V]``, the final hidden
+        states ``[B, T, d]`` the MTP layer reads (normed, or before the norm where the MTP
+        layout wants that) and the K/V of every position so far."""
         start = 0 if past is None else int(past[0][0].shape[1])
         t = input_ids.shape[1]
         cos, sin = self._rope(paddle.arange(start, start + t, dtype="int64"))
@@ -230,13 +247,14 @@ class SpectrioForCausalLM(nn.Layer):
             x, kv = layer.forward_dense(x, cos, sin, mask, None if past is None else past[i])
             presents.append(kv)
         hidden = self.model.norm(x)
-        return self.compute_logits(hidden), hidden, presents
+        return self.compute_logits(hidden), x if self._mtp_reads_prenorm else hidden, presents
 
     def mtp_forward_dense(
         self, next_ids: paddle.Tensor, prev_hidden: paddle.Tensor, past: KV | None = None
     ) -> tuple[paddle.Tensor, paddle.Tensor, KV]:
         """Dense MTP: ``next_ids[:, p]`` is the token at p+1 and ``prev_hidden[:, p]`` the
-        state at p; returns (logits for p+2, MTP hidden, MTP K/V so far)."""
+        state at p; returns (logits for p+2, MTP hidden for the next substep, MTP K/V so
+        far)."""
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP layer (num_nextn_predict_layers=0)")
         start = 0 if past is None else int(past[0].shape[1])
@@ -244,7 +262,8 @@ class SpectrioForCausalLM(nn.Layer):
         cos, sin = self._rope(paddle.arange(start, start + t, dtype="int64"))
         x = self.mtp.fuse(self.model.embed_tokens(next_ids), prev_hidden)
         x, kv = self.mtp.forward_dense(x, cos, sin, _dense_mask(t, start, self.dtype), past)
-        return self.compute_logits(self.mtp.shared_head.norm(x)), x, kv
+        normed = self.mtp.shared_head.norm(x)
+        return self.compute_logits(normed), normed if self._mtp_norm_in_layer else x, kv
 
 
 def _dense_mask(t: int, start: int, dtype: DType) -> paddle.Tensor:

@@ -233,7 +233,7 @@ def load_sharded(path_or_name: str | Path, tp: TPShard, dtype: DType = "float32"
     t0 = time.perf_counter()
     path = resolve_path(path_or_name)
     check_divisible(read_config(path), tp.size)
-    cfg, source, tokenizer, template = open_checkpoint(path)
+    cfg, source, tokenizer, template = open_checkpoint(path, str(path_or_name))
     model = build_sharded(cfg, tp, dtype)
     fill_parameters(model, cfg, source, dtype, tp.rank, tp.size)
     model.eval()

@@ -7,8 +7,8 @@ import trio
 
 from spectrio.core.config import ConfigError, RuntimeConfig
 from spectrio.errors import EngineDead
-from spectrio.models import LoadedModel, ModelConfig
-from spectrio.models.loader import resolve_path
+from spectrio.models import LoadedModel
+from spectrio.models.loader import model_config
 from spectrio.models.parallel import check_divisible, load_sharded
 from spectrio.runtime.kv_sizing import num_kv_blocks
 from spectrio.runtime.tp import GroupEnv, GroupSetup, TPGroup, check_can_join
@@ -34,8 +34,9 @@ async def start_group(config: RuntimeConfig, warmup: bool) -> tuple[TPGroup, Loa
     rank 0 of a group of ``tensor_parallel_size``; otherwise the followers are started
     here on 127.0.0.1. The model's divisibility is checked before anything starts."""
     size = config.tensor_parallel_size
-    folder = resolve_path(config.model)
-    check_divisible(ModelConfig.from_json(folder / "config.json"), size)
+    # GGUF files and heads beside a model included: the config load() will give.
+    model_cfg = model_config(config.model)
+    check_divisible(model_cfg, size)
     check_can_join()
     env = GroupEnv.from_environ()
     if env is None:
@@ -60,10 +61,10 @@ async def start_group(config: RuntimeConfig, warmup: bool) -> tuple[TPGroup, Loa
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_start, group)
             tp = await trio.to_thread.run_sync(group.join, abandon_on_cancel=True)
-            cfg = ModelConfig.from_json(folder / "config.json")
-            num_blocks = num_kv_blocks(config, cfg)
+            num_blocks = num_kv_blocks(config, model_cfg)
             setup = GroupSetup(
-                model=str(folder),
+                # The name, not the path: a named model's shipped head is found by name.
+                model=str(config.model),
                 dtype=config.model_dtype,
                 num_blocks=num_blocks,
                 block_size=config.block_size,
@@ -75,7 +76,7 @@ async def start_group(config: RuntimeConfig, warmup: bool) -> tuple[TPGroup, Loa
             assert group.link is not None
             await trio.to_thread.run_sync(group.link.send_setup, setup, abandon_on_cancel=True)
             loaded = await trio.to_thread.run_sync(
-                load_sharded, folder, tp, config.model_dtype, abandon_on_cancel=True
+                load_sharded, config.model, tp, config.model_dtype, abandon_on_cancel=True
             )
             nursery.cancel_scope.cancel()
     except BaseException:

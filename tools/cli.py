@@ -157,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="train the bundled model (see `spectrio train --help`)", add_help=False
     )
     sub.add_parser(
+        "train-mtp",
+        help="train an MTP head for a model that has none (see `spectrio train-mtp --help`)",
+        add_help=False,
+    )
+    sub.add_parser(
         "bench", help="throughput benchmark (see `spectrio bench --help`)", add_help=False
     )
     return parser
@@ -180,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         from spectrio.tools import train
 
         return train.main(rest)
+    if args.command == "train-mtp":
+        from spectrio.tools import train_mtp
+
+        return train_mtp.main(rest)
     if args.command == "bench":
         from spectrio.tools import bench
 

@@ -22,7 +22,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, cast
 
 import structlog
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from spectrio.runtime.api import Runtime
     from spectrio.tools.metrics import RequestHooks
     from spectrio.wire.curve import CurveServerKeys
-    from spectrio.wire.server import EndpointClaim
+    from spectrio.wire.server import EndpointClaim, WireServer
 
 log = structlog.get_logger("spectrio.serve")
 
@@ -232,7 +232,8 @@ async def _serve_async(
                 log.info("loading the model", model=config.model)
                 async with open_runtime(config) as rt, trio.open_nursery() as nursery:
                     stopper.startup = None  # from here a signal drains instead
-                    nursery.start_soon(_exit_when_dead, rt)
+                    servers: list[WireServer] = []
+                    nursery.start_soon(_exit_when_dead, rt, servers)
                     served, extra = _observe(rt, args, nursery)
                     server = await nursery.start(
                         lambda task_status=trio.TASK_STATUS_IGNORED: serve(
@@ -251,6 +252,7 @@ async def _serve_async(
                         )
                     )
                     assert isinstance(server, WireServer) and server.endpoints is not None
+                    servers.append(server)
                     # The model, the libraries and the warm-up made every object the
                     # process keeps; out of the collector's reach, a full collection scans
                     # only what serving allocates (tens of ms less per pause).
@@ -266,10 +268,18 @@ async def _serve_async(
             top.cancel_scope.cancel()
 
 
-async def _exit_when_dead(rt: Runtime) -> None:
+async def _exit_when_dead(rt: Runtime, servers: Sequence[WireServer]) -> None:
     """A dead engine (a tensor-parallel rank died, a stage failed) ends the server at
-    once, not at the next request: raise its :class:`EngineDead` here."""
-    raise await rt.wait_dead()
+    once, not at the next request: raise its :class:`EngineDead` here, once each server
+    has told its consumers (the last step that aborts every open request, bounded by
+    :data:`~spectrio.wire.server.DEFAULT_FINISH_S`)."""
+    from spectrio.wire.server import DEFAULT_FINISH_S
+
+    exc = await rt.wait_dead()
+    with trio.move_on_after(DEFAULT_FINISH_S + 1.0):
+        for server in servers:
+            await server.death_published.wait()
+    raise exc
 
 
 def _observe(
