@@ -27,6 +27,11 @@ Semantics follow vLLM where they overlap:
   sampled token's own logprob. ``logprobs_mode="raw"`` reports the log-softmax of
   the unmodified target logits, ``"processed"`` the log of the distribution the
   token was drawn from.
+
+A chat request carries messages instead of a prompt: their rules are
+:func:`~spectrio.models.chat.check_messages`'s (re-exported here), the wire's type for
+them is :class:`ChatMessage`, and :func:`with_chat_stops` adds the template's
+end-of-turn tokens to the request's stop tokens, as EOS is added.
 """
 
 from __future__ import annotations
@@ -41,16 +46,20 @@ import numpy as np
 from msgspec import inspect as mi
 
 from spectrio.errors import InvalidRequest, RefusalCode
+from spectrio.models.chat import MESSAGE_RULES, MESSAGES_RULE, check_messages
 
 __all__ = [
     "MAX_LOGPROBS",
     "MAX_REQUEST_ID_LEN",
     "MAX_TOKEN_ID",
+    "ChatMessage",
     "InvalidRequest",
+    "Messages",
     "Prompt",
     "RequestId",
     "SamplingParams",
     "TokenId",
+    "check_messages",
     "check_params",
     "check_prompt",
     "check_request_id",
@@ -58,6 +67,7 @@ __all__ = [
     "field_rule",
     "invalid_from_validation_error",
     "max_prompt_bytes",
+    "with_chat_stops",
 ]
 
 MAX_LOGPROBS: Final = 20
@@ -78,6 +88,18 @@ Prompt = str | list[TokenId]
 """Text (tokenised by the runtime) or token ids."""
 
 _Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
+
+
+class ChatMessage(msgspec.Struct, frozen=True, gc=False, kw_only=True, forbid_unknown_fields=True):
+    """One chat message as the wire carries it (schema 1.5): the embedding API takes the
+    same thing as a dict. Which roles exist is the model's chat template's business."""
+
+    role: str
+    content: str
+
+
+Messages = Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+"""A chat: one message at least, rendered by the model's chat template."""
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -223,6 +245,36 @@ def _refusal(
     return InvalidRequest(field, field_rule(field), got=value, at=at, code=code)
 
 
+def _messages_refusal(what: str, rest: list[str | int], value: Any) -> InvalidRequest | None:
+    """The embedding API's refusal (:func:`check_messages`) for a wrongly typed message
+    list or message; None for a missing or unknown key in a message (the wire's
+    ``missing_field`` and ``unknown_field`` say that better)."""
+    if not rest:  # the list itself: not a list, or empty
+        code: RefusalCode = "wrong_type" if _TYPE_ERROR.match(what) else "empty_prompt"
+        return InvalidRequest("messages", MESSAGES_RULE, got=value, code=code)
+    if not _TYPE_ERROR.match(what) or not isinstance(rest[0], int):
+        return None
+    at = rest[0]
+    key = rest[1] if len(rest) > 1 and rest[1] in ("role", "content") else None
+    item = value[at] if isinstance(value, list) and at < len(value) else ...
+    return InvalidRequest("messages", MESSAGE_RULES[key], got=item, at=at, code="wrong_type")
+
+
+def with_chat_stops(params: SamplingParams, stop_token_ids: Sequence[int]) -> SamplingParams:
+    """``params`` with a chat template's end-of-turn tokens (``<|im_end|>``,
+    ``<|eot_id|>``, ...) added to ``stop_token_ids``. They are treated as EOS is: they
+    end the request and are its last output token (their text is not in the output text
+    when they are special tokens, which end-of-turn tokens are), ``min_tokens`` holds
+    them back, and with ``ignore_eos`` they are not added (the answer runs on past the
+    end of its turn, as it runs past EOS)."""
+    if params.ignore_eos:
+        return params
+    extra = [t for t in dict.fromkeys(stop_token_ids) if t not in params.stop_token_ids]
+    if not extra:
+        return params
+    return msgspec.structs.replace(params, stop_token_ids=[*params.stop_token_ids, *extra])
+
+
 def invalid_from_validation_error(
     exc: msgspec.ValidationError, body: Any = ...
 ) -> InvalidRequest | None:
@@ -236,6 +288,8 @@ def invalid_from_validation_error(
         return None
     what, path = split
     body = body if isinstance(body, dict) else {}
+    if path and path[0] == "messages":
+        return _messages_refusal(what, path[1:], body.get("messages", ...))
     if len(path) >= 2 and path[0] == "params" and path[1] in _PARAM_TYPES:
         params = body.get("params")
         value = params.get(path[1], ...) if isinstance(params, dict) else ...

@@ -24,13 +24,59 @@ from spectrio.models.tokenizer import TextTokenizer
 if TYPE_CHECKING:
     from spectrio.models.loader import LoadedModel
 
-__all__ = ["ChatTemplate", "Message", "chat_template_for"]
+__all__ = [
+    "MESSAGES_RULE",
+    "MESSAGE_RULES",
+    "ChatTemplate",
+    "Message",
+    "chat_template_for",
+    "check_messages",
+    "is_messages",
+]
 
 Message = Mapping[str, Any]
 """One chat message: ``{"role": str, "content": str}`` (other keys pass through to the
 template)."""
 
 _SENTINEL = "\x00spectrio-end-of-turn\x00"
+
+
+MESSAGES_RULE = "must be a non-empty list of messages"
+MESSAGE_RULES: dict[str | None, str] = {
+    None: "each must be a message (a map with a string 'role' and a string 'content')",
+    "role": "each must have a string 'role'",
+    "content": "each must have a string 'content'",
+}
+"""The rule an item of a message list breaks: not a map (``None``), or a map whose
+``role`` or ``content`` is not a string. The wire decoder gives the same text."""
+
+
+def check_messages(messages: object) -> list[dict[str, Any]]:
+    """The one home of the rules a message list must pass before any template sees it
+    (the embedding API, ``ChatTemplate.render`` and the wire server all apply them): a
+    non-empty list (not a string) of mappings, each with a string ``role`` and a string
+    ``content``. Returns plain dicts (copies: the template never sees the caller's
+    objects); raises :class:`InvalidRequest` on field ``messages``."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str | bytes):
+        raise InvalidRequest("messages", MESSAGES_RULE, got=messages, code="wrong_type")
+    if not messages:  # as an empty prompt is
+        raise InvalidRequest("messages", MESSAGES_RULE, got=messages, code="empty_prompt")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise InvalidRequest("messages", MESSAGE_RULES[None], got=m, at=i, code="wrong_type")
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                raise InvalidRequest("messages", MESSAGE_RULES[key], got=m, at=i, code="wrong_type")
+        out.append(dict(m))
+    return out
+
+
+def is_messages(prompt: object) -> bool:
+    """Whether a ``generate`` prompt is a message list rather than text or token ids: a
+    list or tuple whose first item is a mapping (the rest is checked by
+    :func:`check_messages`; an empty list stays an empty prompt)."""
+    return isinstance(prompt, list | tuple) and bool(prompt) and isinstance(prompt[0], Mapping)
 
 
 class ChatTemplate:
@@ -67,17 +113,11 @@ class ChatTemplate:
         the assistant's answer begins. Malformed messages raise :class:`InvalidRequest`."""
         from jinja2 import TemplateError
 
-        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
-            raise InvalidRequest("messages", "must be a non-empty list of messages", got=messages)
-        for i, m in enumerate(messages):
-            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-                raise InvalidRequest("messages", "each must have a string 'role'", got=m, at=i)
-            if not isinstance(m.get("content"), str):
-                raise InvalidRequest("messages", "each must have a string 'content'", got=m, at=i)
+        checked = check_messages(messages)
         try:
             return str(
                 self._template.render(
-                    messages=[dict(m) for m in messages],
+                    messages=checked,
                     add_generation_prompt=add_generation_prompt,
                     **self._special,
                     **extra,

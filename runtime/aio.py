@@ -13,7 +13,7 @@ The semantics are Trio's (:func:`spectrio.open_runtime`):
 * a stage failure raises :class:`~spectrio.EngineDead` in every waiting task, as in
   Trio; a task waiting on a stream that can get no more output for another reason (the
   Trio run itself died) is cancelled the asyncio way, with ``asyncio.CancelledError``;
-* ``generate`` checks and submits at once; ``abort`` returns a bool; ``wait_idle``,
+* ``generate`` and ``chat`` check and submit at once; ``abort`` returns a bool; ``wait_idle``,
   ``stats`` and ``step_timings`` are Trio's; one asyncio runtime runs per thread (guest
   mode allows one Trio run per thread), a second one raises ``SpectrioError``;
 * leaving a stream's ``async with`` block, ``aclose()`` or cancelling its consumer aborts
@@ -28,7 +28,7 @@ import math
 import threading
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -69,12 +69,19 @@ class AsyncioRequestStream:
     exit, like :meth:`aclose`, aborts the request if it has not finished."""
 
     def __init__(
-        self, bridge: AsyncioRuntime, prompt: object, params: object, request_id: str | None
+        self,
+        bridge: AsyncioRuntime,
+        prompt: object,
+        params: object,
+        request_id: str | None,
+        *,
+        chat: bool = False,
     ) -> None:
         self._job: _Job | None = None
         self._done = False
         self._bridge = bridge
         self._args = (prompt, params)
+        self._chat = chat  # the prompt is a message list (AsyncioRuntime.chat)
         self.request_id = uuid.uuid4().hex if request_id is None else request_id
         self._start()  # checked and submitted now, as the Trio API does
 
@@ -84,7 +91,7 @@ class AsyncioRequestStream:
 
     def _start(self) -> _Job:
         if self._job is None:
-            self._job = self._bridge._submit(*self._args, self.request_id)
+            self._job = self._bridge._submit(*self._args, self.request_id, chat=self._chat)
             self._bridge._streams.add(self)
         return self._job
 
@@ -158,7 +165,7 @@ class AsyncioRuntime:
 
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | Sequence[Mapping[str, object]],
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
@@ -171,13 +178,27 @@ class AsyncioRuntime:
         runtime is shut down."""
         return AsyncioRequestStream(self, prompt, params, request_id)
 
-    def _submit(self, prompt: object, params: object, request_id: str) -> _Job:
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> AsyncioRequestStream:
+        """Start a chat request; see :meth:`spectrio.Runtime.chat` (the same rendering,
+        stop tokens and refusals). ``generate`` given a list of messages does the same."""
+        return AsyncioRequestStream(self, messages, params, request_id, chat=True)
+
+    def _submit(
+        self, prompt: object, params: object, request_id: str, *, chat: bool = False
+    ) -> _Job:
         if self.runtime._dead is not None:
             raise self.runtime._dead
         if self._closed:
             raise RuntimeError("the runtime is not running")
-        # Checked here, on the caller's side, so a bad request raises where it is made.
-        ids, checked, rid = self.runtime._prepare(prompt, params, request_id)
+        # Checked here, on the caller's side, so a bad request raises where it is made; a
+        # chat is rendered here too, and its job carries the rendered ids and stop tokens.
+        ids, checked, rid = self.runtime._prepare(prompt, params, request_id, chat=chat)
         self.runtime._check_not_running(rid)
         job = _Job(ids, checked, rid, asyncio.Queue())
         try:

@@ -1,4 +1,4 @@
-"""The public embedding API: ``open_runtime`` and ``Runtime.generate``."""
+"""The public embedding API: ``open_runtime``, ``Runtime.generate`` and ``Runtime.chat``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import itertools
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
 
 import msgspec
@@ -31,13 +31,16 @@ from spectrio.core.messages import (
 from spectrio.core.params import (
     InvalidRequest,
     SamplingParams,
+    check_messages,
     check_params,
     check_prompt,
     check_request_id,
+    with_chat_stops,
 )
 from spectrio.core.timing import StepTiming, device_summary
-from spectrio.errors import EngineDead
+from spectrio.errors import CheckpointError, EngineDead
 from spectrio.models import LoadedModel, load
+from spectrio.models.chat import ChatTemplate, chat_template_for, is_messages
 from spectrio.models.paddle_setup import MKL_CPU_TYPE, configure_paddle
 from spectrio.runtime.device_worker import DeviceWorker
 from spectrio.runtime.kv_sizing import check_checkpoint, num_kv_blocks
@@ -96,6 +99,9 @@ class Runtime:
         if loaded.tokenizer is None:
             raise ConfigError(f"model: {loaded.path} has no tokenizer.json")
         self.tokenizer = loaded.tokenizer
+        self.chat_template, self._no_chat = _chat_template(loaded)
+        # The template's end-of-turn tokens, found once: every chat request stops on them.
+        self._chat_stops = [] if self.chat_template is None else self.chat_template.stop_token_ids()
         cfg = loaded.config
         check_checkpoint(config, cfg)
         num_blocks = num_kv_blocks(config, cfg)
@@ -403,15 +409,20 @@ class Runtime:
     # ---- requests ---------------------------------------------------------------------
 
     def _prepare(
-        self, prompt: object, params: object, request_id: object
+        self, prompt: object, params: object, request_id: object, *, chat: bool = False
     ) -> tuple[list[int], SamplingParams, str]:
         """Check a request with the rules of :mod:`spectrio.core.params` (the wire
         codec runs the same ones). Returns the prompt's token ids, the parameters and the
-        request id (a fresh one for ``None``). Raises :class:`InvalidRequest`."""
+        request id (a fresh one for ``None``). A message list (``chat``, or a prompt that
+        :func:`~spectrio.models.chat.is_messages`) is rendered by :meth:`chat_prompt`.
+        Raises :class:`InvalidRequest`."""
         params = check_params(
             SamplingParams() if params is None else params, self.loaded.config.vocab_size
         )
         rid = uuid.uuid4().hex if request_id is None else check_request_id(request_id)
+        if chat or is_messages(prompt):
+            ids, params = self.chat_prompt(prompt, params)
+            return ids, params, rid
         ids = check_prompt(
             prompt,
             vocab_size=self.loaded.config.vocab_size,
@@ -420,6 +431,45 @@ class Runtime:
             max_token_bytes=self.tokenizer.max_token_bytes,
         )
         return ids, params, rid
+
+    def chat_prompt(
+        self,
+        messages: object,
+        params: SamplingParams | None = None,
+        *,
+        tokenize: Callable[[str], Sequence[int]] | None = None,
+    ) -> tuple[list[int], SamplingParams]:
+        """What a chat request runs: ``messages`` rendered by the model's chat template
+        (ending where the assistant's answer begins) and tokenized (``tokenize``, by
+        default the model's tokenizer), and ``params`` with the template's end-of-turn
+        tokens added to ``stop_token_ids`` (:func:`~spectrio.core.params.with_chat_stops`:
+        as EOS, so not with ``ignore_eos``). :meth:`chat` runs exactly these token ids.
+
+        Raises :class:`InvalidRequest` on field ``messages``: a malformed list
+        (:func:`~spectrio.core.params.check_messages`), a model without a chat template
+        (code ``no_chat_template``; a template is never guessed), a template that refuses
+        the messages, or a rendered prompt that is empty or too long. Safe to call from
+        another thread (the wire server renders in its tokenizer thread)."""
+        params = check_params(
+            SamplingParams() if params is None else params, self.loaded.config.vocab_size
+        )
+        checked = check_messages(messages)
+        if self.chat_template is None:
+            raise InvalidRequest("messages", self._no_chat, code="no_chat_template")
+        text = self.chat_template.render(checked)
+        try:
+            ids = check_prompt(
+                text,
+                vocab_size=self.loaded.config.vocab_size,
+                max_model_len=self.config.max_model_len,
+                tokenize=self.tokenizer.encode if tokenize is None else tokenize,
+                max_token_bytes=self.tokenizer.max_token_bytes,
+            )
+        except InvalidRequest as exc:  # the prompt is the rendered messages: say so
+            raise InvalidRequest(
+                "messages", f"rendered by the chat template, {exc.rule}", code=exc.code
+            ) from None
+        return ids, with_chat_stops(params, self._chat_stops)
 
     def _submit(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
@@ -435,10 +485,9 @@ class Runtime:
             if params.speculative is None
             else (params.speculative and self.config.speculative.enabled)
         )
-        eos = self.loaded.config.eos_token_id
         stops = list(params.stop_token_ids)
-        if eos is not None and not params.ignore_eos:
-            stops.append(eos)
+        if not params.ignore_eos:  # every EOS of a config that lists several
+            stops += [t for t in self.loaded.config.eos_token_ids if t not in stops]
         seq_id = next(self._ids)
         send, receive = trio.open_memory_channel[Delta | SeqResult | EngineDead](math.inf)
         self._streams[request_id] = send
@@ -553,13 +602,15 @@ class Runtime:
 
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | Sequence[Mapping[str, object]],
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
     ) -> RequestStream:
         """Start a request and return its :class:`RequestStream`: iterate it for one
-        :class:`Delta` per step that emitted tokens.
+        :class:`Delta` per step that emitted tokens. ``prompt`` is text, token ids, or a
+        list of chat messages (dicts with ``role`` and ``content``), which runs as
+        :meth:`chat` does.
 
         Use it as an async context manager, so that leaving the block (``break``, an
         exception, cancellation) aborts the request at once and frees its KV blocks::
@@ -585,6 +636,30 @@ class Runtime:
         stream runs, iterating it raises :class:`EngineDead`.
         """
         return RequestStream(self, prompt, params, request_id)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Start a chat request: ``messages`` (dicts with a string ``role`` and a string
+        ``content``; other keys reach the template) rendered by the model's chat template,
+        and the assistant's answer streamed as :meth:`generate` streams a continuation.
+        ``rt.generate(messages, params)`` does the same.
+
+        The output equals :meth:`generate` on the rendered token ids
+        (:meth:`chat_prompt`) with the template's end-of-turn tokens (``<|im_end|>``,
+        ``<|eot_id|>``, ...) as stop tokens, which end the answer as EOS does: the
+        last delta has ``finish_reason="stop"`` and the end-of-turn token as its last
+        token id, and its text is not in ``delta.text``.
+
+        Checked and submitted here, like :meth:`generate`: a malformed message list,
+        a model without a chat template (``exc.code == "no_chat_template"``) or a
+        template that refuses the messages raises :class:`InvalidRequest` on field
+        ``messages``. Cancellation and closing behave as for :meth:`generate`."""
+        return RequestStream(self, messages, params, request_id, chat=True)
 
     def _shutdown(self, reason: str) -> None:
         """End every stream with a final abort delta (``abort_reason=reason``) and abort
@@ -621,12 +696,19 @@ class RequestStream:
     :meth:`aclose`) aborts the request if it has not finished."""
 
     def __init__(
-        self, runtime: Runtime, prompt: object, params: object, request_id: str | None
+        self,
+        runtime: Runtime,
+        prompt: object,
+        params: object,
+        request_id: str | None,
+        *,
+        chat: bool = False,
     ) -> None:
         self._receive: trio.MemoryReceiveChannel[Delta | SeqResult | EngineDead] | None = None
         self._done = False  # finished, or closed by the consumer
         self._rt = runtime
         self._prompt, self._params = prompt, params
+        self._chat = chat  # the prompt is a message list (Runtime.chat)
         # Known from the start, so a caller can abort by id; checked when the stream starts.
         self._request_id: str = uuid.uuid4().hex if request_id is None else request_id
         self._token = trio.lowlevel.current_trio_token()
@@ -647,7 +729,9 @@ class RequestStream:
     def _start(self) -> None:
         if self._receive is not None or self._done:
             return
-        ids, params, rid = self._rt._prepare(self._prompt, self._params, self._request_id)
+        ids, params, rid = self._rt._prepare(
+            self._prompt, self._params, self._request_id, chat=self._chat
+        )
         self._seq_id, self._receive = self._rt._submit(ids, params, rid)
         self._params, self._prompt = params, None
         self._text = RequestText(self._rt.tokenizer, params.stop)
@@ -732,6 +816,24 @@ class RequestStream:
             )
         except trio.RunFinishedError:
             pass
+
+
+def _chat_template(loaded: LoadedModel) -> tuple[ChatTemplate | None, str]:
+    """The model's compiled chat template, or None and the rule a chat request then
+    breaks. A template that does not compile refuses chats only: prompts still run."""
+    name = loaded.path.name
+    try:
+        template = chat_template_for(loaded)
+    except CheckpointError as exc:
+        log.warning("the model's chat template does not compile", model=name, error=str(exc))
+        return None, f"model {name!r}: {exc}; so messages cannot be rendered"
+    if template is None:
+        return None, (
+            f"model {name!r} has no chat template (tokenizer_config.json's chat_template, "
+            "chat_template.jinja or the GGUF's tokenizer.chat_template), so messages cannot "
+            "be rendered; send a prompt instead"
+        )
+    return template, ""
 
 
 @asynccontextmanager

@@ -48,7 +48,12 @@ class EngineDead(SpectrioError, RuntimeError):
 
 
 RefusalCode = Literal[
-    "wrong_type", "invalid_field", "invalid_params", "empty_prompt", "prompt_too_long"
+    "wrong_type",
+    "invalid_field",
+    "invalid_params",
+    "empty_prompt",
+    "prompt_too_long",
+    "no_chat_template",
 ]
 """Which class of refusal an :class:`InvalidRequest` is. The values are the wire's
 :class:`spectrio.wire.schema.ErrorCode` values, so the server reports it unchanged."""
@@ -56,8 +61,8 @@ RefusalCode = Literal[
 
 class InvalidRequest(SpectrioError, ValueError):
     """A request the runtime refuses. ``str(exc)`` is ``"<field>: <rule>, got <value>"``;
-    ``field`` names the field (``"prompt"``, ``"request_id"`` or a sampling parameter),
-    ``rule`` states what it must be, ``code`` classifies the refusal."""
+    ``field`` names the field (``"prompt"``, ``"messages"``, ``"request_id"`` or a sampling
+    parameter), ``rule`` states what it must be, ``code`` classifies the refusal."""
 
     def __init__(
         self,

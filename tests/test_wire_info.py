@@ -162,6 +162,7 @@ def test_info_names_the_ngram_method_and_its_lookup_lengths() -> None:
         config=config,
         loaded=SimpleNamespace(config=SimpleNamespace(vocab_size=7)),
         tokenizer=SimpleNamespace(eos_token_id=None),
+        chat_template=None,
     )
     info = model_info(runtime, "{}")  # type: ignore[arg-type]
     assert info.speculative == SpeculativeInfo(

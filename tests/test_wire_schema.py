@@ -63,6 +63,7 @@ PINNED_FINGERPRINTS = {
     (1, 2): "f973064dbc67e4f731bae19070c995e4cc63260275681a0ac54832588e81a525",  # Info
     (1, 3): "70b235711a675da2ca865ad5693841dc7cd2cf0b7b75475963f8e04e710ac6b5",  # aborted in drafts
     (1, 4): "04e95093295681138d6fe5ae3415760c942e5520e8e2e16247a38f84f3388207",  # ngram info
+    (1, 5): "1b1abac351e3c0ccff023aca7ae761ab36f2e0928922f4dcbdac6c8576e911ac",  # messages
 }
 
 

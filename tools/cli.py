@@ -9,6 +9,7 @@ import time
 
 import trio
 
+from spectrio.tools.chat_flags import add_chat_flags, chat_messages, prompt_or_chat_error
 from spectrio.tools.logging_setup import LOG_FORMATS, configure_logging, split_logging_flags
 from spectrio.tools.runtime_flags import add_runtime_flags, runtime_config
 from spectrio.tools.sampling_flags import add_sampling_flags
@@ -29,9 +30,14 @@ async def _generate_async(args: argparse.Namespace) -> dict[str, object]:
         logprobs: list[dict[str, object]] = []
         params = sampling_params(args)
         t0 = time.perf_counter()
-        if not args.json:
-            sys.stdout.write(args.prompt)
-        async for delta in rt.generate(args.prompt, params):
+        messages = chat_messages(args)
+        if messages is not None:  # the answer alone is streamed: no prompt to echo
+            stream = rt.chat(messages, params)
+        else:
+            if not args.json:
+                sys.stdout.write(args.prompt)
+            stream = rt.generate(args.prompt, params)
+        async for delta in stream:
             stats.add(delta)
             ids += delta.token_ids
             text += delta.text
@@ -62,10 +68,26 @@ def _generate(args: argparse.Namespace) -> int:
     from spectrio import ConfigError, InvalidRequest
     from spectrio.errors import CheckpointError, ModelConfigError
 
+    problem = prompt_or_chat_error(args)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    refusals = (ConfigError, InvalidRequest, CheckpointError, ModelConfigError)
     try:
         result = trio.run(_generate_async, args)
-    except (ConfigError, InvalidRequest, CheckpointError, ModelConfigError) as exc:
+    except refusals as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except BaseExceptionGroup as group:
+        # A request refused inside the runtime's block (a chat for a model without a
+        # template, an empty prompt) reaches here wrapped by the runtime's nursery.
+        refused, rest = group.split(refusals)
+        if refused is None or rest is not None:
+            raise
+        first = refused.exceptions[0]
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        print(f"error: {first}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(result))
@@ -103,8 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"spectrio {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="stream a continuation through an in-process runtime")
-    gen.add_argument("prompt")
+    gen = sub.add_parser(
+        "generate",
+        help="stream a continuation (or, with --chat, an answer) through an in-process runtime",
+    )
+    add_chat_flags(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object (docs/cli.md)")
     add_sampling_flags(gen)
     add_runtime_flags(gen)

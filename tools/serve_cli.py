@@ -117,7 +117,9 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 def add_client_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("client", help="stream one request through a running server")
-    p.add_argument("prompt")
+    from spectrio.tools.chat_flags import add_chat_flags
+
+    add_chat_flags(p)  # PROMPT, or --chat MESSAGE [--system TEXT], as `spectrio generate`
     p.add_argument("--requests", required=True, help="the server's requests endpoint")
     p.add_argument("--outputs", required=True, help="the server's outputs endpoint")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for any reply")
@@ -450,9 +452,15 @@ def client_main(args: argparse.Namespace) -> int:
     import zmq
 
     from spectrio.stages.output_processor import logprob_json
+    from spectrio.tools.chat_flags import chat_messages, prompt_or_chat_error
     from spectrio.tools.sampling_flags import sampling_params
     from spectrio.wire.client import Client, RequestRefused
 
+    problem = prompt_or_chat_error(args)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    messages = chat_messages(args)
     params = sampling_params(args)
     totals: dict[str, int | None] = {"total_drafts": None, "total_accepted": None}
     logprobs: list[dict[str, object]] = []
@@ -466,9 +474,13 @@ def client_main(args: argparse.Namespace) -> int:
 
             curve = client_keys(args.curve_server_key)
         with Client(args.requests, args.outputs, timeout_s=args.timeout, curve=curve) as client:
-            if not args.json:
-                sys.stdout.write(args.prompt)
-            for chunk in client.generate(args.prompt, params):
+            if messages is not None:  # the answer alone is streamed: no prompt to echo
+                chunks = client.chat(messages, params)
+            else:
+                if not args.json:
+                    sys.stdout.write(args.prompt)
+                chunks = client.generate(args.prompt, params)
+            for chunk in chunks:
                 ids += chunk.token_ids
                 text += chunk.text
                 logprobs += map(logprob_json, chunk.logprobs or ())

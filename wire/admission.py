@@ -13,7 +13,10 @@ Guarantees:
   cap is refused, and no client's bucket affects another's.
 * **Off-loop tokenizing.** Text prompts are tokenized in a worker thread, one at a time,
   with the GIL released (:class:`PromptTokenizer`), so the event loop keeps serving
-  meanwhile. :class:`PromptQueue` bounds the prompts waiting for the tokenizer, overall
+  meanwhile. So are chats (``messages``, schema 1.5): the model's chat template, untrusted
+  text from a download, renders them in that thread too (:meth:`Runtime.chat_prompt
+  <spectrio.runtime.api.Runtime.chat_prompt>`).
+  :class:`PromptQueue` bounds the prompts waiting for the tokenizer, overall
   (:data:`MAX_TOKENIZING`) and per client (:data:`MAX_TOKENIZING_PER_CLIENT`); past either
   bound a prompt is refused ``rate_limited``, so no client can queue unbounded work.
 
@@ -24,15 +27,17 @@ server turns them into ``Error`` replies.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
+import msgspec
 import trio
 from tokenizers import Tokenizer
 
-from spectrio.core.params import InvalidRequest, check_text_length
+from spectrio.core.params import InvalidRequest, SamplingParams, check_text_length
 from spectrio.models.tokenizer import TextTokenizer
-from spectrio.wire.codec import WireError, check_submit
+from spectrio.wire.codec import WireError, check_submit, refused
 from spectrio.wire.schema import ErrorCode, Submit
 
 if TYPE_CHECKING:
@@ -109,6 +114,8 @@ def check_length(msg: Submit, *, max_model_len: int, max_token_bytes: int | None
     anything: token ids by count, text by its UTF-8 length and the tokenizer's exact
     bound (:func:`~spectrio.core.params.check_text_length`). Raises :class:`WireError`."""
     rid = msg.request_id
+    if msg.prompt is None:  # a chat: bounded by the frame cap, checked once rendered
+        return
     try:
         if isinstance(msg.prompt, str):
             check_text_length(
@@ -132,7 +139,12 @@ class PromptTokenizer:
     GIL, so a long prompt tokenized in a worker thread does not stall the event loop."""
 
     def __init__(self, runtime: Runtime) -> None:
-        self.json = (Path(runtime.loaded.path) / "tokenizer.json").read_text(encoding="utf-8")
+        path = Path(runtime.loaded.path) / "tokenizer.json"
+        # A GGUF file has no tokenizer.json: its tokenizer was built from the file's
+        # metadata, and that tokenizer's own JSON is the one clients fetch.
+        self.json = (
+            path.read_text(encoding="utf-8") if path.is_file() else runtime.tokenizer.raw.to_str()
+        )
         self._tok = TextTokenizer(Tokenizer.from_str(self.json), runtime.tokenizer.eos_token_id)
         self.max_token_bytes = self._tok.max_token_bytes
         sample = "def f(x):\n    return {'é': x}  # ok <|endoftext|>"
@@ -143,9 +155,14 @@ class PromptTokenizer:
         return self._tok.encode_releasing_gil(text)
 
 
+ChatPrompt = Callable[..., tuple[list[int], SamplingParams]]
+"""Renders a chat: :meth:`spectrio.runtime.api.Runtime.chat_prompt`, called as
+``chat(messages, params, tokenize=...)``."""
+
+
 @dataclasses.dataclass(eq=False)
 class PendingPrompt:
-    """A text ``Submit`` whose prompt is being tokenized (not acknowledged yet)."""
+    """A text or chat ``Submit`` whose prompt is being tokenized (not acknowledged yet)."""
 
     owner: bytes
     scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)
@@ -155,13 +172,22 @@ class PendingPrompt:
 
 
 class PromptQueue:
-    """The text prompts waiting for the tokenizer, by request id, and the checks every
-    prompt passes (:func:`~spectrio.wire.codec.check_submit` with the server's tokenizer)."""
+    """The text prompts and chats waiting for the tokenizer, by request id, and the checks
+    every prompt passes (:func:`~spectrio.wire.codec.check_submit` with the server's
+    tokenizer; a chat, ``chat``, the runtime's rendering with it)."""
 
-    def __init__(self, tokenizer: PromptTokenizer, *, vocab_size: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        tokenizer: PromptTokenizer,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        chat: ChatPrompt | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._max_model_len = max_model_len
+        self._chat = chat
         self._limiter = trio.CapacityLimiter(1)  # one prompt at a time
         self._pending: dict[str, PendingPrompt] = {}
 
@@ -171,18 +197,30 @@ class PromptQueue:
     def get(self, request_id: str) -> PendingPrompt | None:
         return self._pending.get(request_id)
 
-    def check(self, msg: Submit) -> list[int]:
-        """The prompt's token ids, checked (tokenizing a text prompt here, on this
-        thread). Raises :class:`WireError`."""
-        return check_submit(
-            msg,
-            vocab_size=self._vocab_size,
-            max_model_len=self._max_model_len,
-            tokenize=self.tokenizer.encode,
-        )
+    def check(self, msg: Submit) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids, checked (tokenizing a text prompt, or rendering and
+        tokenizing a chat, here, on this thread), and the parameters to run them with (a
+        chat's carry its template's end-of-turn tokens). Raises :class:`WireError`."""
+        if msg.messages is None:
+            ids = check_submit(
+                msg,
+                vocab_size=self._vocab_size,
+                max_model_len=self._max_model_len,
+                tokenize=self.tokenizer.encode,
+            )
+            return ids, msg.params
+        messages: list[dict[str, Any]] = [msgspec.structs.asdict(m) for m in msg.messages]
+        try:
+            if self._chat is None:
+                raise InvalidRequest(
+                    "messages", "this server renders no chats", code="no_chat_template"
+                )
+            return self._chat(messages, msg.params, tokenize=self.tokenizer.encode)
+        except InvalidRequest as exc:
+            raise refused(exc, msg.request_id) from None
 
     def reserve(self, msg: Submit, owner: bytes) -> PendingPrompt:
-        """Queue a text prompt of ``owner``'s; ``rate_limited`` past either bound."""
+        """Queue a text prompt or chat of ``owner``'s; ``rate_limited`` past either bound."""
         mine = sum(p.owner == owner for p in self._pending.values())
         if len(self._pending) >= MAX_TOKENIZING or mine >= MAX_TOKENIZING_PER_CLIENT:
             raise WireError(
@@ -193,7 +231,9 @@ class PromptQueue:
         pending = self._pending[msg.request_id] = PendingPrompt(owner)
         return pending
 
-    async def tokenize(self, msg: Submit, pending: PendingPrompt) -> list[int] | None:
+    async def tokenize(
+        self, msg: Submit, pending: PendingPrompt
+    ) -> tuple[list[int], SamplingParams] | None:
         """:meth:`check` in the tokenizer's worker thread. Returns None when ``pending``
         was cancelled (:meth:`cancel_all`; the thread is abandoned), and raises
         :class:`WireError` for a refused prompt. Call :meth:`done` afterwards."""

@@ -35,7 +35,7 @@ import functools
 import hashlib
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Final, TypeVar
@@ -46,7 +46,7 @@ import zmq
 from tokenizers import Tokenizer
 
 from spectrio.core.messages import TokenLogprob
-from spectrio.core.params import SamplingParams
+from spectrio.core.params import ChatMessage, SamplingParams
 from spectrio.models import BUNDLED_DIR, TextTokenizer
 from spectrio.stages.output_processor import RequestText
 from spectrio.wire.codec import decode_reply, decode_step, encode, step_logprobs
@@ -80,6 +80,9 @@ __all__ = [
 
 Context = zmq.Context[zmq.Socket[bytes]]
 Prompt = str | Sequence[int]
+Messages = Sequence[Mapping[str, str] | ChatMessage]
+"""A chat for ``submit(messages=...)`` (schema 1.5): each message a ``role`` and a
+``content``, as dicts or :class:`~spectrio.core.params.ChatMessage` s."""
 
 DEFAULT_TIMEOUT_S: Final = 60.0
 """Default bound on every wait of a client, for a reply or for the next step message."""
@@ -281,11 +284,30 @@ class StreamAssembler:
         return chunks
 
 
-def _submit_frame(prompt: Prompt, params: SamplingParams | None, request_id: str) -> bytes:
-    body: str | list[int] = prompt if isinstance(prompt, str) else [int(t) for t in prompt]
+def _submit_frame(
+    prompt: Prompt | None,
+    params: SamplingParams | None,
+    request_id: str,
+    messages: Messages | None = None,
+) -> bytes:
+    """A ``Submit`` with a prompt, or with messages (the server checks that there is
+    exactly one of them, and each message's fields)."""
+    body: str | list[int] | None = None
+    if prompt is not None:
+        body = prompt if isinstance(prompt, str) else [int(t) for t in prompt]
+    chat = None
+    if messages is not None:
+        chat = [
+            m if isinstance(m, ChatMessage) else ChatMessage(role=m["role"], content=m["content"])
+            for m in messages
+        ]
     return encode(
         Submit(
-            v=SCHEMA_VERSION, request_id=request_id, prompt=body, params=params or SamplingParams()
+            v=SCHEMA_VERSION,
+            request_id=request_id,
+            prompt=body,
+            params=params or SamplingParams(),
+            messages=chat,
         )
     )
 
@@ -363,17 +385,24 @@ class AsyncClient:
         return _check(await self._roundtrip(frame))
 
     async def submit(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+        self,
+        prompt: Prompt | None = None,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        messages: Messages | None = None,
     ) -> str:
         """Submit a request and return its id once acknowledged. Raises
         :class:`RequestRefused` or :class:`ClientTimeout`. The request is followed by this
-        client's assembler."""
+        client's assembler. Give a ``prompt``, or ``messages`` for a chat the server
+        renders with its model's template (schema 1.5; ``no_chat_template`` from a server
+        whose model has none, ``unknown_field`` from a server older than 1.5)."""
         rid = request_id or uuid.uuid4().hex
         if self._want_tokenizer:
             self.assembler.set_tokenizer(await self.server_tokenizer())
             self._want_tokenizer = False
         self.assembler.follow(rid)
-        await self._call(_submit_frame(prompt, params, rid))
+        await self._call(_submit_frame(prompt, params, rid, messages))
         return rid
 
     async def info(self, *, tokenizer: bool = False) -> ModelInfo:
@@ -600,14 +629,20 @@ class Client:
         return tok
 
     def submit(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+        self,
+        prompt: Prompt | None = None,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        messages: Messages | None = None,
     ) -> str:
+        """Submit a request (see :meth:`AsyncClient.submit`)."""
         rid = request_id or uuid.uuid4().hex
         if self._want_tokenizer:
             self.assembler.set_tokenizer(self.server_tokenizer())
             self._want_tokenizer = False
         self.assembler.follow(rid)
-        self._call(_submit_frame(prompt, params, rid))
+        self._call(_submit_frame(prompt, params, rid, messages))
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -641,4 +676,11 @@ class Client:
     def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[Chunk]:
         """Submit one request and stream its chunks."""
         rid = self.submit(prompt, params)
+        yield from self.stream(rid)
+
+    def chat(self, messages: Messages, params: SamplingParams | None = None) -> Iterator[Chunk]:
+        """Submit one chat (schema 1.5) and stream the answer's chunks. The server adds
+        its template's end-of-turn tokens to the stop tokens: the last chunk ends with
+        one (``finish_reason="stop"``), and its text is not in the chunks' text."""
+        rid = self.submit(params=params, messages=messages)
         yield from self.stream(rid)

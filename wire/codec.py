@@ -57,6 +57,7 @@ __all__ = [
     "decode_step",
     "encode",
     "encode_step",
+    "refused",
 ]
 
 DEFAULT_MAX_REQUEST_BYTES: Final = 1 << 20
@@ -308,7 +309,26 @@ def decode_request(
             f"schema version {msg.v} is not supported (this server speaks {SCHEMA_VERSION})",
             rid,
         )
+    if isinstance(msg, Submit):
+        _check_one_prompt(msg)
     return msg
+
+
+def _check_one_prompt(msg: Submit) -> None:
+    """A ``Submit`` carries a prompt or messages (since 1.5), never both: with both, which
+    one the server ran would be a guess."""
+    if msg.prompt is None and msg.messages is None:
+        raise WireError(
+            ErrorCode.MISSING_FIELD,
+            "prompt: a submit needs a prompt (or, since schema 1.5, messages)",
+            msg.request_id,
+        )
+    if msg.prompt is not None and msg.messages is not None:
+        raise WireError(
+            ErrorCode.INVALID_FIELD,
+            "prompt: a submit carries a prompt or messages, not both",
+            msg.request_id,
+        )
 
 
 def check_submit(
@@ -323,14 +343,21 @@ def check_submit(
     :func:`~spectrio.core.params.check_prompt` the embedding API runs. Returns the
     prompt's token ids; raises :class:`WireError` whose code is the refusal's
     (``invalid_params``, ``invalid_field`` for a token id outside the vocabulary,
-    ``empty_prompt`` or ``prompt_too_long``) and whose reason is its text."""
+    ``empty_prompt`` or ``prompt_too_long``) and whose reason is its text. A chat
+    (``messages``) is the runtime's to render: :meth:`spectrio.Runtime.chat_prompt`."""
     try:
         check_params(submit.params, vocab_size)
         return check_prompt(
             submit.prompt, vocab_size=vocab_size, max_model_len=max_model_len, tokenize=tokenize
         )
     except InvalidRequest as exc:
-        raise WireError(ErrorCode(exc.code), _short(str(exc)), submit.request_id) from None
+        raise refused(exc, submit.request_id) from None
+
+
+def refused(exc: InvalidRequest, request_id: str | None) -> WireError:
+    """The wire's refusal of an :class:`InvalidRequest`: its code, and its text as the
+    reason."""
+    return WireError(ErrorCode(exc.code), _short(str(exc)), request_id)
 
 
 def decode_reply(frame: bytes | memoryview) -> Ack | Error | ModelInfo:

@@ -31,6 +31,8 @@ import msgspec
 
 from spectrio.core.params import (
     MAX_REQUEST_ID_LEN,
+    ChatMessage,
+    Messages,
     Prompt,
     RequestId,
     SamplingParams,
@@ -43,6 +45,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "Abort",
     "Ack",
+    "ChatMessage",
     "Error",
     "ErrorCode",
     "FinishReason",
@@ -64,14 +67,18 @@ SCHEMA_VERSION: Final = 1
 of another major version (``schema_version``). Bump it for a change an old peer would
 misread: a removed or renamed key, a changed type or meaning."""
 
-SCHEMA_MINOR: Final = 4
+SCHEMA_MINOR: Final = 5
 """Minor version within :data:`SCHEMA_VERSION`: bumped for additions an old peer can
 ignore (an optional key a reader skips, a new request type an old client never sends).
 It is not on every message (an old peer's ``"v"`` stays valid); a client learns the
 server's from the ``Info`` reply. History (``docs/wire.md``, *Versioning*): 1.0 the first
 release; 1.1 ``StepEnvelope.drafts``; 1.2 the ``Info`` request and its ``ModelInfo``
 reply; 1.3 aborted requests in ``drafts``; 1.4 ``SpeculativeInfo``'s method ``"ngram"``
-and its ``prompt_lookup_min`` / ``prompt_lookup_max``.
+and its ``prompt_lookup_min`` / ``prompt_lookup_max``; 1.5 ``Submit.messages`` (a chat
+the server renders with the model's template, instead of a prompt), the error code
+``no_chat_template`` and ``ModelInfo.chat_template``. A 1.5 client sends ``messages``
+only when it is asked to chat, so an older server meets it only then (and refuses it
+with ``unknown_field``).
 
 Every change to a message below changes the pin in ``tests/test_wire_schema.py``, which
 fails until one of the two versions is bumped."""
@@ -121,6 +128,9 @@ class ErrorCode(enum.StrEnum):
     """The prompt is empty (``""``, ``[]``, or text that tokenises to nothing)."""
     PROMPT_TOO_LONG = "prompt_too_long"
     """The prompt leaves no room under the server's ``max_model_len``."""
+    NO_CHAT_TEMPLATE = "no_chat_template"
+    """A ``Submit`` carried ``messages`` but the served model has no chat template (or
+    one that does not compile); since 1.5. The server never guesses a template."""
     DUPLICATE_REQUEST = "duplicate_request"
     """A ``Submit`` reused the id of a request that is still running."""
     UNKNOWN_REQUEST = "unknown_request"
@@ -138,13 +148,27 @@ class _Message(msgspec.Struct, frozen=True, gc=False, kw_only=True, tag_field="t
 # ---- requests (client -> runtime) ---------------------------------------------------------
 
 
-class Submit(_Message, tag="submit", frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Start a request. Its output arrives in the step stream under ``request_id``."""
+class Submit(
+    _Message,
+    tag="submit",
+    frozen=True,
+    kw_only=True,
+    forbid_unknown_fields=True,
+    omit_defaults=True,
+):
+    """Start a request. Its output arrives in the step stream under ``request_id``.
+
+    It carries exactly one of ``prompt`` and ``messages`` (since 1.5; the decoder refuses
+    both or neither). Defaults are omitted when encoding, so a prompt request from a 1.5
+    client has no ``messages`` key and an older server reads it as before."""
 
     v: int
     request_id: RequestId
-    prompt: Prompt  # text (tokenised by the server) or token ids
+    prompt: Prompt | None = None  # text (tokenised by the server) or token ids
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    # Since 1.5: a chat, rendered by the model's chat template (its end-of-turn tokens
+    # are added to the stop tokens), instead of a prompt.
+    messages: Messages | None = None
 
 
 class Abort(_Message, tag="abort", frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -222,6 +246,9 @@ class ModelInfo(_Message, tag="info", frozen=True, kw_only=True):
     tokenizer_sha256: str  # hex SHA-256 of the tokenizer's JSON (``tokenizer.json``)
     tokenizer_bytes: int  # its length in bytes
     tokenizer_json: str | None = None  # the JSON itself, only when the Info asked for it
+    # Since 1.5: the model has a chat template, so a Submit may carry messages (false
+    # from an older server, which takes none).
+    chat_template: bool = False
 
 
 Reply = Ack | Error | ModelInfo

@@ -22,9 +22,10 @@ Nothing a client does makes the request task wait on that client:
 * Admission (:mod:`spectrio.wire.admission`) comes before any cost: per-client rate
   limits, the size caps, and a text prompt bounded before it is tokenized (one whose
   UTF-8 length already proves it has ``max_model_len`` tokens or more gets
-  ``prompt_too_long`` at once). The rest are tokenized in a worker thread (one at a time,
-  with the GIL released) while the event loop keeps running; the ``Ack`` or ``Error``
-  follows when the tokenizer is done.
+  ``prompt_too_long`` at once). The rest, and chats (``messages``, rendered by the
+  model's chat template), are tokenized in a worker thread (one at a time, with the GIL
+  released) while the event loop keeps running; the ``Ack`` or ``Error`` follows when
+  the tokenizer is done.
 * ``Abort`` is scoped to the client that submitted the request: its CURVE public key when
   CURVE is on, else its ROUTER identity. Anyone else gets ``unknown_request``, the same
   reply as for an id that does not exist.
@@ -62,7 +63,7 @@ import trio
 import zmq
 
 from spectrio.core.messages import PublishedStep
-from spectrio.core.params import InvalidRequest
+from spectrio.core.params import InvalidRequest, SamplingParams
 from spectrio.core.record import pack_step_record
 from spectrio.errors import EngineDead
 from spectrio.runtime.api import RequestStream, Runtime
@@ -166,6 +167,7 @@ def model_info(runtime: Runtime, tokenizer_json: str) -> ModelInfo:
         ),
         tokenizer_sha256=hashlib.sha256(data).hexdigest(),
         tokenizer_bytes=len(data),
+        chat_template=runtime.chat_template is not None,
     )
 
 
@@ -219,6 +221,7 @@ class WireServer:
             tokenizer,
             vocab_size=runtime.loaded.config.vocab_size,
             max_model_len=runtime.config.max_model_len,
+            chat=runtime.chat_prompt,
         )
         self._running: dict[str, bytes] = {}  # acknowledged request id -> its owner
         self._finished = trio.Event()  # replaced each time a request task ends
@@ -526,11 +529,11 @@ class WireServer:
             raise WireError(
                 ErrorCode.DUPLICATE_REQUEST, f"request_id {rid!r} is still running", rid
             )
-        if isinstance(msg.prompt, str):
+        if isinstance(msg.prompt, str) or msg.messages is not None:
             pending = self._prompts.reserve(msg, owner)
             nursery.start_soon(self._tokenize_then_start, msg, pending, envelope, nursery)
             return None  # the reply follows once the prompt is tokenized
-        await self._start(msg, owner, self._prompts.check(msg), nursery)
+        await self._start(msg, owner, *self._prompts.check(msg), nursery)
         return Ack(of="submit", request_id=rid)
 
     async def _tokenize_then_start(
@@ -541,11 +544,11 @@ class WireServer:
         started = False
         try:
             self.stats.prompts_tokenized += 1
-            ids = await self._prompts.tokenize(msg, pending)
-            if ids is None or self._closing:
+            prepared = await self._prompts.tokenize(msg, pending)
+            if prepared is None or self._closing:
                 reply = self._error(ErrorCode.UNAVAILABLE, "the server is shutting down", rid)
             else:
-                await self._start(msg, pending.owner, ids, nursery)
+                await self._start(msg, pending.owner, *prepared, nursery)
                 started = True
                 reply = Ack(of="submit", request_id=rid)
         except WireError as exc:
@@ -560,16 +563,21 @@ class WireServer:
             self._reply(abort_envelope, self._abort_reply(rid, aborted))
 
     async def _start(
-        self, msg: Submit, owner: bytes, prompt_ids: list[int], nursery: trio.Nursery
+        self,
+        msg: Submit,
+        owner: bytes,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        nursery: trio.Nursery,
     ) -> None:
         """Hand the request to the runtime, so that once this returns it is running
         there (``runtime.abort`` finds it), and follow its stream in a task of its own.
-        A refusal by the runtime is the ``Error`` reply, never a failure after an
-        ``Ack``."""
+        ``params`` are the request's, with a chat's end-of-turn tokens added. A refusal
+        by the runtime is the ``Error`` reply, never a failure after an ``Ack``."""
         rid = msg.request_id
         self._running[rid] = owner
         try:
-            stream = self.runtime.generate(prompt_ids, msg.params, request_id=rid)
+            stream = self.runtime.generate(prompt_ids, params, request_id=rid)
             await stream.__aenter__()  # submits it, for a runtime that submits on entry
         except InvalidRequest as exc:
             self._running.pop(rid, None)
