@@ -126,6 +126,7 @@ async def run_choices(streams: Sequence[RequestStream], handle: Handle) -> Engin
     they arrive; a choice's own deltas stay in order). Returns the engine's death if it
     died meanwhile. Cancellation closes every stream, which aborts its request."""
     send, receive = trio.open_memory_channel[tuple[int, Item]](_STREAM_BUFFER)
+    dead: EngineDead | None = None
     try:
         async with trio.open_nursery() as nursery:
             async with send:
@@ -134,13 +135,15 @@ async def run_choices(streams: Sequence[RequestStream], handle: Handle) -> Engin
             async with receive:
                 async for index, item in receive:
                     if isinstance(item, EngineDead):
+                        # not `return item` here: the nursery's cancelled exit would drop it
+                        dead = item
                         nursery.cancel_scope.cancel()
-                        return item
+                        break
                     await handle(index, item)
     finally:
         for stream in streams:  # those whose task never ran
             stream.close()
-    return None
+    return dead
 
 
 async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:

@@ -91,6 +91,7 @@ class HttpFront:
         self._tokenizing = trio.CapacityLimiter(1)
         self._limits = RateLimiter(max_requests_per_s, burst)
         self.dead: EngineDead | None = None
+        self.died = trio.Event()  # set once the front knows the engine is dead
         self.closing = False
         self.stopped = trio.Event()  # Hypercorn's shutdown trigger
         self._open: set[str] = set()  # runtime request ids of running HTTP requests
@@ -217,6 +218,7 @@ class HttpFront:
         """Note the engine's death at once: from then on every request gets 503 and
         ``/health`` says so (open streams get their error event from the runtime)."""
         self.dead = await self.rt.wait_dead()
+        self.died.set()
         log.error("engine dead: HTTP requests get 503", error=str(self.dead))
         self._notify()
 
@@ -270,5 +272,6 @@ class HttpFront:
             "waiting": stats.waiting,
             "free_kv_blocks": stats.free_kv_blocks,
             "num_kv_blocks": stats.num_kv_blocks,
+            "finished": stats.finished,  # requests ended, by finish reason
             "open_http_requests": len(self._open),
         }
