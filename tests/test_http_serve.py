@@ -74,14 +74,16 @@ def error(response: httpx.Response, status: int) -> dict[str, object]:
     return body
 
 
-# ---- both fronts on one runtime --------------------------------------------------------
+# ---- both fronts on one runtime ---------------------------------------------------------
 
 
 def test_zeromq_and_http_serve_one_runtime(server: HttpServer, raw: httpx.Client) -> None:
     ready = server.ready
     assert ready["http"].startswith("http://127.0.0.1:") and ready["requests"].startswith("ipc://")
     with Client(ready["requests"], ready["outputs"], timeout_s=60) as wire:
-        tokens = [t for c in wire.generate(PROMPT, SamplingParams(max_tokens=4)) for t in c.token_ids]
+        tokens = [
+            t for c in wire.generate(PROMPT, SamplingParams(max_tokens=4)) for t in c.token_ids
+        ]
     assert len(tokens) == 4
     models = raw.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
@@ -90,7 +92,7 @@ def test_zeromq_and_http_serve_one_runtime(server: HttpServer, raw: httpx.Client
     assert error(raw.get("/v1/models/gpt-4"), 404)["code"] == "model_not_found"
 
 
-# ---- the official client ------------------------------------------------------------------
+# ---- the official client ----------------------------------------------------------------
 
 
 async def embedding_greedy(prompt: str, max_tokens: int) -> list[int]:
@@ -164,9 +166,7 @@ def test_several_prompts_echo_and_n(client: openai.OpenAI) -> None:
 
 def test_async_streaming_with_logprobs_and_usage(server: HttpServer) -> None:
     async def run() -> tuple[list[str], list[list[str]], list[str | None], list[object]]:
-        async with openai.AsyncOpenAI(
-            base_url=server.url + "/v1", api_key=KEY, max_retries=0
-        ) as c:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0) as c:
             texts, tokens, reasons, usages = ["", ""], [[], []], [None, None], []
             stream = await c.completions.create(
                 model=MODEL, prompt=PROMPT, n=2, max_tokens=12, temperature=0.8, seed=5,
@@ -205,7 +205,7 @@ def test_sdk_errors(client: openai.OpenAI) -> None:
             wrong.models.list()
 
 
-# ---- raw HTTP -----------------------------------------------------------------------------------
+# ---- raw HTTP ---------------------------------------------------------------------------
 
 
 def test_sse_framing(raw: httpx.Client) -> None:
@@ -355,7 +355,7 @@ def test_bounded_load_with_random_disconnects(server: HttpServer, raw: httpx.Cli
     assert grown_mb < 32, f"RSS grew {grown_mb:.1f} MB under load"
 
 
-# ---- HTTP alone: the rate limit and the drain ---------------------------------------------------------
+# ---- HTTP alone: the rate limit and the drain -------------------------------------------
 
 
 def test_http_alone_rate_limit_and_drain_on_sigterm(tmp_path: Path) -> None:
