@@ -375,8 +375,7 @@ async def _exit_when_dead(rt: Runtime, front: HttpFront | None = None) -> None:
     responses first get (at most 2 s) to send their error event and ``[DONE]``; the
     runtime has already handed every stream the engine's death."""
     dead = await rt.wait_dead()
-    if front is not None:
-        front.stop()  # no new connections; requests meanwhile get 503
+    if front is not None:  # requests meanwhile get 503 (the front knows the engine is dead)
         with trio.move_on_after(2.0):
             await front.wait_idle()
     raise dead
