@@ -10,6 +10,7 @@ request logs one line of its own).
 from __future__ import annotations
 
 import logging
+import socket
 
 import structlog
 import trio
@@ -44,9 +45,24 @@ def _hypercorn_logger() -> logging.Logger:
     return logger
 
 
-def _config(host: str, port: int) -> Config:
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port``; raises ``OSError`` (the port is taken, the
+    address is not this host's) before anything is served."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # events leave at once
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _config(sock: socket.socket) -> Config:
     config = Config()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    # Hypercorn takes the bound socket over (and closes it when it stops).
+    config.bind = [f"fd://{sock.detach()}"]
     config.accesslog = None
     config.errorlog = _hypercorn_logger()
     config.graceful_timeout = GRACEFUL_S
@@ -55,15 +71,19 @@ def _config(host: str, port: int) -> Config:
 
 async def serve_http(
     front: HttpFront,
-    host: str,
-    port: int,
+    host: str = "127.0.0.1",
+    port: int = 0,
     *,
+    sock: socket.socket | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``front`` on ``host:port`` (port 0: a free one) until its ``stopped`` event
-    is set or this is cancelled; ``task_status`` gets the base URL
+    """Serve ``front`` on ``host:port`` (port 0: a free one), or on ``sock`` already
+    bound (:func:`bind_socket`; the CLI binds before it loads the model), until its
+    ``stopped`` event is set or this is cancelled; ``task_status`` gets the base URL
     (``http://127.0.0.1:8000``). Cancellation closes every connection, which aborts the
-    requests of open responses."""
+    requests of open responses. A bind that fails raises ``OSError`` before anything
+    starts."""
+    config = _config(sock if sock is not None else bind_socket(host, port))
     app = build_app(front)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(front.watch_engine)
@@ -72,7 +92,7 @@ async def serve_http(
             try:
                 await serve(
                     app,  # type: ignore[arg-type]  # Starlette's ASGI types vs Hypercorn's
-                    _config(host, port),
+                    config,
                     shutdown_trigger=front.stopped.wait,
                     task_status=task_status,
                 )

@@ -12,6 +12,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -394,7 +395,12 @@ def test_http_alone_rate_limit_and_drain_on_sigterm(tmp_path: Path) -> None:
 
 def test_serve_refuses_bad_http_flags_before_loading() -> None:
     cli = [sys.executable, "-m", "spectrio.tools.cli", "serve"]
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
     for flags, message in (
+        (["--http", str(port), "--no-zmq"], f"--http: cannot serve on {port}"),
         (["--no-zmq"], "--no-zmq: nothing left to serve"),
         (["--http", "0.0.0.0:0"], "--http: 0.0.0.0 is not loopback"),
         (["--api-key", "k"], "--api-key: HTTP settings need --http"),
@@ -403,3 +409,4 @@ def test_serve_refuses_bad_http_flags_before_loading() -> None:
         done = subprocess.run([*cli, *flags], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and message in done.stderr, done.stderr
         assert "model loaded" not in done.stderr
+    taken.close()

@@ -278,8 +278,9 @@ async def _serve_async(
                     if front is not None:
                         from spectrio.http_api.server import serve_http
 
-                        host, port = args.http_address
-                        ready["http"] = await nursery.start(serve_http, front, host, port)
+                        ready["http"] = await nursery.start(
+                            functools.partial(serve_http, front, sock=args.http_socket)
+                        )
                     # The model, the libraries and the warm-up made every object the
                     # process keeps; out of the collector's reach, a full collection scans
                     # only what serving allocates (tens of ms less per pause).
@@ -463,6 +464,7 @@ def runtime_config_tp(args: argparse.Namespace) -> int:
 def _serve_main(args: argparse.Namespace) -> int:
     args.metrics_address = None
     args.http_address = None
+    args.http_socket = None
     args.record_writer = None
     with _StartupSignals() as early:
         from spectrio.core.config import ConfigError
@@ -489,6 +491,12 @@ def _serve_main(args: argparse.Namespace) -> int:
                 args.http_address = parse_metrics_address(
                     args.http, allow_public=args.allow_public, flag="--http"
                 )
+                from spectrio.http_api.server import bind_socket
+
+                try:  # bound now: a taken port is refused before the model loads
+                    args.http_socket = bind_socket(*args.http_address)
+                except OSError as exc:
+                    raise ValueError(f"--http: cannot serve on {args.http}: {exc}") from None
             if args.metrics is not None:
                 args.metrics_address = parse_metrics_address(
                     args.metrics, allow_public=args.allow_public
@@ -519,6 +527,8 @@ def _serve_main(args: argparse.Namespace) -> int:
         except (ConfigError, EndpointRefused, ServerRunning, CurveError, ValueError) as exc:
             if args.record_writer is not None:
                 args.record_writer.close()
+            if args.http_socket is not None:
+                args.http_socket.close()
             print(f"error: {exc}", file=sys.stderr)
             return 2
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -547,6 +557,8 @@ def _serve_main(args: argparse.Namespace) -> int:
             ctx.destroy(linger=0)
             if args.record_writer is not None:
                 args.record_writer.close()
+            if args.http_socket is not None:
+                args.http_socket.close()  # a no-op once Hypercorn took it over
     return 0
 
 
