@@ -8,7 +8,9 @@ rotate-half order. Two sources exist: safetensors folders (one file, several, or
 files (:mod:`spectrio.models.gguf_file`).
 
 :func:`fill_parameters` copies a source into a built model (a whole one or one
-tensor-parallel rank's shard), checking every name and shape first.
+tensor-parallel rank's shard), checking every name and shape first. The MTP layer's
+names and its one permuted tensor come from :mod:`spectrio.models.mtp_layout`, per the
+layout the config records.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from spectrio.errors import CheckpointError
+from spectrio.models import mtp_layout
 from spectrio.models.config import ModelConfig
 from spectrio.models.paddle_setup import paddle
 
@@ -41,10 +44,6 @@ HEAD_FILE = "mtp.safetensors"
 (:mod:`spectrio.models.mtp_head` reads it)."""
 
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
-
-# DeepSeek-V3 stores copies of the shared embedding and head inside the MTP layer;
-# spectrio shares the target's, so those copies are shape-checked and not loaded.
-_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 
 
 class TensorSource(Protocol):
@@ -171,9 +170,10 @@ class SafetensorsSource:
 
 
 def hf_name(paddle_name: str, cfg: ModelConfig) -> str:
-    """The Hugging Face tensor name of a parameter (the MTP layer is layer ``L``)."""
+    """The Hugging Face tensor name of a parameter; the MTP layer's as ``cfg.mtp_layout``
+    stores it (DeepSeek-V3's: layer ``L``)."""
     if paddle_name.startswith("mtp."):
-        return f"model.layers.{cfg.num_hidden_layers}." + paddle_name[len("mtp.") :]
+        return mtp_layout.hf_name(paddle_name, cfg)
     return paddle_name
 
 
@@ -203,12 +203,18 @@ def split_axis(name: str) -> int | None:
 
 def refuse_unexpected(where: str, cfg: ModelConfig, unexpected: set[str]) -> None:
     """Raise :class:`CheckpointError` for a stored tensor the architecture does not have
-    (the MTP layer's copies of shared weights and RoPE buffers are tolerated)."""
-    mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
+    (DeepSeek-V3's in-layer copies of the shared weights and RoPE buffers are tolerated).
+    One in the MTP layer's namespace is something spectrio's MTP layer cannot hold (a
+    bias on the input projection, a second layer): loading without it would draft with
+    another layer than the one stored, so it is refused too."""
     for name in sorted(unexpected):
-        suffix = name[len(mtp_prefix) :] if name.startswith(mtp_prefix) else None
-        if suffix in _SHARED_COPIES or name.endswith("rotary_emb.inv_freq"):
+        if mtp_layout.tolerated(name, cfg) or name.endswith("rotary_emb.inv_freq"):
             continue
+        if cfg.has_mtp and mtp_layout.is_layout_tensor(name, cfg):
+            raise CheckpointError(
+                f"{where}: unexpected MTP tensor {name!r} (spectrio's MTP layer, read in "
+                f"the {cfg.mtp_layout} layout, has no such part)"
+            )
         raise CheckpointError(
             f"{where}: unexpected tensor {name!r} (not part of this architecture)"
         )
@@ -235,6 +241,8 @@ def fill_parameters(
         axis = split_axis(name) if size > 1 else None
         if axis is not None:
             want[axis] *= size
+            # A permuted tensor is permuted whole; a rank's slice of it would mix halves.
+            assert not mtp_layout.transforms(name, cfg), name
         if hf not in names:
             raise CheckpointError(f"{source.where}: missing tensor {hf!r} (expected shape {want})")
         shape = source.shape(hf)
@@ -255,6 +263,7 @@ def fill_parameters(
                 raise CheckpointError(
                     f"{source.where}: tensor {hf!r} has non-float dtype {arr.dtype}"
                 )
+            arr = mtp_layout.convert(name, arr, cfg)
             value = arr.T if is_linear(param, name) else arr
             # Widen (float16, bfloat16 or dequantized storage) before the model sees it:
             # compute runs in dtype.

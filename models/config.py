@@ -12,7 +12,12 @@ architecture              family       switches
                                        ``attention_bias``
 ``Ernie4_5ForCausalLM``   ``ernie4_5`` ``use_bias`` (every linear), interleaved RoPE pairs
                                        (the loader permutes q/k rows into rotate-half order)
+``MiMoForCausalLM``       ``mimo``     Qwen2's decoder (q/k/v bias always, o without); its
+                                       MTP layer in MiMo's layout
 ========================  ===========  =====================================================
+
+Where a checkpoint keeps its MTP layer (DeepSeek-V3's, MiMo's or ERNIE 4.5's names) is
+:mod:`spectrio.models.mtp_layout`'s business; the loader records it in ``mtp_layout``.
 
 :meth:`ModelConfig.from_dict` reads a ``config.json`` strictly: every field is either
 used, known not to change the forward pass (``_INERT``), or refused with a message
@@ -30,6 +35,7 @@ from typing import Any, Literal
 import numpy as np
 
 from spectrio.errors import ModelConfigError
+from spectrio.models.mtp_layout import LAYOUTS, MTPLayoutName
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "bundled"
 """The checkpoint shipped with spectrio (``load("bundled")``)."""
@@ -37,7 +43,7 @@ BUNDLED_DIR = Path(__file__).resolve().parent / "bundled"
 DType = Literal["float32", "float64"]
 """Compute dtypes a model runs in (float64 for exactness tests)."""
 
-Family = Literal["llama", "qwen2", "qwen3", "ernie4_5"]
+Family = Literal["llama", "qwen2", "qwen3", "ernie4_5", "mimo"]
 
 ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -46,6 +52,7 @@ ARCHITECTURES: dict[str, Family] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Ernie4_5ForCausalLM": "ernie4_5",
+    "MiMoForCausalLM": "mimo",
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
@@ -54,6 +61,7 @@ _ARCH_OF: dict[Family, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
+    "mimo": "MiMoForCausalLM",
 }
 
 MODEL_TYPE = "llama"
@@ -73,6 +81,9 @@ _FAMILY_DEFAULTS: dict[Family, dict[str, Any]] = {
               "max_position_embeddings": 32768},
     "ernie4_5": {"tie_word_embeddings": True, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
                  "max_position_embeddings": 131072},
+    # MiMo's config class is Qwen2's with num_nextn_predict_layers added.
+    "mimo": {"tie_word_embeddings": False, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+             "max_position_embeddings": 32768},
 }  # fmt: skip
 
 # Fields that do not change the forward pass of a causal LM at inference: bookkeeping,
@@ -96,6 +107,7 @@ _INERT = frozenset(
         "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "diversity_penalty",
         "num_beam_groups", "pruned_heads", "tf_legacy_loss",
         "max_window_layers",  # which layers slide: moot while use_sliding_window is false
+        "multi_token_pred_lambda",  # ERNIE's MTP loss weight in training
     }
 )  # fmt: skip
 
@@ -106,6 +118,11 @@ _FAMILY_FIELDS: dict[Family, frozenset[str]] = {
     "qwen2": frozenset({"use_sliding_window", "sliding_window", "layer_types"}),
     "qwen3": frozenset({"attention_bias", "use_sliding_window", "sliding_window", "layer_types"}),
     "ernie4_5": frozenset({"use_bias", "use_rmsnorm"}),
+    # MiMo-7B's config.json carries attention_bias, but its decoder is Qwen2's, whose q/k/v
+    # bias is always on and o bias always off whatever the field says (transformers'
+    # Qwen2Attention, and vLLM's and SGLang's MiMo). A stored bias spectrio does not
+    # expect is refused as an unexpected tensor, so the field cannot mislead the loader.
+    "mimo": frozenset({"use_sliding_window", "sliding_window", "layer_types", "attention_bias"}),
 }
 
 _COMMON_FIELDS = frozenset(
@@ -239,6 +256,10 @@ class ModelConfig:
     #: every token id that ends generation (a config's ``eos_token_id`` list); the first
     #: is ``eos_token_id``
     eos_token_ids: tuple[int, ...] = ()
+    #: where the checkpoint keeps its MTP layer and how that layer is wired
+    #: (:mod:`spectrio.models.mtp_layout`). Not a config.json field: the loader reads it
+    #: off the tensor names, so it is always the layout of the weights in hand.
+    mtp_layout: MTPLayoutName = "deepseek"
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -272,6 +293,10 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelConfigError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.mtp_layout not in LAYOUTS:
+            raise ModelConfigError(
+                f"mtp_layout must be one of {', '.join(LAYOUTS)}, got {self.mtp_layout!r}"
+            )
         if self.num_nextn_predict_layers not in (0, 1):
             raise ModelConfigError(
                 f"num_nextn_predict_layers must be 0 or 1, got {self.num_nextn_predict_layers}"
@@ -293,8 +318,8 @@ class ModelConfig:
 
     @property
     def qkv_bias(self) -> bool:
-        """q, k and v projections carry a bias (Qwen2 always)."""
-        return self.attention_bias or self.family == "qwen2"
+        """q, k and v projections carry a bias (Qwen2 and MiMo always)."""
+        return self.attention_bias or self.family in ("qwen2", "mimo")
 
     @property
     def o_bias(self) -> bool:
@@ -378,7 +403,7 @@ class ModelConfig:
             out["attention_bias"] = self.attention_bias
         if family == "llama":
             out["mlp_bias"] = self.mlp_bias
-        if family in ("qwen2", "qwen3"):
+        if family in ("qwen2", "qwen3", "mimo"):
             out["use_sliding_window"] = False
         if family == "ernie4_5":
             out["use_bias"] = self.attention_bias
@@ -430,6 +455,9 @@ class ModelConfig:
         if family == "ernie4_5":
             bias = _flag(raw, "use_bias")
             attention_bias, mlp_bias = bias, bias
+        elif family == "mimo":
+            _flag(raw, "attention_bias")  # checked, then ignored (see _FAMILY_FIELDS)
+            attention_bias, mlp_bias = False, False
         else:
             attention_bias, mlp_bias = _flag(raw, "attention_bias"), _flag(raw, "mlp_bias")
         eos = raw.get("eos_token_id")
@@ -488,7 +516,7 @@ def _flag(raw: dict[str, Any], name: str) -> bool:
 
 def _refuse_sliding(raw: dict[str, Any], family: Family) -> None:
     """Sliding-window attention is not implemented: refuse a config that turns it on."""
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "mimo"):
         if raw.get("use_sliding_window", False):
             raise ModelConfigError(
                 "use_sliding_window=True is not supported (sliding-window attention)"

@@ -2,7 +2,9 @@
 without ``model.safetensors.index.json``) and GGUF files.
 
 Paddle keeps Linear weights as ``[in, out]``; Hugging Face files hold ``[out, in]``.
-The MTP layer is stored as DeepSeek-V3 names it: ``model.layers.{num_hidden_layers}.*``.
+The MTP layer loads from DeepSeek-V3's, MiMo's or ERNIE 4.5's layout and is saved in the
+one it came in (:mod:`spectrio.models.mtp_layout`); spectrio's own is DeepSeek-V3's,
+``model.layers.{num_hidden_layers}.*``.
 
 A model is named by a path (a folder or a ``.gguf`` file) or by one of the names in
 :data:`NAMED_MODELS`.
@@ -36,6 +38,7 @@ from spectrio.models.config import BUNDLED_DIR, DType, ModelConfig, ModelConfigE
 from spectrio.models.gguf_file import GGUFFile, is_gguf
 from spectrio.models.model import SpectrioForCausalLM, build_model
 from spectrio.models.mtp_head import WithHead, head_path_for, open_head, target_fingerprint
+from spectrio.models.mtp_layout import convert, with_layout
 from spectrio.models.tokenizer import TextTokenizer
 
 log = structlog.get_logger("spectrio.models")
@@ -47,6 +50,7 @@ __all__ = [
     "hf_name",
     "is_linear",
     "load",
+    "load_tokenizer",
     "model_config",
     "open_checkpoint",
     "read_config",
@@ -101,9 +105,15 @@ def state_dict_hf(
         if not hf.startswith(prefix):
             continue
         arr = param.numpy().astype(dtype)
-        arr = arr.T if is_linear(param, name) else arr
+        arr = convert(name, arr.T if is_linear(param, name) else arr, cfg)
         if cfg.rope_interleaved and is_qk_rows(hf):
             arr = half_to_interleaved(arr, cfg.head_dim)
+        if hf in out and not np.array_equal(out[hf], arr):
+            # ERNIE's layout stores one final norm for the target and the MTP layer.
+            raise CheckpointError(
+                f"cannot save {name} as {hf!r} in the {cfg.mtp_layout} MTP layout: the "
+                "layout shares that tensor, and the two copies now differ"
+            )
         out[hf] = np.ascontiguousarray(arr)
     return out
 
@@ -211,18 +221,33 @@ def _open_target(
     if path.is_file():
         gguf = GGUFFile(path)
         cfg = gguf.config
-        raw = gguf.tokenizer_json()
-        tokenizer = None
-        if raw is not None:
-            from tokenizers import Tokenizer
-
-            tokenizer = TextTokenizer(Tokenizer.from_str(raw), cfg.eos_token_id)
-        _check_vocab(path, cfg, tokenizer)
-        return cfg, gguf, tokenizer, gguf.chat_template
+        return cfg, gguf, _gguf_tokenizer(path, gguf, cfg), gguf.chat_template
     cfg = read_config(path)
     source = SafetensorsSource(path, cfg)
+    cfg = with_layout(cfg, source.names(), str(path))  # the MTP layout its names show
     tokenizer = tokenizer_of(path, cfg)
     return cfg, source, tokenizer, chat_template_of(path)
+
+
+def load_tokenizer(path_or_name: str | Path) -> TextTokenizer | None:
+    """The model's tokenizer, without its weights (None when it has none)."""
+    path = resolve_path(path_or_name)
+    cfg = read_config(path)
+    if path.is_file():
+        return _gguf_tokenizer(path, GGUFFile(path), cfg)
+    return tokenizer_of(path, cfg)
+
+
+def _gguf_tokenizer(path: Path, gguf: GGUFFile, cfg: ModelConfig) -> TextTokenizer | None:
+    """The tokenizer a GGUF file's metadata describes, checked against the vocabulary."""
+    raw = gguf.tokenizer_json()
+    if raw is None:
+        return None
+    from tokenizers import Tokenizer
+
+    tokenizer = TextTokenizer(Tokenizer.from_str(raw), cfg.eos_token_id)
+    _check_vocab(path, cfg, tokenizer)
+    return tokenizer
 
 
 def _check_vocab(where: Path, cfg: ModelConfig, tokenizer: TextTokenizer | None) -> None:
@@ -295,6 +320,8 @@ def load(
     cfg, source, tokenizer, template = open_checkpoint(path, str(path_or_name), mtp_head)
     model = build_model(cfg, dtype, init=False)
     fill_parameters(model, cfg, source, dtype)
+    if isinstance(source, WithHead):
+        model.set_draft_vocab(source.head.draft_vocab)
     model.eval()
     seconds = time.perf_counter() - t0
     log.info("model loaded", path=str(path), dtype=dtype, seconds=round(seconds, 3))

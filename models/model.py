@@ -24,16 +24,22 @@ from spectrio.models.layers import (
     rope_cos_sin,
     rope_matrices,
 )
+from spectrio.models.mtp_layout import layout_of
 from spectrio.models.staging import Staging
 
 
 @dataclasses.dataclass
 class ForwardOutput:
     logits: paddle.Tensor  # [M, V] for the requested rows
-    hidden: paddle.Tensor  # [N, d] for every row
+    #: [N, d] for every row: the state the MTP layer reads next (the target's final
+    #: hidden state, normed or not as the MTP layout wants; the MTP layer's output)
+    hidden: paddle.Tensor
     #: [M, d]: the rows of ``hidden`` the logits are for, where the pass gathered them
     #: anyway (the MTP pass), so the next draft substep need not gather them again
     picked_hidden: paddle.Tensor | None = None
+    #: ``logits`` column j is token ``vocab_ids[j]``; None: column j is token j (the MTP
+    #: pass over a draft vocabulary, :meth:`SpectrioForCausalLM.set_draft_vocab`)
+    vocab_ids: np.ndarray | None = None
 
 
 class DecoderModel(nn.Layer):
@@ -73,7 +79,10 @@ class SpectrioForCausalLM(nn.Layer):
 
     Hidden states handed to the MTP layer are the target's final, normed hidden
     states; the MTP layer's own output hidden state (before ``shared_head.norm``)
-    is what the next MTP substep consumes.
+    is what the next MTP substep consumes. A checkpoint whose MTP layer was built
+    otherwise (``config.mtp_layout``) switches either: MiMo's reads the target's state
+    before its final norm, and MiMo's and ERNIE's end in their norm, so the next
+    substep reads the normed state (:mod:`spectrio.models.mtp_layout`).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -95,6 +104,11 @@ class SpectrioForCausalLM(nn.Layer):
         self._rope_table: paddle.Tensor | None = None  # [max_position_embeddings, D, D]
         self._inv_freq_cache: np.ndarray | None = None
         self._head_weight: paddle.Tensor | None = None  # [d, V] for serving
+        self.draft_vocab: np.ndarray | None = None  # token ids the MTP pass drafts from
+        self._draft_head: paddle.Tensor | None = None  # [d, len(draft_vocab)]
+        layout = layout_of(self.config)
+        self._mtp_reads_prenorm = layout.reads_prenorm
+        self._mtp_norm_in_layer = layout.norm_in_layer
         self.staging = Staging()  # persistent input buffers (models/staging.py)
         # Held for a serving pass: runtimes sharing this model (open_runtime's ``loaded``)
         # take turns, since a pass stages its inputs in ``staging``.
@@ -111,6 +125,7 @@ class SpectrioForCausalLM(nn.Layer):
         tables); call it after changing weights in place outside training."""
         self._rope_table = None
         self._head_weight = None
+        self._draft_head = None
         for layer in [*self.model.layers, *([self.mtp] if self.mtp is not None else [])]:
             layer.drop_fused()
 
@@ -137,6 +152,36 @@ class SpectrioForCausalLM(nn.Layer):
                 weight = self.lm_head.weight
             self._head_weight = weight.contiguous().detach()
         return fo.matmul(hidden, self._head_weight)
+
+    def set_draft_vocab(self, token_ids: np.ndarray | None) -> None:
+        """Draft from ``token_ids`` only: the MTP pass computes logits for those head rows
+        and no others (None: the whole vocabulary). With a large vocabulary the head is
+        most of a draft substep's work, and the tokens a model emits are concentrated on
+        a small share of it, so drafting over the frequent ones costs a fraction and
+        loses only drafts that would have been rare tokens. Verification is unchanged:
+        output stays lossless whatever is drafted."""
+        if token_ids is not None:
+            token_ids = np.asarray(token_ids, dtype=np.int64)
+            if token_ids.ndim != 1 or token_ids.size == 0:
+                raise ValueError("the draft vocabulary is a non-empty list of token ids")
+            if token_ids.min() < 0 or token_ids.max() >= self.config.vocab_size:
+                raise ValueError("draft vocabulary ids must lie in the model's vocabulary")
+        self.draft_vocab = token_ids
+        self._draft_head = None
+
+    def compute_draft_logits(
+        self, hidden: paddle.Tensor
+    ) -> tuple[paddle.Tensor, np.ndarray | None]:
+        """Logits of ``hidden`` over the draft vocabulary, and the token id of each column
+        (None: the whole vocabulary, column j is token j)."""
+        if self.draft_vocab is None or paddle.is_grad_enabled():
+            return self.compute_logits(hidden), None
+        if self._draft_head is None:
+            self.compute_logits(hidden[:0])  # builds the [d, V] serving copy of the head
+            assert self._head_weight is not None
+            ids = paddle.to_tensor(self.draft_vocab)
+            self._draft_head = paddle.gather(self._head_weight, ids, axis=1).contiguous()
+        return fo.matmul(hidden, self._draft_head), self.draft_vocab
 
     def _embed(self, ids: paddle.Tensor) -> paddle.Tensor:
         """Embedding rows of ``ids`` (a row gather: ``nn.Embedding`` without its Python
@@ -191,15 +236,22 @@ class SpectrioForCausalLM(nn.Layer):
         delta = None
         for i, layer in enumerate(self.model.layers):
             x, delta = layer.forward_paged(x, rope, plan, cache, i, delta)
-        hidden = self.model.norm.add_normalize(x, delta, weighted=True)[0]
-        return ForwardOutput(logits=self.compute_logits(self._select(hidden, batch)), hidden=hidden)
+        hidden, summed = self.model.norm.add_normalize(x, delta, weighted=True)
+        logits = self.compute_logits(self._select(hidden, batch))
+        return ForwardOutput(logits=logits, hidden=summed if self._mtp_reads_prenorm else hidden)
 
     def mtp_forward(
-        self, batch: PackedBatch, prev_hidden: paddle.Tensor, cache: PagedKVCache
+        self,
+        batch: PackedBatch,
+        prev_hidden: paddle.Tensor,
+        cache: PagedKVCache,
+        draft_vocab: bool = False,
     ) -> ForwardOutput:
         """MTP pass. Row r pairs ``prev_hidden[r]`` (state at position p) with
         ``batch.input_ids[r]`` (the token at p+1) and sits at MTP position p; its logits
-        predict the token at p+2. The returned hidden states feed the next substep."""
+        predict the token at p+2. The returned hidden states feed the next substep.
+        ``draft_vocab``: logits over the draft vocabulary where one is set
+        (``out.vocab_ids`` names their tokens)."""
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP layer (num_nextn_predict_layers=0)")
         self.staging.reset()
@@ -208,9 +260,23 @@ class SpectrioForCausalLM(nn.Layer):
         x = self.mtp.fuse(self._embed(self.staging.put(batch.input_ids)), prev_hidden)
         x, delta = self.mtp.forward_paged(x, rope, plan, cache, 0)
         x = fo.add(x, delta)
+        norm = self.mtp.shared_head.norm
+        if self._mtp_norm_in_layer:
+            # The norm ends the layer: its output, for every row, is the next input too.
+            x = norm.forward(x)
+            picked = self._select(x, batch)
+            logits, ids = self._mtp_logits(picked, draft_vocab)
+            return ForwardOutput(logits, hidden=x, picked_hidden=picked, vocab_ids=ids)
         picked = self._select(x, batch)
-        logits = self.compute_logits(self.mtp.shared_head.norm.forward(picked))
-        return ForwardOutput(logits=logits, hidden=x, picked_hidden=picked)
+        logits, ids = self._mtp_logits(norm.forward(picked), draft_vocab)
+        return ForwardOutput(logits=logits, hidden=x, picked_hidden=picked, vocab_ids=ids)
+
+    def _mtp_logits(
+        self, hidden: paddle.Tensor, draft_vocab: bool
+    ) -> tuple[paddle.Tensor, np.ndarray | None]:
+        if draft_vocab:
+            return self.compute_draft_logits(hidden)
+        return self.compute_logits(hidden), None
 
     # ---- dense: [B, T] causal, no cache (training and the oracle) --------------------
 
@@ -218,8 +284,9 @@ class SpectrioForCausalLM(nn.Layer):
         self, input_ids: paddle.Tensor, past: list[KV] | None = None
     ) -> tuple[paddle.Tensor, paddle.Tensor, list[KV]]:
         """Causal pass over ``[B, T]`` tokens that follow ``past`` (contiguous per-layer K/V
-        of the earlier positions, or None). Returns logits ``[B, T, V]``, final hidden
-        ``[B, T, d]`` and the K/V of every position so far."""
+        of the earlier positions, or None). Returns logits ``[B, T, V]``, the final hidden
+        states ``[B, T, d]`` the MTP layer reads (normed, or before the norm where the MTP
+        layout wants that) and the K/V of every position so far."""
         start = 0 if past is None else int(past[0][0].shape[1])
         t = input_ids.shape[1]
         cos, sin = self._rope(paddle.arange(start, start + t, dtype="int64"))
@@ -230,13 +297,14 @@ class SpectrioForCausalLM(nn.Layer):
             x, kv = layer.forward_dense(x, cos, sin, mask, None if past is None else past[i])
             presents.append(kv)
         hidden = self.model.norm(x)
-        return self.compute_logits(hidden), hidden, presents
+        return self.compute_logits(hidden), x if self._mtp_reads_prenorm else hidden, presents
 
     def mtp_forward_dense(
         self, next_ids: paddle.Tensor, prev_hidden: paddle.Tensor, past: KV | None = None
     ) -> tuple[paddle.Tensor, paddle.Tensor, KV]:
         """Dense MTP: ``next_ids[:, p]`` is the token at p+1 and ``prev_hidden[:, p]`` the
-        state at p; returns (logits for p+2, MTP hidden, MTP K/V so far)."""
+        state at p; returns (logits for p+2, MTP hidden for the next substep, MTP K/V so
+        far)."""
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP layer (num_nextn_predict_layers=0)")
         start = 0 if past is None else int(past[0].shape[1])
@@ -244,7 +312,8 @@ class SpectrioForCausalLM(nn.Layer):
         cos, sin = self._rope(paddle.arange(start, start + t, dtype="int64"))
         x = self.mtp.fuse(self.model.embed_tokens(next_ids), prev_hidden)
         x, kv = self.mtp.forward_dense(x, cos, sin, _dense_mask(t, start, self.dtype), past)
-        return self.compute_logits(self.mtp.shared_head.norm(x)), x, kv
+        normed = self.mtp.shared_head.norm(x)
+        return self.compute_logits(normed), normed if self._mtp_norm_in_layer else x, kv
 
 
 def _dense_mask(t: int, start: int, dtype: DType) -> paddle.Tensor:

@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 
 FORMAT = "spectrio-mtp-head/1"
 HEADS_DIR = Path(__file__).resolve().parent / "heads"
+DRAFT_VOCAB = "spectrio.draft_vocab"
+"""The head file's optional int32 tensor of the token ids to draft from
+(:meth:`~spectrio.models.model.SpectrioForCausalLM.set_draft_vocab`)."""
 
 SHIPPED_HEADS = {"smollm2": HEADS_DIR / "smollm2" / HEAD_FILE}
 """Heads the package ships, by model name; each has a ``.sha256`` file beside it."""
@@ -107,7 +110,7 @@ def open_head(path: Path, cfg: ModelConfig, fingerprint: str) -> HeadSource:
         )
     prefix = f"model.layers.{cfg.num_hidden_layers}."
     for key in handle.keys():
-        if not key.startswith(prefix):
+        if not key.startswith(prefix) and key != DRAFT_VOCAB:
             raise CheckpointError(
                 f"{path}: tensor {key!r} is not part of the MTP layer ({prefix}*)"
             )
@@ -123,7 +126,14 @@ class HeadSource:
         self._handle = handle
 
     def names(self) -> set[str]:
-        return set(self._handle.keys())  # type: ignore[attr-defined]
+        return set(self._handle.keys()) - {DRAFT_VOCAB}  # type: ignore[attr-defined]
+
+    @property
+    def draft_vocab(self) -> np.ndarray | None:
+        """The token ids the head drafts from, when its file names them."""
+        if DRAFT_VOCAB not in self._handle.keys():  # type: ignore[attr-defined]
+            return None
+        return np.asarray(self._handle.get_tensor(DRAFT_VOCAB), dtype=np.int64)  # type: ignore[attr-defined]
 
     def shape(self, name: str) -> list[int]:
         return list(self._handle.get_slice(name).get_shape())  # type: ignore[attr-defined]
@@ -139,7 +149,8 @@ class WithHead:
     head, everything else from the target."""
 
     def __init__(self, target: TensorSource, head: HeadSource) -> None:
-        self._target, self._head = target, head
+        self._target = target
+        self.head = head
         self._head_names = head.names()
         self.where = target.where
 
@@ -147,7 +158,7 @@ class WithHead:
         return self._target.names() | self._head_names
 
     def _source(self, name: str) -> TensorSource:
-        return self._head if name in self._head_names else self._target
+        return self.head if name in self._head_names else self._target
 
     def shape(self, name: str) -> list[int]:
         return self._source(name).shape(name)
@@ -157,11 +168,17 @@ class WithHead:
 
 
 def save_head(
-    model: object, path: Path, fingerprint: str, dtype: str = "float16", **meta: str
+    model: object,
+    path: Path,
+    fingerprint: str,
+    dtype: str = "float16",
+    draft_vocab: np.ndarray | None = None,
+    **meta: str,
 ) -> str:
-    """Write ``model``'s MTP layer to ``path`` as a head for the target ``fingerprint``,
-    with its SHA-256 in ``path.sha256``; returns the checksum. ``meta`` rides along in the
-    file's metadata (what trained it)."""
+    """Write ``model``'s MTP layer to ``path`` as a head for the target ``fingerprint``
+    (with the token ids it drafts from, when ``draft_vocab`` is given), with its SHA-256
+    in ``path.sha256``; returns the checksum. ``meta`` rides along in the file's metadata
+    (what trained it)."""
     from safetensors.numpy import save_file
 
     from spectrio.models.loader import state_dict_hf
@@ -172,6 +189,8 @@ def save_head(
     tensors = state_dict_hf(model, dtype, prefix)
     if not tensors:
         raise ValueError("the model has no MTP layer to save")
+    if draft_vocab is not None:
+        tensors[DRAFT_VOCAB] = np.asarray(draft_vocab, dtype=np.int32)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": FORMAT, "target": fingerprint, **meta})

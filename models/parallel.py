@@ -26,6 +26,7 @@ import dataclasses
 import time
 from pathlib import Path
 
+import numpy as np
 import structlog
 
 from spectrio.models.paddle_setup import configure_paddle, paddle  # first: imports Paddle
@@ -202,6 +203,12 @@ class ParallelCausalLM(SpectrioForCausalLM):
     def num_local_kv_heads(self) -> int:
         """KV heads this rank's caches hold."""
         return self.config.num_key_value_heads // self.tp.size
+
+    def compute_draft_logits(
+        self, hidden: paddle.Tensor
+    ) -> tuple[paddle.Tensor, np.ndarray | None]:
+        # Each rank holds a slice of the vocabulary: a shard drafts over all of it.
+        return self.compute_logits(hidden), None
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """Local vocab shard's logits, gathered to the full vocabulary on every rank."""

@@ -360,10 +360,15 @@ class SyntheticModel(SpectrioForCausalLM):
         return out
 
     def mtp_forward(
-        self, batch: PackedBatch, prev_hidden: paddle.Tensor, cache: PagedKVCache
+        self,
+        batch: PackedBatch,
+        prev_hidden: paddle.Tensor,
+        cache: PagedKVCache,
+        draft_vocab: bool = False,
     ) -> ForwardOutput:
-        """MTP pass: row ``r`` holds the token at ``positions[r] + 1``; its logits peak at
-        the draft for the position after, at depth ``prev_hidden[r, 0]``."""
+        """MTP pass (over the whole vocabulary: the device has no draft vocabulary): row
+        ``r`` holds the token at ``positions[r] + 1``; its logits peak at the draft for
+        the position after, at depth ``prev_hidden[r, 0]``."""
         t0 = time.perf_counter()
         _check_tables(batch, cache.block_size)
         depth = np.rint(prev_hidden[:, 0].numpy()).astype(np.int64)

@@ -326,6 +326,9 @@ async def test_bench_requests_per_batch_size(
         ["--num-requests", "0"],
         ["--batch", "4", "4"],
         ["--interleave", "0.1", "--request-rate", "5"],
+        ["--k", "ngram:0"],
+        ["--k", "eagle:2"],
+        ["--k", "ngram:x"],
     ],
 )
 def test_bench_rejects_bad_options(extra: list[str]) -> None:
@@ -378,6 +381,26 @@ def test_bench_runs_ngram_on_the_repeat_workload(
     rows = {r["k"]: r for r in json.loads(out_json.read_text())["rows"]}
     assert rows[0]["drafts_accepted"] == 0
     assert rows[3]["drafts_accepted"] > 0
+
+
+def test_bench_compares_methods_in_one_run(tmp_path: Path) -> None:
+    """``METHOD:K`` cases draft with their own method beside the ``--spec-method`` ones,
+    each with its own drafts (the output is the same: greedy and lossless)."""
+    out_json = tmp_path / "b.json"
+    argv = [
+        "--batch", "2", "--k", "0", "2", "ngram:3", "--prompts", "repeat",
+        "--max-tokens", "24", "--prompt-tokens", "64", "--num-requests", "2", "--progress",
+        "off", "--json", str(out_json),
+    ]  # fmt: skip
+    assert bench.main(argv) == 0
+    rows = {r["k"]: r for r in json.loads(out_json.read_text())["rows"]}
+    assert set(rows) == {0, 2, "ngram:3"}
+    assert rows[2]["drafts_accepted"] > 0 and rows["ngram:3"]["drafts_accepted"] > 0
+    # n-gram lookup proposes only where a suffix repeats; MTP drafts every step
+    assert rows["ngram:3"]["drafts_proposed"] != rows[2]["drafts_proposed"]
+    assert bench.spec_config("ngram:auto", 5).method == "ngram"
+    assert bench.spec_config("ngram:auto", 5).adaptive
+    assert bench.spec_config("mtp:2", 5, method="ngram").method == "mtp"
 
 
 async def test_bench_save_trace_replays_to_the_same_tokens(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from spectrio.tools.train_mtp import (
     Sequences,
     accepted_per_substep,
     chat_prompts,
+    frequent_tokens,
     lr_at,
     make_batch,
 )
@@ -34,7 +35,7 @@ from spectrio.tools.train_mtp import (
 TRAIN_ARGS = [
     "--prompts", "12", "--prompt-tokens", "48", "--gen-tokens", "40", "--gen-batch", "6",
     "--window", "32", "--batch-size", "4", "--eval-every", "2", "--eval-windows", "6",
-    "--bar-interval", "60", "--threads", "1",
+    "--bar-interval", "60", "--threads", "1", "--draft-vocab", "300",
 ]  # fmt: skip
 
 
@@ -65,7 +66,10 @@ def test_head_is_written_beside_the_model_and_attached(trained: Path) -> None:
     head = trained / HEAD_FILE
     assert head_path_for(trained) == head
     assert head.is_file() and (trained / (HEAD_FILE + ".sha256")).is_file()
-    assert load(trained).config.has_mtp
+    model = load(trained).model
+    assert model.config.has_mtp
+    # the draft vocabulary rides in the head file: at most the 300 most frequent + EOS
+    assert model.draft_vocab is not None and 0 < model.draft_vocab.size <= 301
     assert not load(trained, mtp_head=False).config.has_mtp
     log = json.loads((trained.parent / "work" / "training_log.json").read_text())
     assert [e["step"] for e in log["evals"]] == [0, 2, 4]
@@ -230,3 +234,44 @@ def test_tensor_parallel_shards_carry_the_head(trained: Path) -> None:
         else:
             axis = next(a for a in (0, 1) if parts[0].shape[a] * 2 == whole.shape[a])
             np.testing.assert_array_equal(np.concatenate(parts, axis=axis), whole)
+
+
+def test_the_draft_vocabulary_is_the_most_frequent_tokens() -> None:
+    seqs = Sequences.build([([5, 5, 5, 7], [7, 9, 3, 3, 3, 3])])
+    assert frequent_tokens(seqs, 2, 20, [0]).tolist() == [0, 3, 5]
+    assert frequent_tokens(seqs, 3, 20, []).tolist() == [3, 5, 7]  # 7 and 9 tie 2:1 -> 7
+    assert frequent_tokens(seqs, 50, 20, []) is None  # the whole vocabulary: none
+    assert frequent_tokens(seqs, 0, 20, []) is None
+    assert frequent_tokens(seqs, 10, 20, []).tolist() == [3, 5, 7, 9]  # only what was seen
+
+
+def test_drafting_from_a_vocabulary_subset_computes_those_columns(bundled: LoadedModel) -> None:
+    import paddle
+
+    from spectrio.models import PackedBatch, PagedKVCache
+
+    model = bundled.model
+    cfg = model.config
+    vocab = np.arange(0, cfg.vocab_size, 7)
+    cache = PagedKVCache(1, 8, 16, cfg.num_key_value_heads, cfg.head_dim, "float32")
+    batch = PackedBatch.from_sequences(
+        [[5, 17, 300, 40], [9, 8]], [0, 0], [np.array([0]), np.array([1])]
+    )
+    batch.logits_indices = batch.last_rows()
+    hidden = paddle.to_tensor(
+        np.random.default_rng(0).normal(size=(6, cfg.hidden_size)).astype("float32")
+    )
+    try:
+        model.set_draft_vocab(vocab)
+        with paddle.no_grad():
+            full = model.mtp_forward(batch, hidden, cache)
+            sub = model.mtp_forward(batch, hidden, cache, draft_vocab=True)
+        assert full.vocab_ids is None and sub.vocab_ids is not None
+        np.testing.assert_array_equal(sub.vocab_ids, vocab)
+        np.testing.assert_allclose(
+            sub.logits.numpy(), full.logits.numpy()[:, vocab], rtol=1e-5, atol=1e-5
+        )
+        with pytest.raises(ValueError, match="vocabulary"):
+            model.set_draft_vocab(np.array([cfg.vocab_size]))
+    finally:
+        model.set_draft_vocab(None)

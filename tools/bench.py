@@ -107,6 +107,7 @@ from tqdm import tqdm
 from spectrio import Runtime, RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
 from spectrio.core.timing import StepTiming, device_summary
 from spectrio.models import LoadedModel, load, reference
+from spectrio.models.loader import load_tokenizer
 from spectrio.models.synthetic import is_synthetic, parse_spec
 from spectrio.runtime import timing_cache
 from spectrio.stages.spec_policy import batch_bucket
@@ -158,7 +159,7 @@ def bench_prompts(
         rng = np.random.default_rng(seed)
         ids = rng.integers(1, parse_spec(model).vocab, size=(count, prompt_tokens))
         return [[int(t) for t in row] for row in ids]
-    tok = load(model).tokenizer
+    tok = load_tokenizer(model)  # not the weights: the cases load those
     assert tok is not None
     encoded: list[list[int]] = []
 
@@ -188,12 +189,29 @@ def bench_prompts(
 
 def spec_config(k: int | str, k_max: int = 4, method: str = "mtp") -> SpeculativeConfig:
     """0: no speculation; N: a fixed N drafts per step; "auto": adaptive, up to ``k_max``;
-    drafts made by ``method`` (``mtp`` or ``ngram``)."""
+    drafts made by ``method`` (``mtp`` or ``ngram``), unless the case names its own
+    (``"ngram:3"``, ``"mtp:auto"``: one run then compares the methods)."""
+    if isinstance(k, str) and ":" in k:
+        method, k = k.split(":", 1)
+        return spec_config(k if k == "auto" else int(k), k_max, method)
     if k == "auto":
         return SpeculativeConfig(method=method, num_speculative_tokens=k_max, adaptive=True)
     if k == 0:
         return SpeculativeConfig(method=None)
     return SpeculativeConfig(method=method, num_speculative_tokens=int(k), adaptive=False)
+
+
+def parse_case_k(value: str) -> int | str:
+    """A ``--k`` value: an int, ``"auto"``, or ``"METHOD:N"``/``"METHOD:auto"``, kept as the
+    case's label; raises ValueError otherwise."""
+    if value == "auto":
+        return value
+    if ":" in value:
+        method, k = value.split(":", 1)
+        if method not in ("mtp", "ngram") or not (k == "auto" or int(k) > 0):
+            raise ValueError(value)
+        return f"{method}:{k}"
+    return int(value)
 
 
 def round_order(
@@ -759,7 +777,9 @@ def main(argv: list[str] | None = None) -> int:
         "--k",
         nargs="+",
         default=["0", "1", "2", "3", "auto"],
-        help="0 means --no-spec, N a fixed k, 'auto' the adaptive policy up to --k-max",
+        help="0 means --no-spec, N a fixed k, 'auto' the adaptive policy up to --k-max; "
+        "METHOD:N or METHOD:auto (mtp, ngram) drafts that case with METHOD instead of "
+        "--spec-method, so one run compares methods",
     )
     p.add_argument("--k-max", type=int, default=4, help="largest k the adaptive policy may use")
     p.add_argument(
@@ -852,9 +872,9 @@ def main(argv: list[str] | None = None) -> int:
     if any(v is not None and not 0 <= v <= 20 for v in settings):
         p.error("--logprobs values must be 'off' or in 0..20")
     try:
-        ks: list[int | str] = [v if v == "auto" else int(v) for v in args.k]
+        ks: list[int | str] = [parse_case_k(v) for v in args.k]
     except ValueError:
-        p.error("--k takes integers and 'auto'")
+        p.error("--k takes integers, 'auto', and METHOD:N or METHOD:auto (mtp, ngram)")
     if any(b < 1 for b in args.batch):
         p.error("--batch sizes must be positive")
     if len(set(args.batch)) != len(args.batch):

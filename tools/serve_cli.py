@@ -24,7 +24,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, cast
 
 import structlog
@@ -265,7 +265,8 @@ async def _serve_async(
                     stopper.startup = None  # from here a signal drains instead
                     served, extra, registry = _observe(rt, args, nursery)
                     front = _http_front(served, args, config, registry)
-                    nursery.start_soon(_exit_when_dead, rt, front)
+                    servers: list[WireServer] = []
+                    nursery.start_soon(_exit_when_dead, rt, servers, front)
                     ready: dict[str, str | None] = {"requests": None, "outputs": None, "tap": None}
                     server = None
                     if endpoints is not None:
@@ -273,6 +274,7 @@ async def _serve_async(
                             served, args, endpoints, claim, curve, ctx, nursery
                         )
                         assert server.endpoints is not None
+                        servers.append(server)
                         ep = server.endpoints
                         ready = {"requests": ep.requests, "outputs": ep.outputs, "tap": ep.tap}
                     if front is not None:
@@ -370,16 +372,24 @@ def _is_loopback(host: str) -> bool:
     return ipaddress.ip_address(host).is_loopback
 
 
-async def _exit_when_dead(rt: Runtime, front: HttpFront | None = None) -> None:
+async def _exit_when_dead(
+    rt: Runtime, servers: Sequence[WireServer], front: HttpFront | None = None
+) -> None:
     """A dead engine (a tensor-parallel rank died, a stage failed) ends the server at
-    once, not at the next request: raise its :class:`EngineDead` here. Open HTTP
-    responses first get (at most 2 s) to send their error event and ``[DONE]``; the
-    runtime has already handed every stream the engine's death."""
-    dead = await rt.wait_dead()
-    if front is not None:  # requests meanwhile get 503 (the front knows the engine is dead)
-        with trio.move_on_after(2.0):
+    once, not at the next request: raise its :class:`EngineDead` here, once each server
+    has told its consumers (the last step that aborts every open request, bounded by
+    :data:`~spectrio.wire.server.DEFAULT_FINISH_S`) and open HTTP responses have sent
+    their error event and ``[DONE]`` (the runtime handed every stream the engine's
+    death; HTTP requests meanwhile get 503)."""
+    from spectrio.wire.server import DEFAULT_FINISH_S
+
+    exc = await rt.wait_dead()
+    with trio.move_on_after(DEFAULT_FINISH_S + 1.0):
+        for server in servers:
+            await server.death_published.wait()
+        if front is not None:
             await front.wait_idle()
-    raise dead
+    raise exc
 
 
 def _observe(

@@ -208,9 +208,14 @@ def mtp_chain(
     s and to its own chain. Returns each substep's logits ``[B, T, V]``; row s of substep
     j predicts the token after ``chain_tokens[j-1][:, s]``.
     """
+    from spectrio.models.mtp_layout import layout_of
+
     mtp = model.mtp
     if mtp is None:
         raise RuntimeError("the model has no MTP layer")
+    # A layer that ends in its norm (MiMo's, ERNIE's layout) hands the next substep the
+    # normed state, as the runtime's mtp_forward does.
+    norm_in_layer = layout_of(model.config).norm_in_layer
     t = ids.shape[1]
     _, _, real = model.mtp_forward_dense(ids[:, 1:], hidden[:, :-1])  # real entries 0..t-2
     mask = chain_mask(t, t - 1, model.dtype)
@@ -222,7 +227,9 @@ def mtp_chain(
         fused = mtp.fuse(model.model.embed_tokens(chain_tokens[j]), x)
         x, kv = chain_layer(mtp, fused, cos, sin, real, mask, chain)
         chain.append(kv)
-        out.append(model.compute_logits(mtp.shared_head.norm(x)))
+        normed = mtp.shared_head.norm(x)
+        out.append(model.compute_logits(normed))
+        x = normed if norm_in_layer else x
     return out
 
 

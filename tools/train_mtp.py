@@ -227,7 +227,7 @@ def compute_features(
     files = {n: folder / f"{n}.npy" for n in ("hidden", "top_ids", "top_probs")}
     done = folder / "features.done"
     if done.exists():
-        return Features(*(np.load(files[n], mmap_mode="r") for n in files))  # type: ignore[arg-type]
+        return Features(*(np.load(files[n], mmap_mode="r") for n in files))
     n, d = int(seqs.tokens.size), model.config.hidden_size
     hidden = np.lib.format.open_memmap(files["hidden"], "w+", np.float16, (n, d))
     top_ids = np.lib.format.open_memmap(files["top_ids"], "w+", np.int32, (n, top_k))
@@ -262,6 +262,18 @@ def compute_features(
         arr.flush()
     done.write_text("ok\n")
     return Features(hidden, top_ids, top_probs)
+
+
+def frequent_tokens(seqs: Sequences, size: int, vocab: int, always: list[int]) -> np.ndarray | None:
+    """The draft vocabulary: the ``size`` tokens most frequent in the generations (ties
+    by id), plus ``always`` (the stop tokens), sorted; None when it would hold the whole
+    vocabulary anyway (``size`` 0 or at least ``vocab``)."""
+    if size <= 0 or size >= vocab:
+        return None
+    counts = np.bincount(seqs.tokens.astype(np.int64), minlength=vocab)
+    order = np.lexsort((np.arange(vocab), -counts))  # most frequent first, then by id
+    seen = order[: min(size, int((counts > 0).sum()))]
+    return np.unique(np.concatenate([seen, np.asarray(always, dtype=np.int64)]))
 
 
 # ---- stage 3: training ----------------------------------------------------------------
@@ -350,18 +362,24 @@ def chain_logits(model: SpectrioForCausalLM, batch: Batch, t: int, depth: int) -
     return mtp_chain(model, ids[:, :t], hidden, chain_tokens, depth)
 
 
-def accepted_per_substep(logits: list[Any], batch: Batch, t: int) -> tuple[np.ndarray, int]:
+def accepted_per_substep(
+    logits: list[Any], batch: Batch, t: int, vocab: np.ndarray | None = None
+) -> tuple[np.ndarray, int]:
     """Chained greedy acceptance per substep over the rows where the whole chain is the
     target's greedy output: substep j is kept only if it and every earlier one drafted
-    the sequence's next token. Returns (share per substep, rows counted)."""
+    the sequence's next token (drafting from ``vocab`` only, when given, as serving
+    does). Returns (share per substep, rows counted)."""
     from spectrio.models.paddle_setup import paddle
+
+    def drafts(lg: Any) -> np.ndarray:
+        if vocab is None:
+            return paddle.argmax(lg, axis=-1).numpy()
+        sub = paddle.index_select(lg, paddle.to_tensor(vocab), axis=-1)
+        return vocab[paddle.argmax(sub, axis=-1).numpy()]
 
     depth = len(logits)
     hits = np.stack(
-        [
-            paddle.argmax(lg, axis=-1).numpy() == batch.ids[:, 2 + j : 2 + j + t]
-            for j, lg in enumerate(logits)
-        ]
+        [drafts(lg) == batch.ids[:, 2 + j : 2 + j + t] for j, lg in enumerate(logits)]
     )  # [depth, B, T]
     rows = batch.valid.all(axis=0)
     chained = np.cumprod(hits, axis=0)[:, rows]
@@ -491,6 +509,7 @@ def train(
     feats: Features,
     args: argparse.Namespace,
     on_save: Any,
+    draft_vocab: np.ndarray | None = None,
 ) -> Run:
     from tqdm import tqdm
 
@@ -533,7 +552,8 @@ def train(
             rows = 0
             for i in range(0, len(eval_picks), args.batch_size):
                 part = make_batch(seqs, feats, held, eval_picks[i : i + args.batch_size], t, depth)
-                a, n = accepted_per_substep(chain_logits(model, part, t, depth), part, t)
+                logits = chain_logits(model, part, t, depth)
+                a, n = accepted_per_substep(logits, part, t, draft_vocab)
                 acc, rows = acc + a * n, rows + n
         row = {
             "step": run.step,
@@ -649,6 +669,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-tokens", type=int, default=192, help="tokens generated per prompt")
     p.add_argument("--gen-batch", type=int, default=32, help="concurrent generations")
     p.add_argument("--top-k", type=int, default=8, help="target probabilities kept per token")
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=8192,
+        help="draft from the N tokens most frequent in the generations (0: the whole "
+        "vocabulary); the head's matmul is most of a draft substep's cost on a large "
+        "vocabulary, and output stays lossless whatever is drafted",
+    )
     p.add_argument("--draft-steps", type=int, default=3, help="unrolled MTP substeps")
     p.add_argument("--substep-weights", default="1,1,1")
     p.add_argument("--window", type=int, default=96, help="rows per training window")
@@ -742,12 +770,18 @@ def _main(args: argparse.Namespace) -> int:
     log.info("features ready", minutes=round((time.perf_counter() - t0) / 60, 1))
 
     attach_fresh_layer(model, args.seed)
+    stops = [t for t in (loaded.config.eos_token_ids or ()) if t is not None]
+    vocab = frequent_tokens(seqs, args.draft_vocab, loaded.config.vocab_size, list(stops))
+    if vocab is not None:
+        covered = float(np.isin(seqs.tokens, vocab).mean())
+        log.info("draft vocabulary", tokens=int(vocab.size), covers=round(covered, 4))
 
     def write(run: Run) -> None:
         checksum = save_head(
             model,
             out,
             fingerprint,
+            draft_vocab=vocab,
             steps=str(run.step),
             accepted=json.dumps(run.evals[-1]["accepted"] if run.evals else []),
         )
@@ -762,7 +796,7 @@ def _main(args: argparse.Namespace) -> int:
         )
         log.info("head written", path=str(out), sha256=checksum, step=run.step)
 
-    run = train(model, seqs, feats, args, write)
+    run = train(model, seqs, feats, args, write, vocab)
     last = run.evals[-1]
     print(
         f"MTP head: {out} ({run.step} steps, {run.seconds / 60:.1f} min); held-out chained "

@@ -132,6 +132,9 @@ class Chunk(msgspec.Struct, frozen=True, kw_only=True):
     total_accepted: int | None = None
     # One entry per token when the request asked for logprobs (``params.logprobs``).
     logprobs: list[TokenLogprob] | None = None
+    # The step envelope's error for this request, as ``"code: reason"`` (a request that
+    # failed: ``"unavailable: engine_dead: ..."`` when the engine died).
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -235,6 +238,7 @@ class StreamAssembler:
         without tokens included. A chunk is returned for slots with tokens or a finish."""
         env, tokens = decode_step(frames)
         logprobs = step_logprobs(frames, env.request_ids)
+        errors = {e.request_id: f"{e.code.value}: {e.reason}" for e in env.errors}
         chunks: list[Chunk] = []
         for rid, seqno, reason in zip(env.request_ids, env.seqnos, env.finish_reasons, strict=True):
             if not (self._follow_all or rid in self._followed):
@@ -271,6 +275,7 @@ class StreamAssembler:
                     total_drafts=None if totals is None else totals[0],
                     total_accepted=None if totals is None else totals[1],
                     logprobs=logprobs.get(rid) if token_ids else None,
+                    error=errors.get(rid),
                 )
             )
         return chunks

@@ -56,12 +56,15 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Final, TypeVar
 
 import msgspec
+import numpy as np
 import structlog
 import trio
 import zmq
 
 from spectrio.core.messages import PublishedStep
 from spectrio.core.params import InvalidRequest
+from spectrio.core.record import pack_step_record
+from spectrio.errors import EngineDead
 from spectrio.runtime.api import RequestStream, Runtime
 from spectrio.wire.admission import (
     MAX_TOKENIZING,
@@ -224,6 +227,13 @@ class WireServer:
         self._closing = False
         self._linger_s = 0.0  # how long the PUSH socket may keep unsent steps on close
         self.endpoints: ServerEndpoints | None = None  # set once bound
+        self._last_step = 0  # the step number of the last step queued
+        # Requests whose stream ended with the engine's death, before their final step:
+        # the death step (:meth:`publish_engine_death`) ends them for the consumer.
+        self._lost: dict[str, None] = {}
+        self._dead: EngineDead | None = None
+        #: set once the engine's death has been published (or there was nothing to say)
+        self.death_published = trio.Event()
 
     @property
     def closing(self) -> bool:
@@ -252,9 +262,10 @@ class WireServer:
         while len(self._backlog) > self._high_water and not self._closing:
             await self._backlog_changed.wait()
 
-    def _queue_step(self, published: PublishedStep) -> None:
+    def _queue_step(self, published: PublishedStep, errors: Sequence[Error] = ()) -> None:
         seqnos = self._counter.advance(published)
-        frames = encode_step(published, seqnos)
+        frames = encode_step(published, seqnos, errors)
+        self._last_step = max(self._last_step, published.step)
         self._backlog.append(frames)
         self._steps_queued += 1
         self.stats.max_backlog = max(self.stats.max_backlog, len(self._backlog))
@@ -331,6 +342,43 @@ class WireServer:
             backlog=len(self._backlog),
         )
         return clean
+
+    async def watch_engine(self, finish_s: float = DEFAULT_FINISH_S) -> None:
+        """When the engine dies, tell every consumer: :meth:`publish_engine_death`."""
+        await self.publish_engine_death(await self.runtime.wait_dead(), finish_s)
+
+    async def publish_engine_death(
+        self, exc: EngineDead, finish_s: float = DEFAULT_FINISH_S
+    ) -> None:
+        """The engine is dead: stop taking requests (``unavailable``, the reason naming the
+        stage), and publish one last step in which every request still open ends with
+        ``finish_reason="abort"`` (a ``-9`` slot) and an ``unavailable`` error in the
+        envelope's ``errors``, whose reason starts with ``engine_dead``. Returns once that
+        step is handed to the PUSH socket, or after ``finish_s`` seconds; the socket then
+        keeps it for what remains of them when it closes."""
+        self._dead = exc
+        deadline = trio.current_time() + finish_s
+        self._prompts.cancel_all()  # prompts being tokenized get unavailable
+        with trio.move_on_at(deadline):
+            while self._running:  # every stream has the death; wait for them to see it
+                await self._finished.wait()
+            ids = sorted(self._lost)
+            if ids:
+                reason = engine_dead_reason(exc)
+                errors = [
+                    Error(code=ErrorCode.UNAVAILABLE, reason=reason, request_id=r) for r in ids
+                ]
+                self._queue_step(death_step(self._last_step + 1, ids), errors)
+                self.stats.errors[ErrorCode.UNAVAILABLE.value] = self.stats.errors.get(
+                    ErrorCode.UNAVAILABLE.value, 0
+                ) + len(ids)
+            log.error("engine dead: open requests aborted", requests=len(ids), cause=str(exc))
+            while self._backlog:
+                await self._backlog_changed.wait()
+        self._closing = True
+        self._wake()
+        self._linger_s = max(0.0, deadline - trio.current_time())
+        self.death_published.set()
 
     # ---- request side ---------------------------------------------------------------
 
@@ -450,6 +498,8 @@ class WireServer:
             return Ack(of="ping")
         if isinstance(msg, Info):  # answered while shutting down too, like a ping
             return self._info_reply(msg)
+        if self._dead is not None:
+            raise WireError(ErrorCode.UNAVAILABLE, engine_dead_reason(self._dead), msg.request_id)
         if self._closing:
             raise WireError(ErrorCode.UNAVAILABLE, "the server is shutting down", msg.request_id)
         if isinstance(msg, Submit):
@@ -536,6 +586,8 @@ class WireServer:
         try:
             async for _ in stream:
                 pass
+        except EngineDead:
+            self._lost[rid] = None  # no final step reached the consumer: the death step
         finally:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
@@ -579,6 +631,25 @@ class WireServer:
         return self._error(
             ErrorCode.UNKNOWN_REQUEST, f"request_id {rid!r} finished before the abort", rid
         )
+
+
+def engine_dead_reason(exc: EngineDead) -> str:
+    """The reason every open request's error carries when the engine dies."""
+    return f"engine_dead: {exc}"
+
+
+def death_step(step: int, request_ids: Sequence[str]) -> PublishedStep:
+    """The step that ends ``request_ids`` because the engine died: each an aborted (``-9``)
+    slot with no tokens and ``finish_reason="abort"``. No drafts totals: the counts died
+    with the engine."""
+    n = len(request_ids)
+    zeros = np.zeros(n, dtype=np.int64)
+    record = pack_step_record(
+        np.zeros((n, 1), dtype=np.int64), zeros, np.ones(n, dtype=bool), zeros, zeros
+    )
+    return PublishedStep(
+        step=step, request_ids=list(request_ids), finish_reasons=["abort"] * n, record=record
+    )
 
 
 async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:
@@ -698,6 +769,7 @@ async def serve(
                 if tap is not None:
                     nursery.start_soon(server.run_tap, tap)
                 nursery.start_soon(server.run_requests, req, nursery)
+                nursery.start_soon(server.watch_engine)
                 log.info(
                     "serving",
                     requests=bound.requests,

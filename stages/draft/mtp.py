@@ -205,14 +205,15 @@ class MTPProposer:
         batch.logits_indices = batch.last_rows()[wanting]
         drafts: dict[int, list[int]] = {}
         with paddle.no_grad():
-            out = model.mtp_forward(batch, prev, self.cache)
+            out = model.mtp_forward(batch, prev, self.cache, draft_vocab=True)
             # (work, position of its last catch-up row)
             active = [(work[i][0], work[i][1] + len(work[i][2]) - 1) for i in wanting]
             hidden = _picked(model, out, batch.logits_indices) if active else None
-            logits = out.logits
+            logits, vocab_ids = out.logits, out.vocab_ids
             substep = 0
             while active:
-                tokens = paddle.argmax(logits, axis=-1).numpy().tolist()
+                best = paddle.argmax(logits, axis=-1).numpy()
+                tokens = (best if vocab_ids is None else vocab_ids[best]).tolist()
                 for (w, _), tok in zip(active, tokens, strict=True):
                     drafts.setdefault(w.slot, []).append(int(tok))
                 substep += 1
@@ -230,8 +231,8 @@ class MTPProposer:
                     [last + substep for _, last in active],
                     [np.asarray(w.block_table) for w, _ in active],
                 )
-                out = model.mtp_forward(step_batch, hidden, self.cache)
-                hidden, logits = out.hidden, out.logits
+                out = model.mtp_forward(step_batch, hidden, self.cache, draft_vocab=True)
+                hidden, logits, vocab_ids = out.hidden, out.logits, out.vocab_ids
         return drafts
 
 

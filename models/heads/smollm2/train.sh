@@ -5,5 +5,5 @@
 exec spectrio --log-level info train-mtp --model smollm2 \
   --out models/heads/smollm2/mtp.safetensors \
   --prompts 384 --gen-tokens 160 --gen-batch 32 \
-  --window 96 --batch-size 8 --steps 2000 --minutes 55 --lr 2e-3 \
+  --window 96 --batch-size 8 --steps 2000 --minutes 40 --lr 2e-3 \
   --eval-every 50 --eval-windows 48 --bar-interval 60 "$@"
