@@ -2,8 +2,8 @@
 official ``openai`` SDK (sync and async, streaming and not, ``n`` > 1, logprobs, stop,
 seeds, usage) and raw httpx for every status, authentication, the body cap, SSE framing
 and disconnects. One server (the bundled model, ZeroMQ and HTTP on one runtime, an API
-key from ``SPECTRIO_API_KEY``) serves the module; a second one, HTTP alone, checks the
-rate limit and the drain on SIGTERM."""
+key from ``SPECTRIO_API_KEY``) serves the module; others, HTTP alone, check the rate
+limit, the drain on SIGTERM and a tensor-parallel rank killed under open streams."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -410,3 +411,50 @@ def test_serve_refuses_bad_http_flags_before_loading() -> None:
         assert done.returncode == 2 and message in done.stderr, done.stderr
         assert "model loaded" not in done.stderr
     taken.close()
+
+
+def test_killing_a_tensor_parallel_rank_ends_every_http_stream(tmp_path: Path) -> None:
+    """The issue's reproduction over HTTP: ``serve --http --tensor-parallel-size 2``, five
+    streaming requests, ``kill -9`` on rank 1. Each stream gets an ``engine_dead`` error
+    event and then ``[DONE]`` within 2 s, and the server exits with status 1."""
+    from test_engine_death_wire import _children
+
+    args = ("--no-zmq", "--tensor-parallel-size", "2", "--threads", "1", "--max-model-len", "1024")
+    with http_server(tmp_path, *args) as srv:
+        streaming = threading.Barrier(6)
+        ends: dict[int, tuple[list[str], float]] = {}
+
+        def one(i: int) -> None:
+            body = {
+                "prompt": f"def f{i}(x):",
+                "max_tokens": 400,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            with httpx.Client(base_url=srv.url, timeout=60) as c:
+                with c.stream("POST", "/v1/completions", json=body) as response:
+                    events: list[str] = []
+                    for line in response.iter_lines():
+                        if line:
+                            events.append(line)
+                            if len(events) == 1:
+                                streaming.wait(60)
+                    ends[i] = (events[-2:], time.monotonic())
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(5)]
+        for t in threads:
+            t.start()
+        streaming.wait(60)
+        followers = [p for p in _children(srv.pid) if p != srv.pid]
+        assert followers, "no follower rank process"
+        for pid in followers:
+            os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        for t in threads:
+            t.join(30)
+        assert srv.server.proc.wait(30) == 1
+    assert sorted(ends) == list(range(5))
+    for (error_event, done), when in ends.values():
+        assert done == "data: [DONE]" and when - killed < 2.0
+        err = json.loads(error_event.removeprefix("data: "))["error"]
+        assert err["code"] == "engine_dead" and "rank 1" in err["message"]
