@@ -36,7 +36,10 @@ def test_the_readme_is_short_and_keeps_the_two_setup_commands() -> None:
 
 
 def test_the_docs_the_readme_promises_exist() -> None:
-    names = ("architecture", "embedding", "wire", "trace", "tensor_parallel", "cli", "performance")
+    names = (
+        "architecture", "embedding", "wire", "http", "trace", "tensor_parallel", "cli",
+        "performance",
+    )  # fmt: skip
     for name in names:
         assert (ROOT / "docs" / f"{name}.md").is_file(), name
         assert f"(docs/{name}.md)" in README.read_text(), name

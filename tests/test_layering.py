@@ -21,7 +21,8 @@ LAYERS: dict[str, tuple[str, int]] = {
     "stages": ("stages", 3),
     "runtime": ("runtime", 4),
     "wire": ("wire", 5),
-    "tools": ("tools", 6),
+    "http_api": ("http_api", 6),
+    "tools": ("tools", 7),
 }
 
 

@@ -11,7 +11,7 @@ import pytest
 import spectrio
 import spectrio.models
 
-SUBPACKAGES = ("runtime", "stages", "models", "cuda_kernels", "wire", "tools")
+SUBPACKAGES = ("runtime", "stages", "models", "cuda_kernels", "wire", "http_api", "tools")
 
 
 def test_every_folder_is_a_spectrio_subpackage() -> None:

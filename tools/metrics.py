@@ -467,10 +467,13 @@ class ServeMetrics:
         return server, f"http://{shown}:{bound}/metrics"
 
 
-def parse_metrics_address(value: str, *, allow_public: bool = False) -> tuple[str, int]:
+def parse_metrics_address(
+    value: str, *, allow_public: bool = False, flag: str = "--metrics"
+) -> tuple[str, int]:
     """``PORT``, ``HOST:PORT`` or ``[V6]:PORT`` -> (host, port); host defaults to
     127.0.0.1. A host other than a loopback address needs ``allow_public`` (the same
-    policy as the wire endpoints). Raises ValueError with the rule."""
+    policy as the wire endpoints). Raises ValueError with the rule, naming ``flag``
+    (``--http`` parses its address with it too)."""
     host, sep, port_s = value.rpartition(":")
     if not sep:
         host, port_s = "127.0.0.1", value
@@ -478,18 +481,17 @@ def parse_metrics_address(value: str, *, allow_public: bool = False) -> tuple[st
     try:
         port = int(port_s)
     except ValueError:
-        raise ValueError(f"--metrics: expected [HOST:]PORT, got {value!r}") from None
+        raise ValueError(f"{flag}: expected [HOST:]PORT, got {value!r}") from None
     if not 0 <= port <= 65535:
-        raise ValueError(f"--metrics: port must be in [0, 65535], got {port}")
+        raise ValueError(f"{flag}: port must be in [0, 65535], got {port}")
     if host == "localhost":
         host = "127.0.0.1"
     try:
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:
-        raise ValueError(f"--metrics: host must be an IP address, got {host!r}") from None
+        raise ValueError(f"{flag}: host must be an IP address, got {host!r}") from None
     if not loopback and not allow_public:
         raise ValueError(
-            f"--metrics: {host} is not loopback; pass --allow-public to expose metrics beyond "
-            "this machine"
+            f"{flag}: {host} is not loopback; pass --allow-public to serve beyond this machine"
         )
     return host, port

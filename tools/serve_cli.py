@@ -17,6 +17,8 @@ close and the socket files are removed.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import gc
 import json
 import os
@@ -33,7 +35,10 @@ from spectrio.tools.logging_setup import configure_logging
 from spectrio.tools.runtime_flags import add_runtime_flags, runtime_config
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from spectrio.core.config import RuntimeConfig
+    from spectrio.http_api.front import HttpFront
     from spectrio.runtime.api import Runtime
     from spectrio.tools.metrics import RequestHooks
     from spectrio.wire.curve import CurveServerKeys
@@ -52,7 +57,9 @@ __all__ = [
 
 
 def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("serve", help="serve the runtime over ZeroMQ (docs/wire.md)")
+    p = sub.add_parser(
+        "serve", help="serve the runtime over ZeroMQ (docs/wire.md) and/or HTTP (docs/http.md)"
+    )
     add_runtime_flags(p)
     p.add_argument("--requests", help="ROUTER endpoint (default: ipc:// under --run-dir)")
     p.add_argument("--outputs", help="PUSH endpoint, lossless (default: ipc:// under --run-dir)")
@@ -112,7 +119,35 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="serve Prometheus metrics at http://HOST:PORT/metrics (host: 127.0.0.1 unless "
         "given; a non-loopback host needs --allow-public; port 0 picks a free one)",
     )
+    p.add_argument(
+        "--http",
+        metavar="[HOST:]PORT",
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API at http://HOST:PORT/v1 (docs/http.md; "
+        "host: 127.0.0.1 unless given; a non-loopback host needs --allow-public; port 0 "
+        "picks a free one), with /health and /metrics on the same port",
+    )
+    p.add_argument(
+        "--no-zmq",
+        action="store_true",
+        help="serve HTTP only: bind no ZeroMQ endpoint and claim no run directory",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="HTTP: require 'Authorization: Bearer KEY' on /v1/ routes "
+        f"(default: ${API_KEY_ENV} when set)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="HTTP: the model's name in /v1/models and the requests' model field "
+        "(default: --model as given)",
+    )
     p.set_defaults(func=serve_main)
+
+
+API_KEY_ENV = "SPECTRIO_API_KEY"
 
 
 def add_client_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -210,16 +245,14 @@ class _Stopper:
 async def _serve_async(
     args: argparse.Namespace,
     config: RuntimeConfig,
-    endpoints: tuple[str, str, str | None],
-    claim: EndpointClaim,
+    endpoints: tuple[str, str, str | None] | None,
+    claim: EndpointClaim | None,
     curve: CurveServerKeys | None,
     ctx: zmq.Context[zmq.Socket[bytes]],
     early: _StartupSignals,
 ) -> None:
     from spectrio.runtime.api import open_runtime
-    from spectrio.wire.server import WireServer, serve
 
-    requests, outputs, tap = endpoints
     stopper = _Stopper()
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         if early.received:
@@ -232,98 +265,183 @@ async def _serve_async(
                 log.info("loading the model", model=config.model)
                 async with open_runtime(config) as rt, trio.open_nursery() as nursery:
                     stopper.startup = None  # from here a signal drains instead
+                    served, extra, registry = _observe(rt, args, nursery)
+                    front = _http_front(served, args, config, registry)
                     servers: list[WireServer] = []
-                    nursery.start_soon(_exit_when_dead, rt, servers)
-                    served, extra = _observe(rt, args, nursery)
-                    server = await nursery.start(
-                        lambda task_status=trio.TASK_STATUS_IGNORED: serve(
-                            served,
-                            requests,
-                            outputs,
-                            tap,
-                            allow_public=args.allow_public,
-                            context=ctx,
-                            claim=claim,
-                            max_request_bytes=args.max_request_bytes,
-                            max_message_bytes=args.max_message_bytes,
-                            max_requests_per_s=args.max_requests_per_s,
-                            curve=curve,
-                            task_status=task_status,
+                    nursery.start_soon(_exit_when_dead, rt, servers, front)
+                    ready: dict[str, str | None] = {"requests": None, "outputs": None, "tap": None}
+                    server = None
+                    if endpoints is not None:
+                        server = await _start_wire(
+                            served, args, endpoints, claim, curve, ctx, nursery
                         )
-                    )
-                    assert isinstance(server, WireServer) and server.endpoints is not None
-                    servers.append(server)
+                        assert server.endpoints is not None
+                        servers.append(server)
+                        ep = server.endpoints
+                        ready = {"requests": ep.requests, "outputs": ep.outputs, "tap": ep.tap}
+                    if front is not None:
+                        from spectrio.http_api.server import serve_http
+
+                        ready["http"] = await nursery.start(
+                            functools.partial(serve_http, front, sock=args.http_socket)
+                        )
                     # The model, the libraries and the warm-up made every object the
                     # process keeps; out of the collector's reach, a full collection scans
                     # only what serving allocates (tens of ms less per pause).
                     gc.freeze()
-                    ep = server.endpoints
-                    ready = {"requests": ep.requests, "outputs": ep.outputs, "tap": ep.tap}
                     print(json.dumps({**ready, **extra}), flush=True)
                     await stopper.requested.wait()
-                    await server.drain(args.grace, cut=stopper.cut)
+                    async with trio.open_nursery() as draining:  # both fronts at once
+                        if server is not None:
+                            draining.start_soon(
+                                functools.partial(server.drain, args.grace, cut=stopper.cut)
+                            )
+                        if front is not None:
+                            draining.start_soon(
+                                functools.partial(front.drain, args.grace, cut=stopper.cut)
+                            )
                     nursery.cancel_scope.cancel()
             if startup.cancelled_caught:
                 log.warning("stopped during start-up")
             top.cancel_scope.cancel()
 
 
-async def _exit_when_dead(rt: Runtime, servers: Sequence[WireServer]) -> None:
+async def _start_wire(
+    served: Runtime,
+    args: argparse.Namespace,
+    endpoints: tuple[str, str, str | None],
+    claim: EndpointClaim | None,
+    curve: CurveServerKeys | None,
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    nursery: trio.Nursery,
+) -> WireServer:
+    """Bind the ZeroMQ endpoints and serve them in ``nursery``."""
+    from spectrio.wire.server import WireServer, serve
+
+    requests, outputs, tap = endpoints
+    server = await nursery.start(
+        lambda task_status=trio.TASK_STATUS_IGNORED: serve(
+            served,
+            requests,
+            outputs,
+            tap,
+            allow_public=args.allow_public,
+            context=ctx,
+            claim=claim,
+            max_request_bytes=args.max_request_bytes,
+            max_message_bytes=args.max_message_bytes,
+            max_requests_per_s=args.max_requests_per_s,
+            curve=curve,
+            task_status=task_status,
+        )
+    )
+    assert isinstance(server, WireServer)
+    return server
+
+
+def _http_front(
+    served: Runtime,
+    args: argparse.Namespace,
+    config: RuntimeConfig,
+    registry: CollectorRegistry | None,
+) -> HttpFront | None:
+    """The HTTP front of ``--http`` (None without it)."""
+    if args.http_address is None:
+        return None
+    from spectrio.http_api.front import HttpFront
+
+    host, _ = args.http_address
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if not _is_loopback(host) and not key:
+        log.warning(
+            "serving HTTP beyond this machine without an API key: anyone who can connect "
+            f"can submit requests (--api-key or ${API_KEY_ENV})",
+            host=host,
+        )
+    return HttpFront(
+        served,
+        model_name=args.served_model_name or config.model,
+        api_key=key or None,
+        max_body_bytes=args.max_request_bytes,
+        max_requests_per_s=args.max_requests_per_s,
+        registry=registry,
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    return ipaddress.ip_address(host).is_loopback
+
+
+async def _exit_when_dead(
+    rt: Runtime, servers: Sequence[WireServer], front: HttpFront | None = None
+) -> None:
     """A dead engine (a tensor-parallel rank died, a stage failed) ends the server at
     once, not at the next request: raise its :class:`EngineDead` here, once each server
     has told its consumers (the last step that aborts every open request, bounded by
-    :data:`~spectrio.wire.server.DEFAULT_FINISH_S`)."""
+    :data:`~spectrio.wire.server.DEFAULT_FINISH_S`) and open HTTP responses have sent
+    their error event and ``[DONE]`` (the runtime handed every stream the engine's
+    death; HTTP requests meanwhile get 503)."""
     from spectrio.wire.server import DEFAULT_FINISH_S
 
     exc = await rt.wait_dead()
     with trio.move_on_after(DEFAULT_FINISH_S + 1.0):
         for server in servers:
             await server.death_published.wait()
+        if front is not None:
+            await front.wait_idle()
     raise exc
 
 
 def _observe(
     rt: Runtime, args: argparse.Namespace, nursery: trio.Nursery
-) -> tuple[Runtime, dict[str, str]]:
-    """The runtime the wire server gets: ``rt`` itself, or, with ``--record`` or
-    ``--metrics``, an :class:`~spectrio.tools.metrics.ObservedRuntime` that reports each
-    request to the trace recorder and the metrics. Also starts the metrics task and HTTP
-    server (stopped with the nursery). Returns it and extra keys for the ready line."""
+) -> tuple[Runtime, dict[str, str], CollectorRegistry | None]:
+    """The runtime the servers get: ``rt`` itself, or, with ``--record``, ``--metrics``
+    or ``--http``, an :class:`~spectrio.tools.metrics.ObservedRuntime` that reports each
+    request to the trace recorder and the metrics. Also starts the metrics task and the
+    ``--metrics`` HTTP server (stopped with the nursery). Returns it, extra keys for the
+    ready line and the metrics registry (``/metrics`` of ``--http`` serves it too)."""
     import time
 
     hooks: list[RequestHooks] = []
     extra: dict[str, str] = {}
+    registry: CollectorRegistry | None = None
     if args.record_writer is not None:
         from spectrio.tools.trace import TraceRecorder
 
         hooks.append(TraceRecorder(args.record_writer, time.perf_counter()))
-    if args.metrics_address is not None:
+    if args.metrics_address is not None or args.http_address is not None:
         from spectrio.tools.metrics import ServeMetrics
 
         metrics = ServeMetrics()
+        registry = metrics.registry
         hooks.append(metrics)
         remove = metrics.attach(rt)
-        try:
-            http, url = metrics.serve_http(*args.metrics_address)
-        except OSError as exc:
-            remove()
-            raise ValueError(f"--metrics: cannot serve on {args.metrics}: {exc}") from None
-        extra["metrics"] = url
-        log.info("metrics", url=url)
+        http = None
+        if args.metrics_address is not None:
+            try:
+                http, url = metrics.serve_http(*args.metrics_address)
+            except OSError as exc:
+                remove()
+                raise ValueError(f"--metrics: cannot serve on {args.metrics}: {exc}") from None
+            extra["metrics"] = url
+            log.info("metrics", url=url)
 
         async def run_metrics() -> None:
             try:
                 await metrics.run(rt)
             finally:
                 remove()
-                http.shutdown()
+                if http is not None:
+                    http.shutdown()
 
         nursery.start_soon(run_metrics)
     if not hooks:
-        return rt, extra
+        return rt, extra, registry
     from spectrio.tools.metrics import ObservedRuntime
 
-    return cast("Runtime", ObservedRuntime(rt, hooks)), extra
+    return cast("Runtime", ObservedRuntime(rt, hooks)), extra, registry
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -357,9 +475,12 @@ def runtime_config_tp(args: argparse.Namespace) -> int:
 
 def _serve_main(args: argparse.Namespace) -> int:
     args.metrics_address = None
+    args.http_address = None
+    args.http_socket = None
     args.record_writer = None
     with _StartupSignals() as early:
         from spectrio.core.config import ConfigError
+        from spectrio.tools.metrics import parse_metrics_address
         from spectrio.wire.curve import CurveError, load_server_keys
         from spectrio.wire.server import (
             EndpointRefused,
@@ -369,24 +490,40 @@ def _serve_main(args: argparse.Namespace) -> int:
             message_cap,
         )
 
+        claim: EndpointClaim | None = None
+        endpoints: tuple[str, str, str | None] | None = None
+        curve: CurveServerKeys | None = None
         try:
             config = runtime_config(args)
             message_cap(args.max_request_bytes, args.max_message_bytes)  # ValueError: refused
             args.resolved_tp = config.tensor_parallel_size
-            defaults = (
-                default_endpoints(args.run_dir) if not (args.requests and args.outputs) else None
-            )
-            requests = args.requests or (defaults.requests if defaults else None)
-            outputs = args.outputs or (defaults.outputs if defaults else None)
-            assert requests is not None and outputs is not None
-            curve = load_server_keys(args.curve_secret) if args.curve_secret else None
+            _check_fronts(args)
             # Before the model loads: a refused or second server fails at once.
-            if args.metrics is not None:
-                from spectrio.tools.metrics import parse_metrics_address
+            if args.http is not None:
+                args.http_address = parse_metrics_address(
+                    args.http, allow_public=args.allow_public, flag="--http"
+                )
+                from spectrio.http_api.server import bind_socket
 
+                try:  # bound now: a taken port is refused before the model loads
+                    args.http_socket = bind_socket(*args.http_address)
+                except OSError as exc:
+                    raise ValueError(f"--http: cannot serve on {args.http}: {exc}") from None
+            if args.metrics is not None:
                 args.metrics_address = parse_metrics_address(
                     args.metrics, allow_public=args.allow_public
                 )
+            if not args.no_zmq:
+                defaults = (
+                    default_endpoints(args.run_dir)
+                    if not (args.requests and args.outputs)
+                    else None
+                )
+                requests = args.requests or (defaults.requests if defaults else None)
+                outputs = args.outputs or (defaults.outputs if defaults else None)
+                assert requests is not None and outputs is not None
+                endpoints = (requests, outputs, args.tap)
+                curve = load_server_keys(args.curve_secret) if args.curve_secret else None
             if args.record is not None:
                 from spectrio.tools.trace import TraceWriter, runtime_fields
 
@@ -397,25 +534,19 @@ def _serve_main(args: argparse.Namespace) -> int:
                     runtime=runtime_fields(config),
                     append=True,
                 )
-            claim = claim_endpoints(requests, outputs, args.tap, allow_public=args.allow_public)
+            if endpoints is not None:
+                claim = claim_endpoints(*endpoints, allow_public=args.allow_public)
         except (ConfigError, EndpointRefused, ServerRunning, CurveError, ValueError) as exc:
             if args.record_writer is not None:
                 args.record_writer.close()
+            if args.http_socket is not None:
+                args.http_socket.close()
             print(f"error: {exc}", file=sys.stderr)
             return 2
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         try:
-            with claim:
-                trio.run(
-                    _serve_async,
-                    args,
-                    config,
-                    (requests, outputs, args.tap),
-                    claim,
-                    curve,
-                    ctx,
-                    early,
-                )
+            with claim if claim is not None else contextlib.nullcontext():
+                trio.run(_serve_async, args, config, endpoints, claim, curve, ctx, early)
                 ctx.term()  # waits for the PUSH socket's last steps, for the time drain left
         except BaseExceptionGroup as group:  # from the task nurseries
             from spectrio.errors import EngineDead
@@ -438,7 +569,41 @@ def _serve_main(args: argparse.Namespace) -> int:
             ctx.destroy(linger=0)
             if args.record_writer is not None:
                 args.record_writer.close()
+            if args.http_socket is not None:
+                args.http_socket.close()  # a no-op once Hypercorn took it over
     return 0
+
+
+def _check_fronts(args: argparse.Namespace) -> None:
+    """``--no-zmq`` needs ``--http`` (something must be served) and takes no ZeroMQ
+    flag; the HTTP-only flags need ``--http``. Raises ValueError with the rule."""
+    if args.no_zmq:
+        if args.http is None:
+            raise ValueError("--no-zmq: nothing left to serve; add --http [HOST:]PORT")
+        given = [
+            flag
+            for flag, value in (
+                ("--requests", args.requests),
+                ("--outputs", args.outputs),
+                ("--tap", args.tap),
+                ("--run-dir", args.run_dir),
+                ("--curve-secret", args.curve_secret),
+            )
+            if value is not None
+        ]
+        if given:
+            raise ValueError(f"--no-zmq: {', '.join(given)} configure ZeroMQ endpoints")
+    if args.http is None:
+        given = [
+            flag
+            for flag, value in (
+                ("--api-key", args.api_key),
+                ("--served-model-name", args.served_model_name),
+            )
+            if value is not None
+        ]
+        if given:
+            raise ValueError(f"{', '.join(given)}: HTTP settings need --http [HOST:]PORT")
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:

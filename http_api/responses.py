@@ -1,0 +1,180 @@
+"""OpenAI response objects from a request's deltas (pure: no I/O, no Trio).
+
+:class:`ChoiceState` follows one choice's deltas; the builders make a whole response
+(``stream: false``) or one stream chunk from it. Finish reasons are the runtime's:
+``"stop"`` (EOS, a stop token or a stop string), ``"length"`` (``max_tokens``, or the
+end of ``max_model_len``) and ``"abort"`` (the server cut the request: shutdown), the
+last one an extension of OpenAI's list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from spectrio.core.messages import TokenLogprob
+from spectrio.http_api.logprobs import TokenStrings, chat_logprobs, completion_logprobs
+from spectrio.http_api.schema import (
+    ChatChoice,
+    ChatChunk,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatDelta,
+    ChatLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    DraftUsage,
+    ResponseMessage,
+    Usage,
+)
+from spectrio.runtime.api import Delta
+
+__all__ = [
+    "ChoiceState",
+    "chat_chunk",
+    "chat_response",
+    "completion_chunk",
+    "completion_response",
+    "usage",
+]
+
+
+@dataclasses.dataclass
+class ChoiceState:
+    """What one choice has produced so far."""
+
+    index: int
+    prefix: str = ""  # text before the output (completions' echo)
+    pieces: list[str] = dataclasses.field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    offset: int = 0  # completions' text_offset of the next token (streaming)
+
+    def add(self, delta: Delta) -> None:
+        self.pieces.append(delta.text)
+        self.num_tokens += len(delta.token_ids)
+        self.logprobs += delta.logprobs or ()
+        self.drafts_proposed += delta.num_drafts
+        self.drafts_accepted += delta.num_accepted
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+            # the scheduler's own count over the request's life wins over the sum of steps
+            if delta.total_drafts is not None and delta.total_accepted is not None:
+                self.drafts_proposed = delta.total_drafts
+                self.drafts_accepted = delta.total_accepted
+
+    @property
+    def text(self) -> str:
+        return self.prefix + "".join(self.pieces)
+
+
+def usage(prompt_tokens: int, choices: Sequence[ChoiceState]) -> Usage:
+    """``prompt_tokens`` counts each prompt once (whatever ``n`` is); completion tokens
+    and drafts add up over every choice."""
+    completion = sum(c.num_tokens for c in choices)
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=prompt_tokens + completion,
+        spectrio=DraftUsage(
+            drafts_proposed=sum(c.drafts_proposed for c in choices),
+            drafts_accepted=sum(c.drafts_accepted for c in choices),
+        ),
+    )
+
+
+def completion_response(
+    rid: str,
+    created: int,
+    model: str,
+    choices: Sequence[ChoiceState],
+    prompt_tokens: int,
+    strings: TokenStrings | None,
+) -> Completion:
+    """The whole ``/v1/completions`` response; ``strings`` when logprobs were asked for."""
+    out: list[CompletionChoice] = []
+    for c in choices:
+        lp: CompletionLogprobs | None = None
+        if strings is not None:
+            lp, _ = completion_logprobs(c.logprobs, strings, len(c.prefix))
+        out.append(
+            CompletionChoice(index=c.index, text=c.text, logprobs=lp, finish_reason=c.finish_reason)
+        )
+    return Completion(
+        id=rid, created=created, model=model, choices=out, usage=usage(prompt_tokens, choices)
+    )
+
+
+def completion_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    state: ChoiceState,
+    text: str,
+    entries: Sequence[TokenLogprob] | None,
+    strings: TokenStrings | None,
+    finish_reason: str | None,
+) -> Completion:
+    """One ``/v1/completions`` stream chunk of one choice: ``text`` and the logprobs of
+    its tokens (text offsets continue from ``state.offset``, which advances)."""
+    lp: CompletionLogprobs | None = None
+    if strings is not None:
+        lp, state.offset = completion_logprobs(entries or (), strings, state.offset)
+    choice = CompletionChoice(
+        index=state.index, text=text, logprobs=lp, finish_reason=finish_reason
+    )
+    return Completion(id=rid, created=created, model=model, choices=[choice])
+
+
+def chat_response(
+    rid: str,
+    created: int,
+    model: str,
+    choices: Sequence[ChoiceState],
+    prompt_tokens: int,
+    strings: TokenStrings | None,
+    service_tier: str | None,
+) -> ChatCompletion:
+    """The whole ``/v1/chat/completions`` response."""
+    out = [
+        ChatChoice(
+            index=c.index,
+            message=ResponseMessage(content=c.text),
+            logprobs=chat_logprobs(c.logprobs, strings) if strings is not None else None,
+            finish_reason=c.finish_reason,
+        )
+        for c in choices
+    ]
+    return ChatCompletion(
+        id=rid,
+        created=created,
+        model=model,
+        choices=out,
+        usage=usage(prompt_tokens, choices),
+        service_tier=service_tier,
+    )
+
+
+def chat_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    index: int,
+    delta: ChatDelta,
+    entries: Sequence[TokenLogprob] | None,
+    strings: TokenStrings | None,
+    finish_reason: str | None,
+    service_tier: str | None,
+) -> ChatChunk:
+    """One ``/v1/chat/completions`` stream chunk of one choice."""
+    lp: ChatLogprobs | None = None
+    if strings is not None and entries is not None:
+        lp = chat_logprobs(entries, strings)
+    choice = ChatChunkChoice(index=index, delta=delta, logprobs=lp, finish_reason=finish_reason)
+    return ChatChunk(
+        id=rid, created=created, model=model, choices=[choice], service_tier=service_tier
+    )
