@@ -1,19 +1,19 @@
-"""Chat messages to running requests: the one place the HTTP front renders a chat.
+"""Chat messages to running requests: the one place the HTTP front starts a chat.
 
-:func:`start_chat` renders the messages with the checkpoint's chat template
-(:func:`spectrio.models.chat.chat_template_for`: ``tokenizer_config.json``'s, a
-``chat_template.jinja`` or the GGUF's, in Jinja2's sandbox) and starts one request per
-choice, each stopping at the template's end-of-turn tokens as well as its own stops.
-It is kept this small so that it can become a call of the runtime's own chat API.
+:func:`start_chat` renders and tokenizes the messages with the runtime's own chat API
+(:meth:`~spectrio.runtime.api.Runtime.chat_prompt`: the checkpoint's template in
+Jinja2's sandbox, its end-of-turn tokens as stops) in the front's worker thread, once,
+and starts one request per choice on those token ids.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
-import msgspec
+import trio
 
-from spectrio.core.params import InvalidRequest, SamplingParams
+from spectrio.core.params import SamplingParams, with_chat_stops
 from spectrio.http_api.front import HttpFront
 from spectrio.http_api.mapping import HttpError
 from spectrio.runtime.api import RequestStream
@@ -32,8 +32,7 @@ async def start_chat(
     model without a chat template and :class:`InvalidRequest` for messages the template
     refuses or a prompt that does not fit. ``ignore_eos`` also ignores the template's
     end-of-turn tokens (they are the chat's EOS)."""
-    template = front.template
-    if template is None:
+    if front.template is None:
         raise HttpError(
             400,
             f"messages: the model {front.model_name!r} has no chat template (none in its "
@@ -42,20 +41,12 @@ async def start_chat(
             param="messages",
             code="no_chat_template",
         )
-    text = template.render(messages)
-    try:
-        [ids] = await front.prompt_ids([text])
-    except InvalidRequest as exc:  # the prompt is the messages, rendered
-        raise InvalidRequest("messages", f"rendered: {exc.rule}", code=exc.code) from None
+    render = functools.partial(front.rt.chat_prompt, messages, choices[0])
+    ids, _ = await trio.to_thread.run_sync(render, abandon_on_cancel=True)
     streams: list[RequestStream] = []
     try:
         for params, rid in zip(choices, request_ids, strict=True):
-            if not params.ignore_eos:
-                stops = [t for t in front.chat_stop_ids if t not in params.stop_token_ids]
-                params = msgspec.structs.replace(
-                    params, stop_token_ids=[*params.stop_token_ids, *stops]
-                )
-            streams.append(front.start(ids, params, rid))
+            streams.append(front.start(ids, with_chat_stops(params, front.chat_stop_ids), rid))
     except BaseException:
         for s in streams:
             s.close()
