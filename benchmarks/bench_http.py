@@ -1,0 +1,193 @@
+"""The HTTP front's cost: the same workload through ``spectrio serve --http`` (the official
+``openai`` async client, streaming, on loopback) and through the embedding API in this
+process, rounds alternated.
+
+Both sides run the same runtime configuration and the same prompts (held-out code, as
+``spectrio bench`` uses), greedy with ``ignore_eos`` and a fixed ``--max-tokens``, at most
+``--batch`` requests at once. Reported per side: output tokens per second (first
+submission to last token) and time to first token (p50, p90) per request, each the median
+over ``--rounds``; and the ratios HTTP / in-process.
+
+Run: ``python benchmarks/bench_http.py [--model bundled] [--batch 16] [--requests 48]
+[--max-tokens 64] [--rounds 3] [--json out.json]`` (needs the ``test`` extra's ``openai``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import select
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import trio
+
+from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
+from spectrio.tools.bench import bench_prompts
+
+
+def _runtime_flags(args: argparse.Namespace) -> list[str]:
+    return ["--model", args.model, "--max-num-seqs", str(args.batch), "--max-model-len", "512"]
+
+
+def _summary(ttfts: list[float], tokens: int, seconds: float) -> dict[str, float]:
+    ttfts = sorted(ttfts)
+    return {
+        "tokens_per_second": tokens / seconds,
+        "ttft_p50_ms": 1000 * statistics.median(ttfts),
+        "ttft_p90_ms": 1000 * ttfts[int(0.9 * (len(ttfts) - 1))],
+    }
+
+
+async def in_process(
+    rt: Any, prompts: list[list[int]], args: argparse.Namespace
+) -> dict[str, float]:
+    limit = trio.Semaphore(args.batch)
+    ttfts: list[float] = []
+    tokens = 0
+    t0 = time.perf_counter()
+
+    async def one(prompt: list[int]) -> None:
+        nonlocal tokens
+        async with limit:
+            start = time.perf_counter()
+            first = True
+            params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+            async with rt.generate(prompt, params) as stream:
+                async for delta in stream:
+                    if first and delta.token_ids:
+                        ttfts.append(time.perf_counter() - start)
+                        first = False
+                    tokens += len(delta.token_ids)
+
+    async with trio.open_nursery() as nursery:
+        for p in prompts:
+            nursery.start_soon(one, p)
+    return _summary(ttfts, tokens, time.perf_counter() - t0)
+
+
+async def over_http(
+    url: str, prompts: list[list[int]], args: argparse.Namespace
+) -> dict[str, float]:
+    import anyio
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
+    limit = anyio.Semaphore(args.batch)
+    ttfts: list[float] = []
+    tokens = 0
+    t0 = time.perf_counter()
+
+    async def one(prompt: list[int]) -> None:
+        nonlocal tokens
+        async with limit:
+            start = time.perf_counter()
+            first = True
+            stream = await client.completions.create(
+                model=args.model,
+                prompt=prompt,
+                max_tokens=args.max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].text and first:
+                    ttfts.append(time.perf_counter() - start)
+                    first = False
+                if chunk.usage is not None:
+                    tokens += chunk.usage.completion_tokens
+
+    async with anyio.create_task_group() as tg:
+        for p in prompts:
+            tg.start_soon(one, p)
+    await client.close()
+    return _summary(ttfts, tokens, time.perf_counter() - t0)
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
+    cmd = [sys.executable, "-m", "spectrio.tools.cli", "serve", "--http", "127.0.0.1:0",
+           "--no-zmq", "--no-spec", *_runtime_flags(args)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 300)
+    if not ready:
+        proc.kill()
+        raise SystemExit("the server did not start within 300 s")
+    return proc, json.loads(proc.stdout.readline())["http"] + "/v1"
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    prompts = bench_prompts(args.requests, 48, args.model)
+    config = RuntimeConfig(
+        model=args.model,
+        max_num_seqs=args.batch,
+        max_model_len=512,
+        speculative=SpeculativeConfig(method=None),
+    )
+    proc, url = start_server(args)
+    rows: dict[str, list[dict[str, float]]] = {"in_process": [], "http": []}
+    try:
+        async with open_runtime(config) as rt:
+            await in_process(rt, prompts[: args.batch], args)  # warm both sides once
+            await over_http(url, prompts[: args.batch], args)
+            for r in range(args.rounds):
+                order = ["in_process", "http"] if r % 2 == 0 else ["http", "in_process"]
+                for side in order:
+                    if side == "http":
+                        rows[side].append(await over_http(url, prompts, args))
+                    else:
+                        rows[side].append(await in_process(rt, prompts, args))
+                    print(
+                        side, {k: round(v, 2) for k, v in rows[side][-1].items()}, file=sys.stderr
+                    )
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    med = {
+        side: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        for side, runs in rows.items()
+    }
+    return {
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus",
+        "args": vars(args),
+        "rounds": rows,
+        "median": med,
+        "http_over_in_process_tokens_per_second": med["http"]["tokens_per_second"]
+        / med["in_process"]["tokens_per_second"],
+        "http_minus_in_process_ttft_p50_ms": med["http"]["ttft_p50_ms"]
+        - med["in_process"]["ttft_p50_ms"],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default="bundled")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    result = trio.run(main_async, args)
+    text = json.dumps(result, indent=1)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+    print(
+        f"tokens/s HTTP / in-process: {result['http_over_in_process_tokens_per_second']:.3f}; "
+        f"TTFT p50 HTTP - in-process: {result['http_minus_in_process_ttft_p50_ms']:+.1f} ms"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
