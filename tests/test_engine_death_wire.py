@@ -15,6 +15,7 @@ import pytest
 import trio
 import zmq
 from test_serve_process import Server
+from test_tensor_parallel import _children
 from test_wire_server import ipc_endpoints, start_server
 
 from spectrio import RuntimeConfig, SamplingParams, open_runtime
@@ -90,18 +91,6 @@ async def test_a_failed_stage_ends_every_open_request_on_the_wire(
         assert reason == "abort"
         assert error is not None and error.startswith("unavailable: engine_dead: ")
         assert "verify" in error
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(") ", 1)[1].split()
-        except (FileNotFoundError, IndexError):
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
 
 
 def test_killing_a_tensor_parallel_rank_ends_every_stream_within_15_s(tmp_path: Path) -> None:
