@@ -797,7 +797,8 @@ def _main(args: argparse.Namespace) -> int:
         )
     from spectrio.models.loader import open_checkpoint
 
-    fingerprint = target_fingerprint(loaded.config, open_checkpoint(path)[1])
+    # the target alone: a head already beside it (even a damaged one) is what we replace
+    fingerprint = target_fingerprint(loaded.config, open_checkpoint(path, mtp_head=False)[1])
 
     seq_file = args.work_dir / "sequences.npz"
     if seq_file.exists():
