@@ -32,7 +32,7 @@ async def start_chat(
     model without a chat template and :class:`InvalidRequest` for messages the template
     refuses or a prompt that does not fit. ``ignore_eos`` also ignores the template's
     end-of-turn tokens (they are the chat's EOS)."""
-    if front.template is None:
+    if front.rt.chat_template is None:
         raise HttpError(
             400,
             f"messages: the model {front.model_name!r} has no chat template (none in its "
@@ -46,7 +46,7 @@ async def start_chat(
     streams: list[RequestStream] = []
     try:
         for params, rid in zip(choices, request_ids, strict=True):
-            streams.append(front.start(ids, with_chat_stops(params, front.chat_stop_ids), rid))
+            streams.append(front.start(ids, with_chat_stops(params, front.rt.chat_stop_ids), rid))
     except BaseException:
         for s in streams:
             s.close()

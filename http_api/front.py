@@ -34,7 +34,6 @@ from spectrio.core.params import SamplingParams, check_prompt
 from spectrio.errors import EngineDead
 from spectrio.http_api.logprobs import TokenStrings
 from spectrio.http_api.mapping import HttpError
-from spectrio.models.chat import ChatTemplate, chat_template_for
 from spectrio.models.tokenizer import TextTokenizer
 from spectrio.wire.admission import RateLimiter
 
@@ -78,11 +77,6 @@ class HttpFront:
         self.created = int(time.time())
         self.vocab_size = rt.loaded.config.vocab_size
         self.max_model_len = rt.config.max_model_len
-        self.template: ChatTemplate | None = chat_template_for(rt.loaded)
-        # The tokens that end an assistant turn; a chat request stops at them (with EOS).
-        self.chat_stop_ids: list[int] = (
-            self.template.stop_token_ids() if self.template is not None else []
-        )
         self.strings = TokenStrings(rt.tokenizer)
         # A tokenizer of the front's own, used from its worker thread only.
         self._tokenizer = TextTokenizer(

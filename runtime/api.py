@@ -101,7 +101,10 @@ class Runtime:
         self.tokenizer = loaded.tokenizer
         self.chat_template, self._no_chat = _chat_template(loaded)
         # The template's end-of-turn tokens, found once: every chat request stops on them.
-        self._chat_stops = [] if self.chat_template is None else self.chat_template.stop_token_ids()
+        #: the template's end-of-turn tokens (with EOS): a chat request stops at them
+        self.chat_stop_ids = (
+            [] if self.chat_template is None else self.chat_template.stop_token_ids()
+        )
         cfg = loaded.config
         check_checkpoint(config, cfg)
         num_blocks = num_kv_blocks(config, cfg)
@@ -469,7 +472,7 @@ class Runtime:
             raise InvalidRequest(
                 "messages", f"rendered by the chat template, {exc.rule}", code=exc.code
             ) from None
-        return ids, with_chat_stops(params, self._chat_stops)
+        return ids, with_chat_stops(params, self.chat_stop_ids)
 
     def _submit(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
