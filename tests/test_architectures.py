@@ -12,14 +12,12 @@ exactly those tokens.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import paddle
 import pytest
+from test_tensor_parallel import run_ranks
 
 from spectrio.errors import ModelConfigError
 from spectrio.models import LoadedModel, ModelConfig, PackedBatch, PagedKVCache, load, reference
@@ -219,26 +217,8 @@ def test_two_rank_shards_equal_the_whole_model(tmp_path: Path) -> None:
     """Biases (split with their columns, or replicated and added once after the
     all-reduce), q/k norms and ERNIE's permuted rows shard correctly: two ranks'
     prefill, decode and dense logits equal the single-process model's."""
-    from spectrio.runtime.tp import GroupEnv
-
     names = ["llama_bias_llama3", "qwen2", "qwen3", "ernie4_5"]
-    env = GroupEnv.local(2)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", TP_FORWARD, str(tmp_path), str(ARCHS), *names],
-            env={**os.environ, **env.environ(r)},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        for r in range(2)
-    ]
-    try:
-        for p in procs:
-            _, err = p.communicate(timeout=180)
-            assert p.returncode == 0, err.decode()[-3000:]
-    finally:
-        for p in procs:
-            p.kill()
+    run_ranks(lambda r: ["-c", TP_FORWARD, str(tmp_path), str(ARCHS), *names], timeout=180)
     ranks = [json.loads((tmp_path / f"tp_rank{r}.json").read_text()) for r in range(2)]
     for name in names:
         m = load(ARCHS / name, dtype="float64").model

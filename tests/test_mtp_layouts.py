@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +21,7 @@ import paddle
 import pytest
 import trio
 from safetensors.numpy import load_file, save_file
+from test_tensor_parallel import run_ranks
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
 from spectrio.errors import CheckpointError, ModelConfigError
@@ -520,26 +518,8 @@ def test_two_ranks_load_each_layout(folders: dict[str, tuple[Path, Path]], tmp_p
     """A two-rank group shards the MTP block of each layout (MiMo's q/k/v biases and its
     permuted, replicated input_proj; ERNIE's block and shared norm) and computes what one
     process computes."""
-    from spectrio.runtime.tp import GroupEnv
-
     paths = [str(folders[layout][0]) for layout in LAYOUTS]
-    env = GroupEnv.local(2)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", TP_MTP, str(tmp_path), *paths],
-            env={**os.environ, **env.environ(r)},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        for r in range(2)
-    ]
-    try:
-        for p in procs:
-            _, err = p.communicate(timeout=180)
-            assert p.returncode == 0, err.decode()[-3000:]
-    finally:
-        for p in procs:
-            p.kill()
+    run_ranks(lambda r: ["-c", TP_MTP, str(tmp_path), *paths], timeout=180)
     ranks = [json.loads((tmp_path / f"tp_rank{r}.json").read_text()) for r in range(2)]
     for layout, path in zip(LAYOUTS, paths, strict=True):
         want = _single(Path(path))

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +52,29 @@ def _children(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             out.append(int(stat.parent.name))
     return out
+
+
+def run_ranks(args_of: Callable[[int], list[str]], timeout: float, size: int = 2) -> None:
+    """Run one ``python ARGS`` process per rank of a local collective group of ``size``
+    (``args_of(rank)``: the arguments after the interpreter); each must exit 0 within
+    ``timeout`` seconds, and none outlives the call."""
+    env = GroupEnv.local(size)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *args_of(r)],
+            env={**os.environ, **env.environ(r)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for r in range(size)
+    ]
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=timeout)
+            assert p.returncode == 0, err.decode()[-3000:]
+    finally:
+        for p in procs:
+            p.kill()
 
 
 def _drive(*args: str, timeout: float = 240) -> dict[str, object]:
@@ -129,23 +153,7 @@ def test_two_rank_forward_equals_the_dense_forward(bundled64: LoadedModel, tmp_p
     """Prefill, the MTP pass and a decode over the sharded paged caches, on 2 processes,
     against the single-process model: equal to float64 rounding, same argmax, and the
     ranks' logits bit-identical (all-gathered)."""
-    env = GroupEnv.local(2)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", FORWARD, str(tmp_path / f"r{r}.npz")],
-            env={**os.environ, **env.environ(r)},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        for r in range(2)
-    ]
-    try:
-        for p in procs:
-            _, err = p.communicate(timeout=120)
-            assert p.returncode == 0, err.decode()[-3000:]
-    finally:
-        for p in procs:
-            p.kill()
+    run_ranks(lambda r: ["-c", FORWARD, str(tmp_path / f"r{r}.npz")], timeout=120)
     m = bundled64.model
     cfg = m.config
     cache = PagedKVCache(
