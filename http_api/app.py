@@ -24,7 +24,7 @@ import hmac
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import msgspec
 import structlog
@@ -80,6 +80,7 @@ log = structlog.get_logger("spectrio.http")
 
 DONE: Final = b"data: [DONE]\n\n"
 _STREAM_BUFFER: Final = 16  # deltas waiting for a slow client, per response
+_Body = TypeVar("_Body", CompletionRequest, ChatCompletionRequest)
 
 Item = Delta | EngineDead
 Handle = Callable[[int, Delta], Awaitable[None]]
@@ -317,11 +318,18 @@ class _Endpoints:
     async def chat_completions(self, request: Request) -> Response:
         return await self._answer(request, self._chat)
 
-    async def _completions(self, request: Request, exchange: Exchange) -> Response:
+    async def _read(self, request: Request, kind: type[_Body]) -> _Body:
+        """The request's body as ``kind``, after the rate limit, and naming a served
+        model."""
         front = self.front
         front.admit(_client(request))
-        req = decode(await read_body(request, front.max_body_bytes), CompletionRequest)
+        req = decode(await read_body(request, front.max_body_bytes), kind)
         front.check_model(req.model)
+        return req
+
+    async def _completions(self, request: Request, exchange: Exchange) -> Response:
+        front = self.front
+        req = await self._read(request, CompletionRequest)
         check_completion(req)
         prompts = prompts_of(req.prompt)
         n = req.n or 1
@@ -390,9 +398,7 @@ class _Endpoints:
 
     async def _chat(self, request: Request, exchange: Exchange) -> Response:
         front = self.front
-        front.admit(_client(request))
-        req = decode(await read_body(request, front.max_body_bytes), ChatCompletionRequest)
-        front.check_model(req.model)
+        req = await self._read(request, ChatCompletionRequest)
         check_chat(req)
         messages = chat_messages(req.messages)
         n = req.n or 1
