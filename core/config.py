@@ -408,8 +408,15 @@ class RuntimeConfig:
         return self.max_num_batched_tokens
 
     def warmup_num_tokens(self) -> int:
-        """Tokens the profile / warm-up run uses: ``max_chunk_tokens()``."""
-        return self.max_chunk_tokens()
+        """Tokens the warm-up pass runs: one decode step's rows at full batch, ``max_num_seqs
+        * (k + 1)`` (never more than ``max_chunk_tokens()``, which validation ensures).
+
+        The pass is there to pay the first step's one-time costs before any request waits
+        on them (the fused serving weights are built, Paddle and MKL initialise their
+        kernels); those do not depend on how many rows it runs. Eager Paddle compiles
+        nothing per shape, so a longer pass would only cost start-up time: on SmolLM2 a
+        2,048-token pass was most of a ``spectrio generate``'s wall time."""
+        return self.max_num_seqs * self.tokens_per_seq
 
     def capture_cap(self) -> int:
         """Largest capture size: ``max_num_seqs * (k + 1)``."""

@@ -11,6 +11,7 @@ folder loads bit for bit as the GGUF file does.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ import structlog
 from safetensors.numpy import save_file
 
 from spectrio.errors import CheckpointError
-from spectrio.models.checkpoint import half_to_interleaved, is_qk_rows
+from spectrio.models.checkpoint import INDEX_FILE, half_to_interleaved, is_qk_rows
 from spectrio.models.gguf_file import GGUFFile
 
 log = structlog.get_logger("spectrio.models.convert")
@@ -28,34 +29,81 @@ __all__ = ["CONVERT_DTYPES", "convert_gguf"]
 CONVERT_DTYPES = ("float32", "float16")
 
 
-def convert_gguf(src: str | Path, out_dir: str | Path, dtype: str = "float32") -> Path:
+def convert_gguf(
+    src: str | Path, out_dir: str | Path, dtype: str = "float32", shard_bytes: int | None = None
+) -> Path:
     """Write the Hugging Face folder of the GGUF file ``src`` into ``out_dir`` (created;
-    files of the same names are replaced). Returns ``out_dir``."""
+    files of the same names are replaced). Returns ``out_dir``.
+
+    ``shard_bytes``: write shards of about that size with ``model.safetensors.index.json``
+    (a tensor larger than it gets a shard of its own), so that at most one shard's
+    tensors are held in memory at a time; None writes one ``model.safetensors``."""
     if dtype not in CONVERT_DTYPES:
         raise ValueError(f"dtype must be one of {CONVERT_DTYPES}, got {dtype!r}")
+    if shard_bytes is not None and shard_bytes < 1:
+        raise ValueError(f"shard_bytes must be positive, got {shard_bytes!r}")
     src, out = Path(src), Path(out_dir)
     if not src.is_file():
         raise CheckpointError(f"{src}: no such file")
     gguf = GGUFFile(src)
     cfg = gguf.config
     tokenizer = gguf.tokenizer_json()
-    tensors: dict[str, np.ndarray] = {}
-    for name in sorted(gguf.names()):
-        arr = gguf.read(name)
-        if cfg.rope_interleaved and is_qk_rows(name):
-            arr = half_to_interleaved(arr, cfg.head_dim)  # the family's own order
-        tensors[name] = np.ascontiguousarray(arr.astype(dtype))
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out}: exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
+
+    def tensor(name: str) -> np.ndarray:
+        arr = gguf.read(name)
+        if cfg.rope_interleaved and is_qk_rows(name):
+            arr = half_to_interleaved(arr, cfg.head_dim)  # the family's own order
+        return np.ascontiguousarray(arr.astype(dtype))
+
+    names = sorted(gguf.names())
+    if shard_bytes is None:
+        save_file(
+            {n: tensor(n) for n in names}, str(out / "model.safetensors"), metadata={"format": "pt"}
+        )
+    else:
+        _save_shards(out, names, tensor, shard_bytes)
     raw = cfg.to_dict(dtype)
     raw.pop("num_nextn_predict_layers")  # no MTP layer: a plain Hugging Face config
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:
         (out / "tokenizer.json").write_text(tokenizer)
         (out / "tokenizer_config.json").write_text(
             json.dumps(gguf.tokenizer_config(), indent=2) + "\n"
         )
-    log.info("converted", src=str(src), out=str(out), tensors=len(tensors), dtype=dtype)
+    log.info("converted", src=str(src), out=str(out), tensors=len(names), dtype=dtype)
     return out
+
+
+def _save_shards(
+    out: Path, names: list[str], tensor: Callable[[str], np.ndarray], shard_bytes: int
+) -> None:
+    """Shards of about ``shard_bytes`` each, then the index that maps names to them."""
+    pending: dict[str, np.ndarray] = {}
+    size = 0
+    files: list[str] = []
+    weight_map: dict[str, str] = {}
+    total = 0
+
+    def flush() -> None:
+        nonlocal pending, size
+        if not pending:
+            return
+        file = f"model-{len(files) + 1:05d}.safetensors"
+        save_file(pending, str(out / file), metadata={"format": "pt"})
+        files.append(file)
+        weight_map.update(dict.fromkeys(pending, file))
+        pending, size = {}, 0
+
+    for name in names:
+        arr = tensor(name)
+        if pending and size + arr.nbytes > shard_bytes:
+            flush()
+        pending[name] = arr
+        size += arr.nbytes
+        total += arr.nbytes
+    flush()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

@@ -35,6 +35,7 @@ from spectrio.models.checkpoint import (
     refuse_unexpected,
 )
 from spectrio.models.config import BUNDLED_DIR, DType, ModelConfig, ModelConfigError
+from spectrio.models.gguf_cache import cached_folder
 from spectrio.models.gguf_file import GGUFFile, is_gguf
 from spectrio.models.model import SpectrioForCausalLM, build_model
 from spectrio.models.mtp_head import WithHead, head_path_for, open_head, target_fingerprint
@@ -169,7 +170,10 @@ def read_config(path: Path) -> ModelConfig:
     """The config of the folder or GGUF file at ``path`` (from :func:`resolve_path`),
     without reading weights. Problems raise :class:`CheckpointError` naming the file."""
     if path.is_file():
-        return GGUFFile(path).config
+        folder = cached_folder(path)
+        if folder is None:
+            return GGUFFile(path).config
+        path = folder
     try:
         return ModelConfig.from_json(path / "config.json")
     except ModelConfigError as exc:
@@ -219,9 +223,12 @@ def _open_target(
     """(config, tensors, tokenizer, chat template) of a folder or GGUF file; the tokenizer
     is checked against the vocabulary."""
     if path.is_file():
-        gguf = GGUFFile(path)
-        cfg = gguf.config
-        return cfg, gguf, _gguf_tokenizer(path, gguf, cfg), gguf.chat_template
+        folder = cached_folder(path)
+        if folder is None:
+            gguf = GGUFFile(path)
+            cfg = gguf.config
+            return cfg, gguf, _gguf_tokenizer(path, gguf, cfg), gguf.chat_template
+        path = folder  # the same weights, config, tokenizer and template, read fast
     cfg = read_config(path)
     source = SafetensorsSource(path, cfg)
     cfg = with_layout(cfg, source.names(), str(path))  # the MTP layout its names show
@@ -232,10 +239,13 @@ def _open_target(
 def load_tokenizer(path_or_name: str | Path) -> TextTokenizer | None:
     """The model's tokenizer, without its weights (None when it has none)."""
     path = resolve_path(path_or_name)
-    cfg = read_config(path)
     if path.is_file():
-        return _gguf_tokenizer(path, GGUFFile(path), cfg)
-    return tokenizer_of(path, cfg)
+        folder = cached_folder(path)
+        if folder is None:
+            gguf = GGUFFile(path)
+            return _gguf_tokenizer(path, gguf, gguf.config)
+        path = folder
+    return tokenizer_of(path, read_config(path))
 
 
 def _gguf_tokenizer(path: Path, gguf: GGUFFile, cfg: ModelConfig) -> TextTokenizer | None:

@@ -42,6 +42,47 @@ class ForwardOutput:
     vocab_ids: np.ndarray | None = None
 
 
+class HeadLayouts:
+    """An output head for serving, kept in whichever of two layouts each matmul wants.
+
+    With MKL's SGEMM on a vocabulary-sized head, one row is fastest against ``[d, V]``
+    (a GEMV down contiguous columns), while a few rows (verification, a batch) are
+    several times faster against ``[V, d]`` with ``transpose_y``: a 16-row product
+    ``[16, d] x [d, V]`` runs far below the memory bound, the transposed one near it
+    (docs/performance.md). The parameter is one of the two layouts; the other is a copy,
+    built only once a step needs it, so a workload that never runs that shape does not
+    hold it. Both give the same logits up to float rounding.
+    """
+
+    def __init__(self) -> None:
+        self._rows: paddle.Tensor | None = None  # [V, d]
+        self._cols: paddle.Tensor | None = None  # [d, V]
+
+    @property
+    def empty(self) -> bool:
+        return self._rows is None and self._cols is None
+
+    def set_rows(self, weight: paddle.Tensor) -> None:
+        """The head as ``[V, d]`` (a tied embedding)."""
+        self._rows, self._cols = weight, None
+
+    def set_columns(self, weight: paddle.Tensor) -> None:
+        """The head as ``[d, V]`` (a Paddle Linear's weight)."""
+        self._rows, self._cols = None, weight
+
+    def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        """``hidden @ head`` for ``hidden`` ``[N, d]`` (or more leading axes)."""
+        if hidden.ndim == 2 and hidden.shape[0] == 1:
+            if self._cols is None:
+                assert self._rows is not None, "the head is set before use"
+                self._cols = self._rows.t().contiguous()
+            return fo.matmul(hidden, self._cols)
+        if self._rows is None:
+            assert self._cols is not None, "the head is set before use"
+            self._rows = self._cols.t().contiguous()
+        return fo.matmul(hidden, self._rows, transpose_y=True)
+
+
 class DecoderModel(nn.Layer):
     """Embedding, the decoder stack and the final norm (Hugging Face ``model.*``)."""
 
@@ -103,9 +144,9 @@ class SpectrioForCausalLM(nn.Layer):
         model sets it up too)."""
         self._rope_table: paddle.Tensor | None = None  # [max_position_embeddings, D, D]
         self._inv_freq_cache: np.ndarray | None = None
-        self._head_weight: paddle.Tensor | None = None  # [d, V] for serving
+        self._head = HeadLayouts()  # the head for serving, in the layout each matmul wants
         self.draft_vocab: np.ndarray | None = None  # token ids the MTP pass drafts from
-        self._draft_head: paddle.Tensor | None = None  # [d, len(draft_vocab)]
+        self._draft_head = HeadLayouts()  # its rows of the head
         layout = layout_of(self.config)
         self._mtp_reads_prenorm = layout.reads_prenorm
         self._mtp_norm_in_layer = layout.norm_in_layer
@@ -124,8 +165,8 @@ class SpectrioForCausalLM(nn.Layer):
         """Forget what the serving path derives from the weights (fused projections, RoPE
         tables); call it after changing weights in place outside training."""
         self._rope_table = None
-        self._head_weight = None
-        self._draft_head = None
+        self._head = HeadLayouts()
+        self._draft_head = HeadLayouts()
         for layer in [*self.model.layers, *([self.mtp] if self.mtp is not None else [])]:
             layer.drop_fused()
 
@@ -137,21 +178,19 @@ class SpectrioForCausalLM(nn.Layer):
         return name  # type: ignore[return-value]  # narrowed by the check above
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
-        """Logits of ``hidden``. Without autograd they come from a cached ``[d, V]`` copy
-        of the head, so a weight changed in place outside :meth:`train` needs
+        """Logits of ``hidden``. Without autograd they come from :class:`HeadLayouts` of
+        the head, so a weight changed in place outside :meth:`train` needs
         :meth:`drop_serving_cache` (as the fused projections already did)."""
         if paddle.is_grad_enabled():
             if self.lm_head is None:
                 return paddle.matmul(hidden, self.model.embed_tokens.weight, transpose_y=True)
             return self.lm_head(hidden)
-        if self._head_weight is None:
-            # ``[d, V]``, contiguous: a transposed operand makes the head's matmul slower.
+        if self._head.empty:
             if self.lm_head is None:  # tied: the embedding, [V, d]
-                weight = self.model.embed_tokens.weight.t()
+                self._head.set_rows(self.model.embed_tokens.weight.detach())
             else:
-                weight = self.lm_head.weight
-            self._head_weight = weight.contiguous().detach()
-        return fo.matmul(hidden, self._head_weight)
+                self._head.set_columns(self.lm_head.weight.detach())
+        return self._head.logits(hidden)
 
     def set_draft_vocab(self, token_ids: np.ndarray | None) -> None:
         """Draft from ``token_ids`` only: the MTP pass computes logits for those head rows
@@ -167,7 +206,7 @@ class SpectrioForCausalLM(nn.Layer):
             if token_ids.min() < 0 or token_ids.max() >= self.config.vocab_size:
                 raise ValueError("draft vocabulary ids must lie in the model's vocabulary")
         self.draft_vocab = token_ids
-        self._draft_head = None
+        self._draft_head = HeadLayouts()
 
     def compute_draft_logits(
         self, hidden: paddle.Tensor
@@ -176,12 +215,15 @@ class SpectrioForCausalLM(nn.Layer):
         (None: the whole vocabulary, column j is token j)."""
         if self.draft_vocab is None or paddle.is_grad_enabled():
             return self.compute_logits(hidden), None
-        if self._draft_head is None:
-            self.compute_logits(hidden[:0])  # builds the [d, V] serving copy of the head
-            assert self._head_weight is not None
+        if self._draft_head.empty:
             ids = paddle.to_tensor(self.draft_vocab)
-            self._draft_head = paddle.gather(self._head_weight, ids, axis=1).contiguous()
-        return fo.matmul(hidden, self._draft_head), self.draft_vocab
+            if self.lm_head is None:
+                self._draft_head.set_rows(paddle.gather(self.model.embed_tokens.weight, ids))
+            else:
+                self._draft_head.set_columns(
+                    paddle.gather(self.lm_head.weight, ids, axis=1).contiguous()
+                )
+        return self._draft_head.logits(hidden), self.draft_vocab
 
     def _embed(self, ids: paddle.Tensor) -> paddle.Tensor:
         """Embedding rows of ``ids`` (a row gather: ``nn.Embedding`` without its Python
@@ -331,13 +373,24 @@ def build_model(
         raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
     if seed is not None:
         paddle.seed(seed)
-    model = SpectrioForCausalLM(cfg)
     if init:
+        model = SpectrioForCausalLM(cfg)
         normal = nn.initializer.Normal(0.0, 0.02)
         for _name, p in model.named_parameters():
             if p.ndim == 2:
                 normal(p)
-    if dtype != "float32":
-        model.to(dtype=dtype)
+        if dtype != "float32":
+            model.to(dtype=dtype)
+    else:
+        # Parameters without storage until the loader sets them: Paddle's default
+        # initializers would draw every weight only for it to be overwritten. Created in
+        # ``dtype`` directly, since a storage-less parameter cannot be cast.
+        previous = paddle.get_default_dtype()
+        paddle.set_default_dtype(dtype)
+        try:
+            with paddle.LazyGuard():
+                model = SpectrioForCausalLM(cfg)
+        finally:
+            paddle.set_default_dtype(previous)
     model.eval()
     return model

@@ -44,6 +44,7 @@ from spectrio.models.chat import ChatTemplate, chat_template_for, is_messages
 from spectrio.models.paddle_setup import MKL_CPU_TYPE, configure_paddle
 from spectrio.runtime.device_worker import DeviceWorker
 from spectrio.runtime.kv_sizing import check_checkpoint, num_kv_blocks
+from spectrio.runtime.memory import peak_rss_bytes, rss_bytes
 from spectrio.runtime.timing_cache import KeptTimings
 from spectrio.runtime.tp import TPGroup, make_workspace
 from spectrio.stages.block_manager import BlockManager
@@ -216,9 +217,19 @@ class Runtime:
         nursery.start_soon(run_all)
         if self._group is not None and self._group.spawned:
             nursery.start_soon(self._watch_followers, self._group)
+        cfg = self.loaded.config
+        kv_bytes = self.blocks.num_blocks * self.config.kv_bytes_per_block(
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads // self.config.tensor_parallel_size,
+            cfg.head_dim,
+        )
         log.info(
             "runtime started",
             num_kv_blocks=self.blocks.num_blocks,
+            kv_cache_tokens=self.blocks.num_blocks * self.blocks.block_size,
+            kv_cache_mib=round(kv_bytes / 2**20, 1),
+            rss_mib=round(rss_bytes() / 2**20),
+            peak_rss_mib=round(peak_rss_bytes() / 2**20),
             encoded=enc,
             overlap=self.config.enable_overlap,
             speculative=self.config.speculative.method,

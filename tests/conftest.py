@@ -58,6 +58,18 @@ def _own_timing_cache(
     folder of its own (``timing_cache="auto"`` reads ``$SPECTRIO_CACHE_DIR``), never the
     user's cache or another test's."""
     monkeypatch.setenv("SPECTRIO_CACHE_DIR", str(tmp_path_factory.mktemp("spectrio_cache")))
+    # GGUF conversions (models/gguf_cache.py) are kept for the whole session instead: the
+    # SmolLM2 tests would otherwise each convert the file again.
+    monkeypatch.setenv("SPECTRIO_GGUF_CACHE", str(_session_gguf_cache(tmp_path_factory)))
+
+
+_GGUF_CACHE: list[Path] = []
+
+
+def _session_gguf_cache(factory: pytest.TempPathFactory) -> Path:
+    if not _GGUF_CACHE:
+        _GGUF_CACHE.append(factory.mktemp("gguf_cache"))
+    return _GGUF_CACHE[0]
 
 
 SMOLLM2_VERSION = "0.1.2"

@@ -126,10 +126,14 @@ def write_gguf(
     return want
 
 
+@pytest.mark.parametrize("cache", ["converted once", "read directly"])
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_1])
 def test_every_weight_is_the_dequantized_value_in_hugging_face_order(
-    tmp_path: Path, qtype: Q
+    tmp_path: Path, qtype: Q, cache: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Through the converted folder models/gguf_cache.py keeps, and from the file."""
+    if cache == "read directly":
+        monkeypatch.setenv("SPECTRIO_GGUF_CACHE", "0")
     path = tmp_path / "tiny.gguf"
     want = write_gguf(path, qtype=qtype)
     loaded = load(path, dtype="float64")

@@ -201,7 +201,7 @@ def test_decode_role_chunk_is_seqs_times_k_plus_one() -> None:
 def test_other_roles_chunk_is_batched_tokens(role: str) -> None:
     c = RuntimeConfig(role=role, max_num_seqs=100, speculative=spec(3))
     assert c.max_chunk_tokens() == 2048
-    assert c.warmup_num_tokens() == 2048
+    assert c.warmup_num_tokens() == 400  # one full decode step, not a whole chunk
 
 
 def test_decode_chunk_for_each_k() -> None:

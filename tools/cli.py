@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_flags(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object (docs/cli.md)")
     add_sampling_flags(gen)
-    add_runtime_flags(gen)
+    # One request: one batch slot, so the KV cache holds one max_model_len sequence.
+    add_runtime_flags(gen, defaults={"max_num_seqs": 1})
     gen.set_defaults(func=_generate)
 
     from spectrio.tools.serve_cli import add_client_parser, add_keys_parser, add_serve_parser

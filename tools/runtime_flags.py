@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from spectrio.core.config import (
@@ -57,7 +57,8 @@ RUNTIME_FLAGS: Final[tuple[FlagSpec, ...]] = (
     FlagSpec(
         "model",
         "--model",
-        "'bundled', a checkpoint folder or 'synthetic:...' (models/synthetic.py)",
+        "'bundled', 'smollm2', a checkpoint folder, a .gguf file or 'synthetic:...' "
+        "(models/synthetic.py)",
         "PATH",
     ),
     FlagSpec("dtype", "--dtype", "compute dtype"),
@@ -207,6 +208,9 @@ def _show(value: Any) -> str:
     )
 
 
+_COMMAND_DEFAULTS = "runtime_command_defaults"
+
+
 def runtime_flag_specs() -> list[tuple[FlagSpec, dataclasses.Field[Any], Any]]:
     """Every config field with its flag and default, in :data:`RUNTIME_FLAGS` order.
     Raises ``RuntimeError`` when a field has no flag or a flag names no field."""
@@ -253,13 +257,20 @@ def _argument(spec: FlagSpec, f: dataclasses.Field[Any], default: Any) -> dict[s
     return {**kw, "help": spec.help + shown}
 
 
-def add_runtime_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per RuntimeConfig / SpeculativeConfig field, then ``--config``."""
+def add_runtime_flags(
+    p: argparse.ArgumentParser, defaults: Mapping[str, Any] | None = None
+) -> None:
+    """One flag per RuntimeConfig / SpeculativeConfig field, then ``--config``.
+
+    ``defaults``: this command's own defaults for top-level fields (``spectrio generate``
+    runs one request, so one batch slot), shown in the help and applied by
+    :func:`runtime_config` beneath ``--config`` and the flags."""
+    own = dict(defaults or {})
     group = p.add_argument_group(
         "runtime", "the RuntimeConfig fields (flags given win over --config)"
     )
     for spec, f, default in runtime_flag_specs():
-        group.add_argument(spec.flag, **_argument(spec, f, default))
+        group.add_argument(spec.flag, **_argument(spec, f, own.get(spec.path, default)))
         if spec.path == "speculative.method":
             group.add_argument(
                 _METHOD_FLAG,
@@ -277,6 +288,7 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
         help="RuntimeConfig as a TOML or JSON file (runtime/config_file.py); flags given "
         "on the command line win over it, field by field",
     )
+    p.set_defaults(**{_COMMAND_DEFAULTS: own})
 
 
 def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -303,15 +315,20 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return table
 
 
-def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
-    """The config the flags describe, over ``--config FILE`` when given; raises
-    ConfigError naming the bad field."""
-    from spectrio.runtime.config_file import config_from_table, load_config
+def runtime_config(
+    args: argparse.Namespace, defaults: Mapping[str, Any] | None = None
+) -> RuntimeConfig:
+    """The config the flags describe, over ``--config FILE`` when given, over
+    ``defaults`` (a command's own defaults, for fields neither sets); raises ConfigError
+    naming the bad field."""
+    from spectrio.runtime.config_file import config_from_table, merge_tables, read_table
 
-    overrides = flag_overrides(args)
+    if defaults is None:
+        defaults = getattr(args, _COMMAND_DEFAULTS, None)
+    table = merge_tables({}, defaults or {})
     if getattr(args, "config", None):
-        return load_config(args.config, overrides)
-    return config_from_table(overrides)
+        table = merge_tables(table, read_table(args.config))
+    return config_from_table(merge_tables(table, flag_overrides(args)))
 
 
 def parse_runtime_flags(argv: Sequence[str]) -> RuntimeConfig:

@@ -1,0 +1,101 @@
+"""A GGUF file's Hugging Face folder, converted once and kept in the cache folder.
+
+Opening a GGUF file is slow in a way that does not depend on its tensors: the ``gguf``
+package parses every metadata field element by element, and a 49,152-token vocabulary
+with its merges is about 150,000 of them (several seconds on a small CPU), before the
+weights are dequantized in NumPy. The folder :func:`spectrio.models.convert.convert_gguf`
+writes holds the same weights, exactly (float32 holds every dequantized value), the same
+config, tokenizer and chat template, and opens in a fraction of a second. So the first
+load of a GGUF file converts it into ``<cache>/gguf/<key>/`` and every load after that
+reads the folder; ``tests/test_gguf_cache.py`` checks that both give the same model.
+
+Invariants:
+
+* **The key names the file's bytes as the file system reports them**: its resolved path,
+  size and modification time, and :data:`FORMAT`, the version of what the folder holds.
+  A file rewritten in place gets a new key; a stale folder is never read for it.
+* **A folder in the cache is complete.** It is written under a temporary name beside its
+  final one and renamed into place, so a crash or a concurrent converter (tensor-parallel
+  ranks start together) leaves either nothing or a whole folder; the loser of a race
+  discards its copy.
+* **The cache never stands in the way.** Set ``SPECTRIO_GGUF_CACHE=0`` to read the file
+  itself every time (or to a folder, to keep the conversions there instead); a conversion
+  that fails (a full disk, a read-only cache folder) is logged and the file is read
+  directly. A converted folder takes the float32 size of the weights (about 4x a Q4
+  file); delete ``<cache>/gguf/`` to reclaim it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import structlog
+
+from spectrio.cache_dir import cache_dir
+
+log = structlog.get_logger("spectrio.models.gguf_cache")
+
+__all__ = ["CACHE_ENV", "FORMAT", "cached_folder", "gguf_cache_root"]
+
+CACHE_ENV = "SPECTRIO_GGUF_CACHE"
+FORMAT = 1
+"""Bump when what a converted folder holds, or how, changes: old folders are then ignored."""
+
+_SHARD_BYTES = 64 << 20  # at most one shard's tensors are held while converting
+
+
+def gguf_cache_root() -> Path | None:
+    """Where converted folders live: ``$SPECTRIO_GGUF_CACHE`` when it names a folder,
+    else ``<cache>/gguf``; None when it is ``0``, ``off``, ``false`` or ``no``."""
+    value = os.environ.get(CACHE_ENV, "").strip()
+    if value.lower() in ("0", "off", "false", "no"):
+        return None
+    return Path(value).expanduser() if value else cache_dir() / "gguf"
+
+
+def _key(path: Path) -> str:
+    real = path.resolve()
+    st = real.stat()
+    ident = f"{FORMAT}\0{real}\0{st.st_size}\0{st.st_mtime_ns}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:24]
+
+
+def cached_folder(path: Path) -> Path | None:
+    """The converted folder of the GGUF file ``path``, converting it on first use; None
+    when the cache is off or the conversion failed (read the file itself then)."""
+    root = gguf_cache_root()
+    if root is None:
+        return None
+    folder = root / _key(path)
+    if (folder / "config.json").is_file():
+        return folder
+    from spectrio.models.convert import convert_gguf  # the slow path only
+
+    tmp: Path | None = None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{folder.name}."))
+        log.info("converting the GGUF file once into the cache", src=str(path), out=str(folder))
+        convert_gguf(path, tmp, "float32", shard_bytes=_SHARD_BYTES)
+        (tmp / "SOURCE").write_text(f"{path.resolve()}\n")
+        try:
+            tmp.rename(folder)
+            tmp = None
+        except OSError:
+            if not (folder / "config.json").is_file():  # not a lost race: a real failure
+                raise
+    except OSError as exc:
+        log.warning(
+            "could not cache the converted GGUF file; reading it directly",
+            src=str(path),
+            error=str(exc),
+        )
+        return None
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
