@@ -96,14 +96,22 @@ class SafetensorsSource:
         self.where = str(folder)
         self._cfg = cfg
         self._handles: dict[str, Any] = {}
+        self._file_of: dict[str, int] = {}
         files = self._files(folder)
+        self._paths = [str(f) for f in files]
+        # Values are read through a second handle on one file at a time: a handle maps its
+        # whole file, and every page a read touches counts as resident until the mapping
+        # goes, so reading all tensors through the handles above would hold the whole
+        # checkpoint resident beside the model until the load ends.
+        self._reading: tuple[int, Any] | None = None
         try:
-            for f in files:
+            for i, f in enumerate(files):
                 handle = safe_open(str(f), framework="numpy")
                 for key in handle.keys():
                     if key in self._handles:
                         raise CheckpointError(f"{f}: tensor {key!r} appears in more than one file")
                     self._handles[key] = handle
+                    self._file_of[key] = i
         except (SafetensorError, OSError, ValueError) as exc:
             if isinstance(exc, CheckpointError):
                 raise
@@ -150,8 +158,20 @@ class SafetensorsSource:
     def shape(self, name: str) -> list[int]:
         return list(self._handles[name].get_slice(name).get_shape())
 
+    def read_order(self, name: str) -> int:
+        """Which file holds ``name``: reading a file's tensors together keeps one file
+        mapped at a time."""
+        return self._file_of[name]
+
+    def _reader(self, name: str) -> Any:
+        index = self._file_of[name]
+        if self._reading is None or self._reading[0] != index:
+            self._reading = None  # unmap the previous file before mapping the next
+            self._reading = (index, safe_open(self._paths[index], framework="numpy"))
+        return self._reading[1]
+
     def read(self, name: str, axis: int | None = None, lo: int = 0, hi: int = 0) -> np.ndarray:
-        sl = self._handles[name].get_slice(name)
+        sl = self._reader(name).get_slice(name)
         dtype = sl.get_dtype()
         if dtype not in _FLOAT_DTYPES:
             raise CheckpointError(f"{self.where}: tensor {name!r} has non-float dtype {dtype}")
@@ -252,6 +272,9 @@ def fill_parameters(
             )
         plan.append((param, name, hf, axis, want))
     refuse_unexpected(source.where, cfg, names - {p[2] for p in plan})
+    order = getattr(source, "read_order", None)  # a source in several files: file by file
+    if order is not None:
+        plan.sort(key=lambda item: order(item[2]))
     with paddle.no_grad():
         for param, name, hf, axis, want in plan:
             if axis is None:
@@ -266,5 +289,8 @@ def fill_parameters(
             arr = mtp_layout.convert(name, arr, cfg)
             value = arr.T if is_linear(param, name) else arr
             # Widen (float16, bfloat16 or dequantized storage) before the model sees it:
-            # compute runs in dtype.
-            param.set_value(np.ascontiguousarray(value).astype(dtype))
+            # compute runs in dtype. One copy at most (a transpose and a widening happen
+            # in the same one): the embedding alone is over 100 MB on a real model, and
+            # every extra copy of it raised the load's peak memory.
+            param.set_value(np.ascontiguousarray(value, dtype=dtype))
+            del arr, value

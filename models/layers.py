@@ -375,12 +375,24 @@ class DecoderLayer(nn.Layer):
         """The block on ``x + delta``. Returns ``(x', delta')`` whose sum is the block's
         output, left unsummed so the next norm adds it in its own op."""
         if self.mlp._gate_up_weight is None:
-            self.self_attn.fuse_qkv(self.input_layernorm.weight)
-            self.mlp.fuse(self.post_attention_layernorm.weight)
+            self.prepare_serving()
         h, x = self.input_layernorm.add_normalize(x, delta)
         attn = self.self_attn.forward_paged(h, rope, plan, cache, layer)
         h, x = self.post_attention_layernorm.add_normalize(x, attn)
         return x, self.mlp.forward_fused(h)
+
+    def prepare_serving(self, release: bool = False) -> None:
+        """Build the fused serving weights (once). With ``release``, free the separate
+        q/k/v and gate/up matrices they were built from: the fused copies hold the same
+        values (times the norm weights), so keeping both doubles most of a layer's
+        memory, but only the serving forward can run afterwards."""
+        if self.mlp._gate_up_weight is None:
+            self.self_attn.fuse_qkv(self.input_layernorm.weight)
+            self.mlp.fuse(self.post_attention_layernorm.weight)
+        if release:
+            attn, mlp = self.self_attn, self.mlp
+            for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                linear.weight._clear_data()
 
     def drop_fused(self) -> None:
         """Forget the fused serving weights (they are rebuilt from the parameters)."""

@@ -99,6 +99,7 @@ def state_dict_hf(
     the names starting with ``prefix``."""
     if dtype not in STORAGE_DTYPES:
         raise ValueError(f"storage dtype must be one of {STORAGE_DTYPES}, got {dtype!r}")
+    model.require_weights("saving")
     cfg = model.config
     out: dict[str, np.ndarray] = {}
     for name, param in model.named_parameters():
@@ -304,7 +305,10 @@ def chat_template_of(folder: Path) -> str | None:
 
 
 def load(
-    path_or_name: str | Path = "bundled", dtype: DType = "float32", mtp_head: bool = True
+    path_or_name: str | Path = "bundled",
+    dtype: DType = "float32",
+    mtp_head: bool = True,
+    serving: bool = False,
 ) -> LoadedModel:
     """Load ``"bundled"``, ``"smollm2"``, a folder with ``config.json`` and
     ``*.safetensors``, or a ``.gguf`` file.
@@ -315,6 +319,10 @@ def load(
 
     A model without an MTP layer gets its ``spectrio train-mtp`` head when one exists
     (``mtp_head=False``: never); a head made for another model is refused.
+
+    ``serving=True``: the model will only serve (a runtime's own load), so its fused
+    serving weights are built here and the separate projections they replace are freed
+    (:meth:`SpectrioForCausalLM.prepare_serving`).
 
     ``"synthetic[:key=value,...]"`` loads the synthetic benchmark device instead
     (:mod:`spectrio.models.synthetic`).
@@ -333,6 +341,8 @@ def load(
     if isinstance(source, WithHead):
         model.set_draft_vocab(source.head.draft_vocab)
     model.eval()
+    if serving:
+        model.prepare_serving(release=True)
     seconds = time.perf_counter() - t0
     log.info("model loaded", path=str(path), dtype=dtype, seconds=round(seconds, 3))
     return LoadedModel(

@@ -26,6 +26,7 @@ from spectrio.models.layers import (
 )
 from spectrio.models.mtp_layout import layout_of
 from spectrio.models.staging import Staging
+from spectrio.process_memory import trim_freed_memory
 
 
 @dataclasses.dataclass
@@ -142,6 +143,7 @@ class SpectrioForCausalLM(nn.Layer):
     def _init_serving_state(self) -> None:
         """What the serving path keeps besides the weights (a tensor-parallel shard's
         model sets it up too)."""
+        self.serving_only = False  # prepare_serving(release=True) freed the unfused weights
         self._rope_table: paddle.Tensor | None = None  # [max_position_embeddings, D, D]
         self._inv_freq_cache: np.ndarray | None = None
         self._head = HeadLayouts()  # the head for serving, in the layout each matmul wants
@@ -155,8 +157,31 @@ class SpectrioForCausalLM(nn.Layer):
         # take turns, since a pass stages its inputs in ``staging``.
         self.step_lock = threading.Lock()
 
+    def prepare_serving(self, release: bool = False) -> None:
+        """Build every layer's fused serving weights now instead of in the first step.
+
+        ``release`` also frees the separate projection weights they replace (about 40%
+        of a Llama's non-embedding weights): the model then only serves. Training, the
+        dense forward, saving and :meth:`drop_serving_cache` raise ``RuntimeError``
+        naming why, instead of reading freed weights."""
+        for layer in [*self.model.layers, *([self.mtp] if self.mtp is not None else [])]:
+            layer.prepare_serving(release)
+            if release:  # layer by layer, so the freed weights and the fused never add up
+                trim_freed_memory()
+        self.serving_only = self.serving_only or release
+
+    def require_weights(self, what: str) -> None:
+        """Raise ``RuntimeError`` when :meth:`prepare_serving` released weights ``what``
+        needs."""
+        if self.serving_only:
+            raise RuntimeError(
+                f"{what}: this model was loaded for serving only (load(..., serving=True)), "
+                "which frees the unfused projection weights; load it again without serving"
+            )
+
     def train(self) -> SpectrioForCausalLM:  # type: ignore[override]
         """Training changes the weights, so the fused serving copies of them are dropped."""
+        self.require_weights("train()")
         self.drop_serving_cache()
         super().train()
         return self
@@ -164,6 +189,7 @@ class SpectrioForCausalLM(nn.Layer):
     def drop_serving_cache(self) -> None:
         """Forget what the serving path derives from the weights (fused projections, RoPE
         tables); call it after changing weights in place outside training."""
+        self.require_weights("drop_serving_cache()")
         self._rope_table = None
         self._head = HeadLayouts()
         self._draft_head = HeadLayouts()
@@ -329,6 +355,7 @@ class SpectrioForCausalLM(nn.Layer):
         of the earlier positions, or None). Returns logits ``[B, T, V]``, the final hidden
         states ``[B, T, d]`` the MTP layer reads (normed, or before the norm where the MTP
         layout wants that) and the K/V of every position so far."""
+        self.require_weights("forward_dense()")
         start = 0 if past is None else int(past[0][0].shape[1])
         t = input_ids.shape[1]
         cos, sin = self._rope(paddle.arange(start, start + t, dtype="int64"))
@@ -347,6 +374,7 @@ class SpectrioForCausalLM(nn.Layer):
         """Dense MTP: ``next_ids[:, p]`` is the token at p+1 and ``prev_hidden[:, p]`` the
         state at p; returns (logits for p+2, MTP hidden for the next substep, MTP K/V so
         far)."""
+        self.require_weights("mtp_forward_dense()")
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP layer (num_nextn_predict_layers=0)")
         start = 0 if past is None else int(past[0].shape[1])

@@ -160,6 +160,13 @@ class WithHead:
     def _source(self, name: str) -> TensorSource:
         return self.head if name in self._head_names else self._target
 
+    def read_order(self, name: str) -> int:
+        """The target's file order (:meth:`SafetensorsSource.read_order`); the head last."""
+        order = getattr(self._target, "read_order", None)
+        if name in self._head_names or order is None:
+            return 1 << 30
+        return int(order(name))
+
     def shape(self, name: str) -> list[int]:
         return self._source(name).shape(name)
 

@@ -230,13 +230,16 @@ def build_sharded(cfg: ModelConfig, tp: TPShard, dtype: DType = "float32") -> Pa
     return model
 
 
-def load_sharded(path_or_name: str | Path, tp: TPShard, dtype: DType = "float32") -> LoadedModel:
+def load_sharded(
+    path_or_name: str | Path, tp: TPShard, dtype: DType = "float32", serving: bool = False
+) -> LoadedModel:
     """This rank's shard of the checkpoint at ``path_or_name``: every split tensor is read
     over this rank's rows or columns only (``get_slice`` from safetensors; a GGUF tensor
     is dequantized whole, then sliced); replicated ones (norms, row-parallel biases,
     ``eh_proj``) whole. Shapes are checked against the full model, and a missing,
     misshapen or unexpected tensor raises :class:`CheckpointError` as
-    :func:`spectrio.models.load` does; an indivisible model raises :class:`ConfigError`."""
+    :func:`spectrio.models.load` does; an indivisible model raises :class:`ConfigError`.
+    ``serving`` as for :func:`spectrio.models.load`."""
     t0 = time.perf_counter()
     path = resolve_path(path_or_name)
     check_divisible(read_config(path), tp.size)
@@ -244,6 +247,8 @@ def load_sharded(path_or_name: str | Path, tp: TPShard, dtype: DType = "float32"
     model = build_sharded(cfg, tp, dtype)
     fill_parameters(model, cfg, source, dtype, tp.rank, tp.size)
     model.eval()
+    if serving:
+        model.prepare_serving(release=True)
     seconds = time.perf_counter() - t0
     log.info("model shard loaded", path=str(path), rank=tp.rank, size=tp.size, seconds=seconds)
     return LoadedModel(

@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
+from functools import partial
 
 import msgspec
 import structlog
@@ -42,9 +43,9 @@ from spectrio.errors import CheckpointError, EngineDead
 from spectrio.models import LoadedModel, load
 from spectrio.models.chat import ChatTemplate, chat_template_for, is_messages
 from spectrio.models.paddle_setup import MKL_CPU_TYPE, configure_paddle
+from spectrio.process_memory import peak_rss_bytes, rss_bytes
 from spectrio.runtime.device_worker import DeviceWorker
 from spectrio.runtime.kv_sizing import check_checkpoint, num_kv_blocks
-from spectrio.runtime.memory import peak_rss_bytes, rss_bytes
 from spectrio.runtime.timing_cache import KeptTimings
 from spectrio.runtime.tp import TPGroup, make_workspace
 from spectrio.stages.block_manager import BlockManager
@@ -890,7 +891,10 @@ async def open_runtime(
 
         group, loaded = await start_group(config, warmup)
     else:
-        loaded = await trio.to_thread.run_sync(load, config.model, config.model_dtype)
+        # Serving only: the runtime's own copy needs no unfused weights.
+        loaded = await trio.to_thread.run_sync(
+            partial(load, serving=True), config.model, config.model_dtype
+        )
     try:
         rt = Runtime(config, loaded, encoded_channels, group)
         if warmup:

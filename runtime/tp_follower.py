@@ -37,7 +37,7 @@ def run_follower() -> int:
     link = PlanLink(tp)
     setup = link.recv_setup()
     configure_paddle(setup.num_threads)
-    loaded = load_sharded(setup.model, tp, setup.dtype)  # type: ignore[arg-type]
+    loaded = load_sharded(setup.model, tp, setup.dtype, serving=True)  # type: ignore[arg-type]
     ws = make_workspace(loaded.model, setup.num_blocks, setup.block_size, setup.speculative)
     if setup.warmup_tokens:
         ws.warmup(setup.warmup_tokens, setup.max_model_len)

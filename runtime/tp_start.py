@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import structlog
 import trio
 
@@ -76,7 +78,11 @@ async def start_group(config: RuntimeConfig, warmup: bool) -> tuple[TPGroup, Loa
             assert group.link is not None
             await trio.to_thread.run_sync(group.link.send_setup, setup, abandon_on_cancel=True)
             loaded = await trio.to_thread.run_sync(
-                load_sharded, config.model, tp, config.model_dtype, abandon_on_cancel=True
+                partial(load_sharded, serving=True),
+                config.model,
+                tp,
+                config.model_dtype,
+                abandon_on_cancel=True,
             )
             nursery.cancel_scope.cancel()
     except BaseException:

@@ -15,7 +15,7 @@ The rule: pick the k that maximises expected tokens per second,
   sequence that reached position i with exponential forgetting, and shrunk towards the
   position before it (``prior_weight`` pseudo-observations; position 1 towards
   ``prior_acceptance``): a deep position is seen only on steps that draft that far. A
-  position a step does not draft forgets at ``stale_decay`` a step, so a stretch of
+  position a step that drafts does not reach forgets at ``stale_decay`` a step, so a stretch of
   rejections does not outlive the request that caused it.
 * ``o`` is the slot-steps the batch lost while requests waited for a slot (prefill
   steps, unplanned slots, a request's last short step) per token emitted
@@ -36,12 +36,15 @@ Invariants of the search:
 * A run drafts ``k_max`` until the first draft position has been seen
   ``acceptance_warmup`` times, whatever kept times say.
 * Exploration starts at ``k_max`` after a bucket's first ``warmup_steps`` (untimed) and
-  goes down one k at a time while the smaller k does better; each k runs twice, its
-  first step untimed. A bucket not timed yet borrows a neighbouring bucket's times.
+  goes down one k at a time while the smaller k does better, and the first time all the
+  way to k = 0 (the rate need not be unimodal there, see :meth:`_choose`); each k runs
+  twice, its first step untimed. A bucket not timed yet borrows a neighbouring
+  bucket's times.
 * Afterwards one step in ``probe_every`` starts a two-step probe of the best k's
   neighbour timed longer ago; a neighbour more than 3 standard errors behind
   (:meth:`_BucketTimes.settled`) is probed half as often. Only neighbours are ever
-  tried: the rate is unimodal in k, so a better k is reachable one step at a time.
+  tried: above k = 0 the rate is unimodal in k, so a better k is reachable one step at
+  a time.
 
 What the policy learnt about the machine (pair samples, step times, extra-row costs; not
 acceptance, which belongs to the requests) leaves and enters as JSON-ready data
@@ -488,9 +491,16 @@ class SpecPolicy:
             # Where nothing is timed yet, the choice was k_max already (exploration
             # starts there): a cold run is not changed.
             k, self._probing = self.k_max, None
-        for r in self._reached[k:]:  # the positions this step does not draft
-            r.value *= self.stale_decay
-            r.weight *= self.stale_decay
+        # The positions this step does not draft forget, so that rejections at a deep
+        # position do not outlive the request that caused them. Not while no step drafts
+        # at all: position 1 would then fade to the prior, and a head whose acceptance is
+        # below the prior would look worth drafting again every few dozen steps (the
+        # policy swung between k = 0 and k_max); the probes of k = 1 keep position 1
+        # current instead.
+        if k > 0:
+            for r in self._reached[k:]:
+                r.value *= self.stale_decay
+                r.weight *= self.stale_decay
         return k
 
     def _choose(self, num_seqs: int) -> int:
@@ -524,10 +534,21 @@ class SpecPolicy:
             ),
             self.k_max,
         )
+        timed = self._times.get(bucket)
+
+        def ran(k: int) -> bool:
+            return timed is not None and timed.last(k) > 0
+
         for k in range(top, -1, -1):
             if k not in times:
                 return k
-            if k < top and rate(k) < rate(k + 1):
+            # A descent this run made goes on to k = 0 once whatever it finds: the rate is
+            # unimodal in k only above k = 0. A step of one row per sequence and a step of
+            # several run different kernels (a GEMV against a GEMM over the whole head,
+            # several times dearer on a CPU's BLAS), so k = 1 can do worse than both its
+            # neighbours and hide a k = 0 that beats every k. k = 0 is reached through
+            # k = 1 run just before it, since a k's time is linked to its neighbour's.
+            if k < top and rate(k) < rate(k + 1) and (0 in times or not ran(k)):
                 break
         best = max(times, key=rate)
         if self._num_choices % self.probe_every == 0:
@@ -535,7 +556,6 @@ class SpecPolicy:
             # which also measures the next position's acceptance), so one unlucky early
             # timing (or a borrowed one) cannot keep a good k out of use for good, and
             # both neighbours' estimates stay current.
-            timed = self._times.get(bucket)
 
             def last(k: int) -> int:
                 return timed.last(k) if timed is not None else 0

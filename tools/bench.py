@@ -327,14 +327,16 @@ def _case_config(
     max_tokens: int,
     overlap: bool,
 ) -> RuntimeConfig:
-    """The runtime of one case: ``batch`` running requests at most."""
+    """The runtime of one case: ``batch`` running requests at most, each as long as the
+    longest prompt plus ``max_tokens``, and KV for exactly that (the default sizing): the
+    interleaved cases are open at once, each with its own KV cache."""
     return RuntimeConfig(
         model=model,
         dtype=dtype,
         speculative=spec,
         max_num_seqs=max(batch, 1),
         max_num_batched_tokens=max(2048, batch * spec.tokens_per_seq),
-        max_model_len=max(512, len(max(prompts, key=len)) + max_tokens + 1),
+        max_model_len=len(max(prompts, key=len)) + max_tokens + 1,
         enable_overlap=overlap,
     )
 
@@ -602,7 +604,9 @@ async def run_interleaved(
                 model, dtype, batch, spec_config(k, k_max, method), prompts, max_tokens, overlap
             )
             if loaded is None:
-                loaded = await trio.to_thread.run_sync(load, cfg.model, cfg.model_dtype)
+                loaded = await trio.to_thread.run_sync(
+                    functools.partial(load, serving=True), cfg.model, cfg.model_dtype
+                )
             rt = await stack.enter_async_context(open_runtime(cfg, loaded=loaded))
             case = _CaseRun(rt, params, prompts, arrivals, None, progress, batch, k)
             await case.warm_up()
