@@ -41,6 +41,7 @@ Run: ``spectrio bench [--model M] [--batch 1 16] [--k 0 1 2 3 auto] [--waves W] 
 [--save-trace run.jsonl]``.
 
 JSON (``--json``; stable, for scripts that compare runs): ``{"schema": 2, "machine",
+"memory" ({"peak_rss_mib"}: the bench process's peak),
 "args" (the options), "rows": [...]}`` with one row per case, keys:
 
 * case: ``batch``, ``k`` (int or "auto"), ``logprobs`` ("off" or N), ``dtype``,
@@ -109,6 +110,7 @@ from spectrio.core.timing import StepTiming, device_summary
 from spectrio.models import LoadedModel, load, reference
 from spectrio.models.loader import load_tokenizer
 from spectrio.models.synthetic import is_synthetic, parse_spec
+from spectrio.process_memory import peak_rss_bytes
 from spectrio.runtime import timing_cache
 from spectrio.stages.spec_policy import batch_bucket
 from spectrio.tools.bench_speedup import Z_95, format_speedups, pooled_rate, speedups
@@ -1003,6 +1005,8 @@ def main(argv: list[str] | None = None) -> int:
         root = timing_cache.cache_root("auto")
         print(f"adaptive runs started from kept step times ({root or 'off'}): " + ", ".join(warm))
     print(summary_table(rows))
+    memory = {"peak_rss_mib": round(peak_rss_bytes() / 2**20)}
+    print(f"memory: peak RSS {memory['peak_rss_mib']} MiB (the whole bench process)")
     gains = speedups(rows)
     if gains:
         print(format_speedups(gains))
@@ -1016,6 +1020,7 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "schema": SCHEMA,
                     "machine": machine,
+                    "memory": memory,
                     "args": vars(args),
                     "rows": [json_row(r) for r in rows],
                     "speedups": [g.as_json() for g in gains],
