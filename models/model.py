@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 
 import numpy as np
@@ -46,18 +47,24 @@ class ForwardOutput:
 class HeadLayouts:
     """An output head for serving, kept in whichever of two layouts each matmul wants.
 
-    With MKL's SGEMM on a vocabulary-sized head, one row is fastest against ``[d, V]``
-    (a GEMV down contiguous columns), while a few rows (verification, a batch) are
-    several times faster against ``[V, d]`` with ``transpose_y``: a 16-row product
-    ``[16, d] x [d, V]`` runs far below the memory bound, the transposed one near it
-    (docs/performance.md). The parameter is one of the two layouts; the other is a copy,
-    built only once a step needs it, so a workload that never runs that shape does not
-    hold it. Both give the same logits up to float rounding.
+    ``[d, V]`` suits MKL's SGEMM for one row (a GEMV down contiguous columns) and for a
+    head small enough to stay in cache. A head far larger than the cache (a real
+    vocabulary: SmolLM2's is 113 MB) multiplies several rows (verification, a batch) about
+    twice as fast against ``[V, d]`` with ``transpose_y``: ``[16, d] x [d, V]`` ran far
+    below the memory bound there, the transposed product near it; for the bundled model's
+    3 MB head the plain layout stays ahead (docs/performance.md). The parameter is one of
+    the two layouts; the other is a copy, built only once a step needs it, so a workload
+    that never runs that shape does not hold it. Both give the same logits up to float
+    rounding.
     """
+
+    #: heads of at least this many elements take several rows in the ``[V, d]`` layout
+    LARGE_HEAD = 8 << 20
 
     def __init__(self) -> None:
         self._rows: paddle.Tensor | None = None  # [V, d]
         self._cols: paddle.Tensor | None = None  # [d, V]
+        self._large = False
 
     @property
     def empty(self) -> bool:
@@ -66,14 +73,16 @@ class HeadLayouts:
     def set_rows(self, weight: paddle.Tensor) -> None:
         """The head as ``[V, d]`` (a tied embedding)."""
         self._rows, self._cols = weight, None
+        self._large = math.prod(weight.shape) >= self.LARGE_HEAD
 
     def set_columns(self, weight: paddle.Tensor) -> None:
         """The head as ``[d, V]`` (a Paddle Linear's weight)."""
         self._rows, self._cols = None, weight
+        self._large = math.prod(weight.shape) >= self.LARGE_HEAD
 
     def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """``hidden @ head`` for ``hidden`` ``[N, d]`` (or more leading axes)."""
-        if hidden.ndim == 2 and hidden.shape[0] == 1:
+        if (hidden.ndim == 2 and hidden.shape[0] == 1) or not self._large:
             if self._cols is None:
                 assert self._rows is not None, "the head is set before use"
                 self._cols = self._rows.t().contiguous()
