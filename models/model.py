@@ -14,6 +14,7 @@ from spectrio.models.paddle_setup import configure_paddle, paddle  # first: impo
 from paddle import nn
 
 from spectrio.models import fast_ops as fo
+from spectrio.models import native_ops
 from spectrio.models.batch import AttentionPlan, PackedBatch
 from spectrio.models.config import DType, ModelConfig
 from spectrio.models.kv_cache import PagedKVCache
@@ -54,12 +55,16 @@ class HeadLayouts:
     below the memory bound there, the transposed product near it; for the bundled model's
     3 MB head the plain layout stays ahead (docs/performance.md). The parameter is one of
     the two layouts; the other is a copy, built only once a step needs it, so a workload
-    that never runs that shape does not hold it. Both give the same logits up to float
-    rounding.
+    that never runs that shape does not hold it. Up to :attr:`NATIVE_ROWS` rows a large
+    head goes through spectrio's own kernel instead, where it runs. All give the same
+    logits up to float rounding.
     """
 
     #: heads of at least this many elements take several rows in the ``[V, d]`` layout
     LARGE_HEAD = 8 << 20
+    #: up to this many rows a large head runs :func:`native_ops.head_logits` where it
+    #: can, which reads the head once for all rows; above, MKL's GEMM is ahead
+    NATIVE_ROWS = 16
 
     def __init__(self) -> None:
         self._rows: paddle.Tensor | None = None  # [V, d]
@@ -90,6 +95,10 @@ class HeadLayouts:
         if self._rows is None:
             assert self._cols is not None, "the head is set before use"
             self._rows = self._cols.t().contiguous()
+        if hidden.ndim == 2 and hidden.shape[0] <= self.NATIVE_ROWS:
+            out = native_ops.head_logits(hidden, self._rows)
+            if out is not None:
+                return out
         return fo.matmul(hidden, self._rows, transpose_y=True)
 
 

@@ -60,16 +60,19 @@ def _own_timing_cache(
     monkeypatch.setenv("SPECTRIO_CACHE_DIR", str(tmp_path_factory.mktemp("spectrio_cache")))
     # GGUF conversions (models/gguf_cache.py) are kept for the whole session instead: the
     # SmolLM2 tests would otherwise each convert the file again.
-    monkeypatch.setenv("SPECTRIO_GGUF_CACHE", str(_session_gguf_cache(tmp_path_factory)))
+    monkeypatch.setenv("SPECTRIO_GGUF_CACHE", str(_session_folder(tmp_path_factory, "gguf_cache")))
+    # So are the native kernels (models/native_ops.py): built once per session, not once
+    # per test process that starts (tensor-parallel ranks, servers).
+    monkeypatch.setenv("SPECTRIO_NATIVE_OPS", str(_session_folder(tmp_path_factory, "native")))
 
 
-_GGUF_CACHE: list[Path] = []
+_SESSION_FOLDERS: dict[str, Path] = {}
 
 
-def _session_gguf_cache(factory: pytest.TempPathFactory) -> Path:
-    if not _GGUF_CACHE:
-        _GGUF_CACHE.append(factory.mktemp("gguf_cache"))
-    return _GGUF_CACHE[0]
+def _session_folder(factory: pytest.TempPathFactory, name: str) -> Path:
+    if name not in _SESSION_FOLDERS:
+        _SESSION_FOLDERS[name] = factory.mktemp(name)
+    return _SESSION_FOLDERS[name]
 
 
 SMOLLM2_VERSION = "0.1.2"

@@ -1,0 +1,160 @@
+"""spectrio's own C++ kernels for Paddle (``models/csrc/spectrio_ops.cc``), compiled
+once per machine, with plain Paddle ops as the fallback everywhere.
+
+A decode step's forward is hundreds of Paddle ops, each costing microseconds of dispatch
+for a few microseconds of work; two of its patterns are worth a kernel of their own
+(the file's header says which and why). Each wrapper here returns None where its kernel
+does not run, and the caller then takes the Python path; ``tests/test_native_ops.py``
+checks each kernel against that path.
+
+Invariants:
+
+* **Built once, in a child process, atomically.** The compiler runs through
+  ``paddle.utils.cpp_extension`` in a child (its output and any crash stay there), into a
+  temporary folder that is renamed into ``<cache>/native/<key>/`` when complete. The key
+  covers the source, the flags and :func:`spectrio.models.fast_ops.cpu_signature` (the
+  library is built for this CPU's instruction set), so a changed source or another CPU
+  builds again and a stale library is never loaded.
+* **Never in the way.** ``SPECTRIO_NATIVE_OPS=0`` turns the kernels off;
+  ``SPECTRIO_NATIVE_OPS=DIR`` keeps the libraries in ``DIR``. A build that fails (no
+  compiler, no headers) is logged once and the process runs the Python path; the failure
+  is not kept, so a machine that gains a compiler builds on its next start.
+* Float32 only, and never under autograd (the kernels have no backward).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from spectrio.cache_dir import cache_dir
+from spectrio.models.fast_ops import cpu_signature
+from spectrio.models.paddle_setup import configure_paddle, paddle
+
+log = structlog.get_logger("spectrio.models.native_ops")
+
+__all__ = ["NATIVE_ENV", "add_rms_norm", "head_logits", "native_ops_available"]
+
+NATIVE_ENV = "SPECTRIO_NATIVE_OPS"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "spectrio_ops.cc"
+_NAME = "spectrio_ops"
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
+
+_BUILD = """
+import sys
+from paddle.utils.cpp_extension import load
+load(name=sys.argv[1], sources=[sys.argv[2]], extra_cxx_cflags=sys.argv[3].split(),
+     extra_ldflags=sys.argv[4].split(), build_directory=sys.argv[5], verbose=False)
+"""
+
+_lock = threading.Lock()
+_state: bool | None = None  # None: not tried yet in this process
+
+
+def _root() -> Path | None:
+    value = os.environ.get(NATIVE_ENV, "").strip()
+    if value.lower() in ("0", "off", "false", "no"):
+        return None
+    return Path(value).expanduser() if value else cache_dir() / "native"
+
+
+def _key() -> str:
+    ident = "\0".join([SOURCE.read_text(), " ".join(_CFLAGS + _LDFLAGS), cpu_signature()])
+    return hashlib.sha256(ident.encode()).hexdigest()[:20]
+
+
+def _build(folder: Path) -> None:
+    """Compile into a temporary folder beside ``folder`` and rename it into place."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+    try:
+        log.info("compiling spectrio's native kernels once for this machine", out=str(folder))
+        child = subprocess.run(
+            [sys.executable, "-c", _BUILD, _NAME, str(SOURCE), " ".join(_CFLAGS),
+             " ".join(_LDFLAGS), str(tmp)],
+            capture_output=True, text=True, timeout=600, check=False,
+        )  # fmt: skip
+        built = tmp / _NAME / f"{_NAME}.so"
+        if child.returncode != 0 or not built.is_file():
+            raise OSError(f"the build failed: {(child.stderr or child.stdout).strip()[-400:]}")
+        shutil.move(str(built), str(tmp / f"{_NAME}.so"))
+        shutil.rmtree(tmp / _NAME, ignore_errors=True)
+        try:
+            tmp.rename(folder)
+        except OSError:
+            if not (folder / f"{_NAME}.so").is_file():  # not a lost race
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def native_ops_available() -> bool:
+    """Whether the kernels run in this process (building them on first call)."""
+    global _state
+    if _state is not None:
+        return _state
+    with _lock:
+        if _state is None:
+            _state = _load()
+    return _state
+
+
+def _load() -> bool:
+    root = _root()
+    if root is None:
+        return False
+    folder = root / _key()
+    library = folder / f"{_NAME}.so"
+    try:
+        if not library.is_file():
+            _build(folder)
+        from paddle.utils.cpp_extension.extension_utils import (
+            load_op_meta_info_and_register_op,
+        )
+
+        load_op_meta_info_and_register_op(str(library))
+    except (OSError, subprocess.SubprocessError, RuntimeError, ValueError) as exc:
+        log.warning("native kernels unavailable; the Python path runs", error=str(exc))
+        return False
+    return True
+
+
+_C_OPS: Any = paddle._C_ops  # the custom-op entry point is not in Paddle's stubs
+
+
+def _run(name: str, *args: Any) -> list[paddle.Tensor]:
+    return list(_C_OPS._run_custom_op(name, *args))
+
+
+def _usable(x: paddle.Tensor) -> bool:
+    return x.dtype == paddle.float32 and not paddle.is_grad_enabled() and native_ops_available()
+
+
+def add_rms_norm(
+    x: paddle.Tensor, delta: paddle.Tensor, weight: paddle.Tensor, eps: float
+) -> tuple[paddle.Tensor, paddle.Tensor] | None:
+    """``(rmsnorm(x + delta) * weight, x + delta)`` over the last axis, or None where the
+    kernel does not run."""
+    if not _usable(x):
+        return None
+    normed, summed = _run("spectrio_add_rms_norm", x, delta, weight, float(eps))
+    return normed, summed
+
+
+def head_logits(x: paddle.Tensor, rows_head: paddle.Tensor) -> paddle.Tensor | None:
+    """``x @ rows_head.T`` for ``x`` ``[N, d]`` and a ``[V, d]`` head, or None where the
+    kernel does not run."""
+    if not _usable(x) or x.ndim != 2:
+        return None
+    threads = configure_paddle() or 1
+    return _run("spectrio_head_logits", x, rows_head, int(threads))[0]

@@ -1,0 +1,92 @@
+"""spectrio's own kernels (models/native_ops.py) against the plain Paddle path they
+replace, and the switch that turns them off."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from spectrio.models import native_ops
+from spectrio.models.paddle_setup import paddle
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="no C++ compiler: the kernels cannot be built, the Python path runs",
+)
+
+
+def test_the_kernels_build_and_load_here() -> None:
+    assert native_ops.native_ops_available()
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (16, 576), (3, 5, 64), (2, 7)])
+def test_add_rms_norm_equals_the_plain_ops(shape: tuple[int, ...]) -> None:
+    rng = np.random.default_rng(0)
+    x, delta = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    weight = rng.random(shape[-1]).astype(np.float32)
+    with paddle.no_grad():
+        got = native_ops.add_rms_norm(
+            paddle.to_tensor(x), paddle.to_tensor(delta), paddle.to_tensor(weight), 1e-5
+        )
+    assert got is not None
+    s = x + delta
+    want = s / np.sqrt((s.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5) * weight
+    np.testing.assert_array_equal(got[1].numpy(), s)  # the residual sum, exactly
+    np.testing.assert_allclose(got[0].numpy(), want, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 16])
+@pytest.mark.parametrize("vocab, d", [(4099, 576), (1000, 13)])  # ragged V and d
+def test_head_logits_equal_the_matmul(rows: int, vocab: int, d: int) -> None:
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, d)).astype(np.float32)
+    head = rng.standard_normal((vocab, d)).astype(np.float32)
+    with paddle.no_grad():
+        got = native_ops.head_logits(paddle.to_tensor(x), paddle.to_tensor(head))
+    assert got is not None and got.shape == [rows, vocab]
+    np.testing.assert_allclose(got.numpy(), x.astype(np.float64) @ head.T, rtol=1e-4, atol=1e-4)
+
+
+def test_not_for_float64_or_autograd() -> None:
+    x = paddle.ones([2, 8], dtype="float64")
+    with paddle.no_grad():
+        assert native_ops.add_rms_norm(x, x, paddle.ones([8], dtype="float64"), 1e-6) is None
+    y = paddle.ones([2, 8])
+    assert native_ops.head_logits(y, paddle.ones([4, 8])) is None  # grad enabled
+
+
+def test_off_switch_and_the_same_greedy_tokens_either_way() -> None:
+    """SPECTRIO_NATIVE_OPS=0 runs the Python path; the bundled model's greedy tokens are
+    the same with the kernels and without."""
+    code = (
+        "import json, trio\n"
+        "from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime\n"
+        "from spectrio.models import native_ops\n"
+        "async def main():\n"
+        "    cfg = RuntimeConfig(speculative=SpeculativeConfig(num_speculative_tokens=2))\n"
+        "    out = []\n"
+        "    async with open_runtime(cfg) as rt:\n"
+        "        p = SamplingParams(max_tokens=24, ignore_eos=True)\n"
+        "        async for d in rt.generate('def fib(n):', p):\n"
+        "            out += d.token_ids\n"
+        "    print(json.dumps([native_ops.native_ops_available(), out]))\n"
+        "trio.run(main)\n"
+    )
+    runs = {}
+    for setting in ("on", "0"):
+        env = dict(os.environ)
+        if setting == "0":
+            env["SPECTRIO_NATIVE_OPS"] = "0"
+        proc = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs[setting] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert runs["on"][0] is True and runs["0"][0] is False
+    assert runs["on"][1] == runs["0"][1] and len(runs["on"][1]) == 24
