@@ -48,7 +48,12 @@ NATIVE_ENV = "SPECTRIO_NATIVE_OPS"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "spectrio_ops.cc"
 _NAME = "spectrio_ops"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-_LDFLAGS = ["-fopenmp"]
+# Linked against the OpenMP runtime Paddle ships and loads (Intel's, which serves the GNU
+# entry points the compiler emits), not the compiler's own: kernels and MKL's GEMMs
+# then share one pool of threads. With two runtimes each kernel waited for the other
+# pool's threads, spinning after MKL's last call, to give up the cores.
+_PADDLE_LIBS = Path(paddle.__file__).resolve().parent / "libs"
+_LDFLAGS = [f"-L{_PADDLE_LIBS}", "-liomp5", f"-Wl,-rpath,{_PADDLE_LIBS}"]
 
 _BUILD = """
 import sys

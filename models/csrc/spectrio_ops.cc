@@ -11,9 +11,8 @@
 //   sits in L1.
 //
 // Every output element is computed by one thread over a fixed order, so results do not
-// depend on the thread count. Threads come from OpenMP with an explicit count: Paddle
-// loads Intel's OpenMP runtime, which also serves the GNU entry points this file compiles
-// to, so the head shares the pool MKL uses instead of a second pool spinning against it.
+// depend on the thread count. Threads come from OpenMP with an explicit count, from the
+// runtime Paddle ships (native_ops.py links it), so the head shares the pool MKL uses.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
