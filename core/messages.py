@@ -40,6 +40,11 @@ class SeqWork(msgspec.Struct, kw_only=True, frozen=True):
     pending: bool = False  # planned ahead: inputs come from the previous step's result
     #                        (stages/overlap.py); token_ids is empty until resolved
     max_model_len: int = 0  # the runtime's limit, for resolving drafts of pending work
+    cached_ids: list[int] = []  # on a sequence's first work after (re)admission:
+    #                             the tokens of positions 0 .. start_pos - 1, whose target and
+    #                             draft KV came from the prefix cache (the proposer's history
+    #                             and MTP catch-up start at start_pos; TP followers read it
+    #                             here, never from a lookup of their own)
 
 
 class Ended(msgspec.Struct, array_like=True, frozen=True):
@@ -118,6 +123,9 @@ class SeqResult(msgspec.Struct, kw_only=True):
     # Set when the request ends: its acceptance per draft position over its life, the
     # scheduler's one count (a copy), for the stream's final delta and per-request stats.
     acceptance: Acceptance | None = None
+    # Set when the request ends: prompt tokens whose KV came from the prefix cache (at the
+    # request's first admission)
+    cached_tokens: int | None = None
 
 
 class StepResult(msgspec.Struct, kw_only=True):
@@ -140,6 +148,7 @@ class NewRequest(msgspec.Struct, tag=True, kw_only=True):
     params: SamplingParams
     eos_token_ids: list[int]
     speculative: bool
+    cache_salt: str = ""  # prefix-cache isolation: blocks are shared only within one salt
 
 
 class AbortRequest(msgspec.Struct, tag=True, kw_only=True):

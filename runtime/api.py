@@ -108,7 +108,9 @@ class Runtime:
         cfg = loaded.config
         check_checkpoint(config, cfg)
         num_blocks = num_kv_blocks(config, cfg)
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(
+            num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
+        )
         self.workspace: Workspace = make_workspace(
             loaded.model, num_blocks, config.block_size, config.speculative
         )
