@@ -192,3 +192,16 @@ class RuntimeStats(msgspec.Struct, kw_only=True):
     finished: dict[str, int]  # requests ended, by finish reason ("stop", "length", "abort")
     # steps with decoding sequences, by drafts per sequence (the adaptive policy's k)
     steps_by_k: dict[int, int] = msgspec.field(default_factory=dict)
+    # Prefix cache (stages/block_manager.py), since start: context tokens looked up when a
+    # request is (re)admitted, of which found cached; blocks registered now (held or
+    # evictable); cached blocks evicted to make room.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    cached_kv_blocks: int = 0
+    prefix_cache_evictions: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hit tokens over queried tokens (0 before any query)."""
+        q = self.prefix_cache_queries
+        return self.prefix_cache_hits / q if q else 0.0

@@ -261,6 +261,31 @@ def _stats_metrics(s: RuntimeStats | None, drift: DriftDetector) -> Iterable[Met
         fin.add_metric([reason], s.finished.get(reason, 0))
     yield fin
     yield CounterMetricFamily("spectrio_preemptions", "Requests preempted", value=s.num_preemptions)
+    yield CounterMetricFamily(
+        "spectrio_prefix_cache_queries_tokens",
+        "Context tokens looked up in the prefix cache when requests were (re)admitted",
+        value=s.prefix_cache_queries,
+    )
+    yield CounterMetricFamily(
+        "spectrio_prefix_cache_hits_tokens",
+        "Looked-up tokens whose KV came from the prefix cache",
+        value=s.prefix_cache_hits,
+    )
+    yield g(
+        "spectrio_prefix_cache_hit_rate",
+        "Prefix-cache hit tokens over queried tokens since start",
+        value=s.prefix_cache_hit_rate,
+    )
+    yield g(
+        "spectrio_prefix_cache_blocks",
+        "KV blocks registered in the prefix cache (held by requests or evictable)",
+        value=s.cached_kv_blocks,
+    )
+    yield CounterMetricFamily(
+        "spectrio_prefix_cache_evictions",
+        "Cached KV blocks evicted to make room",
+        value=s.prefix_cache_evictions,
+    )
     yield CounterMetricFamily("spectrio_steps", "Pipeline steps published", value=s.num_steps)
     by_k = CounterMetricFamily(
         "spectrio_steps_by_k",
