@@ -174,6 +174,9 @@ class PublishedStep(msgspec.Struct, kw_only=True):
     # Requests that ended in this step (finished, or aborted and reported here): request
     # id -> [drafts proposed, accepted] over the request's whole life.
     drafts: dict[str, list[int]] = {}
+    # Requests that finished in this step: request id -> prompt tokens whose KV came from
+    # the prefix cache.
+    cached_tokens: dict[str, int] = {}
 
 
 class RuntimeStats(msgspec.Struct, kw_only=True):
