@@ -225,9 +225,10 @@ class ObservedRuntime:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        cache_salt: str = "",
     ) -> _ObservedStream:
         try:  # the runtime checks the request here, so a refusal is counted here
-            stream = self._rt.generate(prompt, params, request_id=request_id)
+            stream = self._rt.generate(prompt, params, request_id=request_id, cache_salt=cache_salt)
         except Exception as exc:
             now = time.perf_counter()
             for h in self.hooks:
