@@ -25,6 +25,13 @@ table still holds.
 Free blocks are handed out lowest id first, and cached ones least recently released
 first, so a given sequence of operations always yields the same tables.
 
+**Promises.** A sequence admitted to compute prompt blocks that are not cached yet can
+:meth:`promise` them: their hashes are known from the prompt before any KV exists.
+:meth:`lookup` then tells a later sequence how many blocks past its hit a running
+sequence is computing right now, so the scheduler may let it wait for them instead of
+computing the same prefix a second time. A promise is only a hint: it ends when the
+block is registered or the promising sequence is freed (finished, aborted, preempted).
+
 This class does not know when a step in flight reads a block; the scheduler keeps that
 promise (``stages/scheduling.py``): blocks are registered only after the step that wrote
 them has returned, and the device runs steps in plan order, so a block evicted and
@@ -142,6 +149,8 @@ class BlockManager:
         # Per sequence: the chain hashes of its leading full blocks computed so far (a
         # block it holds is registered under the hash, or a twin already was).
         self._chains: dict[Hashable, list[bytes]] = {}
+        self._promised: dict[bytes, Hashable] = {}  # hash -> the sequence computing it
+        self._promises: dict[Hashable, list[bytes]] = {}  # sequence -> hashes it promised
         self.stats = PrefixStats()
 
     # ------------------------------------------------------------------ sizes
@@ -227,19 +236,51 @@ class BlockManager:
         (at most ``max_tokens`` positions, whole blocks only): block ``i`` of the answer
         holds positions ``i * block_size ..``. Takes no reference and changes nothing;
         always [] with caching off. A block's lookahead tokens must be in ``token_ids``."""
+        return self.lookup(token_ids, key, max_tokens)[0]
+
+    def lookup(
+        self, token_ids: Sequence[int], key: PrefixKey, max_tokens: int
+    ) -> tuple[list[int], int]:
+        """:meth:`match`, and how many blocks right after the hit other sequences have
+        promised (:meth:`promise`): blocks being computed now that would extend the hit."""
         if not self.caching:
-            return []
+            return [], 0
+        found: list[int] = []
+        promised = 0
+        for h in self._hashes(token_ids, key, max_tokens):
+            block = self._cached.get(h)
+            if block is not None and not promised:
+                found.append(block)
+            elif h in self._promised:
+                promised += 1
+            else:
+                break
+        return found, promised
+
+    def promise(
+        self, seq_id: Hashable, token_ids: Sequence[int], key: PrefixKey, num_tokens: int
+    ) -> int:
+        """Announce that ``seq_id`` (which holds a table) will :meth:`register` its full
+        blocks among positions ``0 .. num_tokens - 1`` of ``token_ids``; returns how many
+        were neither cached nor promised already. Ends with :meth:`free`."""
+        if not self.caching:
+            return 0
+        mine = self._promises.setdefault(seq_id, [])
+        for h in self._hashes(token_ids, key, num_tokens):
+            if h not in self._cached and h not in self._promised:
+                self._promised[h] = seq_id
+                mine.append(h)
+        return len(mine)
+
+    def _hashes(self, token_ids: Sequence[int], key: PrefixKey, max_tokens: int) -> Iterator[bytes]:
+        """The chain hashes of the full blocks of ``token_ids`` within ``max_tokens``
+        positions whose lookahead tokens are known."""
         bs = self._block_size
         limit = min(max_tokens, len(token_ids) - key.lookahead) // bs
         parent = key.root()
-        found: list[int] = []
         for b in range(max(0, limit)):
             parent = block_hash(parent, token_ids[b * bs : (b + 1) * bs + key.lookahead])
-            block = self._cached.get(parent)
-            if block is None:
-                break
-            found.append(block)
-        return found
+            yield parent
 
     def note_lookup(self, queried: int, hit: int) -> None:
         """Count one admission's lookup: ``queried`` context tokens, ``hit`` of them cached."""
@@ -277,6 +318,7 @@ class BlockManager:
                 self._cached[parent] = block
                 self._hash_of[block] = parent
                 added += 1
+                self._promised.pop(parent, None)  # kept: the promiser's list drops it at free
         return added
 
     # ------------------------------------------------------------- allocation
@@ -327,6 +369,9 @@ class BlockManager:
         free otherwise. Idempotent: freeing an unknown or already freed sequence
         returns 0. Returns the number of blocks the sequence held."""
         self._chains.pop(seq_id, None)
+        for h in self._promises.pop(seq_id, ()):
+            if self._promised.get(h) == seq_id:
+                del self._promised[h]
         table = self._tables.pop(seq_id, None)
         if not table:
             return 0
@@ -422,6 +467,11 @@ class BlockManager:
                 raise BlockManagerError(
                     f"block {block} has reference count {self._refs[block]} but no holder"
                 )
+        for h, seq_id in self._promised.items():
+            if seq_id not in self._tables:
+                raise BlockManagerError(f"sequence {seq_id!r} promises a block but holds none")
+            if h in self._cached:
+                raise BlockManagerError("a cached block is still promised")
         if len(self._cached) != len(self._hash_of) or any(
             self._hash_of.get(b) != h for h, b in self._cached.items()
         ):

@@ -51,6 +51,13 @@ keep it exact and safe with steps in flight:
   preempted since the step was planned registers nothing from it. Every step in flight
   writes only at or after positions registered so far, so a registered block is never
   written again while it stays registered.
+* **Waiting for a prefix.** An admitted request promises the prompt blocks it will
+  register (:meth:`~.block_manager.BlockManager.promise`). The head of the queue whose
+  prefix a running request is computing right now is not admitted until those blocks
+  are registered (or the promise ends with its request): computing the same prefix
+  twice at once would cost a whole prefill, waiting costs the steps until the first
+  request's KV is written (its first decode step, with MTP KV). Admission stays first in,
+  first out, so requests behind it wait too.
 * **Freeing with steps in flight.** Blocks are released as soon as a request is
   preempted, finished or aborted: a block another table holds stays held, a registered
   one becomes evictable, and only an allocation that finds no free block evicts one and
@@ -296,7 +303,9 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_computed or seq.pending is not None:
                 raise RuntimeError(f"request {seq.request_id} queued with computed positions")
-            hit = self._match(seq)
+            hit, awaited = self._match(seq)
+            if awaited:  # a running request is computing more of this prefix: wait for it
+                break
             seq.num_computed = len(hit) * self.blocks.block_size
             rows, drafts, cost = self._rows_for(seq, budget)
             if rows == 0 or not self.blocks.can_allocate(
@@ -346,16 +355,19 @@ class Scheduler:
     def _key(self, seq: Sequence) -> PrefixKey:
         return PrefixKey(seq.cache_salt, 1 if self._draft_kv and seq.speculative else 0)
 
-    def _match(self, seq: Sequence) -> list[int]:
+    def _match(self, seq: Sequence) -> tuple[list[int], int]:
         """Cached blocks the sequence's context starts with (at most ``length - 1``
-        positions: the last token is always computed)."""
+        positions: the last token is always computed), and how many more blocks running
+        requests are computing now (module docstring, *Waiting for a prefix*)."""
         if not self.blocks.caching:
-            return []
-        return self.blocks.match(seq.tokens, self._key(seq), seq.length - 1)
+            return [], 0
+        return self.blocks.lookup(seq.tokens, self._key(seq), seq.length - 1)
 
     def _admitted_with(self, seq: Sequence, hit: int) -> None:
         if self.blocks.caching:
             self.blocks.note_lookup(seq.length, hit)
+            key = self._key(seq)
+            self.blocks.promise(seq.seq_id, seq.prompt_ids, key, len(seq.prompt_ids))
         seq.prefix_hit = hit
         if seq.cached_tokens is None:
             seq.cached_tokens = min(hit, len(seq.prompt_ids))

@@ -419,3 +419,32 @@ def test_random_interleavings(
     if not aborts:
         off = simulate(k, method, blocks, in_flight, False, arrivals, aborts)
         assert on["out"] == off["out"]
+
+
+@pytest.mark.parametrize("k,method", [(0, "mtp"), (2, "mtp"), (2, "ngram")])
+def test_requests_arriving_together_wait_for_the_prefix_instead_of_recomputing_it(
+    k: int, method: str
+) -> None:
+    """Four requests over one 24-token prefix arrive at once: the first computes it, the
+    others wait for its blocks (promised at its admission) and then hit all of them."""
+    arrivals: list[Arrival] = [(0, 2, i, 0, True) for i in range(4)]
+    got = simulate(k, method, 200, 2, True, arrivals, {})
+    check_outputs(got)
+    prompt_blocks = len(PREFIXES[2]) // BS  # every suffix is at least one token long
+    assert got["hits"] >= 3 * prompt_blocks * BS  # (two suffixes share a first token)
+
+
+def test_a_promise_ends_with_its_sequence() -> None:
+    bm = BlockManager(8, BS, enable_caching=True)
+    prompt = list(range(13))
+    bm.allocate("a", 13)
+    assert bm.promise("a", prompt, PrefixKey(), 13) == 3
+    assert bm.lookup(prompt, PrefixKey(), 12) == ([], 3)
+    assert bm.lookup(prompt, PrefixKey("other"), 12) == ([], 0)
+    bm.register("a", prompt, PrefixKey(), 8)
+    hit, promised = bm.lookup(prompt, PrefixKey(), 12)
+    assert len(hit) == 2 and promised == 1
+    bm.check_invariants()
+    bm.free("a")  # finished before its last block's KV was final: the promise goes
+    assert bm.lookup(prompt, PrefixKey(), 12) == (hit, 0)
+    bm.check_invariants()
