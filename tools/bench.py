@@ -858,6 +858,14 @@ def main(argv: list[str] | None = None) -> int:
         "TOKENS-token system prompt plus --prompt-tokens of its own, run with the prefix "
         "cache on and off, beside a control of the same prompts with no shared prefix",
     )
+    p.add_argument(
+        "--multi-turn",
+        type=int,
+        default=None,
+        metavar="TURNS",
+        help="with --shared-prefix: also run --batch conversations of TURNS turns, each "
+        "resending the conversation so far (tools/bench_prefix.py)",
+    )
     p.add_argument("--json", type=str, default=None, help="write results to this file")
     p.add_argument("--plot", type=str, default=None, help="write a figure (PNG) to this file")
     p.add_argument(
@@ -921,6 +929,8 @@ def main(argv: list[str] | None = None) -> int:
         counts = dict.fromkeys(args.batch, args.num_requests[0])
     else:
         counts = dict(zip(args.batch, args.num_requests, strict=True))
+    if args.multi_turn is not None and (args.shared_prefix is None or args.multi_turn < 1):
+        p.error("--multi-turn takes a positive number of turns, with --shared-prefix")
     if args.shared_prefix is not None:
         if args.shared_prefix < 1 or args.interleave is not None:
             p.error("--shared-prefix takes a positive token count, and not --interleave")

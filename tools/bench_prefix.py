@@ -14,6 +14,14 @@ Reported per case: tokens per second (output tokens over the wall time from the 
 arrival to the last token), TTFT percentiles, the prefix cache's hit rate (hit tokens
 over looked-up tokens, during the measured window), and per workload the on/off ratios:
 TTFT p50 (off / on) and tokens per second (on / off).
+
+``--multi-turn TURNS`` adds a chat workload: ``batch`` conversations run side by side,
+each sending TURNS turns one after another; turn t's prompt is the conversation so far
+(every earlier user message and the answer the runtime gave to it) followed by a new
+user message of ``--prompt-tokens`` held-out tokens, so each turn resends the previous
+turn's prompt, which the cache holds, and the answer, which it does not (only prompt
+blocks are cached). Its TTFT percentiles are over the turns after the first (turn 0 has
+nothing to find); tokens per second over the whole run.
 """
 
 from __future__ import annotations
@@ -34,11 +42,12 @@ from spectrio.tools.bench import (
     _machine,
     _median_run,
     bench_prompts,
+    percentiles,
     round_order,
     spec_config,
 )
 
-__all__ = ["prefix_prompts", "run_prefix_case", "run_shared_prefix"]
+__all__ = ["prefix_prompts", "run_multi_turn_case", "run_prefix_case", "run_shared_prefix"]
 
 WORKLOADS = ("shared", "control")
 
@@ -100,6 +109,73 @@ async def run_prefix_case(
     }
 
 
+async def run_multi_turn_case(
+    model: str,
+    dtype: str,
+    k: int | str,
+    batch: int,
+    messages: list[list[list[int]]],
+    max_tokens: int,
+    caching: bool,
+    overlap: bool = False,
+    k_max: int = 4,
+    method: str = "mtp",
+) -> dict[str, Any]:
+    """``messages[c][t]``: conversation c's user message of turn t. Conversations run
+    side by side, their turns one after another (module docstring)."""
+    spec = spec_config(k, k_max, method)
+    longest = sum(len(m) + max_tokens for m in max(messages, key=lambda c: sum(map(len, c))))
+    cfg = _case_config(model, dtype, batch, spec, [[0] * longest], max_tokens, overlap, caching)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    ttfts: list[float] = []
+    tokens = 0
+    async with open_runtime(cfg) as rt:
+        async for _ in rt.generate(messages[0][0][:8], SamplingParams(max_tokens=4)):
+            pass
+        await rt.wait_idle()
+        before = rt.stats()
+
+        async def conversation(turns: list[list[int]]) -> None:
+            nonlocal tokens
+            history: list[int] = []
+            for t, message in enumerate(turns):
+                prompt = history + message
+                t0 = time.perf_counter()
+                answer: list[int] = []
+                async for delta in rt.generate(prompt, params):
+                    if not answer and delta.token_ids and t:
+                        ttfts.append((time.perf_counter() - t0) * 1e3)
+                    answer += delta.token_ids
+                tokens += len(answer)
+                history = prompt + answer
+
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for turns in messages:
+                nursery.start_soon(conversation, turns)
+        wall = time.perf_counter() - t0
+        after = rt.stats()
+    queries = after.prefix_cache_queries - before.prefix_cache_queries
+    hits = after.prefix_cache_hits - before.prefix_cache_hits
+    return {
+        "workload": "multiturn",
+        "batch": batch,
+        "k": k,
+        "caching": caching,
+        "requests": sum(map(len, messages)),
+        "tokens": tokens,
+        "seconds": round(wall, 4),
+        "tokens_per_second": round(tokens / wall, 1),
+        "ttft_ms": percentiles(ttfts),
+        "tpot_ms": percentiles([]),
+        "samples": [[tokens, round(wall, 6)]],
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
+        "prefix_cache_hit_rate": round(hits / queries, 4) if queries else 0.0,
+        "prefix_cache_evictions": after.prefix_cache_evictions - before.prefix_cache_evictions,
+    }
+
+
 def summary(rows: list[dict[str, Any]]) -> str:
     head = f"{'workload':>8} {'cache':>5} {'batch':>5} {'k':>4} {'tok/s':>8} {'ttft50':>8} "
     head += f"{'ttft99':>8} {'tpot50':>7} {'hit':>6} {'evict':>5}"
@@ -138,35 +214,34 @@ def run_shared_prefix(args: argparse.Namespace, ks: list[int | str], counts: dic
     prompts = prefix_prompts(
         max(counts.values()), args.shared_prefix, args.prompt_tokens, args.model, args.seed
     )
+    turns = args.multi_turn or 0
+    workloads = WORKLOADS + (("multiturn",) if turns else ())
+    chats: list[list[list[int]]] = []
+    if turns:
+        windows = bench_prompts(max(args.batch) * turns, args.prompt_tokens, args.model, args.seed)
+        chats = [windows[c * turns : (c + 1) * turns] for c in range(max(args.batch))]
     cases = [(b, k, None) for b in args.batch for k in ks]
     runs: dict[tuple[str, int, int | str, bool], list[dict[str, Any]]] = {}
     plan = [
         (round_, b, k, workload, caching)
         for round_ in range(args.repeat)
         for b, k, _ in round_order(cases, round_)
-        for workload, caching in _rotated(round_)
+        for workload, caching in _rotated(round_, workloads)
     ]
     progress = args.progress == "on"
     for _, b, k, workload, caching in tqdm(plan, desc="bench", unit="run", disable=not progress):
-        row = trio.run(
-            run_prefix_case,
-            args.model,
-            args.dtype,
-            k,
-            b,
-            prompts[workload][: counts[b]],
-            args.max_tokens,
-            caching,
-            args.overlap,
-            args.k_max,
-            args.spec_method,
-        )
+        common = (args.max_tokens, caching, args.overlap, args.k_max, args.spec_method)
+        if workload == "multiturn":
+            row = trio.run(run_multi_turn_case, args.model, args.dtype, k, b, chats[:b], *common)
+        else:
+            case_prompts = prompts[workload][: counts[b]]
+            row = trio.run(run_prefix_case, args.model, args.dtype, k, b, case_prompts, *common)
         runs.setdefault((workload, b, k, caching), []).append({**row, "workload": workload})
     rows = [
         _median_run(runs[(w, b, k, c)])
         for b in args.batch
         for k in ks
-        for w in WORKLOADS
+        for w in workloads
         for c in (True, False)
     ]
     machine = _machine()
@@ -176,6 +251,7 @@ def run_shared_prefix(args: argparse.Namespace, ks: list[int | str], counts: dic
         f"max_tokens={args.max_tokens} overlap={args.overlap} spec_method={args.spec_method} "
         f"requests={', '.join(f'{counts[b]} at batch {b}' for b in args.batch)} "
         f"rounds={args.repeat}"
+        + (f" multi_turn={turns} turns x {max(args.batch)}" if turns else "")
     )
     print(summary(rows))
     if args.json:
@@ -187,7 +263,7 @@ def run_shared_prefix(args: argparse.Namespace, ks: list[int | str], counts: dic
     return 0
 
 
-def _rotated(round_: int) -> list[tuple[str, bool]]:
-    runs = [(w, c) for w in WORKLOADS for c in (True, False)]
+def _rotated(round_: int, workloads: tuple[str, ...]) -> list[tuple[str, bool]]:
+    runs = [(w, c) for w in workloads for c in (True, False)]
     shift = round_ % len(runs)
     return runs[shift:] + runs[:shift]
