@@ -318,7 +318,7 @@ class BlockManager:
                 self._cached[parent] = block
                 self._hash_of[block] = parent
                 added += 1
-                self._promised.pop(parent, None)  # kept: the promiser's list drops it at free
+                self._promised.pop(parent, None)  # free() skips what is no longer promised
         return added
 
     # ------------------------------------------------------------- allocation
