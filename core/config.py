@@ -290,6 +290,9 @@ class RuntimeConfig:
     graph_capture_sizes: _CaptureSizesField = _CaptureSizesField()
     tensor_parallel_size: int = 1
     enable_overlap: bool = False
+    # Reuse the KV (target and MTP) of full prompt blocks that requests share
+    # (stages/block_manager.py); per-request ``cache_salt`` keeps tenants apart.
+    enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None  # CPU math threads; None: every core this process may use
 
@@ -323,6 +326,10 @@ class RuntimeConfig:
             )
         if not isinstance(self.enable_overlap, bool):
             raise ConfigError(f"enable_overlap: must be a bool, got {self.enable_overlap!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(
+                f"enable_prefix_caching: must be a bool, got {self.enable_prefix_caching!r}"
+            )
         if not _is_int(self.seed) or self.seed < 0:
             raise ConfigError(f"seed: must be a non-negative int, got {self.seed!r}")
 

@@ -40,6 +40,11 @@ class SeqWork(msgspec.Struct, kw_only=True, frozen=True):
     pending: bool = False  # planned ahead: inputs come from the previous step's result
     #                        (stages/overlap.py); token_ids is empty until resolved
     max_model_len: int = 0  # the runtime's limit, for resolving drafts of pending work
+    cached_ids: list[int] = []  # on a sequence's first work after (re)admission:
+    #                             the tokens of positions 0 .. start_pos - 1, whose target and
+    #                             draft KV came from the prefix cache (the proposer's history
+    #                             and MTP catch-up start at start_pos; TP followers read it
+    #                             here, never from a lookup of their own)
 
 
 class Ended(msgspec.Struct, array_like=True, frozen=True):
@@ -118,6 +123,9 @@ class SeqResult(msgspec.Struct, kw_only=True):
     # Set when the request ends: its acceptance per draft position over its life, the
     # scheduler's one count (a copy), for the stream's final delta and per-request stats.
     acceptance: Acceptance | None = None
+    # Set when the request ends: prompt tokens whose KV came from the prefix cache (at the
+    # request's first admission)
+    cached_tokens: int | None = None
 
 
 class StepResult(msgspec.Struct, kw_only=True):
@@ -140,6 +148,7 @@ class NewRequest(msgspec.Struct, tag=True, kw_only=True):
     params: SamplingParams
     eos_token_ids: list[int]
     speculative: bool
+    cache_salt: str = ""  # prefix-cache isolation: blocks are shared only within one salt
 
 
 class AbortRequest(msgspec.Struct, tag=True, kw_only=True):
@@ -165,6 +174,9 @@ class PublishedStep(msgspec.Struct, kw_only=True):
     # Requests that ended in this step (finished, or aborted and reported here): request
     # id -> [drafts proposed, accepted] over the request's whole life.
     drafts: dict[str, list[int]] = {}
+    # Requests that finished in this step: request id -> prompt tokens whose KV came from
+    # the prefix cache.
+    cached_tokens: dict[str, int] = {}
 
 
 class RuntimeStats(msgspec.Struct, kw_only=True):
@@ -183,3 +195,16 @@ class RuntimeStats(msgspec.Struct, kw_only=True):
     finished: dict[str, int]  # requests ended, by finish reason ("stop", "length", "abort")
     # steps with decoding sequences, by drafts per sequence (the adaptive policy's k)
     steps_by_k: dict[int, int] = msgspec.field(default_factory=dict)
+    # Prefix cache (stages/block_manager.py), since start: context tokens looked up when a
+    # request is (re)admitted, of which found cached; blocks registered now (held or
+    # evictable); cached blocks evicted to make room.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    cached_kv_blocks: int = 0
+    prefix_cache_evictions: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hit tokens over queried tokens (0 before any query)."""
+        q = self.prefix_cache_queries
+        return self.prefix_cache_hits / q if q else 0.0

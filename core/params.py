@@ -49,9 +49,11 @@ from spectrio.errors import InvalidRequest, RefusalCode
 from spectrio.models.chat import MESSAGE_RULES, MESSAGES_RULE, check_messages
 
 __all__ = [
+    "MAX_CACHE_SALT_LEN",
     "MAX_LOGPROBS",
     "MAX_REQUEST_ID_LEN",
     "MAX_TOKEN_ID",
+    "CacheSalt",
     "ChatMessage",
     "InvalidRequest",
     "Messages",
@@ -59,6 +61,7 @@ __all__ = [
     "RequestId",
     "SamplingParams",
     "TokenId",
+    "check_cache_salt",
     "check_messages",
     "check_params",
     "check_prompt",
@@ -79,11 +82,17 @@ MAX_REQUEST_ID_LEN: Final = 128
 MAX_TOKEN_ID: Final = 2**31 - 1
 """Largest token id any request may carry (the step record stores ids as int32)."""
 
+MAX_CACHE_SALT_LEN: Final = 256
+"""Longest ``cache_salt``, in characters."""
+
 _MAX_SEED: Final = 2**63 - 1
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 """A token id: a non-negative int32 (the vocabulary bound is checked by :func:`check_prompt`)."""
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
+CacheSalt = Annotated[str, msgspec.Meta(max_length=MAX_CACHE_SALT_LEN)]
+"""A request's prefix-cache salt: requests share cached KV only within one salt ("" is
+the default, shared by every unsalted request)."""
 Prompt = str | list[TokenId]
 """Text (tokenised by the runtime) or token ids."""
 
@@ -183,6 +192,8 @@ def _describe(t: mi.Type, plural: bool = False) -> str:
             return "non-empty " + noun if plural else "a non-empty string"
         if lo is not None:
             return f"{noun} of at least {lo} characters"
+        if hi is not None:
+            return f"{noun} of at most {hi} characters"
         return noun
     if isinstance(t, mi.LiteralType):
         return " or ".join(repr(v) for v in t.values)
@@ -202,6 +213,7 @@ _PARAM_TYPES: Final[dict[str, mi.Type]] = {
 _REQUEST_TYPES: Final[dict[str, mi.Type]] = {
     "prompt": mi.type_info(Prompt),
     "request_id": mi.type_info(RequestId),
+    "cache_salt": mi.type_info(CacheSalt),
 }
 _FLOAT_PARAMS: Final = tuple(n for n, t in _PARAM_TYPES.items() if isinstance(t, mi.FloatType))
 
@@ -351,6 +363,17 @@ def check_request_id(request_id: object) -> str:
         split = _split(exc)
         what = split[0] if split else str(exc)
         raise _refusal(what, "request_id", [], request_id, "invalid_field") from None
+
+
+def check_cache_salt(cache_salt: object) -> str:
+    """Check a cache salt (a string of at most 256 characters); return it or raise
+    :class:`InvalidRequest`."""
+    try:
+        return msgspec.convert(cache_salt, CacheSalt)
+    except msgspec.ValidationError as exc:
+        split = _split(exc)
+        what = split[0] if split else str(exc)
+        raise _refusal(what, "cache_salt", [], cache_salt, "invalid_field") from None
 
 
 def _as_id_list(prompt: object) -> list[Any]:

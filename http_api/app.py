@@ -347,6 +347,7 @@ class _Endpoints:
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         choices = per_choice(params, n)
+        salt = req.cache_salt or ""
         states: list[ChoiceState] = []
         for p, prompt_ids in enumerate(ids):
             prefix = ""
@@ -355,7 +356,8 @@ class _Endpoints:
                 prefix = text if isinstance(text, str) else front.rt.tokenizer.decode(prompt_ids)
             for i in range(n):
                 index = p * n + i
-                exchange.start([front.start(prompt_ids, choices[i], f"{rid}-{index}")])
+                stream = front.start(prompt_ids, choices[i], f"{rid}-{index}", salt)
+                exchange.start([stream])
                 states.append(ChoiceState(index, prefix=prefix, offset=len(prefix)))
         prompt_tokens = sum(len(x) for x in ids)
         log.info("completion", id=rid, choices=len(states), prompt_tokens=prompt_tokens,
@@ -365,7 +367,9 @@ class _Endpoints:
         if not req.stream:
             if not await _collect(request, exchange, states):
                 return Response(status_code=499)  # the client is gone: nobody reads it
-            return _json(completion_response(rid, created, model, states, prompt_tokens, strings))
+            return _json(
+                completion_response(rid, created, model, states, prompt_tokens, strings, n)
+            )
 
         opening = [  # echo: the prompt first
             _sse(completion_chunk(rid, created, model, s, s.prefix, [], strings, None))
@@ -391,7 +395,7 @@ class _Endpoints:
             if req.stream_options is None or not req.stream_options.include_usage:
                 return []
             last = Completion(id=rid, created=created, model=model, choices=[],
-                              usage=usage(prompt_tokens, states))  # fmt: skip
+                              usage=usage(prompt_tokens, states, n))  # fmt: skip
             return [_sse(last)]
 
         return EventStream(exchange, opening, handle, closing)
@@ -413,7 +417,11 @@ class _Endpoints:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         streams, prompt_tokens = await start_chat(
-            front, messages, per_choice(params, n), [f"{rid}-{i}" for i in range(n)]
+            front,
+            messages,
+            per_choice(params, n),
+            [f"{rid}-{i}" for i in range(n)],
+            req.cache_salt or "",
         )
         exchange.start(streams)
         log.info(
@@ -468,7 +476,7 @@ class _Endpoints:
             if req.stream_options is None or not req.stream_options.include_usage:
                 return []
             last = ChatChunk(id=rid, created=created, model=model, choices=[],
-                             usage=usage(prompt_tokens, states), service_tier=tier)  # fmt: skip
+                             usage=usage(prompt_tokens, states, n), service_tier=tier)  # fmt: skip
             return [_sse(last)]
 
         return EventStream(exchange, opening, handle, closing)

@@ -26,6 +26,7 @@ async def start_chat(
     messages: Sequence[dict[str, str]],
     choices: Sequence[SamplingParams],
     request_ids: Sequence[str],
+    cache_salt: str = "",
 ) -> tuple[list[RequestStream], int]:
     """Start one request per entry of ``choices`` on the rendered ``messages``; returns
     the streams and the prompt's length in tokens. Raises :class:`HttpError` (400) for a
@@ -46,7 +47,8 @@ async def start_chat(
     streams: list[RequestStream] = []
     try:
         for params, rid in zip(choices, request_ids, strict=True):
-            streams.append(front.start(ids, with_chat_stops(params, front.rt.chat_stop_ids), rid))
+            chat_params = with_chat_stops(params, front.rt.chat_stop_ids)
+            streams.append(front.start(ids, chat_params, rid, cache_salt))
     except BaseException:
         for s in streams:
             s.close()

@@ -155,12 +155,18 @@ class HttpFront:
     # ---- requests ---------------------------------------------------------------------
 
     def start(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str = "",
     ) -> RequestStream:
         """Start one runtime request (checked and submitted now); 503 when the runtime
         is dead or stopped."""
         try:
-            return self.rt.generate(prompt_ids, params, request_id=request_id)
+            return self.rt.generate(
+                prompt_ids, params, request_id=request_id, cache_salt=cache_salt
+            )
         except EngineDead as exc:
             self.dead = self.dead or exc
             self.check_available()

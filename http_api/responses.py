@@ -25,6 +25,7 @@ from spectrio.http_api.schema import (
     CompletionChoice,
     CompletionLogprobs,
     DraftUsage,
+    PromptTokensDetails,
     ResponseMessage,
     Usage,
 )
@@ -52,6 +53,7 @@ class ChoiceState:
     finish_reason: str | None = None
     drafts_proposed: int = 0
     drafts_accepted: int = 0
+    cached_tokens: int = 0  # prompt tokens its request took from the prefix cache
     offset: int = 0  # completions' text_offset of the next token (streaming)
 
     def add(self, delta: Delta) -> None:
@@ -62,6 +64,7 @@ class ChoiceState:
         self.drafts_accepted += delta.num_accepted
         if delta.finished:
             self.finish_reason = delta.finish_reason
+            self.cached_tokens = delta.cached_tokens or 0
             # the scheduler's own count over the request's life wins over the sum of steps
             if delta.total_drafts is not None and delta.total_accepted is not None:
                 self.drafts_proposed = delta.total_drafts
@@ -72,14 +75,19 @@ class ChoiceState:
         return self.prefix + "".join(self.pieces)
 
 
-def usage(prompt_tokens: int, choices: Sequence[ChoiceState]) -> Usage:
-    """``prompt_tokens`` counts each prompt once (whatever ``n`` is); completion tokens
-    and drafts add up over every choice."""
+def usage(prompt_tokens: int, choices: Sequence[ChoiceState], n: int = 1) -> Usage:
+    """``prompt_tokens`` counts each prompt once (whatever ``n``, the choices per prompt,
+    is); completion tokens and drafts add up over every choice. ``cached_tokens`` counts
+    each prompt once too: the mean over its ``n`` choices (each choice is a request of
+    its own, and the first may compute what the others then find cached)."""
     completion = sum(c.num_tokens for c in choices)
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion,
         total_tokens=prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=sum(c.cached_tokens for c in choices) // max(1, n)
+        ),
         spectrio=DraftUsage(
             drafts_proposed=sum(c.drafts_proposed for c in choices),
             drafts_accepted=sum(c.drafts_accepted for c in choices),
@@ -94,8 +102,10 @@ def completion_response(
     choices: Sequence[ChoiceState],
     prompt_tokens: int,
     strings: TokenStrings | None,
+    n: int = 1,
 ) -> Completion:
-    """The whole ``/v1/completions`` response; ``strings`` when logprobs were asked for."""
+    """The whole ``/v1/completions`` response; ``strings`` when logprobs were asked for,
+    ``n`` choices per prompt."""
     out: list[CompletionChoice] = []
     for c in choices:
         lp: CompletionLogprobs | None = None
@@ -105,7 +115,7 @@ def completion_response(
             CompletionChoice(index=c.index, text=c.text, logprobs=lp, finish_reason=c.finish_reason)
         )
     return Completion(
-        id=rid, created=created, model=model, choices=out, usage=usage(prompt_tokens, choices)
+        id=rid, created=created, model=model, choices=out, usage=usage(prompt_tokens, choices, n)
     )
 
 
@@ -154,7 +164,7 @@ def chat_response(
         created=created,
         model=model,
         choices=out,
-        usage=usage(prompt_tokens, choices),
+        usage=usage(prompt_tokens, choices, len(choices)),
         service_tier=service_tier,
     )
 

@@ -35,6 +35,7 @@ __all__ = [
     "CompletionRequest",
     "ContentPart",
     "DraftUsage",
+    "PromptTokensDetails",
     "ErrorBody",
     "ErrorObject",
     "ModelCard",
@@ -84,6 +85,8 @@ class _SamplingFields(_Body, kw_only=True):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    # vLLM's: requests share prefix-cache blocks only with the same salt (docs/http.md)
+    cache_salt: str | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -162,10 +165,17 @@ class DraftUsage(msgspec.Struct, kw_only=True):
     drafts_accepted: int
 
 
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    """OpenAI's breakdown of ``prompt_tokens``."""
+
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int  # once per prompt, whatever n is
     completion_tokens: int  # over every choice
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
     spectrio: DraftUsage  # extension (docs/http.md); namespaced so it never meets a new OpenAI key
 
 

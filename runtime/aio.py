@@ -36,7 +36,7 @@ import trio
 
 from spectrio.core.config import RuntimeConfig
 from spectrio.core.messages import RuntimeStats
-from spectrio.core.params import SamplingParams
+from spectrio.core.params import SamplingParams, check_cache_salt
 from spectrio.core.timing import StepTiming
 from spectrio.errors import SpectrioError
 from spectrio.runtime.api import Delta, Runtime, open_runtime
@@ -55,6 +55,7 @@ class _Job:
     params: object
     request_id: str
     queue: asyncio.Queue[Any]
+    cache_salt: str = ""
     scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)
     ended: bool = False  # the Trio side put its last item (_END or an exception)
 
@@ -76,12 +77,14 @@ class AsyncioRequestStream:
         request_id: str | None,
         *,
         chat: bool = False,
+        cache_salt: str = "",
     ) -> None:
         self._job: _Job | None = None
         self._done = False
         self._bridge = bridge
         self._args = (prompt, params)
         self._chat = chat  # the prompt is a message list (AsyncioRuntime.chat)
+        self._cache_salt = cache_salt
         self.request_id = uuid.uuid4().hex if request_id is None else request_id
         self._start()  # checked and submitted now, as the Trio API does
 
@@ -91,7 +94,9 @@ class AsyncioRequestStream:
 
     def _start(self) -> _Job:
         if self._job is None:
-            self._job = self._bridge._submit(*self._args, self.request_id, chat=self._chat)
+            self._job = self._bridge._submit(
+                *self._args, self.request_id, chat=self._chat, cache_salt=self._cache_salt
+            )
             self._bridge._streams.add(self)
         return self._job
 
@@ -169,6 +174,7 @@ class AsyncioRuntime:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        cache_salt: str = "",
     ) -> AsyncioRequestStream:
         """Start a request; see :meth:`spectrio.Runtime.generate`. Use the stream as an
         async context manager (``async with rt.generate(...) as stream:``) so that leaving
@@ -176,7 +182,7 @@ class AsyncioRuntime:
         ``generate`` is called: :class:`~spectrio.InvalidRequest` for a bad request,
         :class:`~spectrio.EngineDead` if the engine failed, ``RuntimeError`` once the
         runtime is shut down."""
-        return AsyncioRequestStream(self, prompt, params, request_id)
+        return AsyncioRequestStream(self, prompt, params, request_id, cache_salt=cache_salt)
 
     def chat(
         self,
@@ -184,13 +190,22 @@ class AsyncioRuntime:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        cache_salt: str = "",
     ) -> AsyncioRequestStream:
         """Start a chat request; see :meth:`spectrio.Runtime.chat` (the same rendering,
         stop tokens and refusals). ``generate`` given a list of messages does the same."""
-        return AsyncioRequestStream(self, messages, params, request_id, chat=True)
+        return AsyncioRequestStream(
+            self, messages, params, request_id, chat=True, cache_salt=cache_salt
+        )
 
     def _submit(
-        self, prompt: object, params: object, request_id: str, *, chat: bool = False
+        self,
+        prompt: object,
+        params: object,
+        request_id: str,
+        *,
+        chat: bool = False,
+        cache_salt: str = "",
     ) -> _Job:
         if self.runtime._dead is not None:
             raise self.runtime._dead
@@ -200,7 +215,7 @@ class AsyncioRuntime:
         # chat is rendered here too, and its job carries the rendered ids and stop tokens.
         ids, checked, rid = self.runtime._prepare(prompt, params, request_id, chat=chat)
         self.runtime._check_not_running(rid)
-        job = _Job(ids, checked, rid, asyncio.Queue())
+        job = _Job(ids, checked, rid, asyncio.Queue(), check_cache_salt(cache_salt))
         try:
             self._token.run_sync_soon(self._enqueue, job)
         except trio.RunFinishedError:
@@ -290,7 +305,12 @@ async def _run_job(rt: Runtime, job: _Job) -> None:
         return
     try:
         with job.scope:
-            async with rt.generate(job.prompt, job.params, request_id=job.request_id) as stream:  # type: ignore[arg-type]
+            async with rt.generate(
+                job.prompt,  # type: ignore[arg-type]
+                job.params,  # type: ignore[arg-type]
+                request_id=job.request_id,
+                cache_salt=job.cache_salt,
+            ) as stream:
                 async for delta in stream:
                     job.queue.put_nowait(delta)
         job.end(_END)

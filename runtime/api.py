@@ -32,6 +32,7 @@ from spectrio.core.messages import (
 from spectrio.core.params import (
     InvalidRequest,
     SamplingParams,
+    check_cache_salt,
     check_messages,
     check_params,
     check_prompt,
@@ -83,6 +84,9 @@ class Delta(msgspec.Struct, kw_only=True):
     # On the final delta: acceptance per draft position over the request's whole life (the
     # scheduler's count; :class:`~spectrio.stages.output_processor.RequestStats` reads it).
     acceptance: Acceptance | None = None
+    # On the final delta of a finished request: prompt tokens whose KV came from the
+    # prefix cache (0 with the cache off).
+    cached_tokens: int | None = None
 
 
 class Runtime:
@@ -110,7 +114,9 @@ class Runtime:
         cfg = loaded.config
         check_checkpoint(config, cfg)
         num_blocks = num_kv_blocks(config, cfg)
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(
+            num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
+        )
         self.workspace: Workspace = make_workspace(
             loaded.model, num_blocks, config.block_size, config.speculative
         )
@@ -394,6 +400,10 @@ class Runtime:
             proposed_per_position=(acceptance.proposed_at + [0] * k)[:k],
             finished=sched.finished,
             steps_by_k=sched.steps_by_k,
+            prefix_cache_queries=self.blocks.stats.queries,
+            prefix_cache_hits=self.blocks.stats.hits,
+            cached_kv_blocks=self.blocks.num_cached_blocks,
+            prefix_cache_evictions=self.blocks.stats.evictions,
         )
 
     def metrics(self) -> dict[str, object]:
@@ -410,6 +420,7 @@ class Runtime:
             a / p if p else None
             for a, p in zip(stats.accepted_per_position, stats.proposed_per_position, strict=True)
         ]
+        snapshot["prefix_cache_hit_rate"] = stats.prefix_cache_hit_rate
         timings = self.step_timings()
         if timings:
             wall = timings[-1].device_end - timings[0].device_start
@@ -487,7 +498,7 @@ class Runtime:
         return ids, with_chat_stops(params, self.chat_stop_ids)
 
     def _submit(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, cache_salt: str = ""
     ) -> tuple[int, trio.MemoryReceiveChannel[Delta | SeqResult | EngineDead]]:
         """Hand a checked request to the scheduler; returns its sequence id and stream."""
         if self._dead is not None:
@@ -515,6 +526,7 @@ class Runtime:
                 params=params,
                 eos_token_ids=stops,
                 speculative=spec,
+                cache_salt=cache_salt,
             )
         )
         return seq_id, receive
@@ -621,11 +633,16 @@ class Runtime:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        cache_salt: str = "",
     ) -> RequestStream:
         """Start a request and return its :class:`RequestStream`: iterate it for one
         :class:`Delta` per step that emitted tokens. ``prompt`` is text, token ids, or a
         list of chat messages (dicts with ``role`` and ``content``), which runs as
         :meth:`chat` does.
+
+        ``cache_salt`` isolates the request in the prefix cache: it shares cached KV
+        blocks only with requests of the same salt (docs/embedding.md, *Prefix
+        caching*). The default, empty, shares with every other unsalted request.
 
         Use it as an async context manager, so that leaving the block (``break``, an
         exception, cancellation) aborts the request at once and frees its KV blocks::
@@ -650,7 +667,7 @@ class Runtime:
         ``RuntimeError`` once the runtime has shut down. If the engine fails while the
         stream runs, iterating it raises :class:`EngineDead`.
         """
-        return RequestStream(self, prompt, params, request_id)
+        return RequestStream(self, prompt, params, request_id, cache_salt=cache_salt)
 
     def chat(
         self,
@@ -658,6 +675,7 @@ class Runtime:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        cache_salt: str = "",
     ) -> RequestStream:
         """Start a chat request: ``messages`` (dicts with a string ``role`` and a string
         ``content``; other keys reach the template) rendered by the model's chat template,
@@ -673,8 +691,9 @@ class Runtime:
         Checked and submitted here, like :meth:`generate`: a malformed message list,
         a model without a chat template (``exc.code == "no_chat_template"``) or a
         template that refuses the messages raises :class:`InvalidRequest` on field
-        ``messages``. Cancellation and closing behave as for :meth:`generate`."""
-        return RequestStream(self, messages, params, request_id, chat=True)
+        ``messages``. Cancellation, closing and ``cache_salt`` behave as for
+        :meth:`generate`."""
+        return RequestStream(self, messages, params, request_id, chat=True, cache_salt=cache_salt)
 
     def _shutdown(self, reason: str) -> None:
         """End every stream with a final abort delta (``abort_reason=reason``) and abort
@@ -718,12 +737,14 @@ class RequestStream:
         request_id: str | None,
         *,
         chat: bool = False,
+        cache_salt: str = "",
     ) -> None:
         self._receive: trio.MemoryReceiveChannel[Delta | SeqResult | EngineDead] | None = None
         self._done = False  # finished, or closed by the consumer
         self._rt = runtime
         self._prompt, self._params = prompt, params
         self._chat = chat  # the prompt is a message list (Runtime.chat)
+        self._cache_salt = check_cache_salt(cache_salt)
         # Known from the start, so a caller can abort by id; checked when the stream starts.
         self._request_id: str = uuid.uuid4().hex if request_id is None else request_id
         self._token = trio.lowlevel.current_trio_token()
@@ -747,7 +768,7 @@ class RequestStream:
         ids, params, rid = self._rt._prepare(
             self._prompt, self._params, self._request_id, chat=self._chat
         )
-        self._seq_id, self._receive = self._rt._submit(ids, params, rid)
+        self._seq_id, self._receive = self._rt._submit(ids, params, rid, self._cache_salt)
         self._params, self._prompt = params, None
         self._text = RequestText(self._rt.tokenizer, params.stop)
 
@@ -804,6 +825,7 @@ class RequestStream:
             total_drafts=item.total_drafts,
             total_accepted=item.total_accepted,
             acceptance=item.acceptance,
+            cached_tokens=item.cached_tokens,
         )
 
     def close(self, reason: str = "consumer went away") -> None:

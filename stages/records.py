@@ -184,4 +184,9 @@ def publish_step(result: StepResult) -> PublishedStep:
                 for rid, totals in zip(result.aborted, result.aborted_drafts, strict=False)
             },
         },
+        cached_tokens={
+            r.request_id: r.cached_tokens
+            for r in results
+            if r.finish_reason is not None and r.cached_tokens is not None
+        },
     )

@@ -102,6 +102,7 @@ class SchedulerActor:
                     params=msg.params,
                     eos_token_ids=list(msg.eos_token_ids),
                     speculative=msg.speculative,
+                    cache_salt=msg.cache_salt,
                 )
             )
             self._admitted_up_to = max(self._admitted_up_to, msg.seq_id)

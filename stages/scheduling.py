@@ -31,10 +31,41 @@ Rules that keep a request's output a function of the request alone:
   the device worker from N's result); its KV reservation covers N's longest outcome
   (``length + k_N + 1 + k_{N+1}`` positions). A sequence N only prefills (not its last
   chunk) is planned as usual: its ``num_computed`` advances when a chunk is planned.
-  Blocks are freed as soon as a request is preempted, finished or aborted, even with
-  steps in flight: device steps run in plan order, so an in-flight step's writes land
-  before any later step that reuses the blocks, which writes a position before reading it.
   A result that arrives for a request aborted meanwhile is dropped, never published.
+
+Prefix caching (:class:`~.block_manager.BlockManager` with caching on) and the rules that
+keep it exact and safe with steps in flight:
+
+* **Hits.** A request being (re)admitted looks its context up (prompt, or prompt +
+  output after preemption) under its :class:`~.block_manager.PrefixKey`: its cache salt,
+  and lookahead 1 when its MTP KV is cached with the target's (the MTP layer's KV at a
+  block's last position reads the next block's first token). The hit is whole blocks and
+  at most ``length - 1`` positions, so the last context token is always computed and the
+  first draft has its hidden state. It starts at ``num_computed = hit``; its first work
+  carries the hit's tokens (``SeqWork.cached_ids``), so the proposer's history and MTP
+  catch-up start there on every rank.
+* **Registration.** A prompt block is registered only when a step's result is folded in
+  and that step has written its KV: the target's for every position the step or an
+  earlier one computed, and, for a sequence whose MTP KV is cached, the MTP layer's for
+  the positions its catch-up covered (below the step's ``start_pos``). A sequence
+  preempted since the step was planned registers nothing from it. Every step in flight
+  writes only at or after positions registered so far, so a registered block is never
+  written again while it stays registered.
+* **Waiting for a prefix.** An admitted request promises the prompt blocks it will
+  register (:meth:`~.block_manager.BlockManager.promise`). The head of the queue whose
+  prefix a running request is computing right now is not admitted until those blocks
+  are registered (or the promise ends with its request): computing the same prefix
+  twice at once would cost a whole prefill, waiting costs the steps until the first
+  request's KV is written (its first decode step, with MTP KV). Admission stays first in,
+  first out, so requests behind it wait too.
+* **Freeing with steps in flight.** Blocks are released as soon as a request is
+  preempted, finished or aborted: a block another table holds stays held, a registered
+  one becomes evictable, and only an allocation that finds no free block evicts one and
+  hands it out. Steps run on the device in plan order, and a step that may read a block
+  (an in-flight step of its old owner, or of a request sharing it) was planned before
+  the plan that reuses it, so its reads land before the new owner's writes; a block is
+  never read and rewritten within one step, because an evicted block is no longer
+  registered and so no request of that step shares it.
 """
 
 from __future__ import annotations
@@ -48,7 +79,7 @@ from spectrio.core.acceptance import Acceptance
 from spectrio.core.config import RuntimeConfig
 from spectrio.core.messages import Ended, SeqResult, SeqWork, StepPlan, StepResult
 from spectrio.core.params import SamplingParams
-from spectrio.stages.block_manager import BlockManager
+from spectrio.stages.block_manager import BlockManager, PrefixKey
 from spectrio.stages.lifecycle import RequestState, advance
 from spectrio.stages.spec_policy import SpecPolicy
 
@@ -61,6 +92,7 @@ class Sequence:
     params: SamplingParams
     eos_token_ids: list[int]
     speculative: bool
+    cache_salt: str = ""  # requests share prefix-cache blocks only with the same salt
     output_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0
     state: RequestState = RequestState.WAITING
@@ -69,6 +101,8 @@ class Sequence:
     decoding: bool = False  # a step sampled it since its context was last (re)computed
     pending: SeqWork | None = None  # the in-flight sampling work whose result is unknown
     acceptance: Acceptance = dataclasses.field(default_factory=Acceptance)  # over its life
+    cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
+    prefix_hit: int = 0  # positions this admission took from the cache, until its first work
 
     @property
     def drafts_proposed(self) -> int:
@@ -117,6 +151,9 @@ class _InFlight:
     k: int  # drafts per decoding sequence the policy chose for it
     queued: bool  # requests waited for a slot when it was planned
     still_queued: bool  # ... and still did after it admitted (SpecPolicy.observe_occupancy)
+    # seq id -> its num_preemptions when planned: a result of a sequence preempted since
+    # registers no prefix block (its blocks may belong to others by then)
+    epochs: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 def _decodes(work: SeqWork) -> bool:
@@ -153,6 +190,9 @@ class Scheduler:
         self._step_k = self.policy.k_max  # drafts per decoding sequence in the planned step
         self._previous_k: int | None = None  # the k of the last decoding step folded in
         self._untimed = 0  # steps still not timed after an idle device (IDLE_UNTIMED_S)
+        # The MTP layer keeps per-position KV in the target's blocks: a speculative
+        # request's cached blocks carry it (lookahead 1), a target-only one's do not.
+        self._draft_kv = config.speculative.method == "mtp"
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -261,13 +301,21 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             seq = self.waiting[0]
+            if seq.num_computed or seq.pending is not None:
+                raise RuntimeError(f"request {seq.request_id} queued with computed positions")
+            hit, awaited = self._match(seq)
+            if awaited:  # a running request is computing more of this prefix: wait for it
+                break
+            seq.num_computed = len(hit) * self.blocks.block_size
             rows, drafts, cost = self._rows_for(seq, budget)
             if rows == 0 or not self.blocks.can_allocate(
-                seq.seq_id, seq.num_computed + rows + drafts
+                seq.seq_id, seq.num_computed + rows + drafts, hit
             ):
+                seq.num_computed = 0
                 break
             self.waiting.popleft()
-            self.blocks.allocate(seq.seq_id, seq.num_computed + rows + drafts)
+            self.blocks.allocate(seq.seq_id, seq.num_computed + rows + drafts, hit)
+            self._admitted_with(seq, seq.num_computed)
             seq.move(RequestState.RUNNING)
             self.running.append(seq)
             budget -= cost
@@ -288,7 +336,11 @@ class Scheduler:
         ]
         ended, self._ended = self._ended, []
         self._inflight[self._step] = _InFlight(
-            {w.seq_id: w for w in works}, self._step_k, queued, bool(self.waiting)
+            {w.seq_id: w for w in works},
+            self._step_k,
+            queued,
+            bool(self.waiting),
+            {seq.seq_id: seq.num_preemptions for seq, _, _ in planned},
         )
         if any(_decodes(w) for w in works):
             k = max((w.num_drafts for w in works), default=0)
@@ -299,6 +351,39 @@ class Scheduler:
             ended=ended,
             k=self._step_k,
         )
+
+    def _key(self, seq: Sequence) -> PrefixKey:
+        return PrefixKey(seq.cache_salt, 1 if self._draft_kv and seq.speculative else 0)
+
+    def _match(self, seq: Sequence) -> tuple[list[int], int]:
+        """Cached blocks the sequence's context starts with (at most ``length - 1``
+        positions: the last token is always computed), and how many more blocks running
+        requests are computing now (module docstring, *Waiting for a prefix*)."""
+        if not self.blocks.caching:
+            return [], 0
+        return self.blocks.lookup(seq.tokens, self._key(seq), seq.length - 1)
+
+    def _admitted_with(self, seq: Sequence, hit: int) -> None:
+        if self.blocks.caching:
+            self.blocks.note_lookup(seq.length, hit)
+            key = self._key(seq)
+            self.blocks.promise(seq.seq_id, seq.prompt_ids, key, len(seq.prompt_ids))
+        seq.prefix_hit = hit
+        if seq.cached_tokens is None:
+            seq.cached_tokens = min(hit, len(seq.prompt_ids))
+
+    def _register(self, seq: Sequence, work: SeqWork) -> None:
+        """Register the sequence's prompt blocks whose KV the folded step ``work`` (or an
+        earlier one) has written: module docstring, *Registration*."""
+        key = self._key(seq)
+        prompt = len(seq.prompt_ids)
+        if work.pending:  # planned after a sampling step: the whole prompt is behind it
+            ready = prompt
+        elif key.lookahead:  # the MTP catch-up covered positions below start_pos
+            ready = work.start_pos
+        else:
+            ready = work.start_pos + len(work.token_ids)
+        self.blocks.register(seq.seq_id, seq.prompt_ids, key, min(ready, prompt))
 
     def _rows_for(self, seq: Sequence, budget: int) -> tuple[int, int, int]:
         """(target rows of real tokens, drafts, budget cost) for this step."""
@@ -380,7 +465,9 @@ class Scheduler:
                 if sample and not seq.output_ids and seq.params.repetition_penalty != 1.0
                 else []
             ),
+            cached_ids=tokens[: seq.prefix_hit],
         )
+        seq.prefix_hit = 0
         if sample:
             seq.pending = work
         else:
@@ -392,6 +479,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
         seq.num_computed = 0
+        seq.prefix_hit = 0
         seq.decoding = False
         seq.move(RequestState.PREEMPTED)
         seq.num_preemptions += 1
@@ -448,6 +536,12 @@ class Scheduler:
             if seq is None:  # aborted since: nothing of it is published any more
                 continue
             published.append(r)
+            if (
+                self.blocks.caching
+                and seq.state is RequestState.RUNNING
+                and step.epochs.get(seq.seq_id) == seq.num_preemptions
+            ):
+                self._register(seq, work)
             if work.sample:
                 self._apply_sample(seq, work, r)
         for seq_id, work in works.items():
@@ -492,6 +586,7 @@ class Scheduler:
         if r.finish_reason is not None:
             r.total_drafts, r.total_accepted = seq.drafts_proposed, seq.drafts_accepted
             r.acceptance = seq.acceptance.copy()
+            r.cached_tokens = seq.cached_tokens or 0
             self._finish(seq, r.finish_reason)
 
     def _finish(self, seq: Sequence, reason: str) -> None:

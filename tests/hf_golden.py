@@ -154,9 +154,7 @@ def write_folder(folder: Path, cfg: dict[str, Any], tensors: dict[str, np.ndarra
         old.unlink()
     tdtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     stored = {k: torch.from_numpy(v).to(tdtype[dtype]).contiguous() for k, v in tensors.items()}
-    (folder / "config.json").write_text(
-        json.dumps({**cfg, "torch_dtype": dtype}, indent=2) + "\n"
-    )
+    (folder / "config.json").write_text(json.dumps({**cfg, "torch_dtype": dtype}, indent=2) + "\n")
     if shards == 1:
         save_file(stored, str(folder / "model.safetensors"), metadata={"format": "pt"})
         return

@@ -43,7 +43,9 @@ class MTPCatchUp:
         self.catch_up.release(plan.released)
         self.history.fold(plan)
         out = {
-            w.seq_id: self.catch_up.advance(w.seq_id, w.start_pos, self.history.tokens(w.seq_id))
+            w.seq_id: self.catch_up.advance(
+                w.seq_id, w.start_pos, self.history.tokens(w.seq_id), len(w.cached_ids)
+            )
             for w in plan.seqs
             if w.speculative
         }

@@ -439,3 +439,30 @@ def test_trace_paths_per_run() -> None:
     assert bench.trace_path("a/run.jsonl", 16, "auto", 5, 1, False) == (
         "a/run.b16.kauto.lp5.r1.jsonl"
     )
+
+
+async def test_bench_shared_prefix_runs_cache_on_and_off_beside_a_control(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--shared-prefix``: four runs per case (shared or control prompts, cache on or
+    off); only the shared prompts with the cache on hit, and every run emits every token."""
+    out = tmp_path / "out.json"
+    argv = [
+        "--model", SYNTH, "--batch", "2", "--k", "2", "--max-tokens", "6", "--prompt-tokens",
+        "20", "--shared-prefix", "40", "--num-requests", "6", "--multi-turn", "3",
+        "--json", str(out), "--progress", "off",
+    ]  # fmt: skip
+    assert await _main(argv, 120) == 0
+    rows = json.loads(out.read_text())["rows"]
+    got = {(r["workload"], r["caching"]): r for r in rows}
+    workloads = ("shared", "control", "multiturn")
+    assert set(got) == {(w, c) for w in workloads for c in (True, False)}
+    turns = got.pop(("multiturn", True)), got.pop(("multiturn", False))
+    # two conversations of three turns: a turn resends the one before
+    assert all(r["tokens"] == 36 and r["requests"] == 6 for r in turns)
+    assert turns[0]["prefix_cache_hit_rate"] > 0.3 and turns[1]["prefix_cache_hits"] == 0
+    assert all(r["tokens"] == 36 and r["requests"] == 6 for r in got.values())
+    assert got[("shared", True)]["prefix_cache_hit_rate"] > 0.3
+    assert all(r["prefix_cache_hits"] == 0 for k, r in got.items() if k != ("shared", True))
+    printed = capsys.readouterr().out
+    assert "cache on vs off" in printed and "shared batch=2 k=2" in printed

@@ -48,3 +48,13 @@ def test_bad_files_name_the_field(tmp_path: Path, text: str, match: str) -> None
     (tmp_path / "c.toml").write_text(text)
     with pytest.raises(ConfigError, match=match):
         load_config(tmp_path / "c.toml")
+
+
+def test_prefix_caching_is_on_by_default_and_off_from_the_file(tmp_path: Path) -> None:
+    assert RuntimeConfig().enable_prefix_caching
+    path = tmp_path / "c.toml"
+    path.write_text("enable_prefix_caching = false\n")
+    assert not load_config(path).enable_prefix_caching
+    path.write_text('enable_prefix_caching = "no"\n')
+    with pytest.raises(ConfigError, match="enable_prefix_caching: must be a bool"):
+        load_config(path)

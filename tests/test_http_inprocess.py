@@ -103,3 +103,20 @@ async def test_engine_death_ends_open_streams_with_an_error_event_then_done(
                 assert health.json()["error"]["code"] == "engine_dead"
                 late = await client.post("/v1/completions", json=LONG)
                 assert late.status_code == 503 and late.json()["error"]["code"] == "engine_dead"
+
+
+async def test_cache_salt_and_cached_prompt_tokens_in_usage(bundled: LoadedModel) -> None:
+    """vLLM's ``cache_salt`` reaches the prefix cache; ``usage.prompt_tokens_details``
+    says how many prompt tokens came from it (OpenAI's field)."""
+    prompt = list(range(300, 341))  # 2 full blocks of 16 before the last token
+    body = {"prompt": prompt, "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+    with trio.fail_after(120):
+        async with open_runtime(CONFIG) as rt, http_front(rt) as (_, client):
+            cached = []
+            for salt in ("a", "b", "a"):
+                r = await client.post("/v1/completions", json={**body, "cache_salt": salt})
+                assert r.status_code == 200, r.text
+                cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            assert cached == [0, 0, 32]
+            r = await client.post("/v1/completions", json={**body, "cache_salt": "x" * 300})
+            assert r.status_code == 400 and "cache_salt" in r.text

@@ -181,3 +181,31 @@ async def test_serve_with_metrics_and_record(tmp_path: Path) -> None:
     assert t.results["a"].token_ids == [tk for c in got["a"] for tk in c.token_ids]
     assert t.request(ids[1]).prompt_ids == [5, 6, 7] and t.request(ids[1]).params.seed == 3
     assert all(r.ttft_s is not None for r in t.results.values())
+
+
+def test_prefix_cache_metrics_come_from_the_runtime_stats() -> None:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import Metric
+
+    from spectrio.core.messages import RuntimeStats
+    from spectrio.tools.metrics import _stats_metrics
+
+    stats = RuntimeStats(
+        running=0, waiting=0, num_kv_blocks=64, free_kv_blocks=64, num_steps=9,
+        num_preemptions=0, drafts_proposed=0, drafts_accepted=0, accepted_per_position=[0],
+        proposed_per_position=[0], finished={}, prefix_cache_queries=200,
+        prefix_cache_hits=150, cached_kv_blocks=12, prefix_cache_evictions=3,
+    )  # fmt: skip
+
+    class Fixed:
+        def collect(self) -> list[Metric]:
+            return list(_stats_metrics(stats, DriftDetector()))
+
+    registry = CollectorRegistry()
+    registry.register(Fixed())  # type: ignore[arg-type]
+    m = scrape(generate_latest(registry).decode())
+    assert m["spectrio_prefix_cache_queries_tokens_total"][()] == 200
+    assert m["spectrio_prefix_cache_hits_tokens_total"][()] == 150
+    assert m["spectrio_prefix_cache_hit_rate"][()] == 0.75
+    assert m["spectrio_prefix_cache_blocks"][()] == 12
+    assert m["spectrio_prefix_cache_evictions_total"][()] == 3

@@ -77,6 +77,7 @@ def test_a_field_without_a_flag_is_an_error(monkeypatch: pytest.MonkeyPatch) -> 
         (["--graph-capture-sizes", "5", "10"], "graph_capture_sizes", (5, 10)),
         (["--tensor-parallel-size", "1"], "tensor_parallel_size", 1),
         (["--overlap"], "enable_overlap", True),
+        (["--no-prefix-caching"], "enable_prefix_caching", False),
         (["--runtime-seed", "7"], "seed", 7),
         (["--threads", "3"], "num_threads", 3),
         (["--threads", "none"], "num_threads", None),

@@ -215,6 +215,17 @@ def test_tp2_equals_tp1_under_pressure(k: str) -> None:
     assert int(two["preemptions"]) > 0 and two["blocks_back"]  # type: ignore[call-overload]
 
 
+@pytest.mark.parametrize("k", ["2", "ngram:2"])
+def test_tp2_prefix_cache_equals_tp1_without_it(k: str) -> None:
+    """Prefix-cache hits decided on rank 0 and carried by the plan: TP=2 with the cache
+    computes exactly what one process computes without it."""
+    one = _drive("prefix", "1", k, "off")
+    two = _drive("prefix", "2", k, "on")
+    assert two["outputs"] == one["outputs"]
+    assert int(one["hits"]) == 0 and int(two["hits"]) > 0  # type: ignore[call-overload]
+    assert two["blocks_back"]
+
+
 def test_killing_the_follower_fails_every_request_with_engine_dead_naming_rank_1() -> None:
     got = _drive("kill", timeout=120)
     errors = got["errors"]

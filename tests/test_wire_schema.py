@@ -64,6 +64,7 @@ PINNED_FINGERPRINTS = {
     (1, 3): "70b235711a675da2ca865ad5693841dc7cd2cf0b7b75475963f8e04e710ac6b5",  # aborted in drafts
     (1, 4): "04e95093295681138d6fe5ae3415760c942e5520e8e2e16247a38f84f3388207",  # ngram info
     (1, 5): "1b1abac351e3c0ccff023aca7ae761ab36f2e0928922f4dcbdac6c8576e911ac",  # messages
+    (1, 6): "4ea4fb9c908c7b965e545555ae960b64b3f93d5c08ec6ce06d54ddfd2c686bb3",  # cache_salt
 }
 
 
@@ -580,6 +581,7 @@ def example_step() -> tuple[PublishedStep, list[int]]:
                 context_len=8,
                 total_drafts=6,
                 total_accepted=4,
+                cached_tokens=4,
             ),
         ],
         preempted=["req-d"],

@@ -141,6 +141,18 @@ GARBAGE: list[tuple[bytes, str]] = [
     (encode(Submit(v=SCHEMA_VERSION, request_id="long", prompt=[5] * 300)), "prompt_too_long"),
     (encode(Submit(v=SCHEMA_VERSION, request_id="vocab", prompt=[10**9])), "invalid_field"),
     (encode(Abort(v=SCHEMA_VERSION, request_id="nobody")), "unknown_request"),
+    (
+        msgspec.msgpack.encode(
+            {
+                "type": "submit",
+                "v": SCHEMA_VERSION,
+                "request_id": "salt",
+                "prompt": "a",
+                "cache_salt": "s" * 257,
+            }
+        ),
+        "invalid_field",
+    ),
     (b"\x92" + b"\x00" * (MAX_REQUEST_BYTES + 10), "too_large"),
 ]
 
@@ -745,3 +757,31 @@ async def test_client_chunks_carry_the_same_logprobs_as_the_embedding_api(
         assert g.logprob == pytest.approx(w.logprob, abs=1e-5)  # type: ignore[attr-defined]
         assert [t for t, _ in g.top] == [t for t, _ in w.top]  # type: ignore[attr-defined]
         assert len(g.top) == 3  # type: ignore[attr-defined]
+
+
+async def test_cache_salt_travels_and_the_final_chunk_says_what_was_cached(
+    ctx: Context, tmp_path: Path
+) -> None:
+    """Schema 1.6: a ``Submit``'s ``cache_salt`` reaches the runtime's prefix cache, and
+    a request's final chunk carries ``cached_tokens`` from the step envelope."""
+    prompt = list(range(300, 341))  # 2 full blocks of 16 before the last token
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    with trio.fail_after(TIMEOUT):
+        async with open_runtime(RuntimeConfig(dtype="float64", max_model_len=256)) as rt:
+            async with trio.open_nursery() as nursery:
+                server = await start_server(rt, nursery, ipc_endpoints(tmp_path), ctx)
+                assert server.endpoints is not None
+                ep = server.endpoints
+                async with open_client(ep.requests, ep.outputs, context=ctx) as client:
+                    got = {}
+                    for rid, salt in (("a1", "a"), ("b1", "b"), ("a2", "a")):
+                        await client.submit(prompt, params, request_id=rid, cache_salt=salt)
+                        chunks = (await client.collect([rid]))[rid]
+                        got[rid] = ([t for c in chunks for t in c.token_ids], chunks[-1])
+                    with pytest.raises(RequestRefused) as bad:
+                        await client.submit(prompt, params, cache_salt="x" * 300)
+                    assert bad.value.error.code.value == "invalid_field"
+                    assert "cache_salt" in bad.value.error.reason
+                nursery.cancel_scope.cancel()
+    assert [got[r][1].cached_tokens for r in ("a1", "b1", "a2")] == [0, 0, 32]
+    assert got["a1"][0] == got["b1"][0] == got["a2"][0]

@@ -3,6 +3,7 @@
 one JSON line with what the test checks.
 
     python tests/tp_driver.py generate TP K
+    python tests/tp_driver.py prefix TP K on|off
     python tests/tp_driver.py kill
     python tests/tp_driver.py twice
 """
@@ -119,6 +120,46 @@ async def pressure(tp: int, k: int, method: str = "mtp") -> dict[str, object]:
     return {"outputs": outputs, "preemptions": preemptions, "blocks_back": free}
 
 
+async def prefix(tp: int, k: int, method: str, caching: bool) -> dict[str, object]:
+    """Prefix caching: a second wave of requests shares the first wave's 41-token prefix
+    (overlap on, chunked prefill, greedy and seeded). Rank 0 decides every hit; a follower
+    reads it from the plan."""
+    shared = list(range(300, 341))
+    prompts = [shared + list(range(400 + 7 * i, 403 + 7 * i)) for i in range(5)]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    cfg = config(
+        tp,
+        k,
+        method,
+        max_model_len=80,
+        max_num_batched_tokens=16,
+        block_size=4,
+        enable_overlap=True,
+        enable_prefix_caching=caching,
+    )
+    with trio.fail_after(240):
+        async with open_runtime(cfg) as rt:
+
+            async def one(i: int) -> None:
+                params = (
+                    SamplingParams(max_tokens=16, temperature=1.0, seed=77 + i, ignore_eos=True)
+                    if i % 2
+                    else SamplingParams(max_tokens=16, ignore_eos=True)
+                )
+                async with rt.generate(prompts[i], params) as stream:
+                    async for delta in stream:
+                        outputs[i] += delta.token_ids
+
+            for wave in ([0, 1], [2, 3, 4]):
+                async with trio.open_nursery() as nursery:
+                    for i in wave:
+                        nursery.start_soon(one, i)
+                await rt.wait_idle()
+            hits = rt.stats().prefix_cache_hits
+            free = rt.blocks.num_free_blocks == rt.blocks.num_blocks
+    return {"outputs": outputs, "hits": hits, "blocks_back": free}
+
+
 async def kill() -> dict[str, object]:
     """Kill rank 1 with SIGKILL once tokens flow; every request must end with EngineDead."""
     errors: list[str] = []
@@ -180,6 +221,8 @@ def main() -> None:
         out = trio.run(generate, int(sys.argv[2]), int(k), int(sys.argv[4]), method)
     elif what == "pressure":
         out = trio.run(pressure, int(sys.argv[2]), int(k), method)
+    elif what == "prefix":
+        out = trio.run(prefix, int(sys.argv[2]), int(k), method, sys.argv[4] == "on")
     elif what == "twice":
         out = trio.run(twice)
     elif what == "kill":

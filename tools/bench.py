@@ -328,6 +328,7 @@ def _case_config(
     prompts: list[list[int]],
     max_tokens: int,
     overlap: bool,
+    prefix_caching: bool = True,
 ) -> RuntimeConfig:
     """The runtime of one case: ``batch`` running requests at most, each as long as the
     longest prompt plus ``max_tokens``, and KV for exactly that (the default sizing): the
@@ -340,6 +341,7 @@ def _case_config(
         max_num_batched_tokens=max(2048, batch * spec.tokens_per_seq),
         max_model_len=len(max(prompts, key=len)) + max_tokens + 1,
         enable_overlap=overlap,
+        enable_prefix_caching=prefix_caching,
     )
 
 
@@ -853,6 +855,23 @@ def main(argv: list[str] | None = None) -> int:
         help="run the cases of a batch size side by side, taking turns of SECONDS on the "
         "machine (tokens per second over each case's own turns; no latencies)",
     )
+    p.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="the prefix-cache workload (tools/bench_prefix.py): every prompt is one "
+        "TOKENS-token system prompt plus --prompt-tokens of its own, run with the prefix "
+        "cache on and off, beside a control of the same prompts with no shared prefix",
+    )
+    p.add_argument(
+        "--multi-turn",
+        type=int,
+        default=None,
+        metavar="TURNS",
+        help="with --shared-prefix: also run --batch conversations of TURNS turns, each "
+        "resending the conversation so far (tools/bench_prefix.py)",
+    )
     p.add_argument("--json", type=str, default=None, help="write results to this file")
     p.add_argument("--plot", type=str, default=None, help="write a figure (PNG) to this file")
     p.add_argument(
@@ -916,6 +935,14 @@ def main(argv: list[str] | None = None) -> int:
         counts = dict.fromkeys(args.batch, args.num_requests[0])
     else:
         counts = dict(zip(args.batch, args.num_requests, strict=True))
+    if args.multi_turn is not None and (args.shared_prefix is None or args.multi_turn < 1):
+        p.error("--multi-turn takes a positive number of turns, with --shared-prefix")
+    if args.shared_prefix is not None:
+        if args.shared_prefix < 1 or args.interleave is not None:
+            p.error("--shared-prefix takes a positive token count, and not --interleave")
+        from spectrio.tools.bench_prefix import run_shared_prefix
+
+        return run_shared_prefix(args, ks, counts)
     if args.prompts == "repeat" and is_synthetic(args.model):
         p.error("--prompts repeat needs held-out text; the synthetic device has none")
     prompts = bench_prompts(

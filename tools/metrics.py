@@ -225,9 +225,10 @@ class ObservedRuntime:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        cache_salt: str = "",
     ) -> _ObservedStream:
         try:  # the runtime checks the request here, so a refusal is counted here
-            stream = self._rt.generate(prompt, params, request_id=request_id)
+            stream = self._rt.generate(prompt, params, request_id=request_id, cache_salt=cache_salt)
         except Exception as exc:
             now = time.perf_counter()
             for h in self.hooks:
@@ -261,6 +262,31 @@ def _stats_metrics(s: RuntimeStats | None, drift: DriftDetector) -> Iterable[Met
         fin.add_metric([reason], s.finished.get(reason, 0))
     yield fin
     yield CounterMetricFamily("spectrio_preemptions", "Requests preempted", value=s.num_preemptions)
+    yield CounterMetricFamily(
+        "spectrio_prefix_cache_queries_tokens",
+        "Context tokens looked up in the prefix cache when requests were (re)admitted",
+        value=s.prefix_cache_queries,
+    )
+    yield CounterMetricFamily(
+        "spectrio_prefix_cache_hits_tokens",
+        "Looked-up tokens whose KV came from the prefix cache",
+        value=s.prefix_cache_hits,
+    )
+    yield g(
+        "spectrio_prefix_cache_hit_rate",
+        "Prefix-cache hit tokens over queried tokens since start",
+        value=s.prefix_cache_hit_rate,
+    )
+    yield g(
+        "spectrio_prefix_cache_blocks",
+        "KV blocks registered in the prefix cache (held by requests or evictable)",
+        value=s.cached_kv_blocks,
+    )
+    yield CounterMetricFamily(
+        "spectrio_prefix_cache_evictions",
+        "Cached KV blocks evicted to make room",
+        value=s.prefix_cache_evictions,
+    )
     yield CounterMetricFamily("spectrio_steps", "Pipeline steps published", value=s.num_steps)
     by_k = CounterMetricFamily(
         "spectrio_steps_by_k",

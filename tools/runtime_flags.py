@@ -109,6 +109,12 @@ RUNTIME_FLAGS: Final[tuple[FlagSpec, ...]] = (
         "overlap scheduling: plan step n+1 while step n runs on the device",
     ),
     FlagSpec(
+        "enable_prefix_caching",
+        "--prefix-caching",
+        "reuse the KV of full prompt blocks that requests share (target and MTP); requests "
+        "with different cache_salt never share (--no-prefix-caching: off)",
+    ),
+    FlagSpec(
         "seed",
         "--runtime-seed",
         "seed of the runtime's shared generator (requests "

@@ -133,6 +133,9 @@ class Chunk(msgspec.Struct, frozen=True, kw_only=True):
     # whole life, like the embedding API's final ``Delta``.
     total_drafts: int | None = None
     total_accepted: int | None = None
+    # On a request's final chunk (server schema 1.6 and later; None before, and for an
+    # aborted request): prompt tokens whose KV came from the server's prefix cache.
+    cached_tokens: int | None = None
     # One entry per token when the request asked for logprobs (``params.logprobs``).
     logprobs: list[TokenLogprob] | None = None
     # The step envelope's error for this request, as ``"code: reason"`` (a request that
@@ -277,6 +280,7 @@ class StreamAssembler:
                     finish_reason=reason,
                     total_drafts=None if totals is None else totals[0],
                     total_accepted=None if totals is None else totals[1],
+                    cached_tokens=env.cached_tokens.get(rid) if reason is not None else None,
                     logprobs=logprobs.get(rid) if token_ids else None,
                     error=errors.get(rid),
                 )
@@ -289,6 +293,7 @@ def _submit_frame(
     params: SamplingParams | None,
     request_id: str,
     messages: Messages | None = None,
+    cache_salt: str = "",
 ) -> bytes:
     """A ``Submit`` with a prompt, or with messages (the server checks that there is
     exactly one of them, and each message's fields)."""
@@ -308,6 +313,7 @@ def _submit_frame(
             prompt=body,
             params=params or SamplingParams(),
             messages=chat,
+            cache_salt=cache_salt,
         )
     )
 
@@ -391,18 +397,21 @@ class AsyncClient:
         *,
         request_id: str | None = None,
         messages: Messages | None = None,
+        cache_salt: str = "",
     ) -> str:
         """Submit a request and return its id once acknowledged. Raises
         :class:`RequestRefused` or :class:`ClientTimeout`. The request is followed by this
         client's assembler. Give a ``prompt``, or ``messages`` for a chat the server
         renders with its model's template (schema 1.5; ``no_chat_template`` from a server
-        whose model has none, ``unknown_field`` from a server older than 1.5)."""
+        whose model has none, ``unknown_field`` from a server older than 1.5).
+        ``cache_salt`` (schema 1.6) keeps the request's prefix-cache blocks apart from
+        other salts' (``unknown_field`` from an older server; not sent when empty)."""
         rid = request_id or uuid.uuid4().hex
         if self._want_tokenizer:
             self.assembler.set_tokenizer(await self.server_tokenizer())
             self._want_tokenizer = False
         self.assembler.follow(rid)
-        await self._call(_submit_frame(prompt, params, rid, messages))
+        await self._call(_submit_frame(prompt, params, rid, messages, cache_salt))
         return rid
 
     async def info(self, *, tokenizer: bool = False) -> ModelInfo:
@@ -635,6 +644,7 @@ class Client:
         *,
         request_id: str | None = None,
         messages: Messages | None = None,
+        cache_salt: str = "",
     ) -> str:
         """Submit a request (see :meth:`AsyncClient.submit`)."""
         rid = request_id or uuid.uuid4().hex
@@ -642,7 +652,7 @@ class Client:
             self.assembler.set_tokenizer(self.server_tokenizer())
             self._want_tokenizer = False
         self.assembler.follow(rid)
-        self._call(_submit_frame(prompt, params, rid, messages))
+        self._call(_submit_frame(prompt, params, rid, messages, cache_salt))
         return rid
 
     def abort(self, request_id: str) -> None:

@@ -426,6 +426,7 @@ def encode_step(
         finish_reasons=list(published.finish_reasons),  # type: ignore[arg-type]
         errors=list(errors),
         drafts={rid: (int(d[0]), int(d[1])) for rid, d in published.drafts.items()},
+        cached_tokens={rid: int(n) for rid, n in published.cached_tokens.items()},
     )
     return [_encoder.encode(envelope), bytes(published.record)]
 

@@ -31,6 +31,7 @@ import msgspec
 
 from spectrio.core.params import (
     MAX_REQUEST_ID_LEN,
+    CacheSalt,
     ChatMessage,
     Messages,
     Prompt,
@@ -67,7 +68,7 @@ SCHEMA_VERSION: Final = 1
 of another major version (``schema_version``). Bump it for a change an old peer would
 misread: a removed or renamed key, a changed type or meaning."""
 
-SCHEMA_MINOR: Final = 5
+SCHEMA_MINOR: Final = 6
 """Minor version within :data:`SCHEMA_VERSION`: bumped for additions an old peer can
 ignore (an optional key a reader skips, a new request type an old client never sends).
 It is not on every message (an old peer's ``"v"`` stays valid); a client learns the
@@ -78,7 +79,8 @@ and its ``prompt_lookup_min`` / ``prompt_lookup_max``; 1.5 ``Submit.messages`` (
 the server renders with the model's template, instead of a prompt), the error code
 ``no_chat_template`` and ``ModelInfo.chat_template``. A 1.5 client sends ``messages``
 only when it is asked to chat, so an older server meets it only then (and refuses it
-with ``unknown_field``).
+with ``unknown_field``); 1.6 ``Submit.cache_salt`` (prefix-cache isolation; sent only
+when not empty) and ``StepEnvelope.cached_tokens``.
 
 Every change to a message below changes the pin in ``tests/test_wire_schema.py``, which
 fails until one of the two versions is bumped."""
@@ -169,6 +171,9 @@ class Submit(
     # Since 1.5: a chat, rendered by the model's chat template (its end-of-turn tokens
     # are added to the stop tokens), instead of a prompt.
     messages: Messages | None = None
+    # Since 1.6: the request shares prefix-cache blocks only with requests of the same
+    # salt (docs/wire.md, *Prefix caching*); "" shares with every unsalted request.
+    cache_salt: CacheSalt = ""
 
 
 class Abort(_Message, tag="abort", frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -274,6 +279,9 @@ class StepEnvelope(_Message, tag="step", frozen=True, kw_only=True):
     # life, for each request that ended in this step ([0, 0] when it never speculated):
     # finished normally ("stop" or "length"), and since 1.3 aborted (its -9 slot).
     drafts: dict[str, tuple[int, int]] = {}
+    # Since 1.6: request id -> prompt tokens whose KV came from the prefix cache, for each
+    # request that finished normally in this step (0 when none did, or the cache is off).
+    cached_tokens: dict[str, int] = {}
 
 
 # ---- schema pin ---------------------------------------------------------------------------

@@ -577,7 +577,9 @@ class WireServer:
         rid = msg.request_id
         self._running[rid] = owner
         try:
-            stream = self.runtime.generate(prompt_ids, params, request_id=rid)
+            stream = self.runtime.generate(
+                prompt_ids, params, request_id=rid, cache_salt=msg.cache_salt
+            )
             await stream.__aenter__()  # submits it, for a runtime that submits on entry
         except InvalidRequest as exc:
             self._running.pop(rid, None)

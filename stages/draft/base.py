@@ -87,7 +87,9 @@ class TokenHistory:
         for w in plan.seqs:
             if not w.speculative:
                 continue
-            tokens = self._tokens.setdefault(w.seq_id, [])
+            # A first work after a prefix-cache hit starts past positions it never
+            # computed: their tokens come with it.
+            tokens = self._tokens.setdefault(w.seq_id, list(w.cached_ids))
             gap = w.start_pos - len(tokens)
             if gap > 0:
                 drafted = self._drafts.get(w.seq_id, [])

@@ -52,11 +52,15 @@ class CatchUp:
     def __init__(self) -> None:
         self._pos: dict[int, int] = {}
 
-    def advance(self, seq_id: int, start_pos: int, tokens: list[int]) -> tuple[int, list[int]]:
+    def advance(
+        self, seq_id: int, start_pos: int, tokens: list[int], cached: int = 0
+    ) -> tuple[int, list[int]]:
         """The catch-up of a step whose rows start at ``start_pos``: its first position
         and the token at ``p + 1`` of each position ``p`` (``tokens`` is the sequence's
-        history through ``start_pos``). The position moves to ``start_pos``."""
-        first = self._pos.get(seq_id, 0)
+        history through ``start_pos``). The position moves to ``start_pos``. A sequence
+        seen for the first time starts at ``cached``: the positions of a prefix-cache
+        hit, whose MTP KV came cached with their blocks."""
+        first = self._pos.get(seq_id, cached)
         if first > start_pos:
             raise RuntimeError(f"seq {seq_id}: MTP caught up to {first}, step starts {start_pos}")
         self._pos[seq_id] = start_pos
@@ -182,7 +186,7 @@ class MTPProposer:
         for w in plan.seqs:
             if w.speculative:
                 first, tokens = self.catch_up.advance(
-                    w.seq_id, w.start_pos, history.tokens(w.seq_id)
+                    w.seq_id, w.start_pos, history.tokens(w.seq_id), len(w.cached_ids)
                 )
                 if tokens:
                     work.append((w, first, tokens))
