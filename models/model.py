@@ -162,7 +162,7 @@ class SpectrioForCausalLM(nn.Layer):
         """What the serving path keeps besides the weights (a tensor-parallel shard's
         model sets it up too)."""
         self.serving_only = False  # prepare_serving(release=True) freed the unfused weights
-        self._rope_table: paddle.Tensor | None = None  # [max_position_embeddings, D, D]
+        self._rope_table: paddle.Tensor | None = None  # [P, D, D], P: the positions in use
         self._inv_freq_cache: np.ndarray | None = None
         self._head = HeadLayouts()  # the head for serving, in the layout each matmul wants
         self.draft_vocab: np.ndarray | None = None  # token ids the MTP pass drafts from
@@ -298,8 +298,14 @@ class SpectrioForCausalLM(nn.Layer):
         if positions.size and int(positions.max()) >= cfg.max_position_embeddings:
             cos, sin = self._rope(paddle.to_tensor(positions))
             return RopeRows(paddle.to_tensor(rope_matrices(cos.numpy(), sin.numpy())))
-        if self._rope_table is None:
-            span = paddle.arange(cfg.max_position_embeddings, dtype="int64")
+        need = int(positions.max()) + 1 if positions.size else 1
+        if self._rope_table is None or self._rope_table.shape[0] < need:
+            # Grown by doubling to the positions in use, not built for the whole context
+            # window: [P, D, D] matrices are 134 MB for SmolLM2's 8,192 positions, most of
+            # which a runtime's max_model_len never reaches. A position's matrix does not
+            # depend on the table's size.
+            size = min(cfg.max_position_embeddings, max(256, 1 << (need - 1).bit_length()))
+            span = paddle.arange(size, dtype="int64")
             cos, sin = rope_cos_sin(span, self._inv_freq(), self.dtype)
             self._rope_table = paddle.to_tensor(rope_matrices(cos.numpy(), sin.numpy()))
         return RopeRows(fo.gather(self._rope_table, self.staging.put(positions)))
