@@ -6,10 +6,10 @@ import trio
 from pipeline_helpers import collect, oracle
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
-from spectrio.models import reference
+from spectrio.models import LoadedModel, reference
 
 
-async def test_one_token_prompt_and_max_model_len(bundled64: object) -> None:
+async def test_one_token_prompt_and_max_model_len(bundled64: LoadedModel) -> None:
     cfg = RuntimeConfig(
         dtype="float64",
         max_model_len=40,
@@ -26,7 +26,8 @@ async def test_one_token_prompt_and_max_model_len(bundled64: object) -> None:
                 ids += delta.token_ids
                 reasons.append(delta.finish_reason)
             assert len(prompt) + len(ids) == 40 and reasons[-1] == "length"
-            expected = reference.greedy_generate(rt.loaded.model, prompt, 10, eos_token_id=None)
+            # The reference runs on a full copy: the runtime's own is serving-only.
+            expected = reference.greedy_generate(bundled64.model, prompt, 10, eos_token_id=None)
             assert ids == expected.token_ids
             await rt.wait_idle()
             assert rt.blocks.num_used_blocks == 0
