@@ -28,14 +28,11 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import structlog
 
-from spectrio.cache_dir import cache_dir
+from spectrio.cache_dir import cache_subfolder, publish_folder
 
 log = structlog.get_logger("spectrio.models.gguf_cache")
 
@@ -51,10 +48,7 @@ _SHARD_BYTES = 64 << 20  # at most one shard's tensors are held while converting
 def gguf_cache_root() -> Path | None:
     """Where converted folders live: ``$SPECTRIO_GGUF_CACHE`` when it names a folder,
     else ``<cache>/gguf``; None when it is ``0``, ``off``, ``false`` or ``no``."""
-    value = os.environ.get(CACHE_ENV, "").strip()
-    if value.lower() in ("0", "off", "false", "no"):
-        return None
-    return Path(value).expanduser() if value else cache_dir() / "gguf"
+    return cache_subfolder(CACHE_ENV, "gguf")
 
 
 def _key(path: Path) -> str:
@@ -75,19 +69,13 @@ def cached_folder(path: Path) -> Path | None:
         return folder
     from spectrio.models.convert import convert_gguf  # the slow path only
 
-    tmp: Path | None = None
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{folder.name}."))
+    def convert(tmp: Path) -> None:
         log.info("converting the GGUF file once into the cache", src=str(path), out=str(folder))
         convert_gguf(path, tmp, "float32", shard_bytes=_SHARD_BYTES)
         (tmp / "SOURCE").write_text(f"{path.resolve()}\n")
-        try:
-            tmp.rename(folder)
-            tmp = None
-        except OSError:
-            if not (folder / "config.json").is_file():  # not a lost race: a real failure
-                raise
+
+    try:
+        publish_folder(folder, "config.json", convert)
     except OSError as exc:
         log.warning(
             "could not cache the converted GGUF file; reading it directly",
@@ -95,7 +83,4 @@ def cached_folder(path: Path) -> Path | None:
             error=str(exc),
         )
         return None
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     return folder

@@ -175,6 +175,10 @@ class SpectrioForCausalLM(nn.Layer):
         # take turns, since a pass stages its inputs in ``staging``.
         self.step_lock = threading.Lock()
 
+    def _decoder_layers(self) -> list[DecoderLayer]:
+        """The target's layers, then the MTP layer when there is one."""
+        return [*self.model.layers, *([self.mtp] if self.mtp is not None else [])]
+
     def prepare_serving(self, release: bool = False) -> None:
         """Build every layer's fused serving weights now instead of in the first step.
 
@@ -182,7 +186,7 @@ class SpectrioForCausalLM(nn.Layer):
         of a Llama's non-embedding weights): the model then only serves. Training, the
         dense forward, saving and :meth:`drop_serving_cache` raise ``RuntimeError``
         naming why, instead of reading freed weights."""
-        for layer in [*self.model.layers, *([self.mtp] if self.mtp is not None else [])]:
+        for layer in self._decoder_layers():
             layer.prepare_serving(release)
             if release:  # layer by layer, so the freed weights and the fused never add up
                 trim_freed_memory()
@@ -211,7 +215,7 @@ class SpectrioForCausalLM(nn.Layer):
         self._rope_table = None
         self._head = HeadLayouts()
         self._draft_head = HeadLayouts()
-        for layer in [*self.model.layers, *([self.mtp] if self.mtp is not None else [])]:
+        for layer in self._decoder_layers():
             layer.drop_fused()
 
     @property

@@ -25,18 +25,16 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from spectrio.cache_dir import cache_dir
+from spectrio.cache_dir import cache_subfolder, publish_folder
 from spectrio.models.fast_ops import cpu_signature
 from spectrio.models.paddle_setup import configure_paddle, paddle
 
@@ -66,41 +64,24 @@ _lock = threading.Lock()
 _state: bool | None = None  # None: not tried yet in this process
 
 
-def _root() -> Path | None:
-    value = os.environ.get(NATIVE_ENV, "").strip()
-    if value.lower() in ("0", "off", "false", "no"):
-        return None
-    return Path(value).expanduser() if value else cache_dir() / "native"
-
-
 def _key() -> str:
     ident = "\0".join([SOURCE.read_text(), " ".join(_CFLAGS + _LDFLAGS), cpu_signature()])
     return hashlib.sha256(ident.encode()).hexdigest()[:20]
 
 
-def _build(folder: Path) -> None:
-    """Compile into a temporary folder beside ``folder`` and rename it into place."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
-    try:
-        log.info("compiling spectrio's native kernels once for this machine", out=str(folder))
-        child = subprocess.run(
-            [sys.executable, "-c", _BUILD, _NAME, str(SOURCE), " ".join(_CFLAGS),
-             " ".join(_LDFLAGS), str(tmp)],
-            capture_output=True, text=True, timeout=600, check=False,
-        )  # fmt: skip
-        built = tmp / _NAME / f"{_NAME}.so"
-        if child.returncode != 0 or not built.is_file():
-            raise OSError(f"the build failed: {(child.stderr or child.stdout).strip()[-400:]}")
-        shutil.move(str(built), str(tmp / f"{_NAME}.so"))
-        shutil.rmtree(tmp / _NAME, ignore_errors=True)
-        try:
-            tmp.rename(folder)
-        except OSError:
-            if not (folder / f"{_NAME}.so").is_file():  # not a lost race
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+def _build(tmp: Path) -> None:
+    """Compile the library into ``tmp`` (:func:`publish_folder` renames it into place)."""
+    log.info("compiling spectrio's native kernels once for this machine", out=str(tmp))
+    child = subprocess.run(
+        [sys.executable, "-c", _BUILD, _NAME, str(SOURCE), " ".join(_CFLAGS),
+         " ".join(_LDFLAGS), str(tmp)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    built = tmp / _NAME / f"{_NAME}.so"
+    if child.returncode != 0 or not built.is_file():
+        raise OSError(f"the build failed: {(child.stderr or child.stdout).strip()[-400:]}")
+    shutil.move(str(built), str(tmp / f"{_NAME}.so"))
+    shutil.rmtree(tmp / _NAME, ignore_errors=True)
 
 
 def native_ops_available() -> bool:
@@ -115,14 +96,14 @@ def native_ops_available() -> bool:
 
 
 def _load() -> bool:
-    root = _root()
+    root = cache_subfolder(NATIVE_ENV, "native")
     if root is None:
         return False
     folder = root / _key()
     library = folder / f"{_NAME}.so"
     try:
         if not library.is_file():
-            _build(folder)
+            publish_folder(folder, library.name, _build)
         from paddle.utils.cpp_extension.extension_utils import (
             load_op_meta_info_and_register_op,
         )
