@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, Final, Literal, cast
 
 import msgspec
 import numpy as np
@@ -355,25 +355,26 @@ def check_params(params: object, vocab_size: int) -> SamplingParams:
     return params
 
 
-def check_request_id(request_id: object) -> str:
-    """Check a request id (1 to 128 characters); return it or raise :class:`InvalidRequest`."""
+def _check_string_field(value: object, kind: Any, field: str) -> str:
+    """``value`` converted to the constrained string type ``kind``, or
+    :class:`InvalidRequest` naming ``field``."""
     try:
-        return msgspec.convert(request_id, RequestId)
+        return cast(str, msgspec.convert(value, kind))
     except msgspec.ValidationError as exc:
         split = _split(exc)
         what = split[0] if split else str(exc)
-        raise _refusal(what, "request_id", [], request_id, "invalid_field") from None
+        raise _refusal(what, field, [], value, "invalid_field") from None
+
+
+def check_request_id(request_id: object) -> str:
+    """Check a request id (1 to 128 characters); return it or raise :class:`InvalidRequest`."""
+    return _check_string_field(request_id, RequestId, "request_id")
 
 
 def check_cache_salt(cache_salt: object) -> str:
     """Check a cache salt (a string of at most 256 characters); return it or raise
     :class:`InvalidRequest`."""
-    try:
-        return msgspec.convert(cache_salt, CacheSalt)
-    except msgspec.ValidationError as exc:
-        split = _split(exc)
-        what = split[0] if split else str(exc)
-        raise _refusal(what, "cache_salt", [], cache_salt, "invalid_field") from None
+    return _check_string_field(cache_salt, CacheSalt, "cache_salt")
 
 
 def _as_id_list(prompt: object) -> list[Any]:
