@@ -22,6 +22,7 @@ from spectrio.models import native_ops
 from spectrio.models.batch import AttentionPlan
 from spectrio.models.config import DType, ModelConfig
 from spectrio.models.kv_cache import PagedKVCache
+from spectrio.models.serving_matrix import ServingMatrix
 
 KV = tuple[paddle.Tensor, paddle.Tensor]
 
@@ -93,13 +94,13 @@ def attend(
     return paddle.matmul(F.softmax(scores, axis=-1), v)
 
 
-def _folded(norm_weight: paddle.Tensor, parts: list[paddle.Tensor | np.ndarray]) -> paddle.Tensor:
-    """``norm_weight[:, None] * concat(parts, axis=1)``, a new tensor. Computed in NumPy:
+def _folded(norm_weight: paddle.Tensor, parts: list[paddle.Tensor | np.ndarray]) -> ServingMatrix:
+    """``norm_weight[:, None] * concat(parts, axis=1)``, a new matrix. Computed in NumPy:
     the same correctly rounded products Paddle's ops give, without its broadcast kernel,
     which made building a model's fused weights take a second of every start-up."""
     w = np.concatenate([p if isinstance(p, np.ndarray) else p.numpy() for p in parts], axis=1)
     w *= norm_weight.numpy()[:, None]
-    return paddle.to_tensor(w)
+    return ServingMatrix(w)
 
 
 def _linear(d_in: int, d_out: int, bias: bool) -> nn.Linear:
@@ -130,19 +131,22 @@ class Attention(nn.Layer):
         self.o_proj = _linear(q, d, cfg.o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self._qkv_weight: paddle.Tensor | None = None
+        self._qkv_weight: ServingMatrix | None = None
         self._qkv_bias: paddle.Tensor | None = None
         self._qk_norm_weight: paddle.Tensor | None = None  # [H + KVH, D]
-        self._o_weight: paddle.Tensor | None = None
+        self._o_weight: ServingMatrix | None = None
 
     def _reduce(self, x: paddle.Tensor) -> paddle.Tensor:
         """The sum of every rank's partial o projection (one rank: ``x`` itself)."""
         return x
 
-    def _out(self, attn: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
+    def _out(self, attn: paddle.Tensor, weight: paddle.Tensor | ServingMatrix) -> paddle.Tensor:
         """o projection of ``attn`` (``[..., H * D]``) with ``weight`` ``[H * D, d]``,
         summed across ranks, then the o bias."""
-        out = self._reduce(fo.matmul(attn, weight))
+        product = (
+            weight.matmul(attn) if isinstance(weight, ServingMatrix) else fo.matmul(attn, weight)
+        )
+        out = self._reduce(product)
         bias = self.o_proj.bias
         return out if bias is None else fo.add(out, bias)
 
@@ -207,7 +211,7 @@ class Attention(nn.Layer):
                     self.k_norm.weight.unsqueeze(0).expand([self.num_kv_heads, -1]),
                 ]
             ).detach()
-        self._o_weight = self.o_proj.weight.detach()  # same memory; a plain attribute
+        self._o_weight = ServingMatrix(self.o_proj.weight.detach())
 
     def forward_paged(
         self,
@@ -223,7 +227,7 @@ class Attention(nn.Layer):
         n = x.shape[0]
         h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
         assert self._qkv_weight is not None, "DecoderLayer.forward_paged fuses the weights"
-        qkv = fo.matmul(x, self._qkv_weight)
+        qkv = self._qkv_weight.matmul(x)
         if self._qkv_bias is not None:
             qkv = fo.add(qkv, self._qkv_bias)
         qk, v = fo.split(qkv, [(h + kvh) * hd, kvh * hd], 1)
@@ -323,15 +327,16 @@ class MLP(nn.Layer):
         self.up_proj = _linear(d, f, cfg.mlp_bias)
         self.down_proj = _linear(f, d, cfg.mlp_bias)
 
-        self._gate_up_weight: paddle.Tensor | None = None
+        self._gate_up_weight: ServingMatrix | None = None
         self._gate_up_bias: paddle.Tensor | None = None
-        self._down_weight: paddle.Tensor | None = None
+        self._down_weight: ServingMatrix | None = None
 
     def _reduce(self, x: paddle.Tensor) -> paddle.Tensor:
         return x
 
-    def _down(self, h: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
-        out = self._reduce(fo.matmul(h, weight))
+    def _down(self, h: paddle.Tensor, weight: paddle.Tensor | ServingMatrix) -> paddle.Tensor:
+        product = weight.matmul(h) if isinstance(weight, ServingMatrix) else fo.matmul(h, weight)
+        out = self._reduce(product)
         bias = self.down_proj.bias
         return out if bias is None else fo.add(out, bias)
 
@@ -343,13 +348,13 @@ class MLP(nn.Layer):
         self._gate_up_weight = _folded(norm_weight, [self.gate_proj.weight, self.up_proj.weight])
         if self.gate_proj.bias is not None:
             self._gate_up_bias = paddle.concat([self.gate_proj.bias, self.up_proj.bias]).detach()
-        self._down_weight = self.down_proj.weight.detach()  # same memory; a plain attribute
+        self._down_weight = ServingMatrix(self.down_proj.weight.detach())
 
     def forward_fused(self, x: paddle.Tensor) -> paddle.Tensor:
         """The same MLP on a normalised, unweighted ``x``: one gate|up matmul, ``swiglu``."""
         assert self._gate_up_weight is not None, "DecoderLayer.forward_paged fuses the weights"
         assert self._down_weight is not None
-        gate_up = fo.matmul(x, self._gate_up_weight)
+        gate_up = self._gate_up_weight.matmul(x)
         if self._gate_up_bias is not None:
             gate_up = fo.add(gate_up, self._gate_up_bias)
         return self._down(fo.swiglu(gate_up), self._down_weight)
@@ -403,7 +408,11 @@ class DecoderLayer(nn.Layer):
             self.mlp.fuse(self.post_attention_layernorm.weight)
         if release:
             attn, mlp = self.self_attn, self.mlp
-            for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+            linears = [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj]
+            # o and down share the parameter's memory unless they were packed into panels
+            shared = ((attn.o_proj, attn._o_weight), (mlp.down_proj, mlp._down_weight))
+            linears += [linear for linear, matrix in shared if matrix is not None and matrix.packed]
+            for linear in linears:
                 linear.weight._clear_data()
 
     def drop_fused(self) -> None:

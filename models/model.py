@@ -27,6 +27,7 @@ from spectrio.models.layers import (
     rope_matrices,
 )
 from spectrio.models.mtp_layout import layout_of
+from spectrio.models.serving_matrix import ServingMatrix
 from spectrio.models.staging import Staging
 from spectrio.process_memory import trim_freed_memory
 
@@ -46,29 +47,26 @@ class ForwardOutput:
 
 
 class HeadLayouts:
-    """An output head for serving, kept in whichever of two layouts each matmul wants.
+    """An output head for serving, kept in the layout its matmuls run fastest in.
 
-    ``[d, V]`` suits MKL's SGEMM for one row (a GEMV down contiguous columns) and for a
-    head small enough to stay in cache. A head far larger than the cache (a real
-    vocabulary: SmolLM2's is 113 MB) multiplies several rows (verification, a batch) about
-    twice as fast against ``[V, d]`` with ``transpose_y``: ``[16, d] x [d, V]`` ran far
-    below the memory bound there, the transposed product near it; for the bundled model's
-    3 MB head the plain layout stays ahead (docs/performance.md). The parameter is one of
-    the two layouts; the other is a copy, built only once a step needs it, so a workload
-    that never runs that shape does not hold it. Up to :attr:`NATIVE_ROWS` rows a large
-    head goes through spectrio's own kernel instead, where it runs. All give the same
-    logits up to float rounding.
+    Where spectrio's native kernels run (float32), the head is one
+    :class:`~spectrio.models.serving_matrix.ServingMatrix` packed into panels, read once
+    for any number of rows: MKL's SGEMM runs a vocabulary-sized head well below the
+    memory bound from two rows on. Elsewhere it stays Paddle's: ``[d, V]`` suits MKL for
+    one row (a GEMV down contiguous columns) and a head small enough to stay in cache;
+    a head far larger than the cache multiplies several rows about twice as fast against
+    ``[V, d]`` with ``transpose_y``. The parameter is one of those layouts; any other is
+    a copy built only once a step needs it. All give the same logits up to float
+    rounding.
     """
 
     #: heads of at least this many elements take several rows in the ``[V, d]`` layout
     LARGE_HEAD = 8 << 20
-    #: up to this many rows a large head runs :func:`native_ops.head_logits` where it
-    #: can, which reads the head once for all rows; above, MKL's GEMM is ahead
-    NATIVE_ROWS = 16
 
     def __init__(self) -> None:
         self._rows: paddle.Tensor | None = None  # [V, d]
         self._cols: paddle.Tensor | None = None  # [d, V]
+        self._packed: ServingMatrix | None = None
         self._large = False
 
     @property
@@ -77,16 +75,30 @@ class HeadLayouts:
 
     def set_rows(self, weight: paddle.Tensor) -> None:
         """The head as ``[V, d]`` (a tied embedding)."""
-        self._rows, self._cols = weight, None
+        self._rows, self._cols, self._packed = weight, None, None
         self._large = math.prod(weight.shape) >= self.LARGE_HEAD
 
     def set_columns(self, weight: paddle.Tensor) -> None:
         """The head as ``[d, V]`` (a Paddle Linear's weight)."""
-        self._rows, self._cols = None, weight
+        self._rows, self._cols, self._packed = None, weight, None
         self._large = math.prod(weight.shape) >= self.LARGE_HEAD
+
+    def _panels(self) -> ServingMatrix | None:
+        if self._packed is None:
+            source = self._cols if self._cols is not None else self._rows
+            if source is None or source.dtype != paddle.float32:
+                return None
+            if not native_ops.native_ops_available():
+                return None
+            columns = source.numpy() if self._cols is not None else source.numpy().T
+            self._packed = ServingMatrix(columns)
+        return self._packed
 
     def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """``hidden @ head`` for ``hidden`` ``[N, d]`` (or more leading axes)."""
+        packed = self._panels() if hidden.ndim == 2 else None
+        if packed is not None:
+            return packed.matmul(hidden)
         if (hidden.ndim == 2 and hidden.shape[0] == 1) or not self._large:
             if self._cols is None:
                 assert self._rows is not None, "the head is set before use"
@@ -95,10 +107,6 @@ class HeadLayouts:
         if self._rows is None:
             assert self._cols is not None, "the head is set before use"
             self._rows = self._cols.t().contiguous()
-        if hidden.ndim == 2 and hidden.shape[0] <= self.NATIVE_ROWS:
-            out = native_ops.head_logits(hidden, self._rows)
-            if out is not None:
-                return out
         return fo.matmul(hidden, self._rows, transpose_y=True)
 
 

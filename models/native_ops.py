@@ -36,11 +36,16 @@ import structlog
 
 from spectrio.cache_dir import cache_subfolder, publish_folder
 from spectrio.models.fast_ops import cpu_signature
-from spectrio.models.paddle_setup import configure_paddle, paddle
+from spectrio.models.paddle_setup import configured_threads, paddle
 
 log = structlog.get_logger("spectrio.models.native_ops")
 
-__all__ = ["NATIVE_ENV", "add_rms_norm", "head_logits", "native_ops_available"]
+__all__ = [
+    "NATIVE_ENV",
+    "add_rms_norm",
+    "native_ops_available",
+    "panel_matmul",
+]
 
 NATIVE_ENV = "SPECTRIO_NATIVE_OPS"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "spectrio_ops.cc"
@@ -137,10 +142,12 @@ def add_rms_norm(
     return normed, summed
 
 
-def head_logits(x: paddle.Tensor, rows_head: paddle.Tensor) -> paddle.Tensor | None:
-    """``x @ rows_head.T`` for ``x`` ``[N, d]`` and a ``[V, d]`` head, or None where the
-    kernel does not run."""
-    if not _usable(x) or x.ndim != 2:
+def panel_matmul(x: paddle.Tensor, panels: paddle.Tensor, n: int) -> paddle.Tensor | None:
+    """``x @ w`` for float32 ``x`` ``[M, K]`` and a ``[K, n]`` weight packed as ``panels``
+    (:func:`spectrio.models.serving_matrix.pack_panels`, which only exist where the
+    kernels run), or None under autograd. Checked in C++ only: this runs four times a
+    layer, where Python-side checks cost as much as a small product."""
+    if paddle.is_grad_enabled():
         return None
-    threads = configure_paddle() or 1
-    return _run("spectrio_head_logits", x, rows_head, int(threads))[0]
+    threads = configured_threads() or 1
+    return _C_OPS._run_custom_op("spectrio_panel_matmul", x, panels, n, threads)[0]

@@ -36,7 +36,13 @@ MKL_CPU_TYPE = apply_mkl_dispatch()
 with host_state_kept():  # the host's signal handlers and root logger survive the import
     import paddle
 
-__all__ = ["MKL_CPU_TYPE", "configure_paddle", "paddle", "use_configured_threads"]
+__all__ = [
+    "MKL_CPU_TYPE",
+    "configure_paddle",
+    "configured_threads",
+    "paddle",
+    "use_configured_threads",
+]
 
 _threads: int | None = None
 
@@ -51,6 +57,12 @@ def configure_paddle(num_threads: int | None = None) -> int | None:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         paddle.base.core.set_num_threads(num_threads)
         _threads = num_threads
+    return _threads
+
+
+def configured_threads() -> int | None:
+    """The thread count :func:`configure_paddle` last set (None if never); cheap enough
+    for every kernel call, where :func:`configure_paddle` itself sets Paddle's flags."""
     return _threads
 
 

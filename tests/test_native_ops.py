@@ -14,6 +14,7 @@ import pytest
 
 from spectrio.models import native_ops
 from spectrio.models.paddle_setup import paddle
+from spectrio.models.serving_matrix import PANEL, ServingMatrix, pack_panels
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None,
@@ -41,16 +42,43 @@ def test_add_rms_norm_equals_the_plain_ops(shape: tuple[int, ...]) -> None:
     np.testing.assert_allclose(got[0].numpy(), want, rtol=2e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 16])
-@pytest.mark.parametrize("vocab, d", [(4099, 576), (1000, 13)])  # ragged V and d
-def test_head_logits_equal_the_matmul(rows: int, vocab: int, d: int) -> None:
-    rng = np.random.default_rng(rows)
-    x = rng.standard_normal((rows, d)).astype(np.float32)
-    head = rng.standard_normal((vocab, d)).astype(np.float32)
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 97, 200])
+@pytest.mark.parametrize("k, n", [(576, 960), (64, 17), (33, 100), (5, 3)])  # ragged N and K
+def test_panel_matmul_equals_the_matmul(rows: int, k: int, n: int) -> None:
+    """Every row count a tile can take (1-6, several tiles, several row blocks) and a
+    last panel only partly used."""
+    rng = np.random.default_rng(rows * n)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    matrix = ServingMatrix(w)
+    assert matrix.packed
     with paddle.no_grad():
-        got = native_ops.head_logits(paddle.to_tensor(x), paddle.to_tensor(head))
-    assert got is not None and got.shape == [rows, vocab]
-    np.testing.assert_allclose(got.numpy(), x.astype(np.float64) @ head.T, rtol=1e-4, atol=1e-4)
+        got = matrix.matmul(paddle.to_tensor(x))
+    assert got.shape == [rows, n]
+    np.testing.assert_allclose(got.numpy(), x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
+
+
+def test_a_row_gets_the_same_result_in_any_batch() -> None:
+    """Each output is summed over K in one fixed order, whatever the rows beside it and
+    the thread count: a verified row equals the same row decoded alone, bit for bit."""
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((576, 200)).astype(np.float32)
+    x = rng.standard_normal((13, 576)).astype(np.float32)
+    matrix = ServingMatrix(w)
+    with paddle.no_grad():
+        whole = matrix.matmul(paddle.to_tensor(x)).numpy()
+        for row in (0, 5, 12):
+            alone = matrix.matmul(paddle.to_tensor(x[row : row + 1])).numpy()
+            np.testing.assert_array_equal(alone[0], whole[row])
+
+
+def test_pack_panels_layout() -> None:
+    w = np.arange(3 * 20, dtype=np.float32).reshape(3, 20)
+    panels = pack_panels(w)
+    assert panels.shape == (2, 3, PANEL)
+    np.testing.assert_array_equal(panels[0], w[:, :16])
+    np.testing.assert_array_equal(panels[1, :, :4], w[:, 16:])
+    assert not panels[1, :, 4:].any()  # the last panel is zero-padded
 
 
 def test_not_for_float64_or_autograd() -> None:
@@ -58,7 +86,8 @@ def test_not_for_float64_or_autograd() -> None:
     with paddle.no_grad():
         assert native_ops.add_rms_norm(x, x, paddle.ones([8], dtype="float64"), 1e-6) is None
     y = paddle.ones([2, 8])
-    assert native_ops.head_logits(y, paddle.ones([4, 8])) is None  # grad enabled
+    panels = paddle.to_tensor(pack_panels(np.ones((8, 4), np.float32)))
+    assert native_ops.panel_matmul(y, panels, 4) is None  # grad enabled
 
 
 def test_off_switch_and_the_same_greedy_tokens_either_way() -> None:

@@ -5,14 +5,17 @@
 // * spectrio_add_rms_norm: (rmsnorm(x + delta) * weight, x + delta) in one op. In Python
 //   a residual add and an RMSNorm are six Paddle ops, each dispatched for a few
 //   microseconds of work at decode sizes; a forward runs two per layer.
-// * spectrio_head_logits: out[r, v] = dot(x[r], w[v]) for a few rows against a row-major
-//   [V, d] head far larger than the cache. MKL's SGEMM runs such a product well below the
-//   memory bound; here each head row is read once and used for every input row while it
-//   sits in L1.
+// * spectrio_panel_matmul: out = x @ w for a [K, N] weight packed into 16-column panels
+//   ([ceil(N / 16), K, 16], each panel contiguous; pack_panels in models/serving_matrix.py).
+//   MKL's SGEMM leaves its GEMV path at two rows, and the layers' projections then cost
+//   two to three times one row's; streaming each contiguous panel once through a
+//   register tile of up to 6 rows x 16 columns keeps a few rows at one row's memory
+//   traffic, and the same tile is a full-rate GEMM micro-kernel for many rows. The LM
+//   head is packed the same way.
 //
 // Every output element is computed by one thread over a fixed order, so results do not
 // depend on the thread count. Threads come from OpenMP with an explicit count, from the
-// runtime Paddle ships (native_ops.py links it), so the head shares the pool MKL uses.
+// runtime Paddle ships (native_ops.py links it), so the kernels share the pool MKL uses.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -88,80 +91,118 @@ PD_BUILD_OP(spectrio_add_rms_norm)
 
 namespace {
 
-constexpr int64_t kHeadRows = 4;  // head rows that share each load of an input row
+constexpr int64_t kPanel = 16;     // columns per panel
+constexpr int64_t kTileRows = 6;   // rows per register tile: 12 accumulators
+constexpr int64_t kRowBlock = 96;  // rows whose inputs stay in L2 while every panel passes
 
 #ifdef SPECTRIO_AVX2
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  return _mm_cvtss_f32(lo);
+#define SPECTRIO_ROW(r)                                                  \
+  if constexpr (MR > r) {                                                \
+    const __m256 b = _mm256_broadcast_ss(x + r * k_dim + k);             \
+    c##r##0 = _mm256_fmadd_ps(b, w0, c##r##0);                          \
+    c##r##1 = _mm256_fmadd_ps(b, w1, c##r##1);                          \
+  }
+#define SPECTRIO_STORE(r)                                                \
+  if constexpr (MR > r) {                                                \
+    if (cols == kPanel) {                                                \
+      _mm256_storeu_ps(out + r * n, c##r##0);                            \
+      _mm256_storeu_ps(out + r * n + 8, c##r##1);                        \
+    } else {                                                             \
+      alignas(32) float buf[kPanel];                                     \
+      _mm256_store_ps(buf, c##r##0);                                     \
+      _mm256_store_ps(buf + 8, c##r##1);                                 \
+      for (int64_t c = 0; c < cols; ++c) out[r * n + c] = buf[c];        \
+    }                                                                    \
+  }
+
+// out[0 .. MR) x [0 .. cols) of one panel; the accumulators are named variables so that
+// they stay in registers (an array of them was spilled to the stack every iteration).
+template <int MR>
+void panel_tile(const float* __restrict x, int64_t k_dim, const float* __restrict panel,
+                float* __restrict out, int64_t n, int64_t cols) {
+  const __m256 z = _mm256_setzero_ps();
+  __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z;
+  __m256 c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
+  for (int64_t k = 0; k < k_dim; ++k) {
+    // the panel is read front to back; fetching 512 bytes ahead hides memory latency
+    _mm_prefetch(reinterpret_cast<const char*>(panel + k * kPanel + 128), _MM_HINT_T0);
+    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel);
+    const __m256 w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+    SPECTRIO_ROW(0) SPECTRIO_ROW(1) SPECTRIO_ROW(2) SPECTRIO_ROW(3) SPECTRIO_ROW(4) SPECTRIO_ROW(5)
+  }
+  SPECTRIO_STORE(0) SPECTRIO_STORE(1) SPECTRIO_STORE(2)
+  SPECTRIO_STORE(3) SPECTRIO_STORE(4) SPECTRIO_STORE(5)
 }
-#endif
+#undef SPECTRIO_ROW
+#undef SPECTRIO_STORE
 
-// out[r, v0 .. v0 + n) for every r; n <= kHeadRows.
-void head_block(const float* x, const float* w, float* out, int64_t rows, int64_t d,
-                int64_t vocab, int64_t v0, int64_t n) {
-  const float* wr[kHeadRows];
-  for (int64_t j = 0; j < kHeadRows; ++j) wr[j] = w + (v0 + (j < n ? j : 0)) * d;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * d;
-    float acc[kHeadRows];
-    int64_t k = 0;
-#ifdef SPECTRIO_AVX2
-    __m256 a[kHeadRows];
-    for (int64_t j = 0; j < kHeadRows; ++j) a[j] = _mm256_setzero_ps();
-    for (; k + 8 <= d; k += 8) {
-      const __m256 xv = _mm256_loadu_ps(xr + k);
-      for (int64_t j = 0; j < kHeadRows; ++j)
-        a[j] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(wr[j] + k), a[j]);
-    }
-    for (int64_t j = 0; j < kHeadRows; ++j) acc[j] = hsum(a[j]);
-#else
-    for (int64_t j = 0; j < kHeadRows; ++j) acc[j] = 0.0f;
-#endif
-    for (; k < d; ++k)
-      for (int64_t j = 0; j < kHeadRows; ++j) acc[j] += xr[k] * wr[j][k];
-    for (int64_t j = 0; j < n; ++j) out[r * vocab + v0 + j] = acc[j];
+using TileFn = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t);
+constexpr TileFn kTiles[kTileRows + 1] = {nullptr,        panel_tile<1>, panel_tile<2>,
+                                          panel_tile<3>,  panel_tile<4>, panel_tile<5>,
+                                          panel_tile<6>};
+
+void panel_rows(const float* x, int64_t rows, int64_t k_dim, const float* panel, float* out,
+                int64_t n, int64_t cols) {
+  for (int64_t m = 0; m < rows; m += kTileRows) {
+    const int64_t mr = std::min(kTileRows, rows - m);
+    kTiles[mr](x + m * k_dim, k_dim, panel, out + m * n, n, cols);
   }
 }
+#else
+void panel_rows(const float* x, int64_t rows, int64_t k_dim, const float* panel, float* out,
+                int64_t n, int64_t cols) {
+  for (int64_t m = 0; m < rows; ++m) {
+    float acc[kPanel] = {};
+    for (int64_t k = 0; k < k_dim; ++k)
+      for (int64_t c = 0; c < kPanel; ++c) acc[c] += x[m * k_dim + k] * panel[k * kPanel + c];
+    for (int64_t c = 0; c < cols; ++c) out[m * n + c] = acc[c];
+  }
+}
+#endif
 
 }  // namespace
 
-std::vector<paddle::Tensor> HeadLogits(const paddle::Tensor& x, const paddle::Tensor& w,
-                                       int num_threads) {
-  check_f32_cpu(x, "head_logits x");
-  check_f32_cpu(w, "head_logits w");
-  PD_CHECK(x.shape().size() == 2 && w.shape().size() == 2, "head_logits: 2-D operands");
-  const int64_t rows = x.shape()[0], d = x.shape()[1], vocab = w.shape()[0];
-  PD_CHECK(w.shape()[1] == d, "head_logits: x is [rows, d], w is [V, d]");
-  auto out = paddle::empty({rows, vocab}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+std::vector<paddle::Tensor> PanelMatmul(const paddle::Tensor& x, const paddle::Tensor& panels,
+                                        int64_t n, int num_threads) {
+  check_f32_cpu(x, "panel_matmul x");
+  check_f32_cpu(panels, "panel_matmul panels");
+  PD_CHECK(x.shape().size() == 2 && panels.shape().size() == 3, "panel_matmul: x is 2-D, "
+           "panels 3-D");
+  const int64_t rows = x.shape()[0], k_dim = x.shape()[1], count = panels.shape()[0];
+  PD_CHECK(panels.shape()[1] == k_dim && panels.shape()[2] == kPanel,
+           "panel_matmul: panels are [ceil(N / 16), K, 16] for x [M, K]");
+  PD_CHECK(n > (count - 1) * kPanel && n <= count * kPanel, "panel_matmul: N does not fit "
+           "the panels");
+  auto out = paddle::empty({rows, n}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   const float* xp = x.data<float>();
-  const float* wp = w.data<float>();
+  const float* pp = panels.data<float>();
   float* op = out.data<float>();
-  const int64_t blocks = (vocab + kHeadRows - 1) / kHeadRows;
-#pragma omp parallel for schedule(static) num_threads(std::max(1, num_threads))
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t v0 = b * kHeadRows;
-    head_block(xp, wp, op, rows, d, vocab, v0, std::min<int64_t>(kHeadRows, vocab - v0));
+#pragma omp parallel num_threads(std::max(1, num_threads))
+  for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
+    const int64_t block = std::min(kRowBlock, rows - m0);
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < count; ++p) {
+      const int64_t cols = std::min(kPanel, n - p * kPanel);
+      panel_rows(xp + m0 * k_dim, block, k_dim, pp + p * k_dim * kPanel, op + m0 * n + p * kPanel,
+                 n, cols);
+    }
   }
   return {out};
 }
 
-std::vector<std::vector<int64_t>> HeadLogitsShape(const std::vector<int64_t>& x,
-                                                  const std::vector<int64_t>& w) {
-  return {{x[0], w[0]}};
+std::vector<std::vector<int64_t>> PanelMatmulShape(const std::vector<int64_t>& x,
+                                                   const std::vector<int64_t>&, int64_t n) {
+  return {{x[0], n}};
 }
 
-std::vector<paddle::DataType> HeadLogitsDtype(const paddle::DataType& x, const paddle::DataType&) {
+std::vector<paddle::DataType> PanelMatmulDtype(const paddle::DataType& x, const paddle::DataType&) {
   return {x};
 }
 
-PD_BUILD_OP(spectrio_head_logits)
-    .Inputs({"X", "W"})
+PD_BUILD_OP(spectrio_panel_matmul)
+    .Inputs({"X", "Panels"})
     .Outputs({"Out"})
-    .Attrs({"num_threads: int"})
-    .SetKernelFn(PD_KERNEL(HeadLogits))
-    .SetInferShapeFn(PD_INFER_SHAPE(HeadLogitsShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(HeadLogitsDtype));
+    .Attrs({"n: int64_t", "num_threads: int"})
+    .SetKernelFn(PD_KERNEL(PanelMatmul))
+    .SetInferShapeFn(PD_INFER_SHAPE(PanelMatmulShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(PanelMatmulDtype));

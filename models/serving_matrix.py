@@ -1,0 +1,72 @@
+"""A weight matrix as the serving forward multiplies by it.
+
+The layers' projections (fused q/k/v, o, fused gate/up, down) multiply a few rows at a
+decode step and thousands in a prefill chunk. Where spectrio's native kernels run
+(float32, :mod:`spectrio.models.native_ops`), a ``[K, N]`` weight is kept packed into
+16-column panels (:func:`pack_panels`) and multiplied by ``spectrio_panel_matmul``,
+which reads each panel once for up to six rows at a time; elsewhere it stays the plain
+Paddle tensor and ``matmul`` runs. A matrix holds one of the two layouts, never both,
+so serving memory does not grow.
+
+Invariant: both layouts give ``x @ w`` up to float rounding; the panel kernel sums each
+output over K in order on one thread, so its result does not depend on the thread count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from spectrio.models import fast_ops as fo
+from spectrio.models import native_ops
+from spectrio.models.paddle_setup import paddle
+
+__all__ = ["PANEL", "ServingMatrix", "pack_panels"]
+
+PANEL = 16
+"""Columns per panel (two AVX2 vectors)."""
+
+
+def pack_panels(w: np.ndarray) -> np.ndarray:
+    """``[K, N]`` → ``[ceil(N / 16), K, 16]``: panel ``p`` holds columns ``16p .. 16p + 15``
+    row by row, the last one zero-padded."""
+    k, n = w.shape
+    count = -(-n // PANEL)
+    padded = np.zeros((k, count * PANEL), dtype=w.dtype)
+    padded[:, :n] = w
+    return np.ascontiguousarray(padded.reshape(k, count, PANEL).transpose(1, 0, 2))
+
+
+class ServingMatrix:
+    """A ``[K, N]`` weight in the layout the serving forward multiplies fastest."""
+
+    def __init__(self, weight: paddle.Tensor | np.ndarray) -> None:
+        k, n = weight.shape
+        self.shape = (int(k), int(n))
+        self._n = int(n)
+        self._panels: paddle.Tensor | None = None
+        self._plain: paddle.Tensor | None = None
+        if isinstance(weight, np.ndarray):
+            float32, tensor = weight.dtype == np.float32, None
+        else:
+            float32, tensor = weight.dtype == paddle.float32, weight
+        if float32 and native_ops.native_ops_available():
+            host = weight if tensor is None else tensor.numpy()
+            self._panels = paddle.to_tensor(pack_panels(np.asarray(host)))
+        else:
+            self._plain = paddle.to_tensor(weight) if tensor is None else tensor
+
+    @property
+    def packed(self) -> bool:
+        return self._panels is not None
+
+    def matmul(self, x: paddle.Tensor) -> paddle.Tensor:
+        """``x @ w`` for ``x`` ``[M, K]``."""
+        if self._panels is not None:
+            out = native_ops.panel_matmul(x, self._panels, self._n)
+            if out is not None:
+                return out
+            raise RuntimeError(
+                "a packed weight needs spectrio's native kernels: float32, without autograd"
+            )
+        assert self._plain is not None
+        return fo.matmul(x, self._plain)
