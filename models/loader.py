@@ -40,6 +40,7 @@ from spectrio.models.gguf_file import GGUFFile, is_gguf
 from spectrio.models.model import SpectrioForCausalLM, build_model
 from spectrio.models.mtp_head import (
     WithHead,
+    attached_head,
     head_path_for,
     open_head,
     shipped_head_for,
@@ -377,7 +378,6 @@ def load(
     if isinstance(source, WithHead):
         model.set_draft_vocab(source.head.draft_vocab)
     model.eval()
-    head_path = source.head.head.path if isinstance(source, WithHead) else None
     if serving:
         model.prepare_serving(release=True)
     seconds = time.perf_counter() - t0
@@ -389,5 +389,5 @@ def load(
         path=path,
         load_seconds=seconds,
         chat_template=template,
-        head_path=head_path,
+        head_path=attached_head(source),
     )

@@ -202,6 +202,11 @@ class WithHead:
         return self._source(name).read(name, axis, lo, hi)
 
 
+def attached_head(source: object) -> Path | None:
+    """The head file attached to the tensors ``source`` (a :class:`WithHead`), or None."""
+    return source.head.head.path if isinstance(source, WithHead) else None
+
+
 def save_head(
     model: object,
     path: Path,
