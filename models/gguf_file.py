@@ -2,8 +2,13 @@
 
 * **Config** from the ``{arch}.*`` metadata, for the architectures the decoder runs
   (``llama``, ``qwen2``, ``qwen3``, ``ernie4_5``); anything it does not implement (another
-  architecture, RoPE scaling metadata or a ``rope_freqs`` tensor, partial rotary
-  dimensions, a SentencePiece vocabulary) is refused, naming it.
+  architecture, RoPE scaling metadata, partial rotary dimensions, a SentencePiece
+  vocabulary) is refused, naming it.
+* **RoPE scaling** from a ``rope_freqs.weight`` tensor: llama.cpp stores Llama 3.x's
+  ``llama3`` rope scaling as one divisor per frequency. The equivalent Hugging Face
+  ``rope_scaling`` is recovered from it (:func:`llama3_scaling`) and checked by
+  recomputing the divisors with spectrio's own RoPE; divisors that no ``llama3`` rule
+  gives are refused, naming the tensor.
 * **Weights** dequantized at load by ``gguf.quants.dequantize`` (F32, F16, BF16, Q8_0,
   Q4_0, Q4_1, Q5_0, Q5_1, the K-quants and whatever else it implements), renamed to
   Hugging Face names, with llama.cpp's q/k row permutation undone where its RoPE mode
@@ -24,9 +29,9 @@ import numpy as np
 
 from spectrio.errors import CheckpointError, ModelConfigError
 from spectrio.models.checkpoint import interleaved_to_half, is_qk_rows
-from spectrio.models.config import ModelConfig
+from spectrio.models.config import ModelConfig, RopeScaling
 
-__all__ = ["GGUFFile", "GGUF_MAGIC", "is_gguf"]
+__all__ = ["GGUFFile", "GGUF_MAGIC", "is_gguf", "llama3_scaling"]
 
 GGUF_MAGIC = b"GGUF"
 
@@ -90,6 +95,95 @@ def _decimal(value: float) -> float:
     return float(repr(np.float32(value)).removeprefix("np.float32(").removesuffix(")"))
 
 
+ROPE_FREQS = "rope_freqs.weight"
+ORIGINAL_CONTEXT = 8192
+"""``original_max_position_embeddings`` of a ``llama3`` rope scaling whose file does not
+state it (``{arch}.rope.scaling.original_context_length``): Llama 3.1's and 3.2's."""
+ROPE_FREQS_RTOL = 1e-5
+"""How closely the recovered rope scaling must give back each stored divisor (they are
+float32)."""
+
+
+def rope_divisors(cfg: ModelConfig) -> np.ndarray:
+    """The per-frequency divisors ``cfg``'s rope scaling applies, as llama.cpp's
+    ``rope_freqs`` holds them: unscaled inverse frequency over scaled."""
+    unscaled = dataclasses.replace(cfg, rope_scaling=None).inv_freq()
+    return np.asarray(unscaled / cfg.inv_freq(), dtype=np.float64)
+
+
+def _fit_llama3(divisors: np.ndarray, x: np.ndarray) -> tuple[float, float, float] | None:
+    """(factor, low_freq_factor, high_freq_factor) of a ``llama3`` rule giving
+    ``divisors`` at frequencies ``x = original_max_position_embeddings / wavelength``; None
+    where none can. The rule divides by ``factor`` where ``x < low``, by 1 where
+    ``x > high``, and in between ``1 / divisor`` is linear in ``x``: ``1/factor`` at
+    ``low``, 1 at ``high``."""
+    factor = float(divisors.max())
+    if factor <= 1.0:
+        return None
+    inv = 1.0 / divisors
+    ones = np.abs(divisors - 1.0) <= ROPE_FREQS_RTOL
+    full = np.abs(divisors - factor) <= ROPE_FREQS_RTOL * factor
+    blend = ~ones & ~full
+    x_full = float(x[full].max())  # the shortest wavelength divided by the whole factor
+    x_one = float(x[ones].min()) if ones.any() else None  # the longest one kept
+    if blend.sum() >= 2:  # the blend's line, fitted
+        b, a = np.polyfit(x[blend], inv[blend], 1)
+        if b <= 0:
+            return None
+        return factor, float((1.0 / factor - a) / b), float((1.0 - a) / b)
+    if blend.sum() == 1:  # one point on the line: any line through it that the others allow
+        xm = float(x[blend][0])
+        s = float((inv[blend][0] - 1.0 / factor) / (1.0 - 1.0 / factor))
+        low, high = x_full, x_full + (xm - x_full) / s
+        if x_one is not None and high > x_one:
+            low, high = (xm - s * x_one) / (1.0 - s), x_one
+        return factor, low, high
+    # a step: the band lies between the last frequency divided and the first kept
+    return factor, x_full, x_one if x_one is not None else 2.0 * x_full
+
+
+def llama3_scaling(
+    divisors: np.ndarray, cfg: ModelConfig, original: int = ORIGINAL_CONTEXT
+) -> RopeScaling | None:
+    """The ``llama3`` rope scaling (with ``original_max_position_embeddings`` ``original``)
+    whose per-frequency divisors are ``divisors`` (llama.cpp's ``rope_freqs``) for the
+    unscaled RoPE of ``cfg``; None for all ones (no scaling). Raises
+    :class:`ModelConfigError` saying why where no ``llama3`` rule gives them within
+    :data:`ROPE_FREQS_RTOL`."""
+    want = cfg.head_dim // 2
+    divisors = np.asarray(divisors, dtype=np.float64).reshape(-1)
+    if divisors.size != want:
+        raise ModelConfigError(
+            f"it has {divisors.size} values, but RoPE over heads of {cfg.head_dim} has "
+            f"{want} frequencies"
+        )
+    if not np.all(np.isfinite(divisors)) or np.any(divisors <= 0):
+        raise ModelConfigError("it holds a value that is not a positive number")
+    if np.all(np.abs(divisors - 1.0) <= ROPE_FREQS_RTOL):
+        return None
+    base = dataclasses.replace(cfg, rope_scaling=None)
+    x = original * base.inv_freq() / (2 * np.pi)
+    fitted = _fit_llama3(divisors, x)
+    error = np.inf
+    if fitted is not None:
+        factor, low, high = fitted
+        rounded = (round(factor, 4), round(low, 4), round(high, 4))
+        for f, lo, hi in (rounded, fitted):  # the values a config would hold, if they fit
+            if not (f > 1.0 and 0.0 < lo < hi):
+                continue
+            scaling = RopeScaling("llama3", f, lo, hi, original)
+            got = rope_divisors(dataclasses.replace(base, rope_scaling=scaling))
+            rel = float(np.max(np.abs(got - divisors) / divisors))
+            if rel < ROPE_FREQS_RTOL:
+                return scaling
+            error = min(error, rel)
+    raise ModelConfigError(
+        "its per-frequency divisors are not those of a Llama 3 'llama3' rope scaling "
+        f"(original_max_position_embeddings {original}; the closest fit is off by a "
+        f"relative {error:.2g}, more than {ROPE_FREQS_RTOL:g})"
+    )
+
+
 def is_gguf(path: Path) -> bool:
     """Whether ``path`` is a file that starts with the GGUF magic."""
     try:
@@ -126,7 +220,11 @@ class GGUFFile:
                 f"(supported: {', '.join(_ARCHS)})"
             )
         self._tensors: dict[str, _Tensor] = {}
+        self._rope_freqs: Any = None  # gguf.ReaderTensor of rope_freqs.weight, if any
         for t in self._reader.tensors:
+            if t.name == ROPE_FREQS:
+                self._rope_freqs = t
+                continue
             name = self._hf_tensor_name(t.name)
             self._tensors[name] = _Tensor(t, [int(n) for n in reversed(list(t.shape))])
         try:
@@ -153,12 +251,6 @@ class GGUFFile:
         match = _BLOCK.fullmatch(name)
         if match and match.group(2) in _LAYER_NAMES:
             return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
-        if name == "rope_freqs.weight":
-            raise CheckpointError(
-                f"{self.path}: tensor 'rope_freqs.weight' (per-frequency RoPE scaling, as "
-                "llama.cpp stores Llama 3.1's) is not supported; load the original Hugging "
-                "Face checkpoint, whose rope_scaling spectrio implements"
-            )
         raise CheckpointError(f"{self.path}: unexpected GGUF tensor {name!r}")
 
     def _config(self) -> ModelConfig:
@@ -204,7 +296,7 @@ class GGUFFile:
             raise ModelConfigError("qwen2 with an attn_output bias is not supported")
         if self.arch == "ernie4_5" and attention_bias != mlp_bias:
             raise ModelConfigError("ernie4_5 with bias on only some linears is not supported")
-        return ModelConfig(
+        cfg = ModelConfig(
             vocab_size=vocab,
             hidden_size=hidden,
             num_hidden_layers=int(self._arch_field("block_count")),
@@ -223,6 +315,25 @@ class GGUFFile:
             attention_bias=attention_bias,
             mlp_bias=mlp_bias if self.arch == "llama" else attention_bias,
         )
+        if self._rope_freqs is None:
+            return cfg
+        return dataclasses.replace(cfg, rope_scaling=self._rope_scaling(cfg))
+
+    def _rope_scaling(self, cfg: ModelConfig) -> RopeScaling | None:
+        """The ``llama3`` rope scaling ``rope_freqs.weight`` stands for (None: all ones)."""
+        from gguf.quants import dequantize
+
+        t = self._rope_freqs
+        where = f"{self.path}: tensor {ROPE_FREQS!r} (per-frequency RoPE scaling)"
+        try:
+            divisors = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64)
+        except (NotImplementedError, ValueError) as exc:
+            raise CheckpointError(f"{where} is unreadable ({exc})") from exc
+        original = int(self._arch_field("rope.scaling.original_context_length", ORIGINAL_CONTEXT))
+        try:
+            return llama3_scaling(divisors, cfg, original)
+        except ModelConfigError as exc:
+            raise CheckpointError(f"{where} is not supported: {exc}") from exc
 
     @property
     def chat_template(self) -> str | None:

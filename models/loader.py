@@ -38,7 +38,14 @@ from spectrio.models.config import BUNDLED_DIR, DType, ModelConfig, ModelConfigE
 from spectrio.models.gguf_cache import cached_folder
 from spectrio.models.gguf_file import GGUFFile, is_gguf
 from spectrio.models.model import SpectrioForCausalLM, build_model
-from spectrio.models.mtp_head import WithHead, head_path_for, open_head, target_fingerprint
+from spectrio.models.mtp_head import (
+    WithHead,
+    attached_head,
+    head_path_for,
+    open_head,
+    shipped_head_for,
+    target_fingerprint,
+)
 from spectrio.models.mtp_layout import convert, with_layout
 from spectrio.models.tokenizer import TextTokenizer
 
@@ -84,6 +91,9 @@ class LoadedModel:
     load_seconds: float
     #: the Jinja2 chat template (``tokenizer_config.json``'s or the GGUF's), if any
     chat_template: str | None = None
+    #: the ``spectrio train-mtp`` head file attached to the model (beside it, or shipped
+    #: with the package); None when none is (the checkpoint's own MTP layer, or none)
+    head_path: Path | None = None
 
 
 STORAGE_DTYPES = ("float32", "float16")
@@ -183,13 +193,35 @@ def read_config(path: Path) -> ModelConfig:
 
 def model_config(path_or_name: str | Path) -> ModelConfig:
     """The config :func:`load` would give the model, read without its weights: with
-    ``num_nextn_predict_layers: 1`` when a ``spectrio train-mtp`` head sits beside it
-    (``load`` checks that the head belongs to it)."""
+    ``num_nextn_predict_layers: 1`` when a ``spectrio train-mtp`` head sits beside it or
+    the package ships one for it (``load`` checks that the head belongs to it)."""
     path = resolve_path(path_or_name)
     cfg = read_config(path)
-    if not cfg.has_mtp and head_path_for(path, str(path_or_name)).is_file():
+    if cfg.has_mtp:
+        return cfg
+    if head_path_for(path, str(path_or_name)).is_file() or _shipped_head(*_target(path)):
         return dataclasses.replace(cfg, num_nextn_predict_layers=1)
     return cfg
+
+
+def _target(path: Path) -> tuple[ModelConfig, TensorSource]:
+    """The config and tensors of a folder or GGUF file, without its tokenizer."""
+    if path.is_file():
+        folder = cached_folder(path)
+        if folder is None:
+            gguf = GGUFFile(path)
+            return gguf.config, gguf
+        path = folder
+    cfg = read_config(path)
+    source = SafetensorsSource(path, cfg)
+    return with_layout(cfg, source.names(), str(path)), source
+
+
+def _shipped_head(cfg: ModelConfig, source: TensorSource) -> Path | None:
+    """The head the package ships for this target (found by its fingerprint), or None."""
+    if "model.norm.weight" not in source.names():
+        return None  # no fingerprint; loading names the missing tensor
+    return shipped_head_for(target_fingerprint(cfg, source))
 
 
 def open_checkpoint(
@@ -209,10 +241,15 @@ def attach_head(
     path: Path, name: str | None, cfg: ModelConfig, source: TensorSource
 ) -> tuple[ModelConfig, TensorSource]:
     """The config and tensors with the model's MTP head attached, or unchanged when it
-    has none; a head that does not belong to this model raises :class:`CheckpointError`."""
+    has none: the head beside it (or the shipped head of a named model), else the head the
+    package ships for a target with its fingerprint. A head beside it that does not
+    belong to this model raises :class:`CheckpointError`."""
     head_path = head_path_for(path, name)
     if not head_path.is_file():
-        return cfg, source
+        shipped = _shipped_head(cfg, source)
+        if shipped is None:
+            return cfg, source
+        head_path = shipped
     head = open_head(head_path, cfg, target_fingerprint(cfg, source))
     log.info("MTP head attached", path=str(head_path), steps=head.head.metadata.get("steps"))
     return dataclasses.replace(cfg, num_nextn_predict_layers=1), WithHead(source, head)
@@ -352,4 +389,5 @@ def load(
         path=path,
         load_seconds=seconds,
         chat_template=template,
+        head_path=attached_head(source),
     )

@@ -7,11 +7,16 @@ names the target it was trained on (:func:`target_fingerprint`): a head is a fun
 of the target's hidden states, so a head for another model would only draft noise, and
 it is refused rather than loaded.
 
-Where a head is looked for (:func:`head_path_for`):
+Where a head is looked for (:func:`head_path_for`, then :func:`shipped_head_for`):
 - a folder ``DIR``: ``DIR/mtp.safetensors``;
 - a GGUF file ``X.gguf``: ``X.mtp.safetensors`` beside it;
-- a named model: the head the package ships for it (:data:`SHIPPED_HEADS`), checked
-  against its recorded SHA-256.
+- a named model: the head the package ships for it (:data:`SHIPPED_HEADS`);
+- where none lies beside the model: the shipped head whose recorded target fingerprint
+  is this model's, so ``smollm2`` loaded by its file's path (or from the folder
+  ``spectrio convert`` writes from it) gets its head too. Only the heads' metadata is
+  read to find it.
+
+A shipped head is checked against its recorded SHA-256 when it is opened.
 """
 
 from __future__ import annotations
@@ -48,6 +53,29 @@ def head_path_for(model_path: Path, name: str | None = None) -> Path:
     if model_path.is_dir():
         return model_path / HEAD_FILE
     return model_path.with_name(model_path.stem + ".mtp.safetensors")
+
+
+def head_target(path: Path) -> str | None:
+    """The target fingerprint a head file records (its ``target`` metadata), reading only
+    the file's header; None for a missing or unreadable file, or one spectrio did not
+    write."""
+    try:
+        with safe_open(str(path), framework="numpy") as handle:
+            metadata = dict(handle.metadata() or {})
+    except (SafetensorError, OSError, ValueError):
+        return None
+    target = metadata.get("target") if metadata.get("format") == FORMAT else None
+    return target if isinstance(target, str) else None
+
+
+def shipped_head_for(fingerprint: str) -> Path | None:
+    """The head the package ships for the target ``fingerprint``
+    (:func:`target_fingerprint`), or None; decided from the heads' metadata alone (the
+    checksum is checked when the head is opened, :func:`open_head`)."""
+    for path in SHIPPED_HEADS.values():
+        if path.is_file() and head_target(path) == fingerprint:
+            return path
+    return None
 
 
 def target_fingerprint(cfg: ModelConfig, source: TensorSource) -> str:
@@ -172,6 +200,11 @@ class WithHead:
 
     def read(self, name: str, axis: int | None = None, lo: int = 0, hi: int = 0) -> np.ndarray:
         return self._source(name).read(name, axis, lo, hi)
+
+
+def attached_head(source: object) -> Path | None:
+    """The head file attached to the tensors ``source`` (a :class:`WithHead`), or None."""
+    return source.head.head.path if isinstance(source, WithHead) else None
 
 
 def save_head(

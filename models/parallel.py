@@ -42,6 +42,7 @@ from spectrio.models.config import DType, ModelConfig
 from spectrio.models.layers import MLP, Attention, DecoderLayer, RMSNorm
 from spectrio.models.loader import LoadedModel, open_checkpoint, read_config, resolve_path
 from spectrio.models.model import MTPLayer, SharedHead, SpectrioForCausalLM
+from spectrio.models.mtp_head import attached_head
 
 log = structlog.get_logger("spectrio.models.parallel")
 
@@ -258,4 +259,5 @@ def load_sharded(
         path=path,
         load_seconds=seconds,
         chat_template=template,
+        head_path=attached_head(source),
     )

@@ -122,7 +122,7 @@ class Runtime:
         )
         # The scheduler's one owner; the runtime goes through it for everything.
         self._actor = SchedulerActor(Scheduler(config, self.blocks))
-        self._kept_timings = KeptTimings(config, loaded.path)
+        self._kept_timings = KeptTimings(config, loaded.path, loaded.head_path)
         self._kept_timings.restore(self._actor)
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer)
         self.worker = DeviceWorker(self.workspace, self.sampler, group=group)

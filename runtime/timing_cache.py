@@ -13,7 +13,10 @@ Its own samples push the old ones out of each pair's window as they come in, so 
 follows the machine. Acceptance is not kept: it depends on the requests.
 
 The identity is every setting that moves a step's time: the checkpoint (its folder, and
-the size and modification time of its config and weight files), dtype, threads, tensor-parallel
+the size and modification time of its config and weight files; or its GGUF file's path,
+size and modification time), the MTP head attached from outside it (the head the package
+ships, or ``X.mtp.safetensors`` beside a GGUF file: its path, size and modification
+time, since a retrained head drafts at another cost), dtype, threads, tensor-parallel
 size, overlap, k, the CPU (model name, count, instruction-set flags) and Paddle's
 version. A file for another identity is never read; an unreadable or malformed file is
 logged and ignored (the run starts cold), and a write that fails is logged, never
@@ -72,23 +75,47 @@ def _cpu_model() -> str:
 _MODEL_FILES = ("config.json", "*.safetensors", "*.pdparams")
 
 
+def _stat(path: Path) -> list[Any]:
+    """[path, size, modification time] of a file; [path] alone where it cannot be read
+    (a synthetic model's name)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return [str(path)]
+    return [str(path.resolve()), st.st_size, st.st_mtime_ns]
+
+
 def _checkpoint(path: Path) -> list[Any]:
     """The checkpoint's folder and the name, size and modification time of each file
-    that defines the model (its config and weights, not its README)."""
+    that defines the model (its config and weights, not its README); for a GGUF file,
+    its path, size and modification time."""
     if not path.is_dir():
-        return [str(path)]
+        return _stat(path)
     files = sorted({p for pattern in _MODEL_FILES for p in path.glob(pattern) if p.is_file()})
     return [str(path.resolve())] + [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
 
 
-def identity(config: RuntimeConfig, model_path: Path) -> dict[str, Any]:
-    """Everything that moves a step's time, as JSON-ready data."""
+def _head(model_path: Path, head_path: Path | None) -> dict[str, Any]:
+    """The ``head`` entry of the identity: the attached head's [path, size, modification
+    time], where it lies outside the checkpoint's folder (inside it, the folder's own
+    entry already has it, as it had before the key existed)."""
+    if head_path is None or head_path.resolve().parent == model_path.resolve():
+        return {}
+    return {"head": _stat(head_path)}
+
+
+def identity(
+    config: RuntimeConfig, model_path: Path, head_path: Path | None = None
+) -> dict[str, Any]:
+    """Everything that moves a step's time, as JSON-ready data (``head_path``: the MTP
+    head file attached to the model, :attr:`LoadedModel.head_path`)."""
     from spectrio.models.fast_ops import cpu_signature
 
     spec = config.speculative
     return {
         "schema": SCHEMA,
         "checkpoint": _checkpoint(model_path),
+        **_head(model_path, head_path),
         "dtype": config.dtype,
         "threads": config.resolve_num_threads(),
         "tensor_parallel_size": config.tensor_parallel_size,
@@ -157,8 +184,10 @@ class KeptTimings:
     """One runtime's use of the cache: the file for its identity, read once when the
     runtime starts (:meth:`restore`) and written once when it closes (:meth:`keep`)."""
 
-    def __init__(self, config: RuntimeConfig, model_path: Path) -> None:
-        self.identity = identity(config, model_path)
+    def __init__(
+        self, config: RuntimeConfig, model_path: Path, head_path: Path | None = None
+    ) -> None:
+        self.identity = identity(config, model_path, head_path)
         self.path = cache_file(config, self.identity)  # None: nothing to keep
         # The batch buckets whose step times the policy started from; empty: it started cold.
         self.buckets: list[int] = []

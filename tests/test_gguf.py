@@ -76,11 +76,17 @@ def write_gguf(
     tokenizer_model: str = "gpt2",
     pre: str = "smollm",
     arch: str = "llama",
+    folder: Path | None = None,
+    rope_freqs: np.ndarray | None = None,
+    original_context: int | None = None,
 ) -> dict[str, np.ndarray]:
-    """Write the tiny ``case`` checkpoint as llama.cpp would; return the Hugging Face
-    tensors spectrio should load from it (quantization applied, q/k in HF order)."""
-    cfg = json.loads((ARCHS / case / "config.json").read_text())
-    tensors = load_file(str(ARCHS / case / "model.safetensors"))
+    """Write the tiny ``case`` checkpoint (or the Hugging Face ``folder``) as llama.cpp
+    would, with ``rope_freqs.weight`` and ``rope.scaling.original_context_length`` when
+    given; return the Hugging Face tensors spectrio should load from it (quantization
+    applied, q/k in HF order)."""
+    folder = ARCHS / case if folder is None else folder
+    cfg = json.loads((folder / "config.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
     hd = cfg["hidden_size"] // cfg["num_attention_heads"]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg["num_hidden_layers"])
@@ -92,6 +98,8 @@ def write_gguf(
     w.add_rope_freq_base(cfg["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_dimension_count(hd)
+    if original_context is not None:
+        w.add_rope_scaling_orig_ctx_len(original_context)
     w.add_tokenizer_model(tokenizer_model)
     w.add_tokenizer_pre(pre)
     rows = cfg["vocab_size"]
@@ -119,6 +127,8 @@ def write_gguf(
                          raw_dtype=q)  # fmt: skip
     if extra_tensor is not None:
         w.add_tensor(extra_tensor, np.ones(4, np.float32))
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -189,7 +199,7 @@ def test_convert_writes_a_folder_that_loads_bit_for_bit(tmp_path: Path) -> None:
     [
         ({"drop": "model.layers.1.mlp.up_proj.weight"}, "missing tensor 'model.layers.1.mlp"),
         ({"extra_tensor": "blk.0.attn_sinks.weight"}, "unexpected GGUF tensor 'blk.0.attn_sinks"),
-        ({"extra_tensor": "rope_freqs.weight"}, "'rope_freqs.weight'.*not supported"),
+        ({"rope_freqs": np.array([1, 3, 1, 2])}, "'rope_freqs.weight'.*not supported"),
         ({"arch": "gpt2"}, "GGUF architecture 'gpt2' is not supported"),
         ({"tokenizer_model": "llama"}, "tokenizer.ggml.model 'llama' is not supported"),
         ({"pre": "deepseek-coder"}, "tokenizer.ggml.pre 'deepseek-coder' is not supported"),

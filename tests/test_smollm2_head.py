@@ -1,5 +1,6 @@
 """SmolLM2 speculates with the MTP head ``spectrio train-mtp`` made for it: the shipped
-head attaches to ``load("smollm2")``, its checksum holds, it drafts from its draft
+head attaches to ``load("smollm2")`` and to the same model loaded by its file's path or
+from its converted folder, its checksum holds, it drafts from its draft
 vocabulary, drafts are accepted, and the output equals no speculation."""
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import trio
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
 from spectrio.models import LoadedModel, load
+from spectrio.models.gguf_cache import cached_folder
+from spectrio.models.loader import model_config
 from spectrio.models.mtp_head import SHIPPED_HEADS, file_sha256
 
 PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef list_files(path):\n"]
@@ -28,6 +31,22 @@ def test_the_shipped_head_attaches_with_its_checksum(smol: LoadedModel) -> None:
     assert file_sha256(head) == want
     assert smol.config.has_mtp and smol.model.mtp is not None
     assert smol.model.draft_vocab is not None and 1000 < smol.model.draft_vocab.size < 49152
+
+
+def test_the_shipped_head_attaches_by_path_and_to_the_converted_folder(
+    smollm2_gguf: Path, smol: LoadedModel
+) -> None:
+    """Found by the target's fingerprint, not by the name ``smollm2``."""
+    folder = cached_folder(smollm2_gguf)  # what spectrio convert writes from the file
+    assert folder is not None
+    for path in (smollm2_gguf, folder):
+        loaded = load(path)
+        assert loaded.head_path == SHIPPED_HEADS["smollm2"], path
+        assert loaded.config == smol.config and model_config(path) == smol.config
+        assert loaded.model.draft_vocab is not None
+        assert (loaded.model.draft_vocab == smol.model.draft_vocab).all()
+        del loaded
+    assert load(smollm2_gguf, mtp_head=False).head_path is None
 
 
 async def _run(smol: LoadedModel, spec: SpeculativeConfig) -> tuple[list[list[int]], int, int]:

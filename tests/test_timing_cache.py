@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
 import trio
 from pipeline_helpers import collect, prompts
+from test_gguf import write_gguf
 
 from spectrio import ConfigError, RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
 from spectrio.models import load
+from spectrio.models.loader import open_checkpoint
+from spectrio.models.model import build_model
+from spectrio.models.mtp_head import HEAD_FILE, head_path_for, save_head, target_fingerprint
 from spectrio.runtime import timing_cache
 
 MAX_TOKENS = 64
@@ -149,3 +154,76 @@ def test_one_cache_folder_for_every_layer(tmp_path: Path, monkeypatch: pytest.Mo
     assert cache_dir() == tmp_path / "home" / ".cache" / "spectrio"
     assert timing_cache.cache_root("off") is None
     assert timing_cache.cache_root(str(tmp_path / "d")) == tmp_path / "d"
+
+
+def _later(path: Path) -> None:
+    """Move the file's modification time a second on (as a later write would)."""
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+
+
+def _write_head(path: Path, seed: int) -> Path:
+    """A ``spectrio train-mtp`` head beside the tiny GGUF file ``path`` (``X.mtp.safetensors``):
+    an MTP layer drawn from ``seed`` (another seed: a retrained head of the same size)."""
+    cfg, source, _, _ = open_checkpoint(path, mtp_head=False)
+    drafter = build_model(dataclasses.replace(cfg, num_nextn_predict_layers=1), seed=seed)
+    head = head_path_for(path)
+    save_head(drafter, head, target_fingerprint(cfg, source), dtype="float32")
+    return head
+
+
+def test_the_identity_covers_the_gguf_file_and_the_attached_head(tmp_path: Path) -> None:
+    """A retrained head drafts at another cost, and a rewritten file is another model:
+    neither reuses the step times kept for the old one."""
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path)
+    head = _write_head(path, seed=0)
+    loaded = load(path)
+    assert loaded.config.has_mtp and loaded.head_path == head
+    cfg = config(str(tmp_path))
+    before = timing_cache.identity(cfg, loaded.path, loaded.head_path)
+    for key, file in (("checkpoint", path), ("head", head)):
+        assert before[key] == [str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns]
+    assert timing_cache.identity(cfg, path, head) == before  # the same files: the same identity
+
+    _later(path)  # the GGUF file touched
+    touched = timing_cache.identity(cfg, path, head)
+    assert touched["checkpoint"] != before["checkpoint"] and touched["head"] == before["head"]
+
+    mtime = head.stat().st_mtime_ns
+    _write_head(path, seed=1)  # retrained: another file of the same size under that name
+    os.utime(head, ns=(mtime + 1_000_000_000, mtime + 1_000_000_000))
+    retrained = timing_cache.identity(cfg, path, head)
+    assert retrained["head"] != touched["head"] and retrained["checkpoint"] == touched["checkpoint"]
+    assert timing_cache.cache_file(cfg, retrained) != timing_cache.cache_file(cfg, touched)
+    assert "head" not in timing_cache.identity(cfg, path, None)
+
+
+def test_a_folders_identity_is_unchanged_by_its_own_head(tmp_path: Path) -> None:
+    """A head inside the folder is among the folder's files already: no new key, so the
+    timings kept before the key existed still apply."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / HEAD_FILE).write_bytes(b"head")
+    cfg = config(str(tmp_path))
+    ident = timing_cache.identity(cfg, folder, folder / HEAD_FILE)
+    assert ident == timing_cache.identity(cfg, folder) and "head" not in ident
+    assert [HEAD_FILE, 4] == ident["checkpoint"][2][:2]
+    _later(folder / HEAD_FILE)
+    assert timing_cache.identity(cfg, folder, folder / HEAD_FILE) != ident
+
+
+def test_the_runtime_keys_its_timings_by_the_attached_head(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path)
+    head = _write_head(path, seed=0)
+    loaded = load(path)
+    cfg = config(str(tmp_path), model=str(path), max_model_len=32, max_num_batched_tokens=64)
+
+    async def kept() -> dict:
+        with trio.fail_after(120):
+            async with open_runtime(cfg, loaded=loaded, warmup=False) as rt:
+                return rt._kept_timings.identity
+
+    assert trio.run(kept) == timing_cache.identity(cfg, path, head)
