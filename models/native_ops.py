@@ -43,6 +43,7 @@ log = structlog.get_logger("spectrio.models.native_ops")
 __all__ = [
     "NATIVE_ENV",
     "add_rms_norm",
+    "kernels_identity",
     "native_ops_available",
     "panel_matmul",
 ]
@@ -87,6 +88,12 @@ def _build(tmp: Path) -> None:
         raise OSError(f"the build failed: {(child.stderr or child.stdout).strip()[-400:]}")
     shutil.move(str(built), str(tmp / f"{_NAME}.so"))
     shutil.rmtree(tmp / _NAME, ignore_errors=True)
+
+
+def kernels_identity() -> str:
+    """What names the kernels this process runs (the library's key), or ``"off"``: the
+    adaptive policy's kept step times hold only for the same kernels."""
+    return _key() if native_ops_available() else "off"
 
 
 def native_ops_available() -> bool:

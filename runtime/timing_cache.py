@@ -12,7 +12,8 @@ next runtime with the same identity starts from them (:meth:`SpecPolicy.import_t
 Its own samples push the old ones out of each pair's window as they come in, so a cache
 follows the machine. Acceptance is not kept: it depends on the requests.
 
-The identity is every setting that moves a step's time: the checkpoint (its folder, and
+The identity is every setting that moves a step's time: spectrio's native kernels (their
+source, flags and CPU, or off), the checkpoint (its folder, and
 the size and modification time of its config and weight files; or its GGUF file's path,
 size and modification time), the MTP head attached from outside it (the head the package
 ships, or ``X.mtp.safetensors`` beside a GGUF file: its path, size and modification
@@ -110,6 +111,7 @@ def identity(
     """Everything that moves a step's time, as JSON-ready data (``head_path``: the MTP
     head file attached to the model, :attr:`LoadedModel.head_path`)."""
     from spectrio.models.fast_ops import cpu_signature
+    from spectrio.models.native_ops import kernels_identity
 
     spec = config.speculative
     return {
@@ -124,6 +126,7 @@ def identity(
         # MTP's files predate the key: it names only the other methods
         **({} if spec.method == "mtp" else {"method": spec.method}),
         "cpu": [_cpu_model(), os.cpu_count(), cpu_signature()],
+        "kernels": kernels_identity() if config.dtype == "float32" else "off",
     }
 
 
