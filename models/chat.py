@@ -153,7 +153,7 @@ class ChatTemplate:
             for token in self._tokenizer.encode(after):
                 if token in special:
                     ids.append(token)
-                elif (self._tokenizer.raw.id_to_token(token) or "").strip():
+                elif (self._tokenizer.raw.id_to_token(token) or "").replace("\u2581", " ").strip():
                     break  # the turn's closing tokens end at the first ordinary text
         eos = self._tokenizer.eos_token_id
         if eos is not None and eos not in ids:

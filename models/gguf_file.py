@@ -2,7 +2,7 @@
 
 * **Config** from the ``{arch}.*`` metadata, for the architectures the decoder runs
   (``llama``, ``qwen2``, ``qwen3``, ``ernie4_5``); anything it does not implement (another
-  architecture, RoPE scaling metadata, partial rotary dimensions, a SentencePiece
+  architecture, RoPE scaling metadata, partial rotary dimensions, another kind of
   vocabulary) is refused, naming it.
 * **RoPE scaling** from a ``rope_freqs.weight`` tensor: llama.cpp stores Llama 3.x's
   ``llama3`` rope scaling as one divisor per frequency. The equivalent Hugging Face
@@ -13,9 +13,24 @@
   Q4_0, Q4_1, Q5_0, Q5_1, the K-quants and whatever else it implements), renamed to
   Hugging Face names, with llama.cpp's q/k row permutation undone where its RoPE mode
   rotates adjacent pairs (``llama``, ``ernie4_5``).
-* **Tokenizer** built with ``tokenizers`` from ``tokenizer.ggml.*`` (a byte-level BPE: the
-  vocabulary, the merges, the pre-tokenizer named by ``tokenizer.ggml.pre``; control
-  tokens become special tokens), and the chat template from ``tokenizer.chat_template``.
+* **Tokenizer** built with ``tokenizers`` from ``tokenizer.ggml.*``, of either kind
+  ``tokenizer.ggml.model`` names:
+
+  - ``gpt2``, a byte-level BPE: the vocabulary, the merges, the pre-tokenizer named by
+    ``tokenizer.ggml.pre``; control tokens become special tokens, user-defined ones added
+    tokens.
+  - ``llama``, a SentencePiece BPE (Llama 2, Mistral, TinyLlama, ERNIE 4.5), rebuilt as
+    Hugging Face's Llama tokenizer does: a BPE with byte fallback (``<0xNN>`` tokens)
+    whose merges come from the pieces and ``tokenizer.ggml.scores`` (:func:`spm_merges`);
+    a normalizer that writes spaces as U+2581 and prepends one to each run of text
+    (``tokenizer.ggml.add_space_prefix``, default true), a decoder that undoes both and
+    the byte fallback; control and unknown tokens special, user-defined ones added; BOS
+    and EOS in the post-processor per ``add_bos_token`` (default true) and
+    ``add_eos_token``. It encodes as sentencepiece does, and as llama.cpp does around
+    special tokens (each run of text after one gets its own prefix space). Without
+    scores it is refused, naming the field.
+
+  The chat template comes from ``tokenizer.chat_template``.
 """
 
 from __future__ import annotations
@@ -85,8 +100,35 @@ _QWEN2_SPLIT = (
 )
 PRE_TOKENIZERS = ("default", "gpt-2", "gpt2", "smollm", "llama-bpe", "llama3", "qwen2")
 
-# gguf's token types (llama.cpp ``llama_token_type``).
-_CONTROL, _USER_DEFINED = 3, 4
+TOKENIZER_MODELS = ("gpt2", "llama")
+"""The ``tokenizer.ggml.model`` kinds that load: byte-level BPE and SentencePiece BPE."""
+
+# gguf's token types (llama.cpp's ``llama_token_type``, SentencePiece's piece types).
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+SPACE = "\u2581"
+"""SentencePiece's visible space: it writes " " as this, and its pieces hold it."""
+
+
+def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece BPE vocabulary implies, best first.
+
+    SentencePiece stores no merges: it joins the adjacent pair whose join is the piece of
+    highest score. So a merge ``(a, b)`` exists wherever ``a``, ``b`` and ``a + b`` are all
+    normal pieces, ranked by the score of ``a + b`` (higher first); ties go to the longer
+    ``a``, then the longer ``b``, then the lower ids of ``a + b``, ``a`` and ``b``, as Hugging
+    Face's ``generate_merges`` orders them. Control, unknown, user-defined, unused and
+    byte tokens take no part: SentencePiece never merges into or out of them."""
+    ids = {t: i for i, t in enumerate(tokens) if types[i] == _NORMAL}
+    ranked: list[tuple[float, int, int, int, int, int]] = []
+    for i, piece in enumerate(tokens):
+        if types[i] != _NORMAL:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = ids.get(piece[:cut]), ids.get(piece[cut:])
+            if left is not None and right is not None:
+                ranked.append((-scores[i], -cut, cut - len(piece), i, left, right))
+    ranked.sort()
+    return [(tokens[left], tokens[right]) for *_, left, right in ranked]
 
 
 def _decimal(value: float) -> float:
@@ -375,30 +417,60 @@ class GGUFFile:
     def tokenizer_json(self) -> str | None:
         """The vocabulary as a ``tokenizers`` JSON document, or None when the file has
         none. Refuses a vocabulary it cannot rebuild exactly."""
-        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+        from tokenizers import AddedToken
 
         kind = self._field("tokenizer.ggml.model", None)
         if kind is None:
             return None
-        if kind != "gpt2":
+        if kind not in TOKENIZER_MODELS:
             raise CheckpointError(
-                f"{self.path}: tokenizer.ggml.model {kind!r} is not supported (only 'gpt2', "
-                "a byte-level BPE)"
+                f"{self.path}: tokenizer.ggml.model {kind!r} is not supported (supported: "
+                "'gpt2', a byte-level BPE; 'llama', a SentencePiece BPE)"
             )
+        tokens = [str(t) for t in self._field("tokenizer.ggml.tokens")]
+        types = [int(t) for t in self._field("tokenizer.ggml.token_type", [_NORMAL] * len(tokens))]
+        if len(types) != len(tokens):
+            raise CheckpointError(
+                f"{self.path}: tokenizer.ggml.token_type has {len(types)} entries for "
+                f"{len(tokens)} tokens"
+            )
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        if len(vocab) != len(tokens):
+            raise CheckpointError(f"{self.path}: tokenizer.ggml.tokens repeats a token")
+        if kind == "gpt2":
+            tok = self._byte_level(vocab)
+            added = [
+                AddedToken(t, special=(kind_ == _CONTROL), normalized=False)
+                for t, kind_ in zip(tokens, types, strict=True)
+                if kind_ in (_CONTROL, _USER_DEFINED)
+            ]
+        else:
+            tok = self._sentencepiece(tokens, types)
+            # llama.cpp cuts these out of a prompt whole (the unknown token too); control
+            # and unknown tokens are special (dropped when decoding), user-defined ones
+            # are text.
+            added = [
+                AddedToken(t, special=(kind_ != _USER_DEFINED), normalized=False)
+                for t, kind_ in zip(tokens, types, strict=True)
+                if kind_ in (_UNKNOWN, _CONTROL, _USER_DEFINED)
+            ]
+        tok.add_tokens(added)
+        return str(tok.to_str())
+
+    def _byte_level(self, vocab: dict[str, int]) -> Any:
+        """``tokenizer.ggml.model == "gpt2"``: a byte-level BPE with the file's merges and
+        the pre-tokenizer ``tokenizer.ggml.pre`` names."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
         pre = str(self._field("tokenizer.ggml.pre", "default"))
         if pre not in PRE_TOKENIZERS:
             raise CheckpointError(
                 f"{self.path}: tokenizer.ggml.pre {pre!r} is not supported "
                 f"(supported: {', '.join(PRE_TOKENIZERS)})"
             )
-        tokens = [str(t) for t in self._field("tokenizer.ggml.tokens")]
-        types = [int(t) for t in self._field("tokenizer.ggml.token_type", [1] * len(tokens))]
         merges = [tuple(str(m).split(" ", 1)) for m in self._field("tokenizer.ggml.merges", [])]
         if any(len(m) != 2 for m in merges):
             raise CheckpointError(f"{self.path}: tokenizer.ggml.merges has a malformed entry")
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        if len(vocab) != len(tokens):
-            raise CheckpointError(f"{self.path}: tokenizer.ggml.tokens repeats a token")
         ignore_merges = pre in ("llama-bpe", "llama3")
         try:
             bpe = models.BPE(
@@ -425,13 +497,86 @@ class GGUFFile:
         else:
             tok.pre_tokenizer = byte_level
         tok.decoder = decoders.ByteLevel()
-        added = [
-            AddedToken(t, special=(kind_ == _CONTROL), normalized=False)
-            for t, kind_ in zip(tokens, types, strict=True)
-            if kind_ in (_CONTROL, _USER_DEFINED)
-        ]
-        tok.add_tokens(added)
-        return str(tok.to_str())
+        return tok
+
+    def _sentencepiece(self, tokens: list[str], types: list[int]) -> Any:
+        """``tokenizer.ggml.model == "llama"``: SentencePiece BPE, as Hugging Face's Llama
+        tokenizer rebuilds it: a BPE with byte fallback (``<0xNN>`` tokens) whose merges
+        come from the scores (:func:`spm_merges`); spaces written as U+2581 with one
+        prepended to each run of text (``tokenizer.ggml.add_space_prefix``, default true);
+        a decoder that undoes both; BOS/EOS added per ``add_bos_token``/``add_eos_token``
+        (default true/false) when special tokens are asked for."""
+        from tokenizers import Tokenizer, decoders, models, normalizers, processors
+
+        raw_scores = self._field("tokenizer.ggml.scores", None)
+        if raw_scores is None:
+            raise CheckpointError(
+                f"{self.path}: tokenizer.ggml.model 'llama' (SentencePiece) needs "
+                "tokenizer.ggml.scores, which the file does not have"
+            )
+        scores = [float(s) for s in raw_scores]
+        if len(scores) != len(tokens):
+            raise CheckpointError(
+                f"{self.path}: tokenizer.ggml.scores has {len(scores)} entries for "
+                f"{len(tokens)} tokens"
+            )
+        unk_id = self._token_id(tokens, "unknown_token_id")
+        merges = spm_merges(tokens, scores, types)
+        try:
+            bpe = models.BPE(
+                {t: i for i, t in enumerate(tokens)},
+                merges,
+                unk_token=None if unk_id is None else tokens[unk_id],
+                fuse_unk=True,
+                byte_fallback=True,
+            )
+        except Exception as exc:  # tokenizers raises a bare Exception
+            raise CheckpointError(
+                f"{self.path}: tokenizer.ggml.tokens is not a SentencePiece vocabulary ({exc})"
+            ) from exc
+        tok = Tokenizer(bpe)
+        prefix = bool(self._field("tokenizer.ggml.add_space_prefix", True))
+        # A normalizer, not a Metaspace pre-tokenizer: Metaspace adds no "▁" to text that
+        # already starts with a space, where SentencePiece and llama.cpp do (" a" is
+        # "▁▁a"). It runs on each run of text between added tokens, so text after a
+        # special token gets its own "▁", as llama.cpp gives it.
+        space = normalizers.Replace(" ", SPACE)
+        tok.normalizer = (
+            normalizers.Sequence([normalizers.Prepend(SPACE), space]) if prefix else space
+        )
+        steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        if prefix:
+            steps.append(decoders.Strip(" ", 1, 0))
+        tok.decoder = decoders.Sequence(steps)
+        ends = []  # (token, id) added before and after the text
+        for field, flag, default in (
+            ("bos_token_id", "add_bos_token", True),
+            ("eos_token_id", "add_eos_token", False),
+        ):
+            index = self._token_id(tokens, field)
+            added = bool(self._field(f"tokenizer.ggml.{flag}", default))
+            ends.append((tokens[index], index) if index is not None and added else None)
+        bos, eos = ends
+        if bos is not None or eos is not None:
+
+            def seq(part: str, n: int) -> list[str]:
+                around = [f"{bos[0]}:{n}"] if bos else [], [f"{eos[0]}:{n}"] if eos else []
+                return [*around[0], f"${part}:{n}", *around[1]]
+
+            tok.post_processor = processors.TemplateProcessing(
+                single=seq("A", 0),
+                pair=seq("A", 0) + seq("B", 1),
+                special_tokens=[end for end in (bos, eos) if end is not None],
+            )
+        return tok
+
+    def _token_id(self, tokens: list[str], field: str) -> int | None:
+        """The id ``tokenizer.ggml.{field}`` names; None when the file names none (or one
+        past the vocabulary)."""
+        index = self._field(f"tokenizer.ggml.{field}", None)
+        if index is None or not 0 <= int(index) < len(tokens):
+            return None
+        return int(index)
 
     def tokenizer_config(self) -> dict[str, Any]:
         """``tokenizer_config.json`` content: the chat template and the special tokens."""
@@ -446,9 +591,12 @@ class GGUFFile:
             index = self._field(f"tokenizer.ggml.{field}", None)
             if tokens is not None and index is not None and 0 <= int(index) < len(tokens):
                 out[key] = str(tokens[int(index)])
-        add_bos = self._field("tokenizer.ggml.add_bos_token", None)
-        if add_bos is not None:
-            out["add_bos_token"] = bool(add_bos)
+        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say
+        sentencepiece = self._field("tokenizer.ggml.model", None) == "llama"
+        for flag, default in (("add_bos_token", sentencepiece), ("add_eos_token", False)):
+            value = self._field(f"tokenizer.ggml.{flag}", None)
+            if value is not None or default:
+                out[flag] = bool(default if value is None else value)
         out["model_max_length"] = self.config.max_position_embeddings
         if self.chat_template is not None:
             out["chat_template"] = self.chat_template

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -58,6 +59,26 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{_TO_GGUF[rest]}"
 
 
+def write_spm_vocab(w: gguf.GGUFWriter, spm: dict[str, Any]) -> None:
+    """A SentencePiece vocabulary's metadata, as llama.cpp's converter writes it: the
+    pieces, their scores and types, the special token ids and the flags (keys missing
+    from ``spm`` are not written)."""
+    w.add_token_list(spm["tokens"])
+    if "scores" in spm:
+        w.add_token_scores(spm["scores"])
+    w.add_token_types(spm["token_types"])
+    for key, add in (
+        ("unknown_token_id", w.add_unk_token_id),
+        ("bos_token_id", w.add_bos_token_id),
+        ("eos_token_id", w.add_eos_token_id),
+        ("add_bos_token", w.add_add_bos_token),
+        ("add_eos_token", w.add_add_eos_token),
+        ("add_space_prefix", w.add_add_space_prefix),
+    ):
+        if key in spm:
+            add(spm[key])
+
+
 def stored(arr: np.ndarray, qtype: Q) -> np.ndarray:
     """What a weight becomes through a file of ``qtype``: quantized, then dequantized."""
     if qtype == Q.F32:
@@ -79,11 +100,14 @@ def write_gguf(
     folder: Path | None = None,
     rope_freqs: np.ndarray | None = None,
     original_context: int | None = None,
+    spm: dict[str, Any] | None = None,
 ) -> dict[str, np.ndarray]:
     """Write the tiny ``case`` checkpoint (or the Hugging Face ``folder``) as llama.cpp
     would, with ``rope_freqs.weight`` and ``rope.scaling.original_context_length`` when
     given; return the Hugging Face tensors spectrio should load from it (quantization
-    applied, q/k in HF order)."""
+    applied, q/k in HF order). ``spm``: a SentencePiece vocabulary instead of the
+    byte-level one (``tests/data/spm_golden.json``'s keys; those it lacks are left out of
+    the file)."""
     folder = ARCHS / case if folder is None else folder
     cfg = json.loads((folder / "config.json").read_text())
     tensors = load_file(str(folder / "model.safetensors"))
@@ -101,13 +125,17 @@ def write_gguf(
     if original_context is not None:
         w.add_rope_scaling_orig_ctx_len(original_context)
     w.add_tokenizer_model(tokenizer_model)
-    w.add_tokenizer_pre(pre)
-    rows = cfg["vocab_size"]
-    vocab = tokens if tokens is not None else TOKENS + [f"[unused{i}]" for i in range(rows - 19)]
-    w.add_token_list(vocab)
-    w.add_token_types([3 if t.startswith("<|") else 1 for t in vocab])
-    w.add_token_merges(MERGES)
-    w.add_eos_token_id(1)
+    if spm is not None:
+        write_spm_vocab(w, spm)
+    else:
+        w.add_tokenizer_pre(pre)
+        rows = cfg["vocab_size"]
+        vocab = TOKENS + [f"[unused{i}]" for i in range(rows - 19)]
+        vocab = tokens if tokens is not None else vocab
+        w.add_token_list(vocab)
+        w.add_token_types([3 if t.startswith("<|") else 1 for t in vocab])
+        w.add_token_merges(MERGES)
+        w.add_eos_token_id(1)
     w.add_chat_template("{{ messages[0]['content'] }}<|im_end|>")
     want: dict[str, np.ndarray] = {}
     for hf, arr in sorted(tensors.items()):
@@ -201,7 +229,8 @@ def test_convert_writes_a_folder_that_loads_bit_for_bit(tmp_path: Path) -> None:
         ({"extra_tensor": "blk.0.attn_sinks.weight"}, "unexpected GGUF tensor 'blk.0.attn_sinks"),
         ({"rope_freqs": np.array([1, 3, 1, 2])}, "'rope_freqs.weight'.*not supported"),
         ({"arch": "gpt2"}, "GGUF architecture 'gpt2' is not supported"),
-        ({"tokenizer_model": "llama"}, "tokenizer.ggml.model 'llama' is not supported"),
+        ({"tokenizer_model": "bert"}, "tokenizer.ggml.model 'bert' is not supported"),
+        ({"tokenizer_model": "llama"}, "tokenizer.ggml.model 'llama'.* tokenizer.ggml.scores"),
         ({"pre": "deepseek-coder"}, "tokenizer.ggml.pre 'deepseek-coder' is not supported"),
         ({"tokens": TOKENS + [f"t{i}" for i in range(181)]}, "tokenizer has 200 tokens but .* 96"),
         ({"tokens": ["x"] * 96}, "tokenizer.ggml.tokens repeats a token"),
