@@ -1,6 +1,6 @@
-"""The HTTP front's cost: the same workload through ``spectrio serve --http`` (the official
-``openai`` async client, streaming, on loopback) and through the embedding API in this
-process, rounds alternated.
+"""The HTTP front's cost: the same workload through ``spectrio serve --http`` (streaming
+completions on loopback) and through the embedding API in this process, rounds
+alternated.
 
 Both sides run the same runtime configuration and the same prompts (held-out code, as
 ``spectrio bench`` uses), greedy with ``ignore_eos`` and a fixed ``--max-tokens``, at most
@@ -8,8 +8,17 @@ Both sides run the same runtime configuration and the same prompts (held-out cod
 submission to last token) and time to first token (p50, p90) per request, each the median
 over ``--rounds``; and the ratios HTTP / in-process.
 
+The client shares the machine with the server, so its CPU is taken from the model's; to
+tell the front's cost from the client's, each round also reads the CPU time of both
+processes: ``front_cpu_ms_per_token`` is what the server spent per token beyond what the
+embedding API spent for the same work, ``client_cpu_ms_per_token`` what the client spent.
+``--client httpx`` (the default) reads the event stream with httpx and msgspec, as
+serving benchmarks' clients do; ``--client openai`` uses the official SDK, whose parsing
+costs several times more CPU per chunk.
+
 Run: ``python benchmarks/bench_http.py [--model bundled] [--batch 16] [--requests 48]
-[--max-tokens 64] [--rounds 3] [--json out.json]`` (needs the ``test`` extra's ``openai``).
+[--max-tokens 64] [--rounds 3] [--client httpx|openai] [--json out.json]`` (the ``test``
+extra has ``openai``).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import select
 import statistics
 import subprocess
@@ -38,6 +48,7 @@ def _runtime_flags(args: argparse.Namespace) -> list[str]:
 def _summary(ttfts: list[float], tokens: int, seconds: float) -> dict[str, float]:
     ttfts = sorted(ttfts)
     return {
+        "seconds": seconds,
         "tokens_per_second": tokens / seconds,
         "ttft_p50_ms": 1000 * statistics.median(ttfts),
         "ttft_p90_ms": 1000 * ttfts[int(0.9 * (len(ttfts) - 1))],
@@ -72,6 +83,54 @@ async def in_process(
 
 
 async def over_http(
+    url: str, prompts: list[list[int]], args: argparse.Namespace
+) -> dict[str, float]:
+    if args.client == "openai":
+        return await _over_http_openai(url, prompts, args)
+    import httpx
+    import msgspec
+
+    limit = trio.Semaphore(args.batch)
+    ttfts: list[float] = []
+    tokens = 0
+    decode = msgspec.json.Decoder()
+    t0 = time.perf_counter()
+
+    async def one(client: httpx.AsyncClient, prompt: list[int]) -> None:
+        nonlocal tokens
+        async with limit:
+            start = time.perf_counter()
+            first = True
+            body = {"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens,
+                    "temperature": 0, "stream": True, "ignore_eos": True,
+                    "stream_options": {"include_usage": True}}  # fmt: skip
+            async with client.stream("POST", url + "/completions", json=body) as response:
+                if response.status_code != 200:
+                    raise RuntimeError(f"HTTP {response.status_code}: {await response.aread()!r}")
+                pending = b""
+                async for data in response.aiter_bytes():
+                    events = (pending + data).split(b"\n\n")
+                    pending = events.pop()
+                    for event in events:
+                        payload = event.removeprefix(b"data: ")
+                        if payload == b"[DONE]":
+                            continue
+                        chunk = decode.decode(payload)
+                        if first and chunk["choices"] and chunk["choices"][0]["text"]:
+                            ttfts.append(time.perf_counter() - start)
+                            first = False
+                        if chunk.get("usage"):
+                            tokens += chunk["usage"]["completion_tokens"]
+
+    limits = httpx.Limits(max_connections=args.batch, max_keepalive_connections=args.batch)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async with trio.open_nursery() as nursery:
+            for p in prompts:
+                nursery.start_soon(one, client, p)
+    return _summary(ttfts, tokens, time.perf_counter() - t0)
+
+
+async def _over_http_openai(
     url: str, prompts: list[list[int]], args: argparse.Namespace
 ) -> dict[str, float]:
     import anyio
@@ -111,6 +170,16 @@ async def over_http(
     return _summary(ttfts, tokens, time.perf_counter() - t0)
 
 
+def _cpu_seconds(pid: int | None = None) -> float:
+    """CPU time (user + system) of this process, or of process ``pid`` (Linux)."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
     cmd = [sys.executable, "-m", "spectrio.tools.cli", "serve", "--http", "127.0.0.1:0",
            "--no-zmq", "--no-spec", *_runtime_flags(args)]  # fmt: skip
@@ -140,10 +209,19 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             for r in range(args.rounds):
                 order = ["in_process", "http"] if r % 2 == 0 else ["http", "in_process"]
                 for side in order:
+                    own, server = _cpu_seconds(), _cpu_seconds(proc.pid)
                     if side == "http":
-                        rows[side].append(await over_http(url, prompts, args))
+                        row = await over_http(url, prompts, args)
                     else:
-                        rows[side].append(await in_process(rt, prompts, args))
+                        row = await in_process(rt, prompts, args)
+                    tokens = row["tokens_per_second"] * row["seconds"]
+                    own, server = _cpu_seconds() - own, _cpu_seconds(proc.pid) - server
+                    if side == "http":  # this process ran the client, the server the rest
+                        row["server_cpu_ms_per_token"] = 1000 * server / tokens
+                        row["client_cpu_ms_per_token"] = 1000 * own / tokens
+                    else:  # this process ran everything; the server sat idle
+                        row["server_cpu_ms_per_token"] = 1000 * own / tokens
+                    rows[side].append(row)
                     print(
                         side, {k: round(v, 2) for k, v in rows[side][-1].items()}, file=sys.stderr
                     )
@@ -154,6 +232,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         side: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         for side, runs in rows.items()
     }
+    front = med["http"]["server_cpu_ms_per_token"] - med["in_process"]["server_cpu_ms_per_token"]
     return {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus",
         "args": vars(args),
@@ -163,6 +242,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         / med["in_process"]["tokens_per_second"],
         "http_minus_in_process_ttft_p50_ms": med["http"]["ttft_p50_ms"]
         - med["in_process"]["ttft_p50_ms"],
+        "front_cpu_ms_per_token": front,
+        "client_cpu_ms_per_token": med["http"]["client_cpu_ms_per_token"],
     }
 
 
@@ -176,6 +257,12 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--client",
+        choices=["httpx", "openai"],
+        default="httpx",
+        help="httpx: a lean SSE reader (as serving benchmarks use); openai: the official SDK",
+    )
     args = p.parse_args()
     result = trio.run(main_async, args)
     text = json.dumps(result, indent=1)
@@ -184,7 +271,9 @@ def main() -> int:
             f.write(text)
     print(
         f"tokens/s HTTP / in-process: {result['http_over_in_process_tokens_per_second']:.3f}; "
-        f"TTFT p50 HTTP - in-process: {result['http_minus_in_process_ttft_p50_ms']:+.1f} ms"
+        f"TTFT p50 HTTP - in-process: {result['http_minus_in_process_ttft_p50_ms']:+.1f} ms; "
+        f"CPU per token: the front {result['front_cpu_ms_per_token']:+.3f} ms, "
+        f"the client {result['client_cpu_ms_per_token']:.3f} ms"
     )
     return 0
 

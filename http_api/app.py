@@ -126,6 +126,14 @@ async def run_choices(streams: Sequence[RequestStream], handle: Handle) -> Engin
     """Follow every stream, handing each delta to ``handle`` (in one task, in the order
     they arrive; a choice's own deltas stay in order). Returns the engine's death if it
     died meanwhile. Cancellation closes every stream, which aborts its request."""
+    if len(streams) == 1:  # one choice (n = 1, the usual case): no task, no channel
+        try:
+            async with streams[0] as stream:
+                async for delta in stream:
+                    await handle(0, delta)
+        except EngineDead as exc:
+            return exc
+        return None
     send, receive = trio.open_memory_channel[tuple[int, Item]](_STREAM_BUFFER)
     dead: EngineDead | None = None
     try:
