@@ -135,7 +135,7 @@ class HttpFront:
                 p,
                 vocab_size=self.vocab_size,
                 max_model_len=self.max_model_len,
-                tokenize=self._tokenizer.encode_releasing_gil,
+                tokenize=self._tokenizer.encode_prompt_releasing_gil,
                 max_token_bytes=self._tokenizer.max_token_bytes,
             )
             for p in prompts

@@ -92,6 +92,17 @@ class TextTokenizer:
         about a second), ``encode_batch`` releases it. Same ids."""
         return list(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A text prompt's ids: with the special tokens the tokenizer itself adds around
+        a text (a BOS where its post-processor adds one: Llama, Mistral), as Hugging
+        Face's ``tokenizer(text)`` and other engines' completions do. A rendered chat
+        template writes its own, so it goes through :meth:`encode`."""
+        return list(self._tok.encode(text, add_special_tokens=True).ids)
+
+    def encode_prompt_releasing_gil(self, text: str) -> list[int]:
+        """:meth:`encode_prompt` for a worker thread (see :meth:`encode_releasing_gil`)."""
+        return list(self._tok.encode_batch([text], add_special_tokens=True)[0].ids)
+
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
 

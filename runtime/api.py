@@ -453,7 +453,7 @@ class Runtime:
             prompt,
             vocab_size=self.loaded.config.vocab_size,
             max_model_len=self.config.max_model_len,
-            tokenize=self.tokenizer.encode,
+            tokenize=self.tokenizer.encode_prompt,
             max_token_bytes=self.tokenizer.max_token_bytes,
         )
         return ids, params, rid

@@ -109,9 +109,11 @@ def test_special_tokens_and_config(loaded: LoadedModel, tok: TextTokenizer) -> N
     added = {t.content: t.special for t in tok.raw.get_added_tokens_decoder().values()}
     assert added == {"<unk>": True, "<s>": True, "</s>": True, "<|im_end|>": True, "<|sep|>": False}
     assert tok.raw.get_vocab_size(with_added_tokens=True) == len(pieces)
-    # add_bos_token: BOS when special tokens are asked for (spectrio's encode does not).
+    # add_bos_token: a text prompt gets BOS (encode_prompt); a rendered chat template,
+    # which writes its own, does not (encode).
     raw = tok.raw.encode("a", add_special_tokens=True).ids
-    assert raw == [GOLDEN["bos_token_id"], *tok.encode("a")]
+    assert raw == tok.encode_prompt("a") == [GOLDEN["bos_token_id"], *tok.encode("a")]
+    assert tok.encode_prompt_releasing_gil("a") == tok.encode_prompt("a")
 
 
 def test_merges_follow_the_scores() -> None:
@@ -147,12 +149,43 @@ async def test_the_runtime_generates_text_with_it(tmp_path: Path) -> None:
     )
     with trio.fail_after(120):
         async with open_runtime(cfg) as rt:
-            deltas = [d async for d in rt.generate("café 中文 🙂", SamplingParams(max_tokens=8))]
+            # (a prompt whose greedy output's byte tokens form valid UTF-8: Hugging Face's
+            # byte fallback turns a whole run of byte tokens into U+FFFD once any of them
+            # is invalid, which a stream cannot know before the run ends)
+            deltas = [d async for d in rt.generate("café", SamplingParams(max_tokens=8))]
     ids = [t for d in deltas for t in d.token_ids]
     assert len(ids) == 8
     tok = load_tokenizer(path)
     assert tok is not None
     assert "".join(d.text for d in deltas) == tok.decode(ids)
+
+
+async def test_a_text_prompt_starts_with_bos(tmp_path: Path) -> None:
+    """The runtime runs a text prompt as the tokenizer would: BOS first (add_bos_token),
+    as llama.cpp and Hugging Face do; the greedy output equals the reference generator's
+    on [BOS, *text] and not on the text alone (float64: the same products either way)."""
+    path = tmp_path / "tiny-spm.gguf"
+    write_spm_gguf(path)
+    text = "The quick brown fox"
+    cfg = RuntimeConfig(
+        model=str(path),
+        dtype="float64",
+        max_model_len=64,
+        max_num_seqs=2,
+        max_num_batched_tokens=128,
+        speculative=SpeculativeConfig(method=None),
+    )
+    with trio.fail_after(120):
+        async with open_runtime(cfg) as rt:
+            params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+            got = [t async for d in rt.generate(text, params) for t in d.token_ids]
+    model = load(str(path), dtype="float64").model
+    tok = load_tokenizer(path)
+    assert tok is not None
+    with_bos = reference.greedy_generate(model, [GOLDEN["bos_token_id"], *tok.encode(text)], 12)
+    without = reference.greedy_generate(model, tok.encode(text), 12)
+    assert got == list(with_bos.token_ids)
+    assert list(with_bos.token_ids) != list(without.token_ids)  # the check can fail
 
 
 def test_chat_stops_past_a_sentencepiece_space(tok: TextTokenizer) -> None:

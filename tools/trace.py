@@ -611,7 +611,7 @@ def import_prompts(
                 line.prompt,
                 vocab_size=tokenizer.vocab_size,
                 max_model_len=2**31,  # the runtime checks its own at replay
-                tokenize=tokenizer.encode,
+                tokenize=tokenizer.encode_prompt,
             )
         except msgspec.DecodeError as exc:
             raise TraceError(f"{where}: {exc}") from None

@@ -148,11 +148,16 @@ class PromptTokenizer:
         self._tok = TextTokenizer(Tokenizer.from_str(self.json), runtime.tokenizer.eos_token_id)
         self.max_token_bytes = self._tok.max_token_bytes
         sample = "def f(x):\n    return {'é': x}  # ok <|endoftext|>"
-        if self.encode(sample) != runtime.tokenizer.encode(sample):
+        if self.encode_prompt(sample) != runtime.tokenizer.encode_prompt(sample):
             raise RuntimeError("the server's tokenizer disagrees with the runtime's")
 
     def encode(self, text: str) -> list[int]:
+        """A rendered chat's ids (:meth:`TextTokenizer.encode`)."""
         return self._tok.encode_releasing_gil(text)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A text prompt's ids (:meth:`TextTokenizer.encode_prompt`)."""
+        return self._tok.encode_prompt_releasing_gil(text)
 
 
 ChatPrompt = Callable[..., tuple[list[int], SamplingParams]]
@@ -206,7 +211,7 @@ class PromptQueue:
                 msg,
                 vocab_size=self._vocab_size,
                 max_model_len=self._max_model_len,
-                tokenize=self.tokenizer.encode,
+                tokenize=self.tokenizer.encode_prompt,
             )
             return ids, msg.params
         messages: list[dict[str, Any]] = [msgspec.structs.asdict(m) for m in msg.messages]
