@@ -90,8 +90,7 @@ class HeadLayouts:
                 return None
             if not native_ops.native_ops_available():
                 return None
-            columns = source.numpy() if self._cols is not None else source.numpy().T
-            self._packed = ServingMatrix(columns)
+            self._packed = ServingMatrix(source, rows=self._cols is None)
         return self._packed
 
     def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:

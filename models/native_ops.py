@@ -45,6 +45,7 @@ __all__ = [
     "add_rms_norm",
     "kernels_identity",
     "native_ops_available",
+    "pack_panels",
     "panel_matmul",
 ]
 
@@ -158,3 +159,11 @@ def panel_matmul(x: paddle.Tensor, panels: paddle.Tensor, n: int) -> paddle.Tens
         return None
     threads = configured_threads() or 1
     return _C_OPS._run_custom_op("spectrio_panel_matmul", x, panels, n, threads)[0]
+
+
+def pack_panels(w: paddle.Tensor, rows: bool = False) -> paddle.Tensor:
+    """``w`` ``[K, N]`` (``rows``: its transpose ``[N, K]``) packed for
+    :func:`panel_matmul`, the layout of
+    :func:`spectrio.models.serving_matrix.pack_panels`. Only where the kernels run."""
+    threads = configured_threads() or 1
+    return _C_OPS._run_custom_op("spectrio_pack_panels", w, rows, threads)[0]

@@ -28,7 +28,8 @@ PANEL = 16
 
 def pack_panels(w: np.ndarray) -> np.ndarray:
     """``[K, N]`` → ``[ceil(N / 16), K, 16]``: panel ``p`` holds columns ``16p .. 16p + 15``
-    row by row, the last one zero-padded."""
+    row by row, the last one zero-padded. The layout's definition; the runtime packs with
+    :func:`spectrio.models.native_ops.pack_panels`, which the tests check against it."""
     k, n = w.shape
     count = -(-n // PANEL)
     padded = np.zeros((k, count * PANEL), dtype=w.dtype)
@@ -39,21 +40,24 @@ def pack_panels(w: np.ndarray) -> np.ndarray:
 class ServingMatrix:
     """A ``[K, N]`` weight in the layout the serving forward multiplies fastest."""
 
-    def __init__(self, weight: paddle.Tensor | np.ndarray) -> None:
-        k, n = weight.shape
+    def __init__(self, weight: paddle.Tensor | np.ndarray, rows: bool = False) -> None:
+        """``weight`` is ``[K, N]``, or with ``rows`` its transpose ``[N, K]`` (a tied
+        embedding as the LM head). A NumPy array is taken without a copy where it is
+        packed."""
+        n, k = weight.shape if rows else weight.shape[::-1]
         self.shape = (int(k), int(n))
         self._n = int(n)
         self._panels: paddle.Tensor | None = None
         self._plain: paddle.Tensor | None = None
-        if isinstance(weight, np.ndarray):
-            float32, tensor = weight.dtype == np.float32, None
-        else:
-            float32, tensor = weight.dtype == paddle.float32, weight
+        float32 = weight.dtype in (np.float32, paddle.float32)
         if float32 and native_ops.native_ops_available():
-            host = weight if tensor is None else tensor.numpy()
-            self._panels = paddle.to_tensor(pack_panels(np.asarray(host)))
-        else:
-            self._plain = paddle.to_tensor(weight) if tensor is None else tensor
+            if isinstance(weight, np.ndarray):  # shares the array's memory while packing
+                weight = paddle.utils.dlpack.from_dlpack(np.ascontiguousarray(weight))
+            with paddle.no_grad():
+                self._panels = native_ops.pack_panels(weight, rows)
+            return
+        tensor = paddle.to_tensor(weight) if isinstance(weight, np.ndarray) else weight
+        self._plain = tensor.t().contiguous() if rows else tensor
 
     @property
     def packed(self) -> bool:

@@ -72,6 +72,25 @@ def test_a_row_gets_the_same_result_in_any_batch() -> None:
             np.testing.assert_array_equal(alone[0], whole[row])
 
 
+@pytest.mark.parametrize("k, n", [(3, 20), (576, 960), (7, 16), (5, 1)])
+def test_the_native_packing_is_the_layout(k: int, n: int) -> None:
+    """The runtime packs with the kernel; from ``[K, N]``, from its transpose (a tied
+    embedding as the head) and from a NumPy array, it equals :func:`pack_panels`."""
+    rng = np.random.default_rng(n)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    want = pack_panels(w)
+    with paddle.no_grad():
+        np.testing.assert_array_equal(native_ops.pack_panels(paddle.to_tensor(w)).numpy(), want)
+        rows = paddle.to_tensor(np.ascontiguousarray(w.T))
+        np.testing.assert_array_equal(native_ops.pack_panels(rows, rows=True).numpy(), want)
+    for matrix in (ServingMatrix(w), ServingMatrix(np.ascontiguousarray(w.T), rows=True)):
+        assert matrix.shape == (k, n)
+        x = rng.standard_normal((3, k)).astype(np.float32)
+        with paddle.no_grad():
+            got = matrix.matmul(paddle.to_tensor(x)).numpy()
+        np.testing.assert_allclose(got, x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
+
+
 def test_pack_panels_layout() -> None:
     w = np.arange(3 * 20, dtype=np.float32).reshape(3, 20)
     panels = pack_panels(w)
