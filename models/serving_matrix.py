@@ -37,6 +37,14 @@ def pack_panels(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(k, count, PANEL).transpose(1, 0, 2))
 
 
+def _row_major_strides(array: np.ndarray) -> tuple[int, ...]:
+    strides, step = [], array.itemsize
+    for size in reversed(array.shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
 class ServingMatrix:
     """A ``[K, N]`` weight in the layout the serving forward multiplies fastest."""
 
@@ -52,7 +60,12 @@ class ServingMatrix:
         float32 = weight.dtype in (np.float32, paddle.float32)
         if float32 and native_ops.native_ops_available():
             if isinstance(weight, np.ndarray):  # shares the array's memory while packing
-                weight = paddle.utils.dlpack.from_dlpack(np.ascontiguousarray(weight))
+                array = np.ascontiguousarray(weight)
+                if array.strides != _row_major_strides(array):
+                    # NumPy calls a [1, N] view of a column contiguous, keeping its
+                    # strides; Paddle (stride kernels off) refuses those over DLPack
+                    array = array.copy()
+                weight = paddle.utils.dlpack.from_dlpack(array)
             with paddle.no_grad():
                 self._panels = native_ops.pack_panels(weight, rows)
             return

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 
 from spectrio.models import native_ops
-from spectrio.models.paddle_setup import paddle
+from spectrio.models.paddle_setup import configure_paddle, paddle
 from spectrio.models.serving_matrix import PANEL, ServingMatrix, pack_panels
+
+configure_paddle()  # Paddle as the runtime sets it up (stride kernels off), in any test order
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None,
