@@ -135,18 +135,23 @@ def test_the_model_runs_with_it(loaded: LoadedModel, tok: TextTokenizer) -> None
     assert isinstance(tok.decode(out.token_ids), str)
 
 
-async def test_the_runtime_generates_text_with_it(tmp_path: Path) -> None:
-    """A text prompt through the runtime: encoded, run, and streamed back as text that
-    equals the decoded output ids."""
-    path = tmp_path / "tiny-spm.gguf"
-    write_spm_gguf(path)
-    cfg = RuntimeConfig(
+def _small_runtime(path: Path, dtype: str = "float32") -> RuntimeConfig:
+    return RuntimeConfig(
         model=str(path),
+        dtype=dtype,
         max_model_len=64,
         max_num_seqs=2,
         max_num_batched_tokens=128,
         speculative=SpeculativeConfig(method=None),
     )
+
+
+async def test_the_runtime_generates_text_with_it(tmp_path: Path) -> None:
+    """A text prompt through the runtime: encoded, run, and streamed back as text that
+    equals the decoded output ids."""
+    path = tmp_path / "tiny-spm.gguf"
+    write_spm_gguf(path)
+    cfg = _small_runtime(path)
     with trio.fail_after(120):
         async with open_runtime(cfg) as rt:
             # (a prompt whose greedy output's byte tokens form valid UTF-8: Hugging Face's
@@ -167,14 +172,7 @@ async def test_a_text_prompt_starts_with_bos(tmp_path: Path) -> None:
     path = tmp_path / "tiny-spm.gguf"
     write_spm_gguf(path)
     text = "The quick brown fox"
-    cfg = RuntimeConfig(
-        model=str(path),
-        dtype="float64",
-        max_model_len=64,
-        max_num_seqs=2,
-        max_num_batched_tokens=128,
-        speculative=SpeculativeConfig(method=None),
-    )
+    cfg = _small_runtime(path, dtype="float64")
     with trio.fail_after(120):
         async with open_runtime(cfg) as rt:
             params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
