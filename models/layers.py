@@ -140,12 +140,9 @@ class Attention(nn.Layer):
         """The sum of every rank's partial o projection (one rank: ``x`` itself)."""
         return x
 
-    def _out(self, attn: paddle.Tensor, weight: paddle.Tensor | ServingMatrix) -> paddle.Tensor:
-        """o projection of ``attn`` (``[..., H * D]``) with ``weight`` ``[H * D, d]``,
-        summed across ranks, then the o bias."""
-        product = (
-            weight.matmul(attn) if isinstance(weight, ServingMatrix) else fo.matmul(attn, weight)
-        )
+    def _out(self, product: paddle.Tensor) -> paddle.Tensor:
+        """The o projection's ``product`` (this rank's ``attn @ o``) summed across ranks,
+        then the o bias."""
         out = self._reduce(product)
         bias = self.o_proj.bias
         return out if bias is None else fo.add(out, bias)
@@ -183,7 +180,7 @@ class Attention(nn.Layer):
         qh, kh, vh = (y.transpose([0, 2, 1, 3]) for y in (q, k, v))
         out = attend(qh, self._expand_kv(kh, 1), self._expand_kv(vh, 1), mask, self.scale)
         flat = out.transpose([0, 2, 1, 3]).reshape([b, t, -1])
-        return self._out(flat, self.o_proj.weight), (k, v)
+        return self._out(fo.matmul(flat, self.o_proj.weight)), (k, v)
 
     def fuse_qkv(self, norm_weight: paddle.Tensor) -> None:
         """Build ``[d, (H + 2 KVH) * D]``: the preceding RMSNorm's weight folded into the
@@ -244,7 +241,7 @@ class Attention(nn.Layer):
             if plan.order is not None:
                 out = fo.gather(out, plan.order)
         assert self._o_weight is not None
-        return self._out(out, self._o_weight)
+        return self._out(self._o_weight.matmul(out))
 
     def _attend(
         self, q: paddle.Tensor, plan: AttentionPlan, cache: PagedKVCache, layer: int
@@ -334,14 +331,15 @@ class MLP(nn.Layer):
     def _reduce(self, x: paddle.Tensor) -> paddle.Tensor:
         return x
 
-    def _down(self, h: paddle.Tensor, weight: paddle.Tensor | ServingMatrix) -> paddle.Tensor:
-        product = weight.matmul(h) if isinstance(weight, ServingMatrix) else fo.matmul(h, weight)
+    def _down(self, product: paddle.Tensor) -> paddle.Tensor:
+        """The down projection's ``product`` summed across ranks, then the down bias."""
         out = self._reduce(product)
         bias = self.down_proj.bias
         return out if bias is None else fo.add(out, bias)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        return self._down(F.silu(self.gate_proj(x)) * self.up_proj(x), self.down_proj.weight)
+        h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        return self._down(fo.matmul(h, self.down_proj.weight))
 
     def fuse(self, norm_weight: paddle.Tensor) -> None:
         """Build the gate|up matrix with the preceding RMSNorm's weight folded in."""
@@ -357,7 +355,7 @@ class MLP(nn.Layer):
         gate_up = self._gate_up_weight.matmul(x)
         if self._gate_up_bias is not None:
             gate_up = fo.add(gate_up, self._gate_up_bias)
-        return self._down(fo.swiglu(gate_up), self._down_weight)
+        return self._down(self._down_weight.matmul(fo.swiglu(gate_up)))
 
 
 class DecoderLayer(nn.Layer):

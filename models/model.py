@@ -14,7 +14,6 @@ from spectrio.models.paddle_setup import configure_paddle, paddle  # first: impo
 from paddle import nn
 
 from spectrio.models import fast_ops as fo
-from spectrio.models import native_ops
 from spectrio.models.batch import AttentionPlan, PackedBatch
 from spectrio.models.config import DType, ModelConfig
 from spectrio.models.kv_cache import PagedKVCache
@@ -27,7 +26,7 @@ from spectrio.models.layers import (
     rope_matrices,
 )
 from spectrio.models.mtp_layout import layout_of
-from spectrio.models.serving_matrix import ServingMatrix
+from spectrio.models.serving_matrix import ServingMatrix, packs
 from spectrio.models.staging import Staging
 from spectrio.process_memory import trim_freed_memory
 
@@ -86,9 +85,7 @@ class HeadLayouts:
     def _panels(self) -> ServingMatrix | None:
         if self._packed is None:
             source = self._cols if self._cols is not None else self._rows
-            if source is None or source.dtype != paddle.float32:
-                return None
-            if not native_ops.native_ops_available():
+            if source is None or not packs(source.dtype):
                 return None
             self._packed = ServingMatrix(source, rows=self._cols is None)
         return self._packed

@@ -20,7 +20,7 @@ from spectrio.models import fast_ops as fo
 from spectrio.models import native_ops
 from spectrio.models.paddle_setup import paddle
 
-__all__ = ["PANEL", "ServingMatrix", "pack_panels"]
+__all__ = ["PANEL", "ServingMatrix", "pack_panels", "packs"]
 
 PANEL = 16
 """Columns per panel (two AVX2 vectors)."""
@@ -35,6 +35,12 @@ def pack_panels(w: np.ndarray) -> np.ndarray:
     padded = np.zeros((k, count * PANEL), dtype=w.dtype)
     padded[:, :n] = w
     return np.ascontiguousarray(padded.reshape(k, count, PANEL).transpose(1, 0, 2))
+
+
+def packs(dtype: object) -> bool:
+    """Whether a weight of ``dtype`` (NumPy's or Paddle's) is kept packed: float32, where
+    the native kernels run."""
+    return dtype in (np.float32, paddle.float32) and native_ops.native_ops_available()
 
 
 def _row_major_strides(array: np.ndarray) -> tuple[int, ...]:
@@ -57,8 +63,7 @@ class ServingMatrix:
         self._n = int(n)
         self._panels: paddle.Tensor | None = None
         self._plain: paddle.Tensor | None = None
-        float32 = weight.dtype in (np.float32, paddle.float32)
-        if float32 and native_ops.native_ops_available():
+        if packs(weight.dtype):
             if isinstance(weight, np.ndarray):  # shares the array's memory while packing
                 array = np.ascontiguousarray(weight)
                 if array.strides != _row_major_strides(array):
