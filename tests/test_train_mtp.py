@@ -275,3 +275,53 @@ def test_drafting_from_a_vocabulary_subset_computes_those_columns(bundled: Loade
             model.set_draft_vocab(np.array([cfg.vocab_size]))
     finally:
         model.set_draft_vocab(None)
+
+
+def test_an_interrupted_generation_keeps_what_it_finished(tmp_path: Path) -> None:
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    path = tmp_path / "generations.partial.npz"
+    partial = train_mtp.PartialGenerations(path, prompts)
+    partial.add(2, [10, 11])
+    partial.add(0, [])
+    partial.save()
+    assert train_mtp.PartialGenerations(path, prompts).done == {0: [], 2: [10, 11]}
+    # another prompt set (another --prompts or seed): an entry is kept only for the same
+    # prompt at the same index, so sets never mix
+    moved = [[1, 2, 3], [6, 7, 8, 9], [4, 5]]
+    assert train_mtp.PartialGenerations(path, moved).done == {0: []}
+
+
+def test_generation_resumes_with_only_the_missing_prompts(trained: Path) -> None:
+    loaded = load(trained, mtp_head=False)
+    prompts = [loaded.tokenizer.encode(t) for t in ("def f(x):", "import os\n", "class A:")]
+    args = train_mtp.build_parser().parse_args(["--model", str(trained), *TRAIN_ARGS])
+    full = trio.run(train_mtp._generate, loaded, prompts, args, None)
+    partial = train_mtp.PartialGenerations(trained.parent / "resume.npz", prompts)
+    partial.add(1, [7, 7, 7])  # a marker no generation would give: proves it was kept
+    rows = trio.run(train_mtp._generate, loaded, prompts, args, partial)
+    assert rows[1] == (prompts[1], [7, 7, 7])
+    assert rows[0] == full[0] and rows[2] == full[2]
+    assert set(train_mtp.PartialGenerations(partial.path, prompts).done) == {0, 1, 2}
+
+
+def test_init_head_starts_from_the_current_head(trained: Path, tmp_path: Path) -> None:
+    out = tmp_path / "again.safetensors"
+    rc = train_mtp.main(
+        ["--model", str(trained), "--work-dir", str(tmp_path / "work"), "--out", str(out),
+         "--init-head", "--steps", "0", *TRAIN_ARGS]
+    )  # fmt: skip
+    assert rc == 0
+    from safetensors.numpy import load_file
+
+    before, after = load_file(str(trained / HEAD_FILE)), load_file(str(out))
+    layer = [k for k in before if "draft_vocab" not in k]
+    assert layer and all(np.array_equal(before[k], after[k]) for k in layer)
+
+
+def test_init_head_without_a_head_is_refused(tmp_path: Path, bundled: LoadedModel) -> None:
+    folder = headless_copy(bundled, tmp_path / "model")
+    rc = train_mtp.main(
+        ["--model", str(folder), "--work-dir", str(tmp_path / "work"), "--init-head",
+         "--steps", "0", *TRAIN_ARGS]
+    )  # fmt: skip
+    assert rc == 2

@@ -59,6 +59,19 @@ TOPICS = (
     "the Internet", "ancient Egypt", "gardening for beginners", "the moon landing",
     "saving money", "coffee", "the history of mathematics", "prime numbers",
     "writing a good essay", "friendship", "ocean tides", "databases",
+    "linked lists", "the Great Wall of China", "bees and pollination", "inflation",
+    "regular expressions", "the Renaissance", "earthquakes", "nutrition", "chess",
+    "the Pythagorean theorem", "cloud computing", "rainforests", "the Olympic Games",
+    "probability", "memory in the brain", "airplanes and lift", "recycling",
+    "unit testing", "the industrial revolution", "music theory", "DNA", "glaciers",
+    "operating systems", "the scientific method", "budgeting", "dinosaurs",
+    "encryption", "the periodic table", "meditation", "bridges", "web browsers",
+    "the Silk Road", "magnets", "version control with git", "photography",
+    "the Cold War", "fractions", "bacteria", "open source software", "weather forecasts",
+    "graph algorithms", "the Amazon river", "electricity", "job interviews",
+    "the speed of light", "ancient Greece", "bicycles", "spreadsheets", "the ocean floor",
+    "object-oriented programming", "cooking pasta", "satellites", "democracy",
+    "the human eye", "dynamic programming", "wind power", "the Moon's phases",
 )  # fmt: skip
 TASKS = (
     "Explain {t} in simple terms.",
@@ -73,6 +86,10 @@ TASKS = (
     "Write a Python function related to {t}, with a docstring.",
     "What are common misconceptions about {t}?",
     "Write a haiku about {t}, then explain it.",
+    "Write a short dialogue between two friends about {t}.",
+    "Give a step-by-step guide to understanding {t}.",
+    "Compare {t} with something from everyday life.",
+    "Write five quiz questions about {t}, with answers.",
 )
 
 
@@ -164,8 +181,49 @@ class Sequences:
         return cls(tokens, offsets, np.asarray([len(p) for p, _ in rows], dtype=np.int64))
 
 
+class PartialGenerations:
+    """The generations finished so far, kept in the work folder while stage 1 runs, so an
+    interrupted run generates only what is missing. An entry is reused only for the same
+    prompt at the same index (the prompts are a pure function of the arguments and the
+    seed, so a changed argument regenerates instead of mixing sets)."""
+
+    def __init__(self, path: Path, prompts: list[list[int]]) -> None:
+        self.path = path
+        self.done: dict[int, list[int]] = {}
+        if path.exists():
+            with np.load(path) as z:
+                seqs = Sequences(z["tokens"], z["offsets"], z["prompt_lens"])
+                for k, i in enumerate(z["index"].tolist()):
+                    row = seqs.seq(k).tolist()
+                    n = int(seqs.prompt_lens[k])
+                    if i < len(prompts) and row[:n] == prompts[i]:
+                        self.done[i] = row[n:]
+        self.prompts = prompts
+
+    def add(self, i: int, generated: list[int]) -> None:
+        self.done[i] = generated
+
+    def save(self) -> None:
+        if not self.done:
+            return
+        index = sorted(self.done)
+        seqs = Sequences.build([(self.prompts[i], self.done[i]) for i in index])
+        tmp = self.path.with_name(self.path.stem + ".tmp.npz")
+        np.savez(
+            tmp,
+            tokens=seqs.tokens,
+            offsets=seqs.offsets,
+            prompt_lens=seqs.prompt_lens,
+            index=np.asarray(index, dtype=np.int64),
+        )
+        tmp.replace(self.path)
+
+
 async def _generate(
-    loaded: LoadedModel, prompts: list[list[int]], args: argparse.Namespace
+    loaded: LoadedModel,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    partial: PartialGenerations | None = None,
 ) -> list[tuple[list[int], list[int]]]:
     import trio
     from tqdm import tqdm
@@ -184,22 +242,43 @@ async def _generate(
     )
     params = SamplingParams(max_tokens=args.gen_tokens, stop_token_ids=stops)
     out: list[tuple[list[int], list[int]] | None] = [None] * len(prompts)
-    bar = tqdm(total=len(prompts), desc="generations", unit="seq", mininterval=args.bar_interval)
-    async with open_runtime(config, loaded=loaded, warmup=False) as rt:
-        limit = trio.Semaphore(args.gen_batch * 2)
+    kept = partial.done if partial is not None else {}
+    for i, ids in kept.items():
+        out[i] = (prompts[i], ids)
+    bar = tqdm(
+        total=len(prompts),
+        initial=len(kept),
+        desc="generations",
+        unit="seq",
+        mininterval=args.bar_interval,
+    )
+    last_save = time.perf_counter()
+    try:
+        async with open_runtime(config, loaded=loaded, warmup=False) as rt:
+            limit = trio.Semaphore(args.gen_batch * 2)
 
-        async def one(i: int) -> None:
-            async with limit:
-                ids: list[int] = []
-                async with rt.generate(prompts[i], params) as stream:
-                    async for delta in stream:
-                        ids += delta.token_ids
-                out[i] = (prompts[i], ids)
-                bar.update(1)
+            async def one(i: int) -> None:
+                nonlocal last_save
+                async with limit:
+                    ids: list[int] = []
+                    async with rt.generate(prompts[i], params) as stream:
+                        async for delta in stream:
+                            ids += delta.token_ids
+                    out[i] = (prompts[i], ids)
+                    bar.update(1)
+                    if partial is not None:
+                        partial.add(i, ids)
+                        if time.perf_counter() - last_save > args.save_every * 60:
+                            partial.save()
+                            last_save = time.perf_counter()
 
-        async with trio.open_nursery() as nursery:
-            for i in range(len(prompts)):
-                nursery.start_soon(one, i)
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    if out[i] is None:
+                        nursery.start_soon(one, i)
+    finally:
+        if partial is not None:  # an interrupted run keeps what it finished
+            partial.save()
     bar.close()
     return [row for row in out if row is not None]
 
@@ -475,6 +554,20 @@ def attach_fresh_layer(model: SpectrioForCausalLM, seed: int) -> None:
     model.config = cfg
 
 
+def current_head_state(model_name: str) -> dict[str, Any]:
+    """The MTP layer's weights of the head ``load`` attaches to this model (beside it, or
+    shipped), for ``--init-head``: more training on new generations instead of starting
+    over."""
+    from spectrio.errors import CheckpointError
+    from spectrio.models.loader import load
+
+    other = load(model_name)
+    if other.head_path is None or other.model.mtp is None:
+        raise CheckpointError(f"--init-head: {model_name} has no MTP head to start from")
+    log.info("starting from head", path=str(other.head_path))
+    return {k: v.numpy() for k, v in other.model.mtp.state_dict().items()}
+
+
 class Run:
     """The training loop's state, saved in the work folder after every ``--save-every``
     minutes and at the end, so ``train-mtp`` resumes where it stopped."""
@@ -715,6 +808,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="generations, features and the resumable state (default: <cache>/train-mtp/<model>)",
     )
     p.add_argument("--fresh", action="store_true", help="ignore a previous run's state")
+    p.add_argument(
+        "--init-head",
+        action="store_true",
+        help="start from the model's current MTP head (beside it, or shipped) instead of "
+        "a fresh layer; a resumed run's own state still comes first",
+    )
     p.add_argument("--text", nargs="*", default=None, help="text files to draw prompts from")
     p.add_argument("--prompts", type=int, default=480, help="prompts to generate from")
     p.add_argument("--prompt-tokens", type=int, default=128, help="longest text prompt")
@@ -800,6 +899,7 @@ def _main(args: argparse.Namespace) -> int:
     # the target alone: a head already beside it (even a damaged one) is what we replace
     fingerprint = target_fingerprint(loaded.config, open_checkpoint(path, mtp_head=False)[1])
 
+    init_state = current_head_state(args.model) if args.init_head else None
     seq_file = args.work_dir / "sequences.npz"
     if seq_file.exists():
         seqs = Sequences.load(seq_file)
@@ -807,10 +907,14 @@ def _main(args: argparse.Namespace) -> int:
     else:
         rng = np.random.default_rng(args.seed)
         prompts = build_prompts(loaded, args, rng)
+        partial = PartialGenerations(args.work_dir / "generations.partial.npz", prompts)
+        if partial.done:
+            log.info("generations resumed", done=len(partial.done), prompts=len(prompts))
         t0 = time.perf_counter()
-        rows = trio.run(_generate, loaded, prompts, args)
+        rows = trio.run(_generate, loaded, prompts, args, partial)
         seqs = Sequences.build(rows)
         seqs.save(seq_file)
+        partial.path.unlink(missing_ok=True)
         log.info(
             "generations done",
             sequences=len(seqs),
@@ -823,6 +927,9 @@ def _main(args: argparse.Namespace) -> int:
     log.info("features ready", minutes=round((time.perf_counter() - t0) / 60, 1))
 
     attach_fresh_layer(model, args.seed)
+    if init_state is not None:
+        assert model.mtp is not None
+        model.mtp.set_state_dict(init_state)
     stops = [t for t in (loaded.config.eos_token_ids or ()) if t is not None]
     vocab = frequent_tokens(seqs, args.draft_vocab, loaded.config.vocab_size, list(stops))
     if vocab is not None:
