@@ -6,7 +6,9 @@ Both sides run the same runtime configuration and the same prompts (held-out cod
 ``spectrio bench`` uses), greedy with ``ignore_eos`` and a fixed ``--max-tokens``, at most
 ``--batch`` requests at once. Reported per side: output tokens per second (first
 submission to last token) and time to first token (p50, p90) per request, each the median
-over ``--rounds``; and the ratios HTTP / in-process.
+over ``--rounds``; and the ratios HTTP / in-process. Each round also sends
+``--alone`` requests one at a time on each side: their TTFT p50 is what the front adds to
+a request's latency, free of the queueing that a batch's TTFT also holds.
 
 The client shares the machine with the server, so its CPU is taken from the model's; to
 tell the front's cost from the client's, each round also reads the CPU time of both
@@ -221,6 +223,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                         row["client_cpu_ms_per_token"] = 1000 * own / tokens
                     else:  # this process ran everything; the server sat idle
                         row["server_cpu_ms_per_token"] = 1000 * own / tokens
+                    alone = argparse.Namespace(**{**vars(args), "batch": 1, "max_tokens": 2})
+                    few = prompts[: args.alone]
+                    if side == "http":
+                        single = await over_http(url, few, alone)
+                    else:
+                        single = await in_process(rt, few, alone)
+                    row["alone_ttft_p50_ms"] = single["ttft_p50_ms"]
                     rows[side].append(row)
                     print(
                         side, {k: round(v, 2) for k, v in rows[side][-1].items()}, file=sys.stderr
@@ -242,6 +251,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         / med["in_process"]["tokens_per_second"],
         "http_minus_in_process_ttft_p50_ms": med["http"]["ttft_p50_ms"]
         - med["in_process"]["ttft_p50_ms"],
+        "http_minus_in_process_alone_ttft_p50_ms": med["http"]["alone_ttft_p50_ms"]
+        - med["in_process"]["alone_ttft_p50_ms"],
         "front_cpu_ms_per_token": front,
         "client_cpu_ms_per_token": med["http"]["client_cpu_ms_per_token"],
     }
@@ -256,6 +267,9 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--alone", type=int, default=8, help="requests sent one at a time per side and round"
+    )
     p.add_argument("--json", default=None)
     p.add_argument(
         "--client",
@@ -271,7 +285,8 @@ def main() -> int:
             f.write(text)
     print(
         f"tokens/s HTTP / in-process: {result['http_over_in_process_tokens_per_second']:.3f}; "
-        f"TTFT p50 HTTP - in-process: {result['http_minus_in_process_ttft_p50_ms']:+.1f} ms; "
+        f"TTFT p50 HTTP - in-process: {result['http_minus_in_process_ttft_p50_ms']:+.1f} ms "
+        f"(one request at a time: {result['http_minus_in_process_alone_ttft_p50_ms']:+.2f} ms); "
         f"CPU per token: the front {result['front_cpu_ms_per_token']:+.3f} ms, "
         f"the client {result['client_cpu_ms_per_token']:.3f} ms"
     )

@@ -304,6 +304,20 @@ def test_generation_resumes_with_only_the_missing_prompts(trained: Path) -> None
     assert set(train_mtp.PartialGenerations(partial.path, prompts).done) == {0, 1, 2}
 
 
+def test_a_spent_generation_budget_keeps_the_finished_ones(trained: Path) -> None:
+    loaded = load(trained, mtp_head=False)
+    prompts = [loaded.tokenizer.encode(t) for t in ("def f(x):", "import os\n")]
+    args = train_mtp.build_parser().parse_args(
+        ["--model", str(trained), "--gen-minutes", "1", *TRAIN_ARGS]
+    )
+    partial = train_mtp.PartialGenerations(trained.parent / "spent.npz", prompts)
+    partial.add(0, [7, 7])
+    partial.seconds = 60.0  # the whole budget spent by an earlier run
+    rows = trio.run(train_mtp._generate, loaded, prompts, args, partial)
+    assert rows == [(prompts[0], [7, 7])]
+    assert train_mtp.PartialGenerations(partial.path, prompts).seconds >= 60.0
+
+
 def test_init_head_starts_from_the_current_head(trained: Path, tmp_path: Path) -> None:
     out = tmp_path / "again.safetensors"
     rc = train_mtp.main(

@@ -190,8 +190,10 @@ class PartialGenerations:
     def __init__(self, path: Path, prompts: list[list[int]]) -> None:
         self.path = path
         self.done: dict[int, list[int]] = {}
+        self.seconds = 0.0  # generating, over every resumed run together
         if path.exists():
             with np.load(path) as z:
+                self.seconds = float(z["seconds"]) if "seconds" in z else 0.0
                 seqs = Sequences(z["tokens"], z["offsets"], z["prompt_lens"])
                 for k, i in enumerate(z["index"].tolist()):
                     row = seqs.seq(k).tolist()
@@ -215,6 +217,7 @@ class PartialGenerations:
             offsets=seqs.offsets,
             prompt_lens=seqs.prompt_lens,
             index=np.asarray(index, dtype=np.int64),
+            seconds=np.float64(self.seconds),
         )
         tmp.replace(self.path)
 
@@ -252,7 +255,14 @@ async def _generate(
         unit="seq",
         mininterval=args.bar_interval,
     )
-    last_save = time.perf_counter()
+    last_save = t0 = time.perf_counter()
+    base = partial.seconds if partial is not None else 0.0
+    budget = args.gen_minutes * 60 - base if args.gen_minutes > 0 else math.inf
+
+    def clock() -> None:
+        if partial is not None:
+            partial.seconds = base + time.perf_counter() - t0
+
     try:
         async with open_runtime(config, loaded=loaded, warmup=False) as rt:
             limit = trio.Semaphore(args.gen_batch * 2)
@@ -269,14 +279,21 @@ async def _generate(
                     if partial is not None:
                         partial.add(i, ids)
                         if time.perf_counter() - last_save > args.save_every * 60:
+                            clock()
                             partial.save()
                             last_save = time.perf_counter()
 
-            async with trio.open_nursery() as nursery:
-                for i in range(len(prompts)):
-                    if out[i] is None:
-                        nursery.start_soon(one, i)
+            # Past the budget, the unfinished generations are cancelled (the runtime
+            # aborts them) and stage 2 goes on with the finished ones.
+            with trio.move_on_after(max(0.0, budget)) as scope:
+                async with trio.open_nursery() as nursery:
+                    for i in range(len(prompts)):
+                        if out[i] is None:
+                            nursery.start_soon(one, i)
+            if scope.cancelled_caught:
+                log.info("generation budget spent", finished=sum(r is not None for r in out))
     finally:
+        clock()
         if partial is not None:  # an interrupted run keeps what it finished
             partial.save()
     bar.close()
@@ -819,6 +836,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=128, help="longest text prompt")
     p.add_argument("--gen-tokens", type=int, default=192, help="tokens generated per prompt")
     p.add_argument("--gen-batch", type=int, default=32, help="concurrent generations")
+    p.add_argument(
+        "--gen-minutes",
+        type=float,
+        default=0.0,
+        help="generation time budget, over every resumed run together: past it, training "
+        "goes on with the generations finished so far (0: no budget)",
+    )
     p.add_argument("--top-k", type=int, default=8, help="target probabilities kept per token")
     p.add_argument(
         "--draft-vocab",
@@ -859,6 +883,12 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ModelConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(
+            "interrupted: what was finished is kept in the work folder; the same command resumes",
+            file=sys.stderr,
+        )
+        return 130
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -912,6 +942,8 @@ def _main(args: argparse.Namespace) -> int:
             log.info("generations resumed", done=len(partial.done), prompts=len(prompts))
         t0 = time.perf_counter()
         rows = trio.run(_generate, loaded, prompts, args, partial)
+        if not rows:
+            raise SystemExit("error: no generation finished within --gen-minutes")
         seqs = Sequences.build(rows)
         seqs.save(seq_file)
         partial.path.unlink(missing_ok=True)
