@@ -929,7 +929,10 @@ def _main(args: argparse.Namespace) -> int:
     # the target alone: a head already beside it (even a damaged one) is what we replace
     fingerprint = target_fingerprint(loaded.config, open_checkpoint(path, mtp_head=False)[1])
 
-    init_state = current_head_state(args.model) if args.init_head else None
+    # A resumed run's own layer replaces any starting point, so the head is read (a
+    # second load of the model) only when training starts.
+    resuming = Run(args.work_dir).state_file.exists()
+    init_state = current_head_state(args.model) if args.init_head and not resuming else None
     seq_file = args.work_dir / "sequences.npz"
     if seq_file.exists():
         seqs = Sequences.load(seq_file)
