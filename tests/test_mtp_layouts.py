@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import paddle
@@ -467,6 +468,38 @@ async def test_mtp_drafting_is_lossless_in_each_layout(
     assert drafted == plain
     loaded = load(folder, dtype="float64")
     assert plain[0] == reference.greedy_generate(loaded.model, PROMPT, 20).token_ids
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+async def test_runtime_drafts_are_the_dense_chain_every_step(
+    folders: dict[str, tuple[Path, Path]], layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lossless output says nothing about the drafts: a wrong MTP cache entry, catch-up row
+    or hidden state only lowers acceptance. So every step's drafts, from the serving
+    proposer (paged MTP cache caught up across steps, stale chain entries left behind by
+    rejected drafts), must equal the dense reference chain run afresh on the same
+    context."""
+    from spectrio.stages.draft.mtp import MTPProposer
+
+    folder, _ = folders[layout]
+    seen: list[tuple[list[int], list[int]]] = []  # (history through the step's token, drafts)
+    propose = MTPProposer.propose
+
+    def recording(self: MTPProposer, plan: Any, history: Any) -> Any:
+        out = propose(self, plan, history)
+        for w in plan.seqs:
+            if out.drafts.get(w.slot):
+                seen.append((list(history.tokens(w.seq_id)), list(out.drafts[w.slot])))
+        return out
+
+    monkeypatch.setattr(MTPProposer, "propose", recording)
+    await _greedy(folder, SpeculativeConfig(method="mtp", num_speculative_tokens=3, adaptive=False))
+    model = load(folder, dtype="float64").model
+    assert len(seen) > 20
+    for context, drafts in seen:
+        target, dense = reference.greedy_mtp_drafts(model, [context[:-1]], 3)
+        assert target[0, 0] == context[-1]
+        assert drafts == dense[0, : len(drafts)].tolist(), f"after {len(context)} tokens"
 
 
 # ---- (d) tensor parallel 2 ------------------------------------------------------------------
