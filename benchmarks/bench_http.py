@@ -8,7 +8,9 @@ Both sides run the same runtime configuration and the same prompts (held-out cod
 submission to last token) and time to first token (p50, p90) per request, each the median
 over ``--rounds``; and the ratios HTTP / in-process. Each round also sends
 ``--alone`` requests one at a time on each side: their TTFT p50 is what the front adds to
-a request's latency, free of the queueing that a batch's TTFT also holds.
+a request's latency, free of the queueing that a batch's TTFT also holds; on the HTTP side
+they are sent once more over a plain socket with a hand-written request
+(``alone_raw_ttft_p50_ms``), which leaves the client library's own time out.
 
 The client shares the machine with the server, so its CPU is taken from the model's; to
 tell the front's cost from the client's, each round also reads the CPU time of both
@@ -132,6 +134,58 @@ async def over_http(
     return _summary(ttfts, tokens, time.perf_counter() - t0)
 
 
+async def alone_raw(url: str, prompts: list[list[int]], args: argparse.Namespace) -> float:
+    """TTFT p50 (ms) of ``prompts`` sent one at a time over a plain socket: the request
+    written by hand, the first event with text found in the bytes as they arrive. No HTTP
+    library runs on the client side, so what this adds over in-process is the server's
+    share (the front, the kernel's loopback) and not the client's."""
+    import msgspec
+
+    host, _, rest = url.removeprefix("http://").partition(":")
+    port = int(rest.split("/", 1)[0])
+    decode = msgspec.json.Decoder()
+    ttfts: list[float] = []
+    for prompt in prompts:
+        body = msgspec.json.encode(
+            {
+                "model": args.model,
+                "prompt": prompt,
+                "max_tokens": args.max_tokens,
+                "temperature": 0,
+                "stream": True,
+                "ignore_eos": True,
+            }  # fmt: skip
+        )
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n"
+        ).encode()
+        start = time.perf_counter()
+        stream = await trio.open_tcp_stream(host, port)
+        async with stream:
+            await stream.send_all(head + body)
+            seen = b""
+            first: float | None = None
+            # Read to the stream's end event: the server may keep the socket open.
+            while b"data: [DONE]" not in seen and (data := await stream.receive_some(65536)):
+                seen += data
+                if first is None:
+                    # SSE events arrive whole, each within one chunk of the chunked body.
+                    for event in seen.split(b"data: ")[1:]:
+                        payload = event.split(b"\n\n", 1)[0]
+                        if (
+                            payload.startswith(b"{")
+                            and decode.decode(payload)["choices"][0]["text"]
+                        ):
+                            first = time.perf_counter()
+                            break
+            if first is None or not seen.startswith(b"HTTP/1.1 200"):
+                raise RuntimeError(f"no token from {url}: {seen[:200]!r}")
+            ttfts.append(first - start)
+    return 1000 * statistics.median(ttfts)
+
+
 async def _over_http_openai(
     url: str, prompts: list[list[int]], args: argparse.Namespace
 ) -> dict[str, float]:
@@ -230,6 +284,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     else:
                         single = await in_process(rt, few, alone)
                     row["alone_ttft_p50_ms"] = single["ttft_p50_ms"]
+                    if side == "http":
+                        row["alone_raw_ttft_p50_ms"] = await alone_raw(url, few, alone)
                     rows[side].append(row)
                     print(
                         side, {k: round(v, 2) for k, v in rows[side][-1].items()}, file=sys.stderr
@@ -252,6 +308,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "http_minus_in_process_ttft_p50_ms": med["http"]["ttft_p50_ms"]
         - med["in_process"]["ttft_p50_ms"],
         "http_minus_in_process_alone_ttft_p50_ms": med["http"]["alone_ttft_p50_ms"]
+        - med["in_process"]["alone_ttft_p50_ms"],
+        "http_raw_minus_in_process_alone_ttft_p50_ms": med["http"]["alone_raw_ttft_p50_ms"]
         - med["in_process"]["alone_ttft_p50_ms"],
         "front_cpu_ms_per_token": front,
         "client_cpu_ms_per_token": med["http"]["client_cpu_ms_per_token"],
@@ -286,7 +344,8 @@ def main() -> int:
     print(
         f"tokens/s HTTP / in-process: {result['http_over_in_process_tokens_per_second']:.3f}; "
         f"TTFT p50 HTTP - in-process: {result['http_minus_in_process_ttft_p50_ms']:+.1f} ms "
-        f"(one request at a time: {result['http_minus_in_process_alone_ttft_p50_ms']:+.2f} ms); "
+        f"(one request at a time: {result['http_minus_in_process_alone_ttft_p50_ms']:+.2f} ms, "
+        f"by a plain socket {result['http_raw_minus_in_process_alone_ttft_p50_ms']:+.2f} ms); "
         f"CPU per token: the front {result['front_cpu_ms_per_token']:+.3f} ms, "
         f"the client {result['client_cpu_ms_per_token']:.3f} ms"
     )
