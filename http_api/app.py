@@ -231,11 +231,16 @@ class EventStream(Response):
                         for data in self._closing():
                             await event(data)
                     await event(DONE)
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
                     nursery.cancel_scope.cancel()
             if gone.cancelled_caught:
                 log.info("client went away: its requests were aborted",
                          requests=[s.request_id for s in self._exchange.streams])  # fmt: skip
+            else:
+                # The body ends only once the disconnect watch has stopped: Hypercorn holds
+                # a last send made while the app waits in receive() until the client hangs
+                # up, so a client that asked to close (`Connection: close`, HTTP/1.0) and
+                # reads to the end of the stream would wait for good.
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             self._exchange.close()
 

@@ -228,6 +228,30 @@ def test_sse_framing(raw: httpx.Client) -> None:
     assert len({c["id"] for c in chunks}) == 1
 
 
+@pytest.mark.parametrize(
+    "version, header", [("HTTP/1.1", "Connection: close\r\n"), ("HTTP/1.0", "")]
+)
+def test_a_stream_ends_the_connection_a_client_asked_to_close(
+    server: HttpServer, version: str, header: str
+) -> None:
+    """A client that does not keep connections alive (curl -0, many scripts and health
+    checkers) reads a stream to the socket's end: the server must close it after
+    [DONE], not wait for the client to hang up."""
+    host, port = server.url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "stream": True})
+    request = (
+        f"POST /v1/completions {version}\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n{header}\r\n{body}"
+    )
+    received = b""
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(request.encode())
+        while data := sock.recv(65536):  # a timeout here is the failure
+            received += data
+    assert received.startswith(f"{version} 200".encode()) or received.startswith(b"HTTP/1.1 200")
+    assert b"data: [DONE]" in received
+
+
 def test_authentication(server: HttpServer) -> None:
     with httpx.Client(base_url=server.url, timeout=30) as anonymous:
         missing = anonymous.post("/v1/completions", json={"prompt": "x"})
