@@ -6,11 +6,13 @@ Both sides run the same runtime configuration and the same prompts (held-out cod
 ``spectrio bench`` uses), greedy with ``ignore_eos`` and a fixed ``--max-tokens``, at most
 ``--batch`` requests at once. Reported per side: output tokens per second (first
 submission to last token) and time to first token (p50, p90) per request, each the median
-over ``--rounds``; and the ratios HTTP / in-process. Each round also sends
-``--alone`` requests one at a time on each side: their TTFT p50 is what the front adds to
-a request's latency, free of the queueing that a batch's TTFT also holds; on the HTTP side
-they are sent once more over a plain socket with a hand-written request
-(``alone_raw_ttft_p50_ms``), which leaves the client library's own time out.
+over ``--rounds``; and the ratios HTTP / in-process. Each round then sends ``--alone``
+prompts one at a time, each three ways in turn: in-process, through httpx, and over a
+plain socket with a hand-written request (which leaves the client library's own time
+out). Their TTFT is what the front adds to a request's latency, free of the queueing that
+a batch's TTFT also holds; each request is compared with the in-process one sent next to
+it, since the machine's speed drifts between rounds by more than the front costs, and the
+median difference over all rounds is reported with its 95% interval.
 
 The client shares the machine with the server, so its CPU is taken from the model's; to
 tell the front's cost from the client's, each round also reads the CPU time of both
@@ -134,56 +136,86 @@ async def over_http(
     return _summary(ttfts, tokens, time.perf_counter() - t0)
 
 
-async def alone_raw(url: str, prompts: list[list[int]], args: argparse.Namespace) -> float:
-    """TTFT p50 (ms) of ``prompts`` sent one at a time over a plain socket: the request
-    written by hand, the first event with text found in the bytes as they arrive. No HTTP
-    library runs on the client side, so what this adds over in-process is the server's
-    share (the front, the kernel's loopback) and not the client's."""
+async def raw_ttft(url: str, prompt: list[int], args: argparse.Namespace) -> float:
+    """Seconds to the first token of one streamed request over a plain socket: the
+    request written by hand, the first event with text found in the bytes as they
+    arrive. No HTTP library runs on the client side, so what this adds over in-process
+    is the server's share (the front, the kernel's loopback), not the client's."""
     import msgspec
 
     host, _, rest = url.removeprefix("http://").partition(":")
     port = int(rest.split("/", 1)[0])
+    body = msgspec.json.encode(
+        {
+            "model": args.model,
+            "prompt": prompt,
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }  # fmt: skip
+    )
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode()
     decode = msgspec.json.Decoder()
-    ttfts: list[float] = []
-    for prompt in prompts:
-        body = msgspec.json.encode(
-            {
-                "model": args.model,
-                "prompt": prompt,
-                "max_tokens": args.max_tokens,
-                "temperature": 0,
-                "stream": True,
-                "ignore_eos": True,
-            }  # fmt: skip
-        )
-        head = (
-            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            "Connection: close\r\n\r\n"
-        ).encode()
-        start = time.perf_counter()
-        stream = await trio.open_tcp_stream(host, port)
-        async with stream:
-            await stream.send_all(head + body)
-            seen = b""
-            first: float | None = None
-            # Read to the stream's end event: the server may keep the socket open.
-            while b"data: [DONE]" not in seen and (data := await stream.receive_some(65536)):
-                seen += data
-                if first is None:
-                    # SSE events arrive whole, each within one chunk of the chunked body.
-                    for event in seen.split(b"data: ")[1:]:
-                        payload = event.split(b"\n\n", 1)[0]
-                        if (
-                            payload.startswith(b"{")
-                            and decode.decode(payload)["choices"][0]["text"]
-                        ):
-                            first = time.perf_counter()
-                            break
-            if first is None or not seen.startswith(b"HTTP/1.1 200"):
-                raise RuntimeError(f"no token from {url}: {seen[:200]!r}")
-            ttfts.append(first - start)
-    return 1000 * statistics.median(ttfts)
+    start = time.perf_counter()
+    stream = await trio.open_tcp_stream(host, port)
+    async with stream:
+        await stream.send_all(head + body)
+        seen = b""
+        first: float | None = None
+        while b"data: [DONE]" not in seen and (data := await stream.receive_some(65536)):
+            seen += data
+            if first is None:
+                # SSE events arrive whole, each within one chunk of the chunked body.
+                for event in seen.split(b"data: ")[1:]:
+                    payload = event.split(b"\n\n", 1)[0]
+                    if payload.startswith(b"{") and decode.decode(payload)["choices"][0]["text"]:
+                        first = time.perf_counter()
+                        break
+        if first is None or not seen.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(f"no token from {url}: {seen[:200]!r}")
+    return first - start
+
+
+ALONE_SIDES = ("in_process", "http", "raw")
+
+
+async def alone_triples(
+    rt: Any, url: str, prompts: list[list[int]], args: argparse.Namespace
+) -> dict[str, list[float]]:
+    """TTFT (ms) of single requests, one at a time, the three ways in turn for each
+    prompt (the order rotating): in-process, through httpx, over a plain socket. The
+    machine's speed drifts between rounds by more than the front costs, so each way is
+    compared with its neighbours in time. A pause before each request lets the other
+    process's math threads, which spin a while after their last op, go idle."""
+    one = argparse.Namespace(**{**vars(args), "batch": 1, "max_tokens": 2})
+    out: dict[str, list[float]] = {side: [] for side in ALONE_SIDES}
+    for i, prompt in enumerate(prompts):
+        for j in range(len(ALONE_SIDES)):
+            side = ALONE_SIDES[(i + j) % len(ALONE_SIDES)]
+            await trio.sleep(args.alone_gap)
+            if side == "in_process":
+                ms = (await in_process(rt, [prompt], one))["ttft_p50_ms"]
+            elif side == "http":
+                ms = (await over_http(url, [prompt], one))["ttft_p50_ms"]
+            else:
+                ms = 1000 * await raw_ttft(url, prompt, one)
+            out[side].append(ms)
+    return out
+
+
+def median_interval(xs: list[float]) -> tuple[float, float, float]:
+    """The median of ``xs`` and a distribution-free 95% interval for it (order
+    statistics n/2 -/+ 0.98 sqrt(n), from the sign test's normal approximation)."""
+    xs = sorted(xs)
+    n = len(xs)
+    half = 0.98 * n**0.5
+    lo, hi = max(0, int(n / 2 - half)), min(n - 1, int(n / 2 + half + 0.999))
+    return statistics.median(xs), xs[lo], xs[hi]
 
 
 async def _over_http_openai(
@@ -258,6 +290,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     )
     proc, url = start_server(args)
     rows: dict[str, list[dict[str, float]]] = {"in_process": [], "http": []}
+    alone: dict[str, list[float]] = {side: [] for side in ALONE_SIDES}
     try:
         async with open_runtime(config) as rt:
             await in_process(rt, prompts[: args.batch], args)  # warm both sides once
@@ -277,19 +310,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                         row["client_cpu_ms_per_token"] = 1000 * own / tokens
                     else:  # this process ran everything; the server sat idle
                         row["server_cpu_ms_per_token"] = 1000 * own / tokens
-                    alone = argparse.Namespace(**{**vars(args), "batch": 1, "max_tokens": 2})
-                    few = prompts[: args.alone]
-                    if side == "http":
-                        single = await over_http(url, few, alone)
-                    else:
-                        single = await in_process(rt, few, alone)
-                    row["alone_ttft_p50_ms"] = single["ttft_p50_ms"]
-                    if side == "http":
-                        row["alone_raw_ttft_p50_ms"] = await alone_raw(url, few, alone)
                     rows[side].append(row)
                     print(
                         side, {k: round(v, 2) for k, v in rows[side][-1].items()}, file=sys.stderr
                     )
+                if args.alone:
+                    got = await alone_triples(rt, url, prompts[: args.alone], args)
+                    for side, ms in got.items():
+                        alone[side] += ms
+                    print("alone TTFT p50 ms", {k: round(statistics.median(v), 2)
+                          for k, v in got.items()}, file=sys.stderr)  # fmt: skip
     finally:
         proc.terminate()
         proc.wait(60)
@@ -307,13 +337,27 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         / med["in_process"]["tokens_per_second"],
         "http_minus_in_process_ttft_p50_ms": med["http"]["ttft_p50_ms"]
         - med["in_process"]["ttft_p50_ms"],
-        "http_minus_in_process_alone_ttft_p50_ms": med["http"]["alone_ttft_p50_ms"]
-        - med["in_process"]["alone_ttft_p50_ms"],
-        "http_raw_minus_in_process_alone_ttft_p50_ms": med["http"]["alone_raw_ttft_p50_ms"]
-        - med["in_process"]["alone_ttft_p50_ms"],
+        "alone_ttft_ms": alone,
+        # Each request against the in-process one sent next to it (same prompt).
+        "alone_http_minus_in_process_ms": _paired(alone["http"], alone["in_process"]),
+        "alone_raw_minus_in_process_ms": _paired(alone["raw"], alone["in_process"]),
         "front_cpu_ms_per_token": front,
         "client_cpu_ms_per_token": med["http"]["client_cpu_ms_per_token"],
     }
+
+
+def _paired(xs: list[float], ys: list[float]) -> dict[str, float] | None:
+    """Median of the differences ``x - y`` of pairs, with its 95% interval."""
+    if not xs:
+        return None
+    mid, lo, hi = median_interval([x - y for x, y in zip(xs, ys, strict=True)])
+    return {"median": mid, "low": lo, "high": hi, "pairs": len(xs)}
+
+
+def _fmt(paired: dict[str, float] | None) -> str:
+    if paired is None:
+        return "not measured"
+    return f"{paired['median']:+.2f} ms [{paired['low']:+.2f}, {paired['high']:+.2f}]"
 
 
 def main() -> int:
@@ -326,7 +370,13 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument(
-        "--alone", type=int, default=8, help="requests sent one at a time per side and round"
+        "--alone",
+        type=int,
+        default=8,
+        help="prompts sent one at a time per round, each in-process, by httpx and by socket",
+    )
+    p.add_argument(
+        "--alone-gap", type=float, default=0.3, help="seconds of pause before each such request"
     )
     p.add_argument("--json", default=None)
     p.add_argument(
@@ -344,8 +394,8 @@ def main() -> int:
     print(
         f"tokens/s HTTP / in-process: {result['http_over_in_process_tokens_per_second']:.3f}; "
         f"TTFT p50 HTTP - in-process: {result['http_minus_in_process_ttft_p50_ms']:+.1f} ms "
-        f"(one request at a time: {result['http_minus_in_process_alone_ttft_p50_ms']:+.2f} ms, "
-        f"by a plain socket {result['http_raw_minus_in_process_alone_ttft_p50_ms']:+.2f} ms); "
+        f"(one request at a time, paired: {_fmt(result['alone_http_minus_in_process_ms'])}, "
+        f"by a plain socket {_fmt(result['alone_raw_minus_in_process_ms'])}); "
         f"CPU per token: the front {result['front_cpu_ms_per_token']:+.3f} ms, "
         f"the client {result['client_cpu_ms_per_token']:.3f} ms"
     )
