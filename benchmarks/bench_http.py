@@ -61,6 +61,13 @@ def _summary(ttfts: list[float], tokens: int, seconds: float) -> dict[str, float
     }
 
 
+def _request(args: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
+    """The streamed greedy completion both HTTP clients send (the SDK's own call names
+    the same fields)."""
+    return {"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True}  # fmt: skip
+
+
 async def in_process(
     rt: Any, prompts: list[list[int]], args: argparse.Namespace
 ) -> dict[str, float]:
@@ -107,9 +114,7 @@ async def over_http(
         async with limit:
             start = time.perf_counter()
             first = True
-            body = {"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens,
-                    "temperature": 0, "stream": True, "ignore_eos": True,
-                    "stream_options": {"include_usage": True}}  # fmt: skip
+            body = {**_request(args, prompt), "stream_options": {"include_usage": True}}
             async with client.stream("POST", url + "/completions", json=body) as response:
                 if response.status_code != 200:
                     raise RuntimeError(f"HTTP {response.status_code}: {await response.aread()!r}")
@@ -145,16 +150,7 @@ async def raw_ttft(url: str, prompt: list[int], args: argparse.Namespace) -> flo
 
     host, _, rest = url.removeprefix("http://").partition(":")
     port = int(rest.split("/", 1)[0])
-    body = msgspec.json.encode(
-        {
-            "model": args.model,
-            "prompt": prompt,
-            "max_tokens": args.max_tokens,
-            "temperature": 0,
-            "stream": True,
-            "ignore_eos": True,
-        }  # fmt: skip
-    )
+    body = msgspec.json.encode(_request(args, prompt))
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
