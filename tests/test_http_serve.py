@@ -248,7 +248,7 @@ def test_a_stream_ends_the_connection_a_client_asked_to_close(
         sock.sendall(request.encode())
         while data := sock.recv(65536):  # a timeout here is the failure
             received += data
-    assert received.startswith(f"{version} 200".encode()) or received.startswith(b"HTTP/1.1 200")
+    assert received.startswith(b"HTTP/1.1 200")  # h11 answers in HTTP/1.1 either way
     assert b"data: [DONE]" in received
 
 
