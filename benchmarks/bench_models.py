@@ -6,10 +6,12 @@ Run: ``python benchmarks/bench_models.py [--model bundled] [--rows 1 4 16 64]
 
 Each forward case is a decode step as the verify stage runs it: ``rows`` sequences with
 64 tokens of context in the paged cache, one new row each, logits for every row. The
-MTP case is one draft substep over the same rows. Cases alternate in rounds and the
-median is reported, so a busy machine slows every case alike. Ops are counted with
-``paddle.profiler`` (top-level operator events per forward). ``--reference`` adds the
-oracle's speed (dense attention, one token at a time, batch 1). Prints one JSON object.
+MTP case is one draft substep over the same rows, as the proposer runs it (over the
+draft vocabulary where the model has one, with the draft side's float16 weights).
+Cases alternate in rounds and the median is reported, so a busy machine slows every case
+alike. Ops are counted with ``paddle.profiler`` (top-level operator events per forward).
+``--reference`` adds the oracle's speed (dense attention, one token at a time, batch 1).
+Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -130,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                 [[int(t)] for t in nxt], [CONTEXT] * len(nxt), tables
             )
             with paddle.no_grad():
-                return model.mtp_forward(batch, hidden, cache).logits  # type: ignore[arg-type]
+                out = model.mtp_forward(batch, hidden, cache, draft_vocab=True)  # type: ignore[arg-type]
+                return out.logits
 
         cases[f"target_rows{rows}"] = target
         if model.mtp is not None:

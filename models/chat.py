@@ -22,6 +22,7 @@ from spectrio.errors import CheckpointError, InvalidRequest
 from spectrio.models.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
+    from spectrio.models.config import ModelConfig
     from spectrio.models.loader import LoadedModel
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "MESSAGE_RULES",
     "ChatTemplate",
     "Message",
+    "build_chat_template",
     "chat_template_for",
     "check_messages",
     "is_messages",
@@ -165,11 +167,18 @@ def chat_template_for(loaded: LoadedModel) -> ChatTemplate | None:
     """The loaded checkpoint's chat template, with ``bos_token`` and ``eos_token`` bound
     to its tokenizer's strings for the config's ids; None without a template or a
     tokenizer."""
-    tok = loaded.tokenizer
-    if loaded.chat_template is None or tok is None:
+    return build_chat_template(loaded.chat_template, loaded.tokenizer, loaded.config)
+
+
+def build_chat_template(
+    source: str | None, tok: TextTokenizer | None, cfg: ModelConfig
+) -> ChatTemplate | None:
+    """:func:`chat_template_for` from a model's parts (what
+    :func:`spectrio.models.loader.load_text_side` reads without the weights)."""
+    if source is None or tok is None:
         return None
     special: dict[str, str] = {}
-    for key, index in (("bos_token", loaded.config.bos_token_id), ("eos_token", tok.eos_token_id)):
+    for key, index in (("bos_token", cfg.bos_token_id), ("eos_token", tok.eos_token_id)):
         token = tok.raw.id_to_token(index) if index is not None else None
         special[key] = token or ""
-    return ChatTemplate(loaded.chat_template, tok, special)
+    return ChatTemplate(source, tok, special)

@@ -94,13 +94,15 @@ def attend(
     return paddle.matmul(F.softmax(scores, axis=-1), v)
 
 
-def _folded(norm_weight: paddle.Tensor, parts: list[paddle.Tensor | np.ndarray]) -> ServingMatrix:
+def _folded(
+    norm_weight: paddle.Tensor, parts: list[paddle.Tensor | np.ndarray], half: bool = False
+) -> ServingMatrix:
     """``norm_weight[:, None] * concat(parts, axis=1)``, a new matrix. Computed in NumPy:
     the same correctly rounded products Paddle's ops give, without its broadcast kernel,
     which made building a model's fused weights take a second of every start-up."""
     w = np.concatenate([p if isinstance(p, np.ndarray) else p.numpy() for p in parts], axis=1)
     w *= norm_weight.numpy()[:, None]
-    return ServingMatrix(w)
+    return ServingMatrix(w, half=half)
 
 
 def _linear(d_in: int, d_out: int, bias: bool) -> nn.Linear:
@@ -182,7 +184,7 @@ class Attention(nn.Layer):
         flat = out.transpose([0, 2, 1, 3]).reshape([b, t, -1])
         return self._out(fo.matmul(flat, self.o_proj.weight)), (k, v)
 
-    def fuse_qkv(self, norm_weight: paddle.Tensor) -> None:
+    def fuse_qkv(self, norm_weight: paddle.Tensor, half: bool = False) -> None:
         """Build ``[d, (H + 2 KVH) * D]``: the preceding RMSNorm's weight folded into the
         rows, then q, k and v side by side, so one matmul of the normalised input does all
         three. q is pre-scaled by 1/sqrt(D) here, or, with q/k norms (whose output does
@@ -190,12 +192,13 @@ class Attention(nn.Layer):
         The biases are concatenated the same way.
 
         The separate projections stay the parameters that checkpoints and training see;
-        :meth:`SpectrioForCausalLM.train` drops the fused copy.
+        :meth:`SpectrioForCausalLM.train` drops the fused copy. ``half``: float16 panels
+        (:class:`~spectrio.models.serving_matrix.ServingMatrix`).
         """
         q_scale = 1.0 if self.q_norm is not None else self.scale
         q = self.q_proj.weight.numpy()
         self._qkv_weight = _folded(
-            norm_weight, [q * q.dtype.type(q_scale), self.k_proj.weight, self.v_proj.weight]
+            norm_weight, [q * q.dtype.type(q_scale), self.k_proj.weight, self.v_proj.weight], half
         )
         if self.q_proj.bias is not None:
             self._qkv_bias = paddle.concat(
@@ -208,7 +211,7 @@ class Attention(nn.Layer):
                     self.k_norm.weight.unsqueeze(0).expand([self.num_kv_heads, -1]),
                 ]
             ).detach()
-        self._o_weight = ServingMatrix(self.o_proj.weight.detach())
+        self._o_weight = ServingMatrix(self.o_proj.weight.detach(), half=half)
 
     def forward_paged(
         self,
@@ -341,12 +344,15 @@ class MLP(nn.Layer):
         h = F.silu(self.gate_proj(x)) * self.up_proj(x)
         return self._down(fo.matmul(h, self.down_proj.weight))
 
-    def fuse(self, norm_weight: paddle.Tensor) -> None:
-        """Build the gate|up matrix with the preceding RMSNorm's weight folded in."""
-        self._gate_up_weight = _folded(norm_weight, [self.gate_proj.weight, self.up_proj.weight])
+    def fuse(self, norm_weight: paddle.Tensor, half: bool = False) -> None:
+        """Build the gate|up matrix with the preceding RMSNorm's weight folded in
+        (``half``: float16 panels, as :meth:`Attention.fuse_qkv`)."""
+        self._gate_up_weight = _folded(
+            norm_weight, [self.gate_proj.weight, self.up_proj.weight], half
+        )
         if self.gate_proj.bias is not None:
             self._gate_up_bias = paddle.concat([self.gate_proj.bias, self.up_proj.bias]).detach()
-        self._down_weight = ServingMatrix(self.down_proj.weight.detach())
+        self._down_weight = ServingMatrix(self.down_proj.weight.detach(), half=half)
 
     def forward_fused(self, x: paddle.Tensor) -> paddle.Tensor:
         """The same MLP on a normalised, unweighted ``x``: one gate|up matmul, ``swiglu``."""
@@ -359,6 +365,9 @@ class MLP(nn.Layer):
 
 
 class DecoderLayer(nn.Layer):
+    #: build the serving weights as float16 panels (the MTP layer's, which only drafts)
+    half_weights = False
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -402,8 +411,8 @@ class DecoderLayer(nn.Layer):
         values (times the norm weights), so keeping both doubles most of a layer's
         memory, but only the serving forward can run afterwards."""
         if self.mlp._gate_up_weight is None:
-            self.self_attn.fuse_qkv(self.input_layernorm.weight)
-            self.mlp.fuse(self.post_attention_layernorm.weight)
+            self.self_attn.fuse_qkv(self.input_layernorm.weight, self.half_weights)
+            self.mlp.fuse(self.post_attention_layernorm.weight, self.half_weights)
         if release:
             attn, mlp = self.self_attn, self.mlp
             linears = [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj]

@@ -58,6 +58,7 @@ __all__ = [
     "hf_name",
     "is_linear",
     "load",
+    "load_text_side",
     "load_tokenizer",
     "model_config",
     "open_checkpoint",
@@ -276,14 +277,23 @@ def _open_target(
 
 def load_tokenizer(path_or_name: str | Path) -> TextTokenizer | None:
     """The model's tokenizer, without its weights (None when it has none)."""
+    return load_text_side(path_or_name)[1]
+
+
+def load_text_side(
+    path_or_name: str | Path,
+) -> tuple[ModelConfig, TextTokenizer | None, str | None]:
+    """(config, tokenizer, chat template) of a model, without its weights."""
     path = resolve_path(path_or_name)
     if path.is_file():
         folder = cached_folder(path)
         if folder is None:
             gguf = GGUFFile(path)
-            return _gguf_tokenizer(path, gguf, gguf.config)
+            cfg = gguf.config
+            return cfg, _gguf_tokenizer(path, gguf, cfg), gguf.chat_template
         path = folder
-    return tokenizer_of(path, read_config(path))
+    cfg = read_config(path)
+    return cfg, tokenizer_of(path, cfg), chat_template_of(path)
 
 
 def _gguf_tokenizer(path: Path, gguf: GGUFFile, cfg: ModelConfig) -> TextTokenizer | None:

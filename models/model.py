@@ -62,11 +62,12 @@ class HeadLayouts:
     #: heads of at least this many elements take several rows in the ``[V, d]`` layout
     LARGE_HEAD = 8 << 20
 
-    def __init__(self) -> None:
+    def __init__(self, half: bool = False) -> None:
         self._rows: paddle.Tensor | None = None  # [V, d]
         self._cols: paddle.Tensor | None = None  # [d, V]
         self._packed: ServingMatrix | None = None
         self._large = False
+        self._half = half  # float16 panels (a draft head's; ServingMatrix says when)
 
     @property
     def empty(self) -> bool:
@@ -87,7 +88,7 @@ class HeadLayouts:
             source = self._cols if self._cols is not None else self._rows
             if source is None or not packs(source.dtype):
                 return None
-            self._packed = ServingMatrix(source, rows=self._cols is None)
+            self._packed = ServingMatrix(source, rows=self._cols is None, half=self._half)
         return self._packed
 
     def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
@@ -123,7 +124,14 @@ class SharedHead(nn.Layer):
 
 
 class MTPLayer(DecoderLayer):
-    """One transformer block fed ``eh_proj([enorm(emb(t+1)), hnorm(h_t)])``; predicts t+2."""
+    """One transformer block fed ``eh_proj([enorm(emb(t+1)), hnorm(h_t)])``; predicts t+2.
+
+    Its serving weights are float16 panels by default (``half_weights``, which
+    :meth:`SpectrioForCausalLM.set_draft_precision` sets): a draft substep reads half
+    the bytes, and only the drafts depend on them."""
+
+    half_weights = True
+    _eh_weight: ServingMatrix | None = None  # eh_proj as the serving pass multiplies it
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
@@ -132,10 +140,22 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias_attr=False)
         self.shared_head = SharedHead(cfg)
 
-    def fuse(self, embeds: paddle.Tensor, prev_hidden: paddle.Tensor) -> paddle.Tensor:
+    def fuse(
+        self, embeds: paddle.Tensor, prev_hidden: paddle.Tensor, serving: bool = False
+    ) -> paddle.Tensor:
+        """``eh_proj`` of the normed pair; ``serving``: through the serving weights (the
+        paged pass's), else the parameter (training and the dense oracle)."""
         # ``forward``, not ``Layer.__call__`` and its hooks: this runs every draft substep.
         both = paddle.concat([self.enorm.forward(embeds), self.hnorm.forward(prev_hidden)], -1)
-        return fo.matmul(both, self.eh_proj.weight)  # eh_proj has no bias
+        if not serving or paddle.is_grad_enabled():
+            return fo.matmul(both, self.eh_proj.weight)  # eh_proj has no bias
+        if self._eh_weight is None:
+            self._eh_weight = ServingMatrix(self.eh_proj.weight.detach(), half=self.half_weights)
+        return self._eh_weight.matmul(both)
+
+    def drop_fused(self) -> None:
+        super().drop_fused()
+        self._eh_weight = None
 
 
 class SpectrioForCausalLM(nn.Layer):
@@ -170,7 +190,7 @@ class SpectrioForCausalLM(nn.Layer):
         self._inv_freq_cache: np.ndarray | None = None
         self._head = HeadLayouts()  # the head for serving, in the layout each matmul wants
         self.draft_vocab: np.ndarray | None = None  # token ids the MTP pass drafts from
-        self._draft_head = HeadLayouts()  # its rows of the head
+        self._draft_head = HeadLayouts(self.draft_half)  # its rows of the head
         layout = layout_of(self.config)
         self._mtp_reads_prenorm = layout.reads_prenorm
         self._mtp_norm_in_layer = layout.norm_in_layer
@@ -218,7 +238,7 @@ class SpectrioForCausalLM(nn.Layer):
         self.require_weights("drop_serving_cache()")
         self._rope_table = None
         self._head = HeadLayouts()
-        self._draft_head = HeadLayouts()
+        self._draft_head = HeadLayouts(self.draft_half)
         for layer in self._decoder_layers():
             layer.drop_fused()
 
@@ -258,7 +278,24 @@ class SpectrioForCausalLM(nn.Layer):
             if token_ids.min() < 0 or token_ids.max() >= self.config.vocab_size:
                 raise ValueError("draft vocabulary ids must lie in the model's vocabulary")
         self.draft_vocab = token_ids
-        self._draft_head = HeadLayouts()
+        self._draft_head = HeadLayouts(self.draft_half)
+
+    @property
+    def draft_half(self) -> bool:
+        """Whether the MTP pass multiplies by float16 copies of its weights (the MTP layer
+        and the draft vocabulary's head rows; float32 models only)."""
+        return self.mtp is not None and self.mtp.half_weights
+
+    def set_draft_precision(self, half: bool) -> None:
+        """Draft with float16 (``half``) or full-precision copies of the MTP pass's
+        weights. Float16 reads half the bytes of a memory-bound substep; the drafts
+        may differ where two tokens' logits are within its rounding, which moves the
+        acceptance, never the output (verification runs in full precision)."""
+        if self.mtp is None:
+            return
+        self.mtp.half_weights = half
+        self.mtp.drop_fused()
+        self._draft_head = HeadLayouts(half)
 
     def compute_draft_logits(
         self, hidden: paddle.Tensor
@@ -357,7 +394,7 @@ class SpectrioForCausalLM(nn.Layer):
         self.staging.reset()
         plan = AttentionPlan.build(batch, cache, self.dtype, self.staging.put)
         rope = self._rope_rows(batch.positions)
-        x = self.mtp.fuse(self._embed(self.staging.put(batch.input_ids)), prev_hidden)
+        x = self.mtp.fuse(self._embed(self.staging.put(batch.input_ids)), prev_hidden, True)
         x, delta = self.mtp.forward_paged(x, rope, plan, cache, 0)
         x = fo.add(x, delta)
         norm = self.mtp.shared_head.norm

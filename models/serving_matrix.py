@@ -10,6 +10,12 @@ so serving memory does not grow.
 
 Invariant: both layouts give ``x @ w`` up to float rounding; the panel kernel sums each
 output over K in order on one thread, so its result does not depend on the thread count.
+
+A matrix made with ``half=True`` keeps float16 panels: the product reads half the bytes
+and sums in float32, but each weight is rounded to float16 first. Only products whose
+result picks drafts use it (the MTP layer and the draft head,
+:meth:`~spectrio.models.model.SpectrioForCausalLM.set_draft_precision`): verification
+decides what is emitted, so the output stays lossless.
 """
 
 from __future__ import annotations
@@ -54,15 +60,23 @@ def _row_major_strides(array: np.ndarray) -> tuple[int, ...]:
 class ServingMatrix:
     """A ``[K, N]`` weight in the layout the serving forward multiplies fastest."""
 
-    def __init__(self, weight: paddle.Tensor | np.ndarray, rows: bool = False) -> None:
+    def __init__(
+        self, weight: paddle.Tensor | np.ndarray, rows: bool = False, half: bool = False
+    ) -> None:
         """``weight`` is ``[K, N]``, or with ``rows`` its transpose ``[N, K]`` (a tied
         embedding as the LM head). A NumPy array is taken without a copy where it is
-        packed."""
+        packed. ``half``: float16 panels where the kernels run (the module's docstring
+        says when that is allowed)."""
         n, k = weight.shape if rows else weight.shape[::-1]
         self.shape = (int(k), int(n))
         self._n = int(n)
         self._panels: paddle.Tensor | None = None
         self._plain: paddle.Tensor | None = None
+        if half and packs(weight.dtype):
+            array = weight if isinstance(weight, np.ndarray) else weight.numpy()
+            packed = pack_panels(array.T if rows else array).astype(np.float16)
+            self._panels = paddle.to_tensor(packed)
+            return
         if packs(weight.dtype):
             if isinstance(weight, np.ndarray):  # shares the array's memory while packing
                 array = np.ascontiguousarray(weight)
@@ -80,6 +94,10 @@ class ServingMatrix:
     @property
     def packed(self) -> bool:
         return self._panels is not None
+
+    @property
+    def half(self) -> bool:
+        return self._panels is not None and self._panels.dtype == paddle.float16
 
     def matmul(self, x: paddle.Tensor) -> paddle.Tensor:
         """``x @ w`` for ``x`` ``[M, K]``."""

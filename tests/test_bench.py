@@ -466,3 +466,24 @@ async def test_bench_shared_prefix_runs_cache_on_and_off_beside_a_control(
     assert all(r["prefix_cache_hits"] == 0 for k, r in got.items() if k != ("shared", True))
     printed = capsys.readouterr().out
     assert "cache on vs off" in printed and "shared batch=2 k=2" in printed
+
+
+def test_bench_chat_prompts_are_held_out_messages_through_the_template(
+    smollm2_gguf: Path,
+) -> None:
+    """``--prompts chat``: each prompt is one user turn of a held-out message, rendered by
+    the model's own template with the assistant's turn opened; a model without a
+    template is refused."""
+    from spectrio.models.chat import build_chat_template
+    from spectrio.models.loader import load_text_side
+    from spectrio.tools.chat_prompts import heldout_chat_prompts
+
+    prompts = bench.bench_prompts(3, 48, str(smollm2_gguf), workload="chat")
+    cfg, tok, source = load_text_side(smollm2_gguf)
+    template = build_chat_template(source, tok, cfg)
+    assert template is not None and tok is not None
+    for ids, message in zip(prompts, heldout_chat_prompts(3), strict=True):
+        text = tok.raw.decode(ids, skip_special_tokens=False)
+        assert text.endswith(f"<|im_start|>user\n{message}<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="has no chat template"):
+        bench.bench_prompts(3, 48, "bundled", workload="chat")

@@ -60,6 +60,28 @@ def test_panel_matmul_equals_the_matmul(rows: int, k: int, n: int) -> None:
     np.testing.assert_allclose(got.numpy(), x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 7, 13])
+@pytest.mark.parametrize("k, n", [(576, 960), (33, 100), (5, 3)])
+def test_half_panels_multiply_by_the_rounded_weight(rows: int, k: int, n: int) -> None:
+    """Float16 panels (the draft side's): the product of the float16-rounded weight,
+    summed in float32; built from ``[K, N]`` or its transpose alike."""
+    rng = np.random.default_rng(rows + n)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    w[0, 0] = 1e-6  # a float16 subnormal
+    matrix = ServingMatrix(w, half=True)
+    assert matrix.packed and matrix.half
+    with paddle.no_grad():
+        got = matrix.matmul(paddle.to_tensor(x)).numpy()
+        transposed = ServingMatrix(np.ascontiguousarray(w.T), rows=True, half=True)
+        np.testing.assert_array_equal(transposed.matmul(paddle.to_tensor(x)).numpy(), got)
+    want = x.astype(np.float64) @ w.astype(np.float16).astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    assert np.abs(got - want).max() < np.abs(got - exact).max() / 10  # the rounded weight's
+    assert not ServingMatrix(w.astype(np.float64), half=True).packed  # float64 stays plain
+
+
 def test_a_row_gets_the_same_result_in_any_batch() -> None:
     """Each output is summed over K in one fixed order, whatever the rows beside it and
     the thread count: a verified row equals the same row decoded alone, bit for bit."""

@@ -108,12 +108,14 @@ from tqdm import tqdm
 from spectrio import Runtime, RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
 from spectrio.core.timing import StepTiming, device_summary
 from spectrio.models import LoadedModel, load, reference
-from spectrio.models.loader import load_tokenizer
+from spectrio.models.chat import build_chat_template
+from spectrio.models.loader import load_text_side, load_tokenizer
 from spectrio.models.synthetic import is_synthetic, parse_spec
 from spectrio.process_memory import peak_rss_bytes
 from spectrio.runtime import timing_cache
 from spectrio.stages.spec_policy import batch_bucket
 from spectrio.tools.bench_speedup import Z_95, format_speedups, pooled_rate, speedups
+from spectrio.tools.chat_prompts import heldout_chat_prompts
 from spectrio.tools.corpus import corpus_files, read_texts
 from spectrio.tools.generation_stats import GenerationStats
 from spectrio.tools.trace import ResultBuilder, TraceWriter, runtime_fields, summarize
@@ -132,6 +134,9 @@ def fixed_layout_bytes(batch: int) -> int:
     """The same fixed 6 x 21 per-slot layout sized to ``batch`` slots."""
     return 4 * (3 + batch) + batch * (6 * 21 * 4 * 2 + 6 * 4)
 
+
+WORKLOADS = ("heldout", "repeat", "chat")
+"""What the prompts are (:func:`bench_prompts`)."""
 
 PROMPT_STRIDE = 997
 """Tokens between the starts of two held-out prompts in one pass over the split."""
@@ -156,11 +161,20 @@ def bench_prompts(
     Held-out prompts start every :data:`PROMPT_STRIDE` tokens of each text; a second pass
     starts halfway between the first pass's starts, so the first pass's prompts (412 of
     48 tokens from the bundled split) come first and unchanged, and about twice as many
-    are available (batch 64 with 12 waves of requests, as batch 16 runs, needs 768)."""
+    are available (batch 64 with 12 waves of requests, as batch 16 runs, needs 768).
+
+    ``workload="chat"`` is for an instruct model: held-out user messages
+    (:func:`spectrio.tools.chat_prompts.heldout_chat_prompts`, no topic or phrasing of
+    which ``spectrio train-mtp`` trains on), each through the model's chat template;
+    ``prompt_tokens`` does not apply."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
     if is_synthetic(model):
         rng = np.random.default_rng(seed)
         ids = rng.integers(1, parse_spec(model).vocab, size=(count, prompt_tokens))
         return [[int(t) for t in row] for row in ids]
+    if workload == "chat":
+        return _chat_prompts(count, model)
     tok = load_tokenizer(model)  # not the weights: the cases load those
     assert tok is not None
     encoded: list[list[int]] = []
@@ -172,8 +186,6 @@ def bench_prompts(
             encoded.append(tok.encode(text))
             yield encoded[-1]
 
-    if workload not in ("heldout", "repeat"):
-        raise ValueError(f"workload must be 'heldout' or 'repeat', got {workload!r}")
     head = max(prompt_tokens // REPEAT_WORKLOAD_HEAD, 1) if workload == "repeat" else 0
     out: list[list[int]] = []
     for offset, texts in ((0, first_pass()), (PROMPT_STRIDE // 2, encoded)):
@@ -187,6 +199,16 @@ def bench_prompts(
         f"the held-out split holds {len(out)} prompts of {prompt_tokens} tokens, "
         f"not the {count} requested"
     )
+
+
+def _chat_prompts(count: int, model: str) -> list[list[int]]:
+    """The first ``count`` held-out user messages, each one turn through the model's chat
+    template (with the assistant's turn opened)."""
+    cfg, tok, source = load_text_side(model)
+    template = build_chat_template(source, tok, cfg)
+    if template is None:
+        raise ValueError(f"{model} has no chat template; --prompts chat needs one")
+    return [template.encode([{"role": "user", "content": m}]) for m in heldout_chat_prompts(count)]
 
 
 def spec_config(k: int | str, k_max: int = 4, method: str = "mtp") -> SpeculativeConfig:
@@ -798,10 +820,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--prompts",
-        choices=("heldout", "repeat"),
+        choices=WORKLOADS,
         default="heldout",
-        help="held-out code, or held-out code followed by its own first quarter again "
-        "(a rewrite request whose answer repeats the prompt)",
+        help="held-out code; held-out code followed by its own first quarter again "
+        "(a rewrite request whose answer repeats the prompt); or held-out user messages "
+        "through the model's chat template (an instruct model's requests)",
     )
     p.add_argument(
         "--repeat",
@@ -943,8 +966,8 @@ def main(argv: list[str] | None = None) -> int:
         from spectrio.tools.bench_prefix import run_shared_prefix
 
         return run_shared_prefix(args, ks, counts)
-    if args.prompts == "repeat" and is_synthetic(args.model):
-        p.error("--prompts repeat needs held-out text; the synthetic device has none")
+    if args.prompts != "heldout" and is_synthetic(args.model):
+        p.error(f"--prompts {args.prompts} needs held-out text; the synthetic device has none")
     prompts = bench_prompts(
         max(counts.values()), args.prompt_tokens, args.model, args.seed, args.prompts
     )

@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import structlog
 
+from spectrio.tools.chat_prompts import chat_prompts
+
 if TYPE_CHECKING:
     from spectrio.models.loader import LoadedModel
     from spectrio.models.model import SpectrioForCausalLM
@@ -47,57 +49,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger("spectrio.train_mtp")
 
 # ---- prompts -------------------------------------------------------------------------
-
-TOPICS = (
-    "photosynthesis", "the French Revolution", "binary search", "compound interest",
-    "black holes", "the water cycle", "recursion in programming", "climate change",
-    "the immune system", "supply and demand", "machine learning", "the Roman Empire",
-    "plate tectonics", "healthy sleep", "public speaking", "time management",
-    "the theory of evolution", "electric cars", "the stock market", "volcanoes",
-    "hash tables", "the human heart", "renewable energy", "the printing press",
-    "learning a new language", "the solar system", "vaccines", "sorting algorithms",
-    "the Internet", "ancient Egypt", "gardening for beginners", "the moon landing",
-    "saving money", "coffee", "the history of mathematics", "prime numbers",
-    "writing a good essay", "friendship", "ocean tides", "databases",
-    "linked lists", "the Great Wall of China", "bees and pollination", "inflation",
-    "regular expressions", "the Renaissance", "earthquakes", "nutrition", "chess",
-    "the Pythagorean theorem", "cloud computing", "rainforests", "the Olympic Games",
-    "probability", "memory in the brain", "airplanes and lift", "recycling",
-    "unit testing", "the industrial revolution", "music theory", "DNA", "glaciers",
-    "operating systems", "the scientific method", "budgeting", "dinosaurs",
-    "encryption", "the periodic table", "meditation", "bridges", "web browsers",
-    "the Silk Road", "magnets", "version control with git", "photography",
-    "the Cold War", "fractions", "bacteria", "open source software", "weather forecasts",
-    "graph algorithms", "the Amazon river", "electricity", "job interviews",
-    "the speed of light", "ancient Greece", "bicycles", "spreadsheets", "the ocean floor",
-    "object-oriented programming", "cooking pasta", "satellites", "democracy",
-    "the human eye", "dynamic programming", "wind power", "the Moon's phases",
-)  # fmt: skip
-TASKS = (
-    "Explain {t} in simple terms.",
-    "Write a short paragraph about {t}.",
-    "Give me three interesting facts about {t}.",
-    "What are the main ideas behind {t}?",
-    "Describe {t} to a ten-year-old.",
-    "Write a short story that involves {t}.",
-    "List the pros and cons of {t}.",
-    "Summarize the history of {t}.",
-    "How would you teach {t} to a beginner?",
-    "Write a Python function related to {t}, with a docstring.",
-    "What are common misconceptions about {t}?",
-    "Write a haiku about {t}, then explain it.",
-    "Write a short dialogue between two friends about {t}.",
-    "Give a step-by-step guide to understanding {t}.",
-    "Compare {t} with something from everyday life.",
-    "Write five quiz questions about {t}, with answers.",
-)
-
-
-def chat_prompts(count: int, rng: np.random.Generator) -> list[str]:
-    """``count`` distinct user messages (topic x task), in a seeded order."""
-    pairs = [(t, k) for t in TOPICS for k in TASKS]
-    picks = rng.permutation(len(pairs))[:count]
-    return [pairs[i][1].format(t=pairs[i][0]) for i in picks]
 
 
 def text_windows(

@@ -11,7 +11,9 @@
 //   two to three times one row's; streaming each contiguous panel once through a
 //   register tile of up to 6 rows x 16 columns keeps a few rows at one row's memory
 //   traffic, and the same tile is a full-rate GEMM micro-kernel for many rows. The LM
-//   head is packed the same way.
+//   head is packed the same way. Panels may also be float16 (the MTP layer's and the
+//   draft head's, whose products only pick drafts): each weight is widened to float32 in
+//   registers, so the product reads half the bytes and sums in float32 as before.
 //
 // Every output element is computed by one thread over a fixed order, so results do not
 // depend on the thread count. Threads come from OpenMP with an explicit count, from the
@@ -19,11 +21,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "paddle/extension.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define SPECTRIO_AVX2 1
 #endif
@@ -95,7 +98,43 @@ constexpr int64_t kPanel = 16;     // columns per panel
 constexpr int64_t kTileRows = 6;   // rows per register tile: 12 accumulators
 constexpr int64_t kRowBlock = 96;  // rows whose inputs stay in L2 while every panel passes
 
+// IEEE half -> float, exactly (the scalar path's; F16C does it in registers)
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+  if (exp == 0x1fu) {
+    bits = sign | 0x7f800000u | (man << 13);  // inf, nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;  // signed zero
+  } else {  // subnormal: normalise
+    exp = 113u;
+    while ((man & 0x400u) == 0) {
+      man <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline float widen(float w) { return w; }
+inline float widen(uint16_t w) { return half_to_float(w); }
+
 #ifdef SPECTRIO_AVX2
+// The 16 weights of one panel row, as two float32 vectors.
+inline void load_row(const float* p, __m256& w0, __m256& w1) {
+  w0 = _mm256_loadu_ps(p);
+  w1 = _mm256_loadu_ps(p + 8);
+}
+inline void load_row(const uint16_t* p, __m256& w0, __m256& w1) {
+  w0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  w1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+}
+
 #define SPECTRIO_ROW(r)                                                  \
   if constexpr (MR > r) {                                                \
     const __m256 b = _mm256_broadcast_ss(x + r * k_dim + k);             \
@@ -117,17 +156,18 @@ constexpr int64_t kRowBlock = 96;  // rows whose inputs stay in L2 while every p
 
 // out[0 .. MR) x [0 .. cols) of one panel; the accumulators are named variables so that
 // they stay in registers (an array of them was spilled to the stack every iteration).
-template <int MR>
-void panel_tile(const float* __restrict x, int64_t k_dim, const float* __restrict panel,
+template <typename W, int MR>
+void panel_tile(const float* __restrict x, int64_t k_dim, const W* __restrict panel,
                 float* __restrict out, int64_t n, int64_t cols) {
   const __m256 z = _mm256_setzero_ps();
   __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z;
   __m256 c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
+  // the panel is read front to back; fetching 512 bytes ahead hides memory latency
+  constexpr int64_t kAhead = 512 / sizeof(W);
   for (int64_t k = 0; k < k_dim; ++k) {
-    // the panel is read front to back; fetching 512 bytes ahead hides memory latency
-    _mm_prefetch(reinterpret_cast<const char*>(panel + k * kPanel + 128), _MM_HINT_T0);
-    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel);
-    const __m256 w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+    _mm_prefetch(reinterpret_cast<const char*>(panel + k * kPanel + kAhead), _MM_HINT_T0);
+    __m256 w0, w1;
+    load_row(panel + k * kPanel, w0, w1);
     SPECTRIO_ROW(0) SPECTRIO_ROW(1) SPECTRIO_ROW(2) SPECTRIO_ROW(3) SPECTRIO_ROW(4) SPECTRIO_ROW(5)
   }
   SPECTRIO_STORE(0) SPECTRIO_STORE(1) SPECTRIO_STORE(2)
@@ -136,47 +176,35 @@ void panel_tile(const float* __restrict x, int64_t k_dim, const float* __restric
 #undef SPECTRIO_ROW
 #undef SPECTRIO_STORE
 
-using TileFn = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t);
-constexpr TileFn kTiles[kTileRows + 1] = {nullptr,        panel_tile<1>, panel_tile<2>,
-                                          panel_tile<3>,  panel_tile<4>, panel_tile<5>,
-                                          panel_tile<6>};
-
-void panel_rows(const float* x, int64_t rows, int64_t k_dim, const float* panel, float* out,
+template <typename W>
+void panel_rows(const float* x, int64_t rows, int64_t k_dim, const W* panel, float* out,
                 int64_t n, int64_t cols) {
+  using TileFn = void (*)(const float*, int64_t, const W*, float*, int64_t, int64_t);
+  constexpr TileFn kTiles[kTileRows + 1] = {nullptr,          panel_tile<W, 1>, panel_tile<W, 2>,
+                                            panel_tile<W, 3>, panel_tile<W, 4>, panel_tile<W, 5>,
+                                            panel_tile<W, 6>};
   for (int64_t m = 0; m < rows; m += kTileRows) {
     const int64_t mr = std::min(kTileRows, rows - m);
     kTiles[mr](x + m * k_dim, k_dim, panel, out + m * n, n, cols);
   }
 }
 #else
-void panel_rows(const float* x, int64_t rows, int64_t k_dim, const float* panel, float* out,
+template <typename W>
+void panel_rows(const float* x, int64_t rows, int64_t k_dim, const W* panel, float* out,
                 int64_t n, int64_t cols) {
   for (int64_t m = 0; m < rows; ++m) {
     float acc[kPanel] = {};
     for (int64_t k = 0; k < k_dim; ++k)
-      for (int64_t c = 0; c < kPanel; ++c) acc[c] += x[m * k_dim + k] * panel[k * kPanel + c];
+      for (int64_t c = 0; c < kPanel; ++c)
+        acc[c] += x[m * k_dim + k] * widen(panel[k * kPanel + c]);
     for (int64_t c = 0; c < cols; ++c) out[m * n + c] = acc[c];
   }
 }
 #endif
 
-}  // namespace
-
-std::vector<paddle::Tensor> PanelMatmul(const paddle::Tensor& x, const paddle::Tensor& panels,
-                                        int64_t n, int num_threads) {
-  check_f32_cpu(x, "panel_matmul x");
-  check_f32_cpu(panels, "panel_matmul panels");
-  PD_CHECK(x.shape().size() == 2 && panels.shape().size() == 3, "panel_matmul: x is 2-D, "
-           "panels 3-D");
-  const int64_t rows = x.shape()[0], k_dim = x.shape()[1], count = panels.shape()[0];
-  PD_CHECK(panels.shape()[1] == k_dim && panels.shape()[2] == kPanel,
-           "panel_matmul: panels are [ceil(N / 16), K, 16] for x [M, K]");
-  PD_CHECK(n > (count - 1) * kPanel && n <= count * kPanel, "panel_matmul: N does not fit "
-           "the panels");
-  auto out = paddle::empty({rows, n}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  const float* xp = x.data<float>();
-  const float* pp = panels.data<float>();
-  float* op = out.data<float>();
+template <typename W>
+void panel_matmul(const float* xp, int64_t rows, int64_t k_dim, const W* pp, int64_t count,
+                  float* op, int64_t n, int num_threads) {
 #pragma omp parallel num_threads(std::max(1, num_threads))
   for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
     const int64_t block = std::min(kRowBlock, rows - m0);
@@ -187,6 +215,32 @@ std::vector<paddle::Tensor> PanelMatmul(const paddle::Tensor& x, const paddle::T
                  n, cols);
     }
   }
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> PanelMatmul(const paddle::Tensor& x, const paddle::Tensor& panels,
+                                        int64_t n, int num_threads) {
+  check_f32_cpu(x, "panel_matmul x");
+  PD_CHECK(panels.is_cpu(), "panel_matmul panels: a CPU tensor is expected");
+  const bool half = panels.dtype() == paddle::DataType::FLOAT16;
+  PD_CHECK(half || panels.dtype() == paddle::DataType::FLOAT32,
+           "panel_matmul panels: float32 or float16 is expected");
+  PD_CHECK(x.shape().size() == 2 && panels.shape().size() == 3, "panel_matmul: x is 2-D, "
+           "panels 3-D");
+  const int64_t rows = x.shape()[0], k_dim = x.shape()[1], count = panels.shape()[0];
+  PD_CHECK(panels.shape()[1] == k_dim && panels.shape()[2] == kPanel,
+           "panel_matmul: panels are [ceil(N / 16), K, 16] for x [M, K]");
+  PD_CHECK(n > (count - 1) * kPanel && n <= count * kPanel, "panel_matmul: N does not fit "
+           "the panels");
+  auto out = paddle::empty({rows, n}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  if (half) {
+    const auto* pp = reinterpret_cast<const uint16_t*>(panels.data<paddle::float16>());
+    panel_matmul(x.data<float>(), rows, k_dim, pp, count, out.data<float>(), n, num_threads);
+  } else {
+    panel_matmul(x.data<float>(), rows, k_dim, panels.data<float>(), count, out.data<float>(), n,
+                 num_threads);
+  }
   return {out};
 }
 
@@ -196,7 +250,7 @@ std::vector<std::vector<int64_t>> PanelMatmulShape(const std::vector<int64_t>& x
 }
 
 std::vector<paddle::DataType> PanelMatmulDtype(const paddle::DataType& x, const paddle::DataType&) {
-  return {x};
+  return {x};  // float32 out, whichever the panels' dtype
 }
 
 PD_BUILD_OP(spectrio_panel_matmul)
