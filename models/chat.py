@@ -130,6 +130,15 @@ class ChatTemplate:
         except TemplateError as exc:
             raise InvalidRequest("messages", f"the chat template failed: {exc}") from exc
 
+    def user_turn_prefix(self) -> list[int]:
+        """Token ids of a conversation up to where its first user message's text begins
+        (the template's default system turn, if any, and the user turn's opening): what a
+        model continues to write a user's request itself."""
+        text = self.render([{"role": "user", "content": _SENTINEL}], add_generation_prompt=False)
+        if _SENTINEL not in text:
+            raise CheckpointError("the chat template does not write the user's message")
+        return self._tokenizer.encode(text.split(_SENTINEL, 1)[0])
+
     def encode(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of :meth:`render`'s text (special tokens in the text become their
         ids; nothing else is added)."""

@@ -13,6 +13,7 @@ from spectrio.tools.chat_prompts import (
     TRAIN_TOPICS,
     chat_prompts,
     heldout_chat_prompts,
+    usable_messages,
 )
 
 
@@ -47,3 +48,24 @@ def test_held_out_prompts_are_all_pairs_in_a_varied_order() -> None:
     assert sorted(task_of) == list(range(len(HELDOUT_TASKS)))
     with pytest.raises(ValueError, match=f"there are {everything} held-out chat prompts"):
         heldout_chat_prompts(everything + 1)
+
+
+def test_usable_messages_keep_finished_distinct_ones_off_held_out_topics() -> None:
+    written = [
+        ("  How do I bake bread at home?  ", True),
+        ("Tell me about a river that", False),  # cut by the token limit
+        ("Hi there", True),  # too short
+        ("how do I  bake bread at HOME?", True),  # the first again
+        ("Write a poem about lighthouses and the sea.", True),  # a held-out topic
+        ("What is a good name for a cat?", True),
+        ("Plan a trip to the mountains for me.", True),
+    ]
+    assert usable_messages(written, 10) == [
+        "How do I bake bread at home?",
+        "What is a good name for a cat?",
+        "Plan a trip to the mountains for me.",
+    ]
+    assert usable_messages(written, 2) == [
+        "How do I bake bread at home?",
+        "What is a good name for a cat?",
+    ]

@@ -48,6 +48,18 @@ def test_smollm2_template_renders_as_transformers_did(smollm2_gguf: Path) -> Non
         assert chat.render(messages) == rendered
         assert chat.encode(messages) == ids
     assert chat.stop_token_ids() == [2]  # <|im_end|>, which is also EOS
+    # where a user's message begins: the default system turn, then the user turn opened
+    prefix = chat.user_turn_prefix()
+    assert tok.raw.decode(prefix, skip_special_tokens=False).endswith(
+        "<|im_end|>\n<|im_start|>user\n"
+    )
+    assert GOLDEN["prompt_ids"][0][: len(prefix)] == prefix
+
+
+def test_a_template_that_never_writes_the_message_has_no_user_turn() -> None:
+    chat = ChatTemplate("{{ bos_token }}hello", tiny_tokenizer(), {"bos_token": ""})
+    with pytest.raises(CheckpointError, match="does not write the user's message"):
+        chat.user_turn_prefix()
 
 
 def test_a_turn_closing_token_becomes_a_stop_token() -> None:

@@ -83,3 +83,37 @@ def test_the_head_records_how_it_was_trained() -> None:
         meta = f.metadata()
     assert meta["format"] == "spectrio-mtp-head/1"
     assert int(meta["steps"]) > 0 and len(json.loads(meta["accepted"])) == 3
+
+
+def test_train_mtp_writes_its_own_user_messages(smol: LoadedModel, tmp_path: Path) -> None:
+    """``--chat-prompts self``: the target writes the chat half's requests itself from
+    its template's opened user turn; they are kept in the work folder, so a resumed run
+    builds the same prompts, and become chat prompts through the template."""
+    import argparse
+
+    import numpy as np
+
+    from spectrio.models.chat import chat_template_for
+    from spectrio.tools.chat_prompts import usable_messages
+    from spectrio.tools.train_mtp import _write_messages, build_prompts, user_messages
+
+    args = argparse.Namespace(
+        chat_prompts="self", text=None, prompts=8, gen_batch=4, seed=3, threads=None,
+        bar_interval=60.0, work_dir=tmp_path, prompt_tokens=32,
+    )  # fmt: skip
+
+    async def write() -> list[str]:
+        with trio.fail_after(300):
+            return await _write_messages(smol, 4, args)
+
+    messages = trio.run(write)
+    assert len(messages) == 4
+    assert usable_messages([(m, True) for m in messages], 4) == messages  # all usable
+    # user_messages keeps them in the work folder; a resumed run reads them back
+    (tmp_path / "user_messages.json").write_text(json.dumps(messages))
+    assert user_messages(smol, args) == messages
+    prompts = build_prompts(smol, args, np.random.default_rng(0), messages)
+    template = chat_template_for(smol)
+    assert template is not None
+    chat = {tuple(template.encode([{"role": "user", "content": m}])) for m in messages}
+    assert len(prompts) == 8 and sum(tuple(p) in chat for p in prompts) == 4

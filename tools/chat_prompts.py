@@ -1,6 +1,11 @@
 """User messages for an instruct model: the ones ``spectrio train-mtp`` trains a head on,
 and held-out ones ``spectrio bench --prompts chat`` measures it on.
 
+Training messages are either topic x task pairs (:func:`chat_prompts`) or ones the target
+wrote itself, sampled from its chat template's opened user turn and filtered by
+:func:`usable_messages`: a head trained on a few dozen topics learns their answers
+rather than the target.
+
 Invariant: the two sets share no topic and no task phrasing (``tests/test_chat_prompts.py``
 checks it), so a head is never measured on a request it was trained on, nor on one that
 differs from such a request only in its topic. The training lists are part of the
@@ -18,6 +23,7 @@ __all__ = [
     "TRAIN_TOPICS",
     "chat_prompts",
     "heldout_chat_prompts",
+    "usable_messages",
 ]
 
 TRAIN_TOPICS = (
@@ -119,3 +125,22 @@ def heldout_chat_prompts(count: int) -> list[str]:
         HELDOUT_TASKS[(i + i // n_topics) % n_tasks].format(t=HELDOUT_TOPICS[i % n_topics])
         for i in range(count)
     ]
+
+
+def usable_messages(written: list[tuple[str, bool]], count: int, min_words: int = 3) -> list[str]:
+    """Up to ``count`` of the messages a model wrote, in order: each ``(text, finished)``
+    is kept when it ended its turn (``finished``, not cut by the token limit), holds at
+    least ``min_words`` words, names no held-out topic and repeats no earlier one."""
+    banned = [t.lower() for t in HELDOUT_TOPICS]
+    kept: dict[str, str] = {}  # normalised text -> the text as written
+    for text, finished in written:
+        text = text.strip()
+        key = " ".join(text.lower().split())
+        if not finished or len(key.split()) < min_words or key in kept:
+            continue
+        if any(topic in key for topic in banned):
+            continue
+        kept[key] = text
+        if len(kept) == count:
+            break
+    return list(kept.values())

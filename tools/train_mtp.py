@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import structlog
 
-from spectrio.tools.chat_prompts import chat_prompts
+from spectrio.tools.chat_prompts import chat_prompts, usable_messages
 
 if TYPE_CHECKING:
     from spectrio.models.loader import LoadedModel
@@ -70,9 +70,13 @@ def text_windows(
 
 
 def build_prompts(
-    loaded: LoadedModel, args: argparse.Namespace, rng: np.random.Generator
+    loaded: LoadedModel,
+    args: argparse.Namespace,
+    rng: np.random.Generator,
+    messages: list[str] | None = None,
 ) -> list[list[int]]:
-    """Token ids of every prompt: windows of ``--text`` files, or the default mix."""
+    """Token ids of every prompt: windows of ``--text`` files, or the default mix (chat
+    turns of ``messages``, or of topic x task messages when None, and code windows)."""
     tok = loaded.tokenizer
     if tok is None:
         raise SystemExit("error: the model has no tokenizer; train-mtp needs one")
@@ -86,9 +90,11 @@ def build_prompts(
 
     template = chat_template_for(loaded)
     n_chat = args.prompts // 2 if template is not None else 0
+    if messages is None:
+        messages = chat_prompts(n_chat, rng) if template is not None else []
     prompts = [
         template.encode([{"role": "user", "content": m}])
-        for m in chat_prompts(n_chat, rng)
+        for m in messages[:n_chat]
         if template is not None
     ]
     files = corpus_files("train")
@@ -249,6 +255,90 @@ async def _generate(
             partial.save()
     bar.close()
     return [row for row in out if row is not None]
+
+
+MESSAGE_TOKENS = 64
+"""The longest user message the target may write for itself (``--chat-prompts self``)."""
+
+
+async def _write_messages(loaded: LoadedModel, count: int, args: argparse.Namespace) -> list[str]:
+    """``count`` user messages the target writes itself: its chat template's opened user
+    turn, sampled (temperature 1, top-p 0.95, one seed per draw) until the turn ends, and
+    kept by :func:`~spectrio.tools.chat_prompts.usable_messages`. Draws go on in rounds
+    until ``count`` are kept (at most eight rounds)."""
+    import trio
+    from tqdm import tqdm
+
+    from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
+    from spectrio.models.chat import chat_template_for
+
+    template = chat_template_for(loaded)
+    tok = loaded.tokenizer
+    if template is None or tok is None:
+        return []
+    prefix = template.user_turn_prefix()
+    stops = template.stop_token_ids()
+    config = RuntimeConfig(
+        model=str(loaded.path),
+        max_num_seqs=args.gen_batch,
+        max_model_len=len(prefix) + MESSAGE_TOKENS + 8,
+        speculative=SpeculativeConfig(method=None),
+        num_threads=args.threads,
+    )
+    written: list[tuple[str, bool]] = []
+    kept: list[str] = []
+    bar = tqdm(total=count, desc="user messages", unit="msg", mininterval=args.bar_interval)
+    async with open_runtime(config, loaded=loaded, warmup=False) as rt:
+        limit = trio.Semaphore(args.gen_batch * 2)
+
+        async def one(i: int, base: int, out: list[tuple[str, bool] | None]) -> None:
+            params = SamplingParams(
+                max_tokens=MESSAGE_TOKENS,
+                temperature=1.0,
+                top_p=0.95,
+                seed=args.seed * 1_000_003 + base + i,  # draw number base + i
+                stop_token_ids=stops,
+            )
+            async with limit:
+                ids: list[int] = []
+                finish = None
+                async with rt.generate(prefix, params) as stream:
+                    async for delta in stream:
+                        ids += delta.token_ids
+                        finish = delta.finish_reason or finish
+                out[i] = (tok.decode(ids), finish == "stop")
+
+        for _ in range(8):
+            need = count - len(kept)
+            draws: list[tuple[str, bool] | None] = [None] * (need + need // 4 + 8)
+            async with trio.open_nursery() as nursery:
+                for i in range(len(draws)):
+                    nursery.start_soon(one, i, len(written), draws)
+            written += [d for d in draws if d is not None]
+            before = len(kept)
+            kept = usable_messages(written, count)
+            bar.update(len(kept) - before)
+            if len(kept) == count:
+                break
+    bar.close()
+    log.info("user messages written", kept=len(kept), drawn=len(written))
+    return kept
+
+
+def user_messages(loaded: LoadedModel, args: argparse.Namespace) -> list[str] | None:
+    """The chat messages of the default prompt mix: None for topic x task ones, or with
+    ``--chat-prompts self`` the target's own (:func:`_write_messages`), kept in the work
+    folder so a resumed run builds the same prompts."""
+    if args.chat_prompts != "self" or args.text:
+        return None
+    import trio
+
+    path = args.work_dir / "user_messages.json"
+    if path.exists():
+        return list(json.loads(path.read_text()))
+    messages = trio.run(_write_messages, loaded, args.prompts // 2, args)
+    path.write_text(json.dumps(messages, indent=0, ensure_ascii=False))
+    return messages
 
 
 # ---- stage 2: features of one teacher-forced pass -------------------------------------
@@ -784,6 +874,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--text", nargs="*", default=None, help="text files to draw prompts from")
     p.add_argument("--prompts", type=int, default=480, help="prompts to generate from")
+    p.add_argument(
+        "--chat-prompts",
+        choices=("topics", "self"),
+        default="topics",
+        help="the default mix's chat half: topic x task requests written here, or "
+        "requests the target writes itself (sampled from its template's user turn; far "
+        "more varied, none on a topic spectrio bench --prompts chat holds out)",
+    )
     p.add_argument("--prompt-tokens", type=int, default=128, help="longest text prompt")
     p.add_argument("--gen-tokens", type=int, default=192, help="tokens generated per prompt")
     p.add_argument("--gen-batch", type=int, default=32, help="concurrent generations")
@@ -890,7 +988,7 @@ def _main(args: argparse.Namespace) -> int:
         log.info("generations reused", sequences=len(seqs), tokens=int(seqs.tokens.size))
     else:
         rng = np.random.default_rng(args.seed)
-        prompts = build_prompts(loaded, args, rng)
+        prompts = build_prompts(loaded, args, rng, user_messages(loaded, args))
         partial = PartialGenerations(args.work_dir / "generations.partial.npz", prompts)
         if partial.done:
             log.info("generations resumed", done=len(partial.done), prompts=len(prompts))
