@@ -7,7 +7,8 @@ Run: ``python benchmarks/bench_models.py [--model bundled] [--rows 1 4 16 64]
 Each forward case is a decode step as the verify stage runs it: ``rows`` sequences with
 64 tokens of context in the paged cache, one new row each, logits for every row. The
 MTP case is one draft substep over the same rows, as the proposer runs it (over the
-draft vocabulary where the model has one, with the draft side's float16 weights).
+draft vocabulary where the model has one, with the draft side's float16 weights), and
+``mtp_f32`` the same with float32 draft weights.
 Cases alternate in rounds and the median is reported, so a busy machine slows every case
 alike. Ops are counted with ``paddle.profiler`` (top-level operator events per forward).
 ``--reference`` adds the oracle's speed (dense attention, one token at a time, batch 1).
@@ -138,12 +139,26 @@ def main(argv: list[str] | None = None) -> int:
         cases[f"target_rows{rows}"] = target
         if model.mtp is not None:
             cases[f"mtp_rows{rows}"] = mtp
-    for fn in cases.values():
+            if model.draft_half:
+                cases[f"mtp_f32_rows{rows}"] = mtp  # run with float32 draft weights
+    half = model.draft_half
+
+    def precision_for(name: str) -> None:
+        """The draft weights' precision an MTP case runs with (repacked on a change, and
+        outside the timing: the pass right after packs them)."""
+        want = half and not name.startswith("mtp_f32")
+        if name.startswith("mtp") and model.draft_half != want:
+            model.set_draft_precision(want)
+            cases[name]()  # the first pass after a change packs the weights
+
+    for name, fn in cases.items():
+        precision_for(name)
         for _ in range(5):
             fn()
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.rounds):
         for name, fn in cases.items():
+            precision_for(name)
             t0 = time.perf_counter()
             for _ in range(args.calls):
                 fn()
@@ -158,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_seconds": round(load_seconds, 3),
     }
     for name, fn in cases.items():
+        precision_for(name)
         result[f"{name}_us"] = round(statistics.median(times[name]), 1)
         result[f"{name}_ops"] = _count_ops(fn)
     for rows in args.rows:
