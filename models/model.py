@@ -290,9 +290,11 @@ class SpectrioForCausalLM(nn.Layer):
         """Draft with float16 (``half``) or full-precision copies of the MTP pass's
         weights. Float16 reads half the bytes of a memory-bound substep; the drafts
         may differ where two tokens' logits are within its rounding, which moves the
-        acceptance, never the output (verification runs in full precision)."""
-        if self.mtp is None:
+        acceptance, never the output (verification runs in full precision). The copies
+        are rebuilt from the weights, which a serving-only model has released."""
+        if self.mtp is None or self.mtp.half_weights == half:
             return
+        self.require_weights("set_draft_precision()")
         self.mtp.half_weights = half
         self.mtp.drop_fused()
         self._draft_head = HeadLayouts(half)

@@ -77,6 +77,18 @@ def test_paged_mtp_logits_close_to_dense_in_float32(half: bool) -> None:
         assert error > 1e-5  # the float16 copies were used
 
 
+def test_draft_precision_needs_the_weights_it_rebuilds_from() -> None:
+    """A serving-only model (the runtime's own load) released the separate projections
+    the float32 copies would be rebuilt from: changing the precision is refused, keeping
+    it is not."""
+    model = tiny_model("float32", seed=4)
+    model.prepare_serving(release=True)
+    model.set_draft_precision(True)  # unchanged
+    with pytest.raises(RuntimeError, match=r"set_draft_precision\(\)"):
+        model.set_draft_precision(False)
+    assert model.draft_half
+
+
 def test_mtp_requires_an_mtp_layer() -> None:
     from spectrio.models import ModelConfig, build_model
 
