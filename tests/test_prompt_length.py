@@ -130,4 +130,6 @@ async def test_huge_text_prompts_are_refused_at_once_while_another_stream_runs()
             assert max(refusals) < 0.1, refusals
             assert rss1 - rss0 < 50
             steady = sorted(gaps[5:])[len(gaps[5:]) // 2]
-            assert max(gaps[5:]) < max(10 * steady, 0.1), (max(gaps[5:]), steady)
+            # tokenizing one such prompt would stall the stream about 3 s; a 2-core
+            # machine shared with another busy process deschedules it up to about 0.4 s
+            assert max(gaps[5:]) < max(10 * steady, 0.5), (max(gaps[5:]), steady)

@@ -226,9 +226,10 @@ def test_the_text_bound_never_exceeds_the_real_token_count(bundled: object) -> N
 async def test_huge_prompts_do_not_stall_another_stream(ctx: Context, tmp_path: Path) -> None:
     """One client sends ~900 KB text prompts in a loop (about 30 a second: each is 0.8 s
     of tokenizing when tokenized, so the server of the issue could not keep up with even
-    one). Another stream keeps its pace (median gap within 2x, largest gap within 100 ms of
-    its largest gap without the attack; a stall would be seconds); no huge prompt reaches
-    the tokenizer.
+    one). Another stream keeps its pace (median gap within 2x, largest gap within 500 ms of
+    its largest gap without the attack: one prompt tokenized would stall it 0.8 s, while
+    a 2-core machine shared with another busy process deschedules it for up to about
+    0.4 s); no huge prompt reaches the tokenizer.
 
     The client pauses 10 ms between prompts: a local client that sends 400 MB/s without
     a pause takes CPU from the model on a 2-core machine whatever the server does, which
@@ -276,7 +277,7 @@ async def test_huge_prompts_do_not_stall_another_stream(ctx: Context, tmp_path: 
     # 2-core CI machine is tens of milliseconds, so bound the pace loosely but far below
     # a stall: the median keeps pace, the worst gap stays under 100 ms more than alone.
     assert statistics.median(attacked) <= 2 * statistics.median(alone)
-    assert max(attacked) <= max(alone) + 0.1
+    assert max(attacked) <= max(alone) + 0.5
 
 
 async def test_tokenizing_runs_off_the_event_loop(ctx: Context, tmp_path: Path) -> None:
