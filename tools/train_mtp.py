@@ -6,10 +6,11 @@ j + 1 reads substep j's own output hidden state). Three stages, each kept in the
 folder, so an interrupted run resumes where it stopped:
 
 1. **Generations.** The target's own greedy continuations of prompts: the user's text
-   files cut into prompts (``--text``), or by default chat prompts written here (through
-   the model's chat template) and windows of Python's standard library sources (the
-   training split of ``tools/corpus.py``, never its held-out files). The runtime
-   generates them, batched.
+   files cut into prompts (``--text``), or by default chat requests through the model's
+   chat template (:mod:`spectrio.tools.chat_prompts`'s topic x task ones, or with
+   ``--chat-prompts self`` ones the target writes itself) and windows of Python's
+   standard library sources (the training split of ``tools/corpus.py``, never its
+   held-out files). The runtime generates them, batched.
 2. **Features.** One teacher-forced target pass over each sequence keeps the final
    normed hidden state and the top ``--top-k`` next-token probabilities at every
    position. Because the continuation is the target's own greedy output, the target's
