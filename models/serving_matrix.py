@@ -34,8 +34,9 @@ PANEL = 16
 
 def pack_panels(w: np.ndarray) -> np.ndarray:
     """``[K, N]`` → ``[ceil(N / 16), K, 16]``: panel ``p`` holds columns ``16p .. 16p + 15``
-    row by row, the last one zero-padded. The layout's definition; the runtime packs with
-    :func:`spectrio.models.native_ops.pack_panels`, which the tests check against it."""
+    row by row, the last one zero-padded. The layout's definition; the runtime packs
+    float32 panels with :func:`spectrio.models.native_ops.pack_panels`, which the tests
+    check against it, and float16 ones (``half``, the few draft-side matrices) with this."""
     k, n = w.shape
     count = -(-n // PANEL)
     padded = np.zeros((k, count * PANEL), dtype=w.dtype)

@@ -43,6 +43,7 @@ import structlog
 from spectrio.tools.chat_prompts import chat_prompts, usable_messages
 
 if TYPE_CHECKING:
+    from spectrio import Runtime, RuntimeConfig, SamplingParams
     from spectrio.models.loader import LoadedModel
     from spectrio.models.model import SpectrioForCausalLM
     from spectrio.models.paddle_setup import paddle
@@ -180,6 +181,35 @@ class PartialGenerations:
         tmp.replace(self.path)
 
 
+def _generation_config(
+    loaded: LoadedModel, args: argparse.Namespace, max_model_len: int
+) -> RuntimeConfig:
+    """The runtime both generation stages open on the loaded target: ``--gen-batch`` at
+    once, no speculation."""
+    from spectrio import RuntimeConfig, SpeculativeConfig
+
+    return RuntimeConfig(
+        model=str(loaded.path),
+        max_num_seqs=args.gen_batch,
+        max_model_len=max_model_len,
+        speculative=SpeculativeConfig(method=None),
+        num_threads=args.threads,
+    )
+
+
+async def _completion(
+    rt: Runtime, prompt: list[int], params: SamplingParams
+) -> tuple[list[int], str | None]:
+    """One request's generated token ids and its finish reason."""
+    ids: list[int] = []
+    finish = None
+    async with rt.generate(prompt, params) as stream:
+        async for delta in stream:
+            ids += delta.token_ids
+            finish = delta.finish_reason or finish
+    return ids, finish
+
+
 async def _generate(
     loaded: LoadedModel,
     prompts: list[list[int]],
@@ -189,18 +219,12 @@ async def _generate(
     import trio
     from tqdm import tqdm
 
-    from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
+    from spectrio import SamplingParams, open_runtime
     from spectrio.models.chat import chat_template_for
 
     template = chat_template_for(loaded)
     stops = template.stop_token_ids() if template is not None else []
-    config = RuntimeConfig(
-        model=str(loaded.path),
-        max_num_seqs=args.gen_batch,
-        max_model_len=args.prompt_tokens + args.gen_tokens + 64,
-        speculative=SpeculativeConfig(method=None),
-        num_threads=args.threads,
-    )
+    config = _generation_config(loaded, args, args.prompt_tokens + args.gen_tokens + 64)
     params = SamplingParams(max_tokens=args.gen_tokens, stop_token_ids=stops)
     out: list[tuple[list[int], list[int]] | None] = [None] * len(prompts)
     kept = partial.done if partial is not None else {}
@@ -228,10 +252,7 @@ async def _generate(
             async def one(i: int) -> None:
                 nonlocal last_save
                 async with limit:
-                    ids: list[int] = []
-                    async with rt.generate(prompts[i], params) as stream:
-                        async for delta in stream:
-                            ids += delta.token_ids
+                    ids, _ = await _completion(rt, prompts[i], params)
                     out[i] = (prompts[i], ids)
                     bar.update(1)
                     if partial is not None:
@@ -270,7 +291,7 @@ async def _write_messages(loaded: LoadedModel, count: int, args: argparse.Namesp
     import trio
     from tqdm import tqdm
 
-    from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
+    from spectrio import SamplingParams, open_runtime
     from spectrio.models.chat import chat_template_for
 
     template = chat_template_for(loaded)
@@ -279,13 +300,7 @@ async def _write_messages(loaded: LoadedModel, count: int, args: argparse.Namesp
         return []
     prefix = template.user_turn_prefix()
     stops = template.stop_token_ids()
-    config = RuntimeConfig(
-        model=str(loaded.path),
-        max_num_seqs=args.gen_batch,
-        max_model_len=len(prefix) + MESSAGE_TOKENS + 8,
-        speculative=SpeculativeConfig(method=None),
-        num_threads=args.threads,
-    )
+    config = _generation_config(loaded, args, len(prefix) + MESSAGE_TOKENS + 8)
     written: list[tuple[str, bool]] = []
     kept: list[str] = []
     bar = tqdm(total=count, desc="user messages", unit="msg", mininterval=args.bar_interval)
@@ -301,12 +316,7 @@ async def _write_messages(loaded: LoadedModel, count: int, args: argparse.Namesp
                 stop_token_ids=stops,
             )
             async with limit:
-                ids: list[int] = []
-                finish = None
-                async with rt.generate(prefix, params) as stream:
-                    async for delta in stream:
-                        ids += delta.token_ids
-                        finish = delta.finish_reason or finish
+                ids, finish = await _completion(rt, prefix, params)
                 out[i] = (tok.decode(ids), finish == "stop")
 
         for _ in range(8):
