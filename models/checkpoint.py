@@ -16,12 +16,14 @@ layout the config records.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Protocol
 
 import ml_dtypes  # noqa: F401  # registers numpy's "bfloat16", which safetensors reads
 import numpy as np
 from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
 from spectrio.errors import CheckpointError
 from spectrio.models import mtp_layout
@@ -35,6 +37,7 @@ __all__ = [
     "hf_name",
     "interleaved_to_half",
     "is_linear",
+    "save_safetensors",
     "split_axis",
 ]
 
@@ -44,6 +47,19 @@ HEAD_FILE = "mtp.safetensors"
 (:mod:`spectrio.models.mtp_head` reads it)."""
 
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def save_safetensors(
+    tensors: dict[str, np.ndarray], path: str | Path, metadata: dict[str, str]
+) -> None:
+    """Write ``tensors`` to ``path`` as a safetensors file, readable as any file this
+    process creates is. ``safetensors`` writes through a private temporary file and
+    leaves the result at mode 0600: a converted model or a trained head would be
+    unreadable to the other users and services that load it."""
+    save_file(tensors, str(path), metadata=metadata)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 class TensorSource(Protocol):

@@ -16,10 +16,14 @@ from pathlib import Path
 
 import numpy as np
 import structlog
-from safetensors.numpy import save_file
 
 from spectrio.errors import CheckpointError
-from spectrio.models.checkpoint import INDEX_FILE, half_to_interleaved, is_qk_rows
+from spectrio.models.checkpoint import (
+    INDEX_FILE,
+    half_to_interleaved,
+    is_qk_rows,
+    save_safetensors,
+)
 from spectrio.models.gguf_file import GGUFFile
 
 log = structlog.get_logger("spectrio.models.convert")
@@ -60,9 +64,7 @@ def convert_gguf(
 
     names = sorted(gguf.names())
     if shard_bytes is None:
-        save_file(
-            {n: tensor(n) for n in names}, str(out / "model.safetensors"), metadata={"format": "pt"}
-        )
+        save_safetensors({n: tensor(n) for n in names}, out / "model.safetensors", {"format": "pt"})
     else:
         _save_shards(out, names, tensor, shard_bytes)
     raw = cfg.to_dict(dtype)
@@ -92,7 +94,7 @@ def _save_shards(
         if not pending:
             return
         file = f"model-{len(files) + 1:05d}.safetensors"
-        save_file(pending, str(out / file), metadata={"format": "pt"})
+        save_safetensors(pending, out / file, {"format": "pt"})
         files.append(file)
         weight_map.update(dict.fromkeys(pending, file))
         pending, size = {}, 0

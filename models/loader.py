@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import structlog
-from safetensors.numpy import save_file
 
 from spectrio.cache_dir import cache_dir
 from spectrio.errors import CheckpointError
@@ -33,6 +32,7 @@ from spectrio.models.checkpoint import (
     is_linear,
     is_qk_rows,
     refuse_unexpected,
+    save_safetensors,
 )
 from spectrio.models.config import BUNDLED_DIR, DType, ModelConfig, ModelConfigError
 from spectrio.models.gguf_cache import cached_folder
@@ -140,7 +140,7 @@ def save_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     tensors = state_dict_hf(model, dtype)
     model.config.save(out / "config.json", torch_dtype=dtype)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(tensors, out / "model.safetensors", {"format": "pt"})
 
 
 def smollm2_path() -> Path:

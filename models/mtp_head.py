@@ -219,8 +219,7 @@ def save_head(
     (with the token ids it drafts from, when ``draft_vocab`` is given), with its SHA-256
     in ``path.sha256``; returns the checksum. ``meta`` rides along in the file's metadata
     (what trained it)."""
-    from safetensors.numpy import save_file
-
+    from spectrio.models.checkpoint import save_safetensors
     from spectrio.models.loader import state_dict_hf
     from spectrio.models.model import SpectrioForCausalLM
 
@@ -233,7 +232,7 @@ def save_head(
         tensors[DRAFT_VOCAB] = np.asarray(draft_vocab, dtype=np.int32)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": FORMAT, "target": fingerprint, **meta})
+    save_safetensors(tensors, tmp, {"format": FORMAT, "target": fingerprint, **meta})
     tmp.replace(path)  # a reader never sees half a file
     checksum = file_sha256(path)
     path.with_name(path.name + ".sha256").write_text(f"{checksum}  {path.name}\n")

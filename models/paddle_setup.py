@@ -27,13 +27,19 @@ serving forward relies on.
 
 from __future__ import annotations
 
+import warnings
+
 from spectrio.models.host_state import host_state_kept
 from spectrio.models.mkl_dispatch import apply_mkl_dispatch
 
 #: ``MKL_DEBUG_CPU_TYPE`` as MKL will read it (None: unset), for the start-up log.
 MKL_CPU_TYPE = apply_mkl_dispatch()
 
-with host_state_kept():  # the host's signal handlers and root logger survive the import
+# The host's signal handlers and root logger survive the import. Paddle warns at import,
+# in every process, when ccache is not installed: it only speeds up C++ builds, and
+# spectrio builds its kernels once per machine, in a child process whose output is kept.
+with host_state_kept(), warnings.catch_warnings():
+    warnings.filterwarnings("ignore", "No ccache found", UserWarning)
     import paddle
 
 __all__ = [

@@ -136,8 +136,10 @@ def test_a_real_process_exits_2_without_a_traceback(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert "error: model " in proc.stderr
+    # one line for the user, nothing else: no traceback, and no warning of Paddle's
+    # import (it warns when ccache is missing, which CI's machine may well be)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: model "), proc.stderr
 
 
 def test_convert_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
