@@ -484,6 +484,20 @@ def test_serve_and_client_subprocesses(tmp_path: Path) -> None:
             timeout=TIMEOUT,
         )
         assert refused.returncode == 2 and "empty_prompt" in refused.stderr
+        # A refused request prints nothing to stdout (the prompt's echo waits for the
+        # first chunk); an accepted one streams the prompt, then the continuation.
+        endpoints = ["--requests", ep["requests"], "--outputs", ep["outputs"]]
+        bad = subprocess.run(
+            [*cli, "client", "hello", *endpoints, "--top-p", "0"],
+            capture_output=True, text=True, timeout=TIMEOUT,
+        )  # fmt: skip
+        assert bad.returncode == 2 and bad.stdout == "" and "top_p" in bad.stderr, bad
+        plain = subprocess.run(
+            [*cli, "client", "hello", *endpoints, "--max-tokens", "4"],
+            capture_output=True, text=True, timeout=TIMEOUT,
+        )  # fmt: skip
+        assert plain.returncode == 0 and plain.stdout.startswith("hello"), plain
+        assert len(plain.stdout) > len("hello\n"), plain.stdout
         # SIGTERM with a request in flight: it finishes within the grace period.
         with Client(ep["requests"], ep["outputs"], timeout_s=60) as client:
             rid = client.submit("hello", SamplingParams(max_tokens=60, ignore_eos=True))

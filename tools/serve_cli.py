@@ -639,13 +639,18 @@ def client_main(args: argparse.Namespace) -> int:
 
             curve = client_keys(args.curve_server_key)
         with Client(args.requests, args.outputs, timeout_s=args.timeout, curve=curve) as client:
+            # The prompt is echoed with the first chunk, once the server has accepted the
+            # request: a refused one leaves stdout empty, with the error on stderr alone.
+            echo = ""
             if messages is not None:  # the answer alone is streamed: no prompt to echo
                 chunks = client.chat(messages, params)
             else:
-                if not args.json:
-                    sys.stdout.write(args.prompt)
+                echo = "" if args.json else args.prompt
                 chunks = client.generate(args.prompt, params)
             for chunk in chunks:
+                if echo:
+                    sys.stdout.write(echo)
+                    echo = ""
                 ids += chunk.token_ids
                 text += chunk.text
                 logprobs += map(logprob_json, chunk.logprobs or ())
