@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -53,13 +54,16 @@ def save_safetensors(
     tensors: dict[str, np.ndarray], path: str | Path, metadata: dict[str, str]
 ) -> None:
     """Write ``tensors`` to ``path`` as a safetensors file, readable as any file this
-    process creates is. ``safetensors`` writes through a private temporary file and
-    leaves the result at mode 0600: a converted model or a trained head would be
-    unreadable to the other users and services that load it."""
+    process creates is (a file already there keeps its mode). ``safetensors`` leaves
+    what it writes at mode 0600: a converted model or a trained head would be unreadable
+    to the other users and services that load it. The mode comes from creating the file
+    first, not from reading the umask, which takes setting it: process-wide, under any
+    other thread that creates a file meanwhile."""
+    path = Path(path)
+    path.touch()
+    mode = stat.S_IMODE(path.stat().st_mode)
     save_file(tensors, str(path), metadata=metadata)
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
+    os.chmod(path, mode)
 
 
 class TensorSource(Protocol):

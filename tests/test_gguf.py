@@ -11,7 +11,6 @@ converter lays a Llama out: q/k rows permuted for its interleaved RoPE, names li
 from __future__ import annotations
 
 import json
-import os
 import stat
 from pathlib import Path
 from typing import Any
@@ -30,12 +29,6 @@ from spectrio.models.gguf_file import GGUFFile
 
 ARCHS = Path(__file__).resolve().parent / "data" / "archs"
 GOLDEN = json.loads((ARCHS / "golden.json").read_text())
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 _TO_GGUF = {
@@ -215,9 +208,12 @@ def test_convert_writes_a_folder_that_loads_bit_for_bit(tmp_path: Path) -> None:
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"
     ]  # fmt: skip
-    # every file as readable as the umask allows (safetensors alone would leave 0600)
+    # every file as readable as a file this process creates (0666 less the umask), where
+    # safetensors alone would leave 0600
+    probe = tmp_path / "probe"
+    probe.touch()
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
-    assert set(modes.values()) == {0o666 & ~_umask()}, modes
+    assert set(modes.values()) == {stat.S_IMODE(probe.stat().st_mode)}, modes
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["tie_word_embeddings"] is True
     tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
