@@ -18,6 +18,7 @@ the offending field's name and states the rule it broke.
 from __future__ import annotations
 
 import bisect
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -295,6 +296,10 @@ class RuntimeConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None  # CPU math threads; None: every core this process may use
+    # Health (runtime/health.py): with open requests, no step completed for this long, or
+    # the publisher held by one record sink this long, makes the runtime unhealthy; a
+    # sink that holds it half as long is logged (the runtime's watchdog).
+    stall_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -332,6 +337,16 @@ class RuntimeConfig:
             )
         if not _is_int(self.seed) or self.seed < 0:
             raise ConfigError(f"seed: must be a non-negative int, got {self.seed!r}")
+        stall = self.stall_timeout_s
+        if (
+            not isinstance(stall, (int, float))
+            or isinstance(stall, bool)
+            or not math.isfinite(stall)
+            or stall <= 0
+        ):
+            raise ConfigError(
+                f"stall_timeout_s: must be a finite number of seconds > 0, got {stall!r}"
+            )
 
         t = self.tokens_per_seq
         need = self.max_num_seqs * t
@@ -380,6 +395,12 @@ class RuntimeConfig:
     def tokens_per_seq(self) -> int:
         """k + 1 with speculation, 1 without: tokens one decoding sequence verifies per step."""
         return self.speculative.tokens_per_seq
+
+    @property
+    def sink_warn_s(self) -> float:
+        """Seconds a record sink may hold the publisher before the runtime's watchdog logs
+        it: half of ``stall_timeout_s``, so the log line comes before ``/health`` fails."""
+        return self.stall_timeout_s / 2
 
     @property
     def model_dtype(self) -> DType:

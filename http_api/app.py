@@ -515,7 +515,8 @@ class _Endpoints:
             self.front.check_available()
         except HttpError as exc:
             return error_response(exc)
-        return _json(self.front.health())
+        status, body = self.front.health()
+        return _json(body, status)
 
     async def metrics(self, request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

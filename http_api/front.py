@@ -5,7 +5,9 @@ runtime's Trio thread). It knows nothing of Starlette or Hypercorn: the app
 (:mod:`spectrio.http_api.app`) asks it to admit a client, to turn prompts into token
 ids, and to start and track requests; the CLI asks it to drain.
 
-* **Admission**: a dead engine or a draining server answers 503; the wire's per-client
+* **Admission**: a dead engine or a draining server answers 503 (``/health`` also
+  answers 503 while the runtime's requests cannot progress:
+  :meth:`~spectrio.runtime.api.Runtime.health`); the wire's per-client
   token bucket (:class:`~spectrio.wire.admission.RateLimiter`, keyed by client address)
   answers 429.
 * **Prompts** are checked with the runtime's rules
@@ -26,6 +28,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Final
 
+import msgspec
 import structlog
 import trio
 from tokenizers import Tokenizer
@@ -263,15 +266,39 @@ class HttpFront:
 
     # ---- introspection ----------------------------------------------------------------
 
-    def health(self) -> dict[str, object]:
+    def health(self) -> tuple[int, dict[str, object]]:
+        """``GET /health``'s status and body, from the runtime's counters and its
+        :meth:`~spectrio.runtime.api.Runtime.health`: 200 with ``status: "ok"`` while
+        requests can progress; otherwise 503 with the app's error object (code: the
+        health's cause, ``stalled``, ``sink_blocked``, ``engine_dead`` or ``stopped``;
+        message: its reason) and ``status: "unhealthy"``, beside the same counters.
+        (:meth:`check_available`'s 503s, a dead engine or a drain, come first.)"""
         stats = self.rt.stats()
-        return {
-            "status": "ok",
+        health = self.rt.health()
+        counters: dict[str, object] = {
             "model": self.model_name,
             "running": stats.running,
             "waiting": stats.waiting,
             "free_kv_blocks": stats.free_kv_blocks,
             "num_kv_blocks": stats.num_kv_blocks,
             "finished": stats.finished,  # requests ended, by finish reason
+            "open_requests": health.open_requests,  # every front's, accepted and not ended
             "open_http_requests": len(self._open),
+            "seconds_since_step": _rounded(health.seconds_since_step),
+            "blocked_sink": health.blocked_sink,
+            "blocked_s": _rounded(health.blocked_s),
+            "stall_timeout_s": health.stall_timeout_s,
         }
+        if health.ok:
+            return 200, {"status": "ok", **counters}
+        error = HttpError(
+            503,
+            health.reason or "the runtime cannot make progress",
+            type="server_error",
+            code=health.cause,
+        )
+        return 503, {**msgspec.to_builtins(error.body()), "status": "unhealthy", **counters}
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 3)

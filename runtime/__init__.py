@@ -1,6 +1,6 @@
 """spectrio.runtime: configuration and planning, typed channels, the rank's workspace,
-pipeline assembly, the adaptive policy's timing cache (``timing_cache``) and the public
-embedding API (Trio and asyncio)."""
+pipeline assembly, the adaptive policy's timing cache (``timing_cache``), the runtime's
+health verdict (``health``) and the public embedding API (Trio and asyncio)."""
 
 from typing import TYPE_CHECKING
 
@@ -11,6 +11,7 @@ _EXPORTS = {
     "AsyncioRuntime": "spectrio.runtime.aio",
     "open_runtime_asyncio": "spectrio.runtime.aio",
     "Delta": "spectrio.runtime.api",
+    "Health": "spectrio.runtime.health",
     "RequestStream": "spectrio.runtime.api",
     "Runtime": "spectrio.runtime.api",
     "open_runtime": "spectrio.runtime.api",
@@ -33,6 +34,7 @@ __all__ = [
     "ChannelSender",
     "ConfigError",
     "Delta",
+    "Health",
     "InvalidRequest",
     "PublishedStep",
     "RequestStream",
@@ -56,3 +58,4 @@ if TYPE_CHECKING:
     from spectrio.errors import ConfigError, InvalidRequest
     from spectrio.runtime.aio import AsyncioRequestStream, AsyncioRuntime, open_runtime_asyncio
     from spectrio.runtime.api import Delta, RequestStream, Runtime, open_runtime
+    from spectrio.runtime.health import Health

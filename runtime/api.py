@@ -11,6 +11,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
 from functools import partial
+from typing import NamedTuple
 
 import msgspec
 import structlog
@@ -46,6 +47,7 @@ from spectrio.models.chat import ChatTemplate, chat_template_for, is_messages
 from spectrio.models.paddle_setup import MKL_CPU_TYPE, configure_paddle
 from spectrio.process_memory import peak_rss_bytes, rss_bytes
 from spectrio.runtime.device_worker import DeviceWorker
+from spectrio.runtime.health import Health, judge_health
 from spectrio.runtime.kv_sizing import check_checkpoint, num_kv_blocks
 from spectrio.runtime.timing_cache import KeptTimings
 from spectrio.runtime.tp import TPGroup, make_workspace
@@ -64,6 +66,29 @@ from spectrio.stages.scheduling import Scheduler
 from spectrio.stages.workspace import Workspace
 
 log = structlog.get_logger("spectrio.runtime")
+
+_WATCHDOG_POLL_S = 0.5  # the watchdog's longest look interval (shorter for small thresholds)
+
+
+class _SinkEntry(NamedTuple):
+    """A record sink and the name the watchdog and :meth:`Runtime.health` give it."""
+
+    sink: Callable[[PublishedStep], Awaitable[None]]
+    name: str
+
+
+class _SinkWait(NamedTuple):
+    """One await of one sink by the publisher: an episode for the watchdog."""
+
+    name: str
+    since: float  # time.monotonic() when the await began
+    episode: int
+
+
+def _callable_name(fn: object) -> str:
+    """A callable's ``__qualname__`` (a bound method's is ``Class.method``), else its repr."""
+    name = getattr(fn, "__qualname__", None)
+    return name if isinstance(name, str) and name else repr(fn)
 
 
 class Delta(msgspec.Struct, kw_only=True):
@@ -128,7 +153,7 @@ class Runtime:
         self.worker = DeviceWorker(self.workspace, self.sampler, group=group)
         self._watch_scope = trio.CancelScope()
         self._observers: list[Callable[[PublishedStep], None]] = []
-        self._sinks: list[Callable[[PublishedStep], Awaitable[None]]] = []
+        self._sinks: list[_SinkEntry] = []
         self._encoded = encoded_channels
         self._control: ChannelSender[Control] | None = None
         self._events_tx: trio.MemorySendChannel[object] | None = None
@@ -145,6 +170,17 @@ class Runtime:
         self._timings: collections.deque[StepTiming] = collections.deque(maxlen=4096)
         self._unpublished: dict[int, StepTiming] = {}
         self.num_steps = 0  # pipeline steps published
+        # Health (all times time.monotonic()): the requests accepted whose final result
+        # has not been delivered (by sequence id), when the last step was delivered, when
+        # the runtime last went from no open request to some (or resumed), and the sink
+        # the publisher awaits now.
+        self._open_seqs: set[int] = set()
+        self._last_step_at: float | None = None
+        self._active_since: float | None = None
+        self._awaiting: _SinkWait | None = None
+        self._sink_episodes = itertools.count(1)
+        self._warned_episode = 0  # the last episode the watchdog logged
+        self._health_scope = trio.CancelScope()
 
     # ---- assembly ---------------------------------------------------------------------
 
@@ -218,10 +254,12 @@ class Runtime:
                     inner.start_soon(scheduler)
             finally:
                 self._watch_scope.cancel()
+                self._health_scope.cancel()
                 self._stopped.set()
                 self._notify()
 
         nursery.start_soon(run_all)
+        nursery.start_soon(self._watchdog)
         if self._group is not None and self._group.spawned:
             nursery.start_soon(self._watch_followers, self._group)
         cfg = self.loaded.config
@@ -263,6 +301,42 @@ class Runtime:
                     return
                 await trio.sleep(0.2)
 
+    async def _watchdog(self) -> None:
+        """Until the stages end: log, once per episode, a record sink that has held the
+        publisher for longer than ``config.sink_warn_s`` (a warning naming the sink; an
+        info line when it lets go, from :meth:`_publish`), and each change of
+        :meth:`health` between healthy and not (a warning with the reason; an info line
+        when healthy again)."""
+        interval = min(_WATCHDOG_POLL_S, self.config.sink_warn_s / 2)
+        wlog = log.bind(task="watchdog", stall_timeout_s=self.config.stall_timeout_s)
+        unhealthy: str | None = None  # the cause last logged
+        with self._health_scope:
+            while True:
+                await trio.sleep(interval)
+                wait = self._awaiting
+                if wait is not None and wait.episode != self._warned_episode:
+                    held = time.monotonic() - wait.since
+                    if held > self.config.sink_warn_s:
+                        self._warned_episode = wait.episode
+                        wlog.warning(
+                            "record sink holds the publisher",
+                            sink=wait.name,
+                            held_s=round(held, 3),
+                            warn_s=self.config.sink_warn_s,
+                        )
+                health = self.health()
+                if not health.ok and health.cause != unhealthy:
+                    unhealthy = health.cause
+                    wlog.warning(
+                        "runtime unhealthy",
+                        cause=health.cause,
+                        reason=health.reason,
+                        open_requests=health.open_requests,
+                    )
+                elif health.ok and unhealthy is not None:
+                    unhealthy = None
+                    wlog.info("runtime healthy again", open_requests=health.open_requests)
+
     async def _guard(self, stage: str, body: Awaitable[None]) -> None:
         """Run a stage; if it raises, the engine is dead: every waiting caller gets
         :class:`EngineDead` naming the stage and the cause, and the other stages end."""
@@ -286,6 +360,7 @@ class Runtime:
             stream.send_nowait(exc)
         self._streams.clear()
         self._seq_ids.clear()
+        self._open_seqs.clear()
         if self._control is not None:
             self._control.close()
         self._notify()
@@ -313,7 +388,10 @@ class Runtime:
             timing.publish_start = time.perf_counter()
             self._timings.append(timing)
         self.num_steps += 1
+        self._last_step_at = time.monotonic()
         for r in result.results:
+            if r.finish_reason is not None:
+                self._open_seqs.discard(r.seq_id)
             stream = self._streams.get(r.request_id)
             if stream is not None and (r.token_ids or r.finish_reason):
                 stream.send_nowait(r)
@@ -333,23 +411,42 @@ class Runtime:
         return remove
 
     def add_record_sink(
-        self, sink: Callable[[PublishedStep], Awaitable[None]]
+        self, sink: Callable[[PublishedStep], Awaitable[None]], *, name: str | None = None
     ) -> Callable[[], None]:
         """Await ``sink`` with every step's record from now on. Unlike an observer, a sink
         may take its time: the publisher waits for it, so a slow sink applies backpressure
         to the whole pipeline (nothing is dropped). A sink must return promptly once
-        removed. Returns a function that removes it."""
-        self._sinks.append(sink)
+        removed. Returns a function that removes it.
+
+        ``name`` (default: the callable's ``__qualname__``) is how :meth:`health` and the
+        watchdog's log lines name the sink while the publisher awaits it: a sink that
+        holds the publisher longer than ``config.sink_warn_s`` is logged, and longer
+        than ``config.stall_timeout_s`` makes the runtime unhealthy."""
+        entry = _SinkEntry(sink, _callable_name(sink) if name is None else name)
+        self._sinks.append(entry)
 
         def remove() -> None:
-            if sink in self._sinks:
-                self._sinks.remove(sink)
+            for i, held in enumerate(self._sinks):
+                if held is entry:
+                    del self._sinks[i]
+                    return
 
         return remove
 
     async def _publish(self, published: PublishedStep) -> None:
-        for sink in list(self._sinks):
-            await sink(published)
+        for entry in list(self._sinks):
+            wait = _SinkWait(entry.name, time.monotonic(), next(self._sink_episodes))
+            self._awaiting = wait
+            try:
+                await entry.sink(published)
+            finally:
+                self._awaiting = None
+                if self._warned_episode == wait.episode:
+                    log.info(
+                        "record sink let the publisher go",
+                        sink=wait.name,
+                        held_s=round(time.monotonic() - wait.since, 3),
+                    )
         for observer in list(self._observers):
             try:
                 observer(published)
@@ -404,6 +501,30 @@ class Runtime:
             prefix_cache_hits=self.blocks.stats.hits,
             cached_kv_blocks=self.blocks.num_cached_blocks,
             prefix_cache_evictions=self.blocks.stats.evictions,
+        )
+
+    def health(self) -> Health:
+        """Whether this runtime's requests can progress now (rules:
+        :mod:`spectrio.runtime.health`): not while the engine is dead or the stages have
+        ended, nor while the publisher has awaited one record sink for longer than
+        ``config.stall_timeout_s``, nor while requests are open and no step has
+        completed for that long (counted from the later of the last step and the moment
+        the runtime went from no open request to some, or resumed; never while paused).
+        ``open_requests`` counts every front's requests (HTTP, wire, embedding) accepted
+        and not yet given their final result. Cheap, and safe to call at any time on
+        the runtime's Trio thread."""
+        wait = self._awaiting
+        return judge_health(
+            now=time.monotonic(),
+            stall_timeout_s=self.config.stall_timeout_s,
+            open_requests=len(self._open_seqs),
+            last_step_at=self._last_step_at,
+            active_since=self._active_since,
+            sink=None if wait is None else wait.name,
+            sink_since=None if wait is None else wait.since,
+            dead=None if self._dead is None else str(self._dead),
+            stopped=self._stopped.is_set(),
+            paused=self._paused,
         )
 
     def metrics(self) -> dict[str, object]:
@@ -518,6 +639,9 @@ class Runtime:
         send, receive = trio.open_memory_channel[Delta | SeqResult | EngineDead](math.inf)
         self._streams[request_id] = send
         self._seq_ids[request_id] = seq_id
+        if not self._open_seqs:  # work arrives after idleness: the stall clock starts now
+            self._active_since = time.monotonic()
+        self._open_seqs.add(seq_id)
         self._control.send_nowait(
             NewRequest(
                 seq_id=seq_id,
@@ -554,6 +678,8 @@ class Runtime:
         a step in flight is published), then wake the scheduler actor, which reports the
         abort in the next step."""
         seq_id = self._seq_ids.pop(request_id, None)
+        if seq_id is not None:
+            self._open_seqs.discard(seq_id)
         if seq_id is None or self._control is None:
             return None
         counted = self._actor.abort(AbortRequest(seq_id=seq_id, reason=reason))
@@ -611,6 +737,7 @@ class Runtime:
         if not self._paused:
             return
         self._paused = False
+        self._active_since = time.monotonic()  # a pause is no stall: count from now
         if self._events_tx is not None:
             with suppress(trio.ClosedResourceError, trio.BrokenResourceError):
                 self._events_tx.send_nowait(Resume())

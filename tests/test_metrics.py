@@ -125,6 +125,9 @@ async def test_scrape_after_a_short_run() -> None:
     assert m["spectrio_inter_token_latency_seconds_count"][()] > 0
     assert m["spectrio_requests_refused_total"][()] == 1
     assert m["spectrio_up"][()] == 1
+    assert m["spectrio_healthy"][()] == 1 and m["spectrio_open_requests"][()] == 0
+    assert m["spectrio_record_sink_blocked_seconds"][()] == 0
+    assert 0 <= m["spectrio_seconds_since_step"][()] < 60
     assert m["spectrio_requests_finished_total"][(("finish_reason", "length"),)] == 3
     assert m["spectrio_requests_running"][()] == 0
     assert m["spectrio_requests_waiting"][()] == 0

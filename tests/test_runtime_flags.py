@@ -81,6 +81,7 @@ def test_a_field_without_a_flag_is_an_error(monkeypatch: pytest.MonkeyPatch) -> 
         (["--runtime-seed", "7"], "seed", 7),
         (["--threads", "3"], "num_threads", 3),
         (["--threads", "none"], "num_threads", None),
+        (["--stall-timeout-s", "2.5"], "stall_timeout_s", 2.5),
         (["--no-spec"], "speculative.method", None),
         (["--k", "3"], "speculative.num_speculative_tokens", 3),
         (["--num-model-steps", "1"], "speculative.num_model_steps", 1),

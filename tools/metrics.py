@@ -6,9 +6,10 @@ Where the figures come from:
 
 * counters and gauges (requests by finish reason, running and waiting, KV blocks,
   preemptions, steps, drafts per position) are read from ``rt.stats()``
-  (:class:`spectrio.core.messages.RuntimeStats`) by :meth:`ServeMetrics.update`, which a
-  Trio task calls every ``interval`` seconds; a scrape reads that snapshot, so the HTTP
-  thread never touches runtime state;
+  (:class:`spectrio.core.messages.RuntimeStats`), and ``spectrio_healthy`` with its
+  gauges from ``rt.health()`` (:class:`spectrio.runtime.health.Health`), by
+  :meth:`ServeMetrics.update`, which a Trio task calls every ``interval`` seconds; a
+  scrape reads that snapshot, so the HTTP thread never touches runtime state;
 * step duration and its breakdown come from ``rt.step_timings()``: each update observes
   the steps completed since the last one;
 * TTFT and ITL are observed per request through :class:`ObservedRuntime`; tokens
@@ -402,6 +403,26 @@ class ServeMetrics:
             "spectrio_acceptance_drift_alarms", "Times a drift alarm was raised", registry=r
         )
         self.up = Gauge("spectrio_up", "1 while the runtime serves", registry=r)
+        self.healthy = Gauge(
+            "spectrio_healthy",
+            "1 while the runtime's requests can progress (rt.health().ok; /health 200)",
+            registry=r,
+        )
+        self.since_step = Gauge(
+            "spectrio_seconds_since_step",
+            "Seconds since the last pipeline step completed (NaN before the first)",
+            registry=r,
+        )
+        self.open_requests = Gauge(
+            "spectrio_open_requests",
+            "Requests accepted and not yet ended, every front (HTTP, wire, embedding)",
+            registry=r,
+        )
+        self.sink_blocked = Gauge(
+            "spectrio_record_sink_blocked_seconds",
+            "Seconds the publisher has been awaiting its current record sink (0: none)",
+            registry=r,
+        )
         r.register(_SnapshotCollector(self))
         self._seen_steps = 0
         self._last: dict[str, float] = {}  # request id -> time of its last output
@@ -420,9 +441,16 @@ class ServeMetrics:
         self.tokens.inc(int.from_bytes(pub.record[12:16], "little", signed=True))
 
     def update(self, rt: Runtime) -> None:
-        """Take a stats snapshot and observe the steps completed since the last update."""
+        """Take a stats snapshot and the runtime's health (``spectrio_healthy`` and its
+        gauges), and observe the steps completed since the last update."""
         s = rt.stats()
         self.stats = s
+        health = rt.health()
+        self.healthy.set(1 if health.ok else 0)
+        since = health.seconds_since_step
+        self.since_step.set(math.nan if since is None else since)
+        self.open_requests.set(health.open_requests)
+        self.sink_blocked.set(health.blocked_s or 0.0)
         for i in self.drift.update(s.proposed_per_position, s.accepted_per_position):
             if self.drift.alarm[i]:
                 self.drift_alarms.inc()
@@ -449,6 +477,7 @@ class ServeMetrics:
                 await trio.sleep(self.interval)
         finally:
             self.up.set(0)
+            self.healthy.set(0)
 
     # ---- request hooks ------------------------------------------------------------------
 

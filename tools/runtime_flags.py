@@ -128,6 +128,14 @@ RUNTIME_FLAGS: Final[tuple[FlagSpec, ...]] = (
         "N",
     ),
     FlagSpec(
+        "stall_timeout_s",
+        "--stall-timeout-s",
+        "seconds with open requests and no completed step, or with the publisher held by "
+        "one record sink, after which the runtime reports itself unhealthy (/health 503); "
+        "a sink holding the publisher half as long is logged",
+        "S",
+    ),
+    FlagSpec(
         "speculative.method",
         "--spec",
         "speculative decoding with the model's MTP draft head (--no-spec: off, one token per "
@@ -251,6 +259,8 @@ def _argument(spec: FlagSpec, f: dataclasses.Field[Any], default: Any) -> dict[s
         kw["choices"] = ROLES
     elif kind == "int":
         kw["type"] = int
+    elif kind == "float":
+        kw["type"] = float
     elif kind == "int|None":
         kw["type"] = _optional_int
     elif kind == "_CaptureSizesField":

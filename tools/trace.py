@@ -199,9 +199,9 @@ def read_trace(path: str | Path) -> Trace:
 
 
 # Settings of the recording host, not of the run: a trace replayed elsewhere with
-# --same-config must not carry the recording host's cache folder, and they never change
-# a token.
-_HOST_LOCAL = {"speculative": ("timing_cache",)}
+# --same-config must not carry the recording host's cache folder or health threshold,
+# and they never change a token. Section "" is the top level.
+_HOST_LOCAL = {"": ("stall_timeout_s",), "speculative": ("timing_cache",)}
 # SpeculativeConfig fields only one draft method reads: left out of another method's
 # header, which then names only what shaped its run (they keep their defaults on replay).
 _METHOD_ONLY = {"prompt_lookup_max": "ngram", "prompt_lookup_min": "ngram"}
@@ -212,8 +212,9 @@ def runtime_fields(config: object) -> dict[str, Any]:
     settings of the recording host (``_HOST_LOCAL``: the replaying host uses its own)."""
     fields: dict[str, Any] = msgspec.to_builtins(dataclasses.asdict(config))  # type: ignore[call-overload]
     for section, names in _HOST_LOCAL.items():
+        table = fields if not section else (fields.get(section) or {})
         for name in names:
-            (fields.get(section) or {}).pop(name, None)
+            table.pop(name, None)
     spec = fields.get("speculative") or {}
     for name, method in _METHOD_ONLY.items():
         if spec.get("method") != method:
