@@ -63,7 +63,7 @@ def run_case(
             pull.connect(endpoints["outputs"])
             assembler = StreamAssembler(tok)
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
-            with Client(endpoints["requests"], None) as client:
+            with Client(endpoints["requests"], None, stream=False) as client:
                 t0 = time.perf_counter()
                 for p in prompts:
                     client.submit(p, params)

@@ -70,6 +70,7 @@ from spectrio.cuda_kernels.reference import (
     PREEMPTED,
     RECORD_VERSION,
     expand_per_token,
+    pack_header,
     pack_topk_ref,
     record_width,
     speculate_save_ref,
@@ -86,6 +87,7 @@ __all__ = [
     "StepRecord",
     "pack_step_record",
     "record_nbytes",
+    "select_slots",
     "unpack",
 ]
 
@@ -228,3 +230,37 @@ def unpack(buf: bytes | bytearray | memoryview | np.ndarray) -> StepRecord:
         lp_vals=lp_vals,
         ranks=ranks,
     )
+
+
+def select_slots(buf: bytes | bytearray | memoryview, slots: np.ndarray | list[int]) -> bytes:
+    """The record of the same step restricted to ``slots`` (ascending slot indices), in
+    the same layout: the slots' ``accept_num`` entries, their tokens, and their logprob
+    rows. The width is that of the widest kept row (0 when no kept token carries a
+    logprob), so a consumer that asked for none is never sent padding: the rule of the
+    full record (only the requested columns) holds for each slice. A wire server sends
+    each client the slice of its own requests."""
+    rec = unpack(buf)
+    keep = np.asarray(slots, dtype=np.int64)
+    if keep.size and (int(keep.min()) < 0 or int(keep.max()) >= rec.bsz):
+        raise ValueError(f"slots {keep.tolist()} outside a record of {rec.bsz} slots")
+    accept = rec.accept_num[keep]
+    off = rec.offsets
+    rows = (
+        np.concatenate([np.arange(off[i], off[i + 1]) for i in keep.tolist()])
+        if keep.size
+        else np.zeros(0, dtype=np.int64)
+    ).astype(np.int64)
+    width = 0
+    if rec.width and rows.size:
+        assert rec.lp_ids is not None
+        width = int((rec.lp_ids[rows] != -1).sum(axis=1).max())
+    header = pack_header(rec.kind, width, int(keep.size), int(rows.size))
+    parts = [header.tobytes(), accept.astype(_I32).tobytes(), rec.token_ids[rows].tobytes()]
+    if width:
+        assert rec.lp_ids is not None and rec.lp_vals is not None and rec.ranks is not None
+        parts += [
+            np.ascontiguousarray(rec.lp_ids[rows, :width]).tobytes(),
+            np.ascontiguousarray(rec.lp_vals[rows, :width]).tobytes(),
+            rec.ranks[rows].tobytes(),
+        ]
+    return b"".join(parts)

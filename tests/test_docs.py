@@ -9,6 +9,8 @@ import ast
 import contextlib
 import io
 import re
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -117,3 +119,44 @@ def test_the_plain_msgpack_consumer_runs(
     assert "'ack'" in printed[0]
     tokens = ast.literal_eval(printed[-1])
     assert 0 < len(tokens) <= 32 and all(isinstance(t, int) for t in tokens)
+
+
+def _c_flags() -> list[str] | None:
+    """Compiler flags for libzmq and msgpack-c, or None where either is not installed."""
+    if shutil.which("pkg-config") is None or shutil.which("cc") is None:
+        return None
+    for msgpack in ("msgpack-c", "msgpack"):
+        found = subprocess.run(
+            ["pkg-config", "--cflags", "--libs", "libzmq", msgpack],
+            capture_output=True,
+            text=True,
+        )
+        if found.returncode == 0:
+            return found.stdout.split()
+    return None
+
+
+def test_the_c_consumer_reads_the_same_tokens(
+    server: dict[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The C consumer of docs/wire.md, compiled with the system's libzmq and msgpack-c,
+    reads its own request's tokens from the server: those the Python consumer reads."""
+    flags = _c_flags()
+    if flags is None:
+        pytest.skip("libzmq and msgpack-c headers not installed (libzmq3-dev libmsgpack-dev)")
+    blocks = re.findall(r"```c\n(.*?)```", (ROOT / "docs" / "wire.md").read_text(), re.S)
+    (source,) = [b for b in blocks if "ZMQ_DEALER" in b]
+    (tmp_path / "consumer.c").write_text(source)
+    binary = tmp_path / "consumer"
+    subprocess.run(
+        ["cc", "-O1", "-Wall", "-Werror", "-o", str(binary), str(tmp_path / "consumer.c"), *flags],
+        check=True,
+    )
+    run = subprocess.run(
+        [str(binary), server["requests"]], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    c_tokens = [int(t) for t in run.stdout.split()]
+    (code,) = [b for b in python_blocks(ROOT / "docs" / "wire.md") if "import msgpack" in b]
+    printed = _run(_on(code, server), monkeypatch, tmp_path).splitlines()
+    assert c_tokens == ast.literal_eval(printed[-1])

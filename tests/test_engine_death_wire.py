@@ -61,7 +61,7 @@ async def test_a_failed_stage_ends_every_open_request_on_the_wire(
                 eps = server.endpoints
                 async with (
                     open_client(outputs=eps.outputs, context=ctx) as consumer,
-                    open_client(eps.requests, context=ctx) as client,
+                    open_client(eps.requests, context=ctx, stream=False) as client,
                 ):
                     for i, rid in enumerate(ids):
                         await client.submit(f"def f{i}(x):", LONG, request_id=rid)

@@ -268,7 +268,7 @@ def test_every_accepted_request_gets_its_final_step_in_every_signal_sequence(
     reasons: dict[str, str] = {}
     started: set[str] = set()
     try:
-        with Client(eps["requests"], None, timeout_s=60) as client:
+        with Client(eps["requests"], None, timeout_s=60, stream=False) as client:
             for i, rid in enumerate(ids):
                 client.submit(f"def f{i}(x):", LONG, request_id=rid)
         while len(started) < len(ids):  # every request has produced tokens: in flight

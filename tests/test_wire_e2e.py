@@ -94,7 +94,7 @@ def test_64_concurrent_requests_through_a_serve_subprocess(
         pull.connect(eps["outputs"])
         assembler = StreamAssembler(bundled64.tokenizer)  # type: ignore[attr-defined]
         got: dict[str, list[int]] = {}
-        with Client(eps["requests"], None, context=ctx) as client:
+        with Client(eps["requests"], None, context=ctx, stream=False) as client:
             rids = [
                 client.submit(p, params_for(i), request_id=f"r{i}") for i, p in enumerate(batch)
             ]

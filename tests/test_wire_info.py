@@ -65,6 +65,8 @@ def test_info_round_trip_over_a_real_server(server: Server) -> None:
             ),
             tokenizer_sha256=hashlib.sha256(BUNDLED_JSON).hexdigest(),
             tokenizer_bytes=len(BUNDLED_JSON),
+            healthy=True,  # since 1.7: an idle pipeline is healthy
+            output_stall_s=10.0,  # the default bound (--output-stall-s)
         )
         assert info.tokenizer_json is None  # only when asked for: it is large
         full = client.info(tokenizer=True)

@@ -162,8 +162,10 @@ class Wire:
     def on_step(self, step: Step) -> None:
         env = step.env
         assert env["type"] == "step" and env["v"] == 1
-        want = 1 if not self.steps else self.steps[-1].env["step"] + 1
-        assert env["step"] == want, f"step {env['step']} after {want - 1}"
+        # Since 1.7 the outputs socket gets only the steps with one of its requests in
+        # them: step numbers increase, and may skip (those of other destinations).
+        after = 0 if not self.steps else self.steps[-1].env["step"]
+        assert env["step"] > after, f"step {env['step']} after {after}"
         assert len(env["request_ids"]) == len(env["seqnos"]) == len(env["finish_reasons"])
         assert len(env["request_ids"]) == step.bsz
         assert env["errors"] == []

@@ -65,6 +65,7 @@ PINNED_FINGERPRINTS = {
     (1, 4): "04e95093295681138d6fe5ae3415760c942e5520e8e2e16247a38f84f3388207",  # ngram info
     (1, 5): "1b1abac351e3c0ccff023aca7ae761ab36f2e0928922f4dcbdac6c8576e911ac",  # messages
     (1, 6): "4ea4fb9c908c7b965e545555ae960b64b3f93d5c08ec6ce06d54ddfd2c686bb3",  # cache_salt
+    (1, 7): "becc5e910be5b9c93e5fbe646223fdba17854cbf63d4596678578c42cc969591",  # stream, health
 }
 
 

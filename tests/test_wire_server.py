@@ -184,7 +184,7 @@ async def test_concurrent_clients_match_in_process(
                 async with open_client(outputs=out_ep, context=ctx) as consumer:
 
                     async def submitter(worker: int) -> None:
-                        async with open_client(req_ep, context=ctx) as client:
+                        async with open_client(req_ep, context=ctx, stream=False) as client:
                             await client.ping()
                             for i in range(worker, len(PROMPTS), 3):
                                 rid = await client.submit(
@@ -355,7 +355,7 @@ async def test_oversized_message_is_cut_and_serving_continues(
                 async with open_client(ep.requests, context=ctx) as big:
                     reply = await big.send_raw(b"\x00" * (8 * MAX_REQUEST_BYTES))
                     assert isinstance(reply, Error) and reply.code == "too_large"
-                async with open_client(ep.requests, context=ctx) as big:
+                async with open_client(ep.requests, context=ctx, stream=False) as big:
                     assert big._requests is not None
                     await big._requests.send(b"\x00" * (8 * MAX_REQUEST_BYTES + 1))
                     with trio.move_on_after(0.5) as scope:
@@ -368,50 +368,6 @@ async def test_oversized_message_is_cut_and_serving_continues(
                     assert sum(len(c.token_ids) for c in out) == 5
                 # the too_large one, the ping, the Info for the tokenizer and the submit
                 assert server.stats.requests == 4 and server.stats.infos == 1
-                nursery.cancel_scope.cancel()
-
-
-async def test_slow_consumer_backpressure(ctx: Context, tmp_path: Path) -> None:
-    """With no consumer, steps wait in a bounded backlog and the server stops admitting
-    requests; once a consumer connects it gets every token, in order, exactly once."""
-    eps = default_endpoints(tmp_path / "rt")
-    with trio.fail_after(TIMEOUT):
-        async with open_runtime(RuntimeConfig(dtype="float64", max_model_len=256)) as rt:
-            want = [
-                t
-                async for d in rt.generate(
-                    "once upon a time", SamplingParams(max_tokens=40, ignore_eos=True)
-                )
-                for t in d.token_ids
-            ]
-            async with trio.open_nursery() as nursery:
-                server = await nursery.start(
-                    lambda task_status=trio.TASK_STATUS_IGNORED: serve(  # type: ignore[misc]
-                        rt,
-                        eps.requests,
-                        eps.outputs,
-                        context=ctx,
-                        output_high_water=2,
-                        task_status=task_status,
-                    )
-                )
-                assert isinstance(server, WireServer)
-                async with open_client(eps.requests, context=ctx) as client:
-                    rid = await client.submit(
-                        "once upon a time", SamplingParams(max_tokens=40, ignore_eos=True)
-                    )
-                    while server.backlog <= 2:  # noqa: ASYNC110 - polling a counter
-                        await trio.sleep(0.01)
-                    with trio.move_on_after(0.5) as paused:
-                        await client.ping()
-                    assert paused.cancelled_caught  # admission paused while backlogged
-                async with open_client(outputs=eps.outputs, context=ctx) as consumer:
-                    out = (await consumer.collect([rid]))[rid]
-                async with open_client(eps.requests, context=ctx) as client:
-                    await client.ping()  # serving again
-                assert [t for c in out for t in c.token_ids] == want
-                # The consumer's absence held the pipeline: the backlog never passed the mark.
-                assert server.stats.max_backlog == 3
                 nursery.cancel_scope.cancel()
 
 
@@ -576,7 +532,7 @@ async def test_64_concurrent_requests_tcp(ctx: Context) -> None:
                 async with open_client(outputs=ep.outputs, context=ctx) as consumer:
 
                     async def submitter(worker: int) -> None:
-                        async with open_client(ep.requests, context=ctx) as client:
+                        async with open_client(ep.requests, context=ctx, stream=False) as client:
                             for i in range(worker, n, 4):
                                 rid = await client.submit(prompts[i], params_for(i % 6))
                                 ids[rid] = prompts[i]
@@ -646,7 +602,7 @@ async def test_fuzz_10000_frames_while_serving(ctx: Context, tmp_path: Path) -> 
                     ids = {await client.submit(p, params_for(i)): p for i, p in enumerate(PROMPTS)}
 
                     async def fuzz() -> None:
-                        async with open_client(eps.requests, context=ctx) as fuzzer:
+                        async with open_client(eps.requests, context=ctx, stream=False) as fuzzer:
                             sock = fuzzer._requests
                             assert sock is not None
                             for start in range(0, len(frames), 100):
@@ -682,7 +638,7 @@ async def test_consumer_reconnect_gets_no_duplicates(ctx: Context, tmp_path: Pat
             want = [t async for d in rt.generate("once upon a time", params) for t in d.token_ids]
             async with trio.open_nursery() as nursery:
                 await start_server(rt, nursery, (eps.requests, eps.outputs, str(eps.tap)), ctx)
-                async with open_client(eps.requests, context=ctx) as client:
+                async with open_client(eps.requests, context=ctx, stream=False) as client:
                     rid = await client.submit("once upon a time", params)
                 got: list[int] = []
                 async with open_client(outputs=eps.outputs, context=ctx) as first:

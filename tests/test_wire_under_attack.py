@@ -448,7 +448,7 @@ async def test_an_abort_sent_right_behind_its_submit_ends_the_request(
                     orders = []
                     for i in range(5):
                         rid = f"piped-{i}"
-                        async with open_client(ep.requests, context=ctx) as client:
+                        async with open_client(ep.requests, context=ctx, stream=False) as client:
                             sock = client._requests
                             assert sock is not None
                             await sock.send(

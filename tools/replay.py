@@ -157,15 +157,17 @@ async def replay_runtime(
 async def replay_wire(
     requests: Sequence[TraceRequest],
     requests_endpoint: str,
-    outputs_endpoint: str,
+    outputs_endpoint: str | None = None,
     *,
     speed: float = 1.0,
     timeout_s: float = 60.0,
     curve: CurveClientKeys | None = None,
     tokenizer: TextTokenizer | None = None,
 ) -> ReplayRun:
-    """Replay ``requests`` against a running ``spectrio serve`` (this client must be the
-    only reader of its outputs endpoint). A refused request gets ``finish_reason="error"``;
+    """Replay ``requests`` against a running ``spectrio serve``. Their step messages come
+    back on this client's own connection (wire schema 1.7), so other clients may use the
+    server meanwhile; with ``outputs_endpoint`` they are read from the server's outputs
+    socket instead, of which this client must then be the only reader. A refused request gets ``finish_reason="error"``;
     a server that stops answering raises :class:`spectrio.wire.client.ClientTimeout`."""
     from spectrio.wire.client import RequestRefused, open_client
 
@@ -262,7 +264,11 @@ def add_replay_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "against a running server (the runtime flags above are then ignored)"
     )
     remote.add_argument("--requests", help="the server's requests endpoint")
-    remote.add_argument("--outputs", help="the server's outputs endpoint")
+    remote.add_argument(
+        "--outputs",
+        help="read the outputs socket instead of the requests connection (a server older "
+        "than wire schema 1.7; this client must be its only reader)",
+    )
     remote.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a reply")
     remote.add_argument("--curve-server-key", help="CURVE: the server's public NAME.key")
     p.set_defaults(func=replay_main)
@@ -284,8 +290,8 @@ def replay_main(args: argparse.Namespace) -> int:
     if not args.speed > 0:
         print(f"error: --speed must be > 0 (inf: all at once), got {args.speed}", file=sys.stderr)
         return 2
-    if bool(args.requests) != bool(args.outputs):
-        print("error: --requests and --outputs go together", file=sys.stderr)
+    if args.outputs and not args.requests:
+        print("error: --outputs needs --requests", file=sys.stderr)
         return 2
     try:
         trace = read_trace(args.trace)

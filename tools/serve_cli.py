@@ -62,7 +62,11 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     add_runtime_flags(p)
     p.add_argument("--requests", help="ROUTER endpoint (default: ipc:// under --run-dir)")
-    p.add_argument("--outputs", help="PUSH endpoint, lossless (default: ipc:// under --run-dir)")
+    p.add_argument(
+        "--outputs",
+        help="PUSH endpoint for requests submitted without stream, one consumer "
+        "(default: ipc:// under --run-dir)",
+    )
     p.add_argument("--tap", help="optional PUB endpoint for observers (may drop)")
     p.add_argument(
         "--run-dir",
@@ -100,6 +104,22 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         type=float,
         default=None,
         help="per-client request-rate cap (token bucket, burst 64)",
+    )
+    p.add_argument(
+        "--output-stall-s",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="a wire client (or the outputs socket) whose oldest unread step message has "
+        "waited S seconds has its running requests ended with output_stalled (default 10)",
+    )
+    p.add_argument(
+        "--output-high-water",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="step messages queued for one wire client (or the outputs socket) beyond which "
+        "its requests are ended the same way (default 1024)",
     )
     p.add_argument(
         "--curve-secret",
@@ -156,7 +176,12 @@ def add_client_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
     add_chat_flags(p)  # PROMPT, or --chat MESSAGE [--system TEXT], as `spectrio generate`
     p.add_argument("--requests", required=True, help="the server's requests endpoint")
-    p.add_argument("--outputs", required=True, help="the server's outputs endpoint")
+    p.add_argument(
+        "--outputs",
+        default=None,
+        help="not needed since wire schema 1.7 (the request's output comes back on the "
+        "requests connection); accepted, and unused, so older command lines run",
+    )
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for any reply")
     p.add_argument("--json", action="store_true", help="print one JSON object (docs/cli.md)")
     p.add_argument(
@@ -331,6 +356,8 @@ async def _start_wire(
             max_request_bytes=args.max_request_bytes,
             max_message_bytes=args.max_message_bytes,
             max_requests_per_s=args.max_requests_per_s,
+            output_stall_s=args.output_stall_s,
+            output_high_water=args.output_high_water,
             curve=curve,
             task_status=task_status,
         )
@@ -485,6 +512,7 @@ def _serve_main(args: argparse.Namespace) -> int:
         from spectrio.wire.server import (
             EndpointRefused,
             ServerRunning,
+            check_output_bounds,
             claim_endpoints,
             default_endpoints,
             message_cap,
@@ -496,6 +524,7 @@ def _serve_main(args: argparse.Namespace) -> int:
         try:
             config = runtime_config(args)
             message_cap(args.max_request_bytes, args.max_message_bytes)  # ValueError: refused
+            check_output_bounds(args.output_high_water, args.output_stall_s)
             args.resolved_tp = config.tensor_parallel_size
             _check_fronts(args)
             # Before the model loads: a refused or second server fails at once.
@@ -619,7 +648,7 @@ def client_main(args: argparse.Namespace) -> int:
     from spectrio.stages.output_processor import logprob_json
     from spectrio.tools.chat_flags import chat_messages, prompt_or_chat_error
     from spectrio.tools.sampling_flags import sampling_params
-    from spectrio.wire.client import Client, RequestRefused
+    from spectrio.wire.client import Client, RequestRefused, SequenceGap
 
     problem = prompt_or_chat_error(args)
     if problem is not None:
@@ -638,7 +667,8 @@ def client_main(args: argparse.Namespace) -> int:
             from spectrio.wire.curve import client_keys
 
             curve = client_keys(args.curve_server_key)
-        with Client(args.requests, args.outputs, timeout_s=args.timeout, curve=curve) as client:
+        # Its own outputs, on its own connection: any number of clients share a server.
+        with Client(args.requests, timeout_s=args.timeout, curve=curve) as client:
             # The prompt is echoed with the first chunk, once the server has accepted the
             # request: a refused one leaves stdout empty, with the error on stderr alone.
             echo = ""
@@ -669,6 +699,12 @@ def client_main(args: argparse.Namespace) -> int:
     except zmq.Again:
         print(f"error: no reply from the server within {args.timeout}s", file=sys.stderr)
         return 3
+    except SequenceGap as exc:
+        print(f"error: lost step messages: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, zmq.ZMQError) as exc:  # a malformed step message, a socket error
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         out: dict[str, object] = {
             "text": text,

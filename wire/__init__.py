@@ -2,7 +2,10 @@
 
 * :mod:`spectrio.wire.schema`: the v1 message Structs and error codes;
 * :mod:`spectrio.wire.codec`: request decoding that classifies bad frames, step encoding;
-* :mod:`spectrio.wire.server`: the ZeroMQ server in front of a runtime.
+* :mod:`spectrio.wire.server`: the ZeroMQ server in front of a runtime, with
+  :mod:`spectrio.wire.outbox` (each destination's bounded queue of step messages);
+* :mod:`spectrio.wire.client`: the consumer library, with
+  :mod:`spectrio.wire.stream_connection` (one connection for requests and their steps).
 * :mod:`spectrio.wire.record`: the per-step record carried raw in frame 1 (its layout
   lives in :mod:`spectrio.core.record`).
 
@@ -10,4 +13,14 @@ Submodules are imported explicitly (``from spectrio.wire.codec import decode_req
 so ``import spectrio.wire.schema`` needs neither Paddle nor the runtime.
 """
 
-__all__ = ["client", "codec", "curve", "record", "schema", "server", "zmq_transport"]
+__all__ = [
+    "client",
+    "codec",
+    "curve",
+    "outbox",
+    "record",
+    "schema",
+    "server",
+    "stream_connection",
+    "zmq_transport",
+]

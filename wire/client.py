@@ -31,9 +31,11 @@ process should read the outputs; other clients may submit requests only.
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -61,6 +63,12 @@ from spectrio.wire.schema import (
     ModelInfo,
     Ping,
     Submit,
+)
+from spectrio.wire.stream_connection import (
+    StreamConnection,
+    is_step_message,
+    new_routing_id,
+    reply_matches,
 )
 from spectrio.wire.zmq_transport import TrioSocket, open_socket
 
@@ -191,10 +199,6 @@ def tokenizer_for(info: ModelInfo) -> TextTokenizer | None:
 _R = TypeVar("_R", ModelInfo, Ack)
 
 
-def _info_reply(frame: bytes) -> ModelInfo:
-    return _expect(frame, ModelInfo, "an info reply")
-
-
 def _older_server(exc: RequestRefused) -> bool:
     """An ``Info`` refused by a server older than schema 1.2."""
     return exc.error.code is ErrorCode.UNKNOWN_TYPE
@@ -294,9 +298,11 @@ def _submit_frame(
     request_id: str,
     messages: Messages | None = None,
     cache_salt: str = "",
+    stream: bool = False,
 ) -> bytes:
     """A ``Submit`` with a prompt, or with messages (the server checks that there is
-    exactly one of them, and each message's fields)."""
+    exactly one of them, and each message's fields); ``stream`` asks for the request's
+    step messages on the connection that sends it (schema 1.7)."""
     body: str | list[int] | None = None
     if prompt is not None:
         body = prompt if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -314,17 +320,13 @@ def _submit_frame(
             params=params or SamplingParams(),
             messages=chat,
             cache_salt=cache_salt,
+            stream=stream,
         )
     )
 
 
-def _check(frame: bytes) -> Ack:
-    return _expect(frame, Ack, "an ack")
-
-
-def _expect(frame: bytes, kind: type[_R], what: str) -> _R:
-    """The reply in ``frame`` as ``kind``; an ``Error`` reply raises RequestRefused."""
-    reply = decode_reply(frame)
+def _expect_reply(reply: Ack | Error | ModelInfo, kind: type[_R], what: str) -> _R:
+    """``reply`` as ``kind``; an ``Error`` reply raises RequestRefused."""
     if isinstance(reply, Error):
         raise RequestRefused(reply)
     if not isinstance(reply, kind):
@@ -348,11 +350,13 @@ class AsyncClient:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         reconnect: Callable[[], TrioSocket] | None = None,
         server_tokenizer: bool = False,
+        connection: StreamConnection | None = None,
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s!r}")
+        self._conn = connection  # schema 1.7 streams: requests and their steps, one socket
         self._requests = requests
-        self._want_tokenizer = server_tokenizer and requests is not None
+        self._want_tokenizer = server_tokenizer and (requests is not None or connection is not None)
         self._outputs = outputs
         self.assembler = assembler
         self.timeout_s = timeout_s
@@ -387,8 +391,20 @@ class AsyncClient:
         if self._reconnect is not None and not self._closed:
             self._requests = self._reconnect()
 
-    async def _call(self, frame: bytes) -> Ack:
-        return _check(await self._roundtrip(frame))
+    async def _request(
+        self, frame: bytes, kind: str, request_id: str | None = None
+    ) -> Ack | Error | ModelInfo:
+        """Send one request and return its reply, decoded, within the timeout."""
+        if self._conn is None:
+            return decode_reply(await self._roundtrip(frame))
+        try:
+            with trio.fail_after(self.timeout_s):
+                return await self._conn.call(frame, reply_matches(kind, request_id))
+        except trio.TooSlowError:
+            raise ClientTimeout(f"no reply from the server within {self.timeout_s:g} s") from None
+
+    async def _call(self, frame: bytes, kind: str, request_id: str | None = None) -> Ack:
+        return _expect_reply(await self._request(frame, kind, request_id), Ack, "an ack")
 
     async def submit(
         self,
@@ -411,16 +427,18 @@ class AsyncClient:
             self.assembler.set_tokenizer(await self.server_tokenizer())
             self._want_tokenizer = False
         self.assembler.follow(rid)
-        await self._call(_submit_frame(prompt, params, rid, messages, cache_salt))
+        frame = _submit_frame(
+            prompt, params, rid, messages, cache_salt, stream=self._conn is not None
+        )
+        await self._call(frame, "submit", rid)
         return rid
 
     async def info(self, *, tokenizer: bool = False) -> ModelInfo:
         """The server's model description (``Info``, schema 1.2); with ``tokenizer=True``
         also the tokenizer's JSON. Raises :class:`RequestRefused` (``unknown_type`` from a
         server older than 1.2) or :class:`ClientTimeout`."""
-        return _info_reply(
-            await self._roundtrip(encode(Info(v=SCHEMA_VERSION, tokenizer=tokenizer)))
-        )
+        frame = encode(Info(v=SCHEMA_VERSION, tokenizer=tokenizer))
+        return _expect_reply(await self._request(frame, "info"), ModelInfo, "model info")
 
     async def server_tokenizer(self) -> TextTokenizer:
         """The server's tokenizer, fetched only when this process does not have it; the
@@ -440,23 +458,29 @@ class AsyncClient:
     async def send_raw(self, frame: bytes) -> Ack | Error | ModelInfo:
         """Send any frame as a request and return the reply without raising on an
         ``Error`` (for tests and diagnostics). Raises :class:`ClientTimeout`."""
-        return decode_reply(await self._roundtrip(frame))
+        return await self._request(frame, "raw")
 
     async def abort(self, request_id: str) -> None:
-        await self._call(encode(Abort(v=SCHEMA_VERSION, request_id=request_id)))
+        await self._call(
+            encode(Abort(v=SCHEMA_VERSION, request_id=request_id)), "abort", request_id
+        )
 
     async def ping(self) -> None:
-        await self._call(encode(Ping(v=SCHEMA_VERSION)))
+        await self._call(encode(Ping(v=SCHEMA_VERSION)), "ping")
 
     async def next_chunks(self) -> list[Chunk]:
         """Wait for the next step message and return its chunks (possibly empty). Raises
         :class:`ClientTimeout` if none comes within ``timeout_s``."""
-        if self._outputs is None:
+        if self._outputs is None and self._conn is None:
             raise RuntimeError("this client has no outputs endpoint")
         async with self._out_lock:
             try:
                 with trio.fail_after(self.timeout_s):
-                    frames = await self._outputs.recv_multipart()
+                    if self._conn is not None:
+                        frames = await self._conn.next_step()
+                    else:
+                        assert self._outputs is not None
+                        frames = await self._outputs.recv_multipart()
             except trio.TooSlowError:
                 raise ClientTimeout(
                     f"no step message from the server within {self.timeout_s:g} s"
@@ -487,6 +511,8 @@ class AsyncClient:
         for sock in (self._requests, self._outputs):
             if sock is not None:
                 sock.close()
+        if self._conn is not None:
+            self._conn.close()
 
 
 @asynccontextmanager
@@ -499,14 +525,57 @@ async def open_client(
     context: Context | None = None,
     curve: CurveClientKeys | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    stream: bool | None = None,
 ) -> AsyncIterator[AsyncClient]:
-    """Connect a Trio client. ``outputs`` is the server's PUSH endpoint, or its PUB tap
-    endpoint with ``tap=True``. Without ``outputs`` the client only submits.
+    """Connect a Trio client.
+
+    With ``requests`` alone (schema 1.7), the client's requests ask for their step
+    messages back on its own connection (``Submit.stream``): any number of such clients
+    share a server, each reading only its own requests. With ``outputs`` too, its
+    requests go to the server's shared PUSH socket (one consumer process) or, with
+    ``tap=True``, it observes them on the PUB tap, as before 1.7. With ``outputs`` alone
+    it only reads. ``stream=False`` with ``requests`` alone makes a client that only
+    submits, for a consumer elsewhere on the PUSH socket (the pre-1.7 default).
     ``timeout_s`` bounds every wait (:class:`ClientTimeout`). Without ``tokenizer``, a
     client with ``requests`` uses the server's tokenizer (asked for before its first
     submit); one without uses the bundled model's."""
     ctx = context if context is not None else zmq.Context.instance()
     configure = curve.apply if curve is not None else None
+    if stream is None:
+        stream = requests is not None and outputs is None
+    if stream and (requests is None or outputs is not None):
+        raise ValueError("stream=True needs requests and no outputs: steps come on requests")
+    if stream:
+        assert requests is not None
+        sock = ctx.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTING_ID, new_routing_id())
+            if configure is not None:
+                configure(sock)
+            sock.connect(requests)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        conn = StreamConnection(sock)
+        client = AsyncClient(
+            None,
+            None,
+            StreamAssembler(tokenizer, track=()),
+            timeout_s=timeout_s,
+            server_tokenizer=tokenizer is None,
+            connection=conn,
+        )
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(conn.run)
+                try:
+                    yield client
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            client.close()
+        return
 
     def connect_requests() -> TrioSocket:
         assert requests is not None
@@ -515,7 +584,7 @@ async def open_client(
         )
 
     out: TrioSocket | None = None
-    client: AsyncClient | None = None
+    legacy: AsyncClient | None = None
     req = connect_requests() if requests else None
     try:
         if outputs is not None:
@@ -523,7 +592,7 @@ async def open_client(
             out = open_socket(ctx, kind, connect=outputs, max_msg_size=None, configure=configure)
             if tap:
                 out.socket.setsockopt(zmq.SUBSCRIBE, b"")
-        client = AsyncClient(
+        legacy = AsyncClient(
             req,
             out,
             StreamAssembler(tokenizer, track=() if requests else None),
@@ -531,13 +600,13 @@ async def open_client(
             reconnect=connect_requests if requests else None,
             server_tokenizer=tokenizer is None,
         )
-        yield client
+        yield legacy
     finally:
-        if client is not None:
-            client.close()
-        for sock in (req, out):
-            if sock is not None:
-                sock.close()
+        if legacy is not None:
+            legacy.close()
+        for trio_sock in (req, out):
+            if trio_sock is not None:
+                trio_sock.close()
 
 
 class Client:
@@ -545,7 +614,10 @@ class Client:
     (:class:`ClientTimeout`, which is also a ``zmq.Again``).
 
     Use as a context manager. Without ``requests`` it follows every request on the
-    outputs; with it, only the requests it submitted.
+    outputs; with it, only the requests it submitted: with ``requests`` alone, their
+    step messages come back on its own connection (schema 1.7, as :func:`open_client`),
+    with ``outputs`` too, from the server's PUSH socket or tap (``stream`` as in
+    :func:`open_client`).
     """
 
     def __init__(
@@ -558,6 +630,7 @@ class Client:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         context: Context | None = None,
         curve: CurveClientKeys | None = None,
+        stream: bool | None = None,
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s!r}")
@@ -567,6 +640,13 @@ class Client:
         self._ctx, self._curve, self._requests_ep = ctx, curve, requests
         self._req: zmq.Socket[bytes] | None = None
         self._out: zmq.Socket[bytes] | None = None
+        if stream is None:
+            stream = requests is not None and outputs is None
+        if stream and (requests is None or outputs is not None):
+            raise ValueError("stream=True needs requests and no outputs: steps come on requests")
+        self._stream = stream
+        self._routing_id = new_routing_id()
+        self._steps: collections.deque[list[bytes]] = collections.deque()  # read early
         if requests is not None:
             self._req = self._connect_requests()
         if outputs is not None:
@@ -599,10 +679,48 @@ class Client:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
         sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+        if self._stream:  # kept across reconnects: the server routes steps by it
+            sock.setsockopt(zmq.ROUTING_ID, self._routing_id)
         if self._curve is not None:
             self._curve.apply(sock)
         sock.connect(self._requests_ep)
         return sock
+
+    def _request(
+        self, frame: bytes, kind: str, request_id: str | None = None
+    ) -> Ack | Error | ModelInfo:
+        """Send one request and return its reply, decoded. On a stream connection, step
+        messages read meanwhile are kept for :meth:`next_chunks`, and replies no call
+        waits for (late ones) are dropped."""
+        if not self._stream:
+            return decode_reply(self._roundtrip(frame))
+        assert self._req is not None
+        match = reply_matches(kind, request_id)
+        try:
+            self._req.send(frame)
+        except zmq.Again:
+            raise ClientTimeout(
+                f"could not send to the server within {self.timeout_s:g} s"
+            ) from None
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            frames = self._recv_before(deadline, "reply")
+            if is_step_message(frames):
+                self._steps.append(frames)
+                continue
+            try:
+                reply = decode_reply(frames[-1])
+            except msgspec.DecodeError:
+                continue
+            if match(reply):
+                return reply
+
+    def _recv_before(self, deadline: float, what: str) -> list[bytes]:
+        assert self._req is not None
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not self._req.poll(max(1, int(remaining * 1000))):
+            raise ClientTimeout(f"no {what} from the server within {self.timeout_s:g} s")
+        return self._req.recv_multipart()
 
     def _roundtrip(self, frame: bytes) -> bytes:
         if self._req is None:
@@ -616,12 +734,13 @@ class Client:
             self._req = self._connect_requests()
             raise ClientTimeout(f"no reply from the server within {self.timeout_s:g} s") from None
 
-    def _call(self, frame: bytes) -> Ack:
-        return _check(self._roundtrip(frame))
+    def _call(self, frame: bytes, kind: str, request_id: str | None = None) -> Ack:
+        return _expect_reply(self._request(frame, kind, request_id), Ack, "an ack")
 
     def info(self, *, tokenizer: bool = False) -> ModelInfo:
         """The server's model description (see :meth:`AsyncClient.info`)."""
-        return _info_reply(self._roundtrip(encode(Info(v=SCHEMA_VERSION, tokenizer=tokenizer))))
+        frame = encode(Info(v=SCHEMA_VERSION, tokenizer=tokenizer))
+        return _expect_reply(self._request(frame, "info"), ModelInfo, "model info")
 
     def server_tokenizer(self) -> TextTokenizer:
         """The server's tokenizer (see :meth:`AsyncClient.server_tokenizer`)."""
@@ -652,17 +771,30 @@ class Client:
             self.assembler.set_tokenizer(self.server_tokenizer())
             self._want_tokenizer = False
         self.assembler.follow(rid)
-        self._call(_submit_frame(prompt, params, rid, messages, cache_salt))
+        self._call(
+            _submit_frame(prompt, params, rid, messages, cache_salt, stream=self._stream),
+            "submit",
+            rid,
+        )
         return rid
 
     def abort(self, request_id: str) -> None:
-        self._call(encode(Abort(v=SCHEMA_VERSION, request_id=request_id)))
+        self._call(encode(Abort(v=SCHEMA_VERSION, request_id=request_id)), "abort", request_id)
 
     def ping(self) -> None:
-        self._call(encode(Ping(v=SCHEMA_VERSION)))
+        self._call(encode(Ping(v=SCHEMA_VERSION)), "ping")
 
     def next_chunks(self) -> list[Chunk]:
         """Block for the next step message (:class:`ClientTimeout` after ``timeout_s``)."""
+        if self._stream:
+            if self._steps:
+                return self.assembler.feed(self._steps.popleft())
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                frames = self._recv_before(deadline, "step message")
+                if is_step_message(frames):
+                    return self.assembler.feed(frames)
+                # a late reply to a call that timed out: nobody waits for it
         if self._out is None:
             raise RuntimeError("this client has no outputs endpoint")
         try:

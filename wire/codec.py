@@ -31,7 +31,7 @@ from spectrio.core.params import (
     check_prompt,
     invalid_from_validation_error,
 )
-from spectrio.core.record import RecordError, unpack
+from spectrio.core.record import RecordError, select_slots, unpack
 from spectrio.stages.output_processor import record_logprobs
 from spectrio.wire.schema import (
     MAX_REQUEST_ID_LEN,
@@ -58,6 +58,7 @@ __all__ = [
     "encode",
     "encode_step",
     "refused",
+    "slice_step",
 ]
 
 DEFAULT_MAX_REQUEST_BYTES: Final = 1 << 20
@@ -401,6 +402,24 @@ class SequenceCounter:
             if reason is not None:
                 self._sent.pop(rid, None)
         return seqnos
+
+
+def slice_step(published: PublishedStep, slots: Sequence[int]) -> PublishedStep:
+    """The step restricted to ``slots`` (ascending indices): the same step number, those
+    slots' request ids and finish reasons, their totals, and the record sliced in the
+    same layout (:func:`spectrio.core.record.select_slots`). All slots: the step itself."""
+    if len(slots) == len(published.request_ids):
+        return published
+    ids = [published.request_ids[i] for i in slots]
+    keep = set(ids)
+    return PublishedStep(
+        step=published.step,
+        request_ids=ids,
+        finish_reasons=[published.finish_reasons[i] for i in slots],
+        record=select_slots(published.record, list(slots)),
+        drafts={r: d for r, d in published.drafts.items() if r in keep},
+        cached_tokens={r: n for r, n in published.cached_tokens.items() if r in keep},
+    )
 
 
 def encode_step(

@@ -68,7 +68,7 @@ SCHEMA_VERSION: Final = 1
 of another major version (``schema_version``). Bump it for a change an old peer would
 misread: a removed or renamed key, a changed type or meaning."""
 
-SCHEMA_MINOR: Final = 6
+SCHEMA_MINOR: Final = 7
 """Minor version within :data:`SCHEMA_VERSION`: bumped for additions an old peer can
 ignore (an optional key a reader skips, a new request type an old client never sends).
 It is not on every message (an old peer's ``"v"`` stays valid); a client learns the
@@ -80,7 +80,10 @@ the server renders with the model's template, instead of a prompt), the error co
 ``no_chat_template`` and ``ModelInfo.chat_template``. A 1.5 client sends ``messages``
 only when it is asked to chat, so an older server meets it only then (and refuses it
 with ``unknown_field``); 1.6 ``Submit.cache_salt`` (prefix-cache isolation; sent only
-when not empty) and ``StepEnvelope.cached_tokens``.
+when not empty) and ``StepEnvelope.cached_tokens``; 1.7 ``Submit.stream`` (the
+request's step messages come back on the connection that submitted it, so any number
+of clients each read their own), the error code ``output_stalled``, and
+``ModelInfo.healthy`` / ``health`` / ``output_stall_s``.
 
 Every change to a message below changes the pin in ``tests/test_wire_schema.py``, which
 fails until one of the two versions is bumped."""
@@ -141,6 +144,10 @@ class ErrorCode(enum.StrEnum):
     """The client exceeded its request-rate cap; retry later."""
     UNAVAILABLE = "unavailable"
     """The server is shutting down and takes no new requests."""
+    OUTPUT_STALLED = "output_stalled"
+    """Since 1.7: the server ended the request because its step messages were not read
+    (``ModelInfo.output_stall_s``); in a step envelope's ``errors``, and the reply to an
+    ``Abort`` of such a request from its owner."""
 
 
 class _Message(msgspec.Struct, frozen=True, gc=False, kw_only=True, tag_field="type"):
@@ -174,6 +181,10 @@ class Submit(
     # Since 1.6: the request shares prefix-cache blocks only with requests of the same
     # salt (docs/wire.md, *Prefix caching*); "" shares with every unsalted request.
     cache_salt: CacheSalt = ""
+    # Since 1.7: the request's step messages come back on the connection that sent this
+    # Submit (after its Ack), not on the outputs socket. Needs a DEALER (a REQ socket
+    # takes one reply per request).
+    stream: bool = False
 
 
 class Abort(_Message, tag="abort", frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -254,6 +265,13 @@ class ModelInfo(_Message, tag="info", frozen=True, kw_only=True):
     # Since 1.5: the model has a chat template, so a Submit may carry messages (false
     # from an older server, which takes none).
     chat_template: bool = False
+    # Since 1.7: whether the pipeline is making progress (false: requests are waiting
+    # with no step completed, a sink holds the publisher, or the engine is dead), and why.
+    healthy: bool = True
+    health: str | None = None
+    # Since 1.7: seconds a request's oldest undelivered step message may wait before the
+    # server ends the request with ``output_stalled`` (nil from an older server).
+    output_stall_s: float | None = None
 
 
 Reply = Ack | Error | ModelInfo

@@ -8,10 +8,15 @@ Three sockets, each driven by exactly one owner task:
   :func:`~spectrio.wire.codec.check_submit`; every request gets an ``Ack`` or an
   ``Error`` with a specific code. A valid ``Submit`` runs ``runtime.generate`` in a task of
   its own; its output reaches consumers only through the step stream.
-* **outputs** (PUSH, lossless): one ``[envelope, record]`` message per published step,
-  with per-request sequence numbers (:class:`~spectrio.wire.codec.SequenceCounter`).
-  A PUSH with no connected consumer holds messages rather than dropping them.
-* **tap** (PUB, optional): the same messages for observers. It drops when a subscriber
+* **streams** (schema 1.7): a ``Submit`` with ``stream`` gets the request's step messages
+  back on the connection that sent it, after its ``Ack``: each client reads its own,
+  sliced from the step to its requests (:func:`spectrio.wire.codec.slice_step`), in
+  order and complete, and any number of clients share one server.
+* **outputs** (PUSH): one ``[envelope, record]`` message per step for the requests
+  submitted without ``stream``, with per-request sequence numbers
+  (:class:`~spectrio.wire.codec.SequenceCounter`). PUSH deals messages round-robin, so it
+  serves one consumer process. A step with none of these requests is not sent there.
+* **tap** (PUB, optional): every step, whole, for observers. It drops when a subscriber
   is slow or when its bounded buffer is full; sequence numbers make the gap visible.
 
 Nothing a client does makes the request task wait on that client:
@@ -30,13 +35,17 @@ Nothing a client does makes the request task wait on that client:
   CURVE is on, else its ROUTER identity. Anyone else gets ``unknown_request``, the same
   reply as for an id that does not exist.
 
-Backpressure. The server is a record sink of the runtime (``add_record_sink``): the
-publisher stage awaits it for every step. The sink appends the encoded step to the
-output backlog and, while the backlog holds more than ``output_high_water`` steps, waits
-for the PUSH owner task to hand steps to the consumer. A slow consumer therefore holds
-the publisher, and through it the whole pipeline, and the backlog stays bounded at
-``output_high_water + 1`` steps. Meanwhile the request task stops reading new requests,
-so the runtime's request queue does not grow either.
+No consumer holds another. The server is a record sink of the runtime
+(``add_record_sink``) that never waits: it slices each step to the destinations that
+have requests in it and queues one message for each in that destination's
+:class:`~spectrio.wire.outbox.Outbox` (a client connection, or the PUSH socket). HTTP and
+in-process requests never reach a wire socket. A destination that does not read falls
+behind alone: once its oldest queued message has waited ``output_stall_s`` seconds (or
+``output_high_water`` messages are queued), the server aborts its running requests
+(their final step carries an ``output_stalled`` error, and their KV blocks are freed);
+once nothing of it runs and it has still read nothing for ``output_stall_s`` more, its
+messages are dropped and counted. A connection that closed is ended at once. Every
+other client, the HTTP front and the embedding API go on as before.
 
 ``ipc://`` endpoints live in a run directory that one server at a time holds
 (:func:`~spectrio.wire.endpoints.claim_endpoints`, in :mod:`spectrio.wire.endpoints`
@@ -53,6 +62,7 @@ import collections
 import errno
 import functools
 import hashlib
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Final, TypeVar
 
@@ -85,6 +95,7 @@ from spectrio.wire.codec import (
     decode_request,
     encode,
     encode_step,
+    slice_step,
 )
 from spectrio.wire.curve import ZAP_ENDPOINT, CurveServerKeys, run_zap_handler
 from spectrio.wire.endpoints import (
@@ -97,6 +108,7 @@ from spectrio.wire.endpoints import (
     claim_endpoints,
     default_endpoints,
 )
+from spectrio.wire.outbox import Outbox
 from spectrio.wire.schema import (
     Abort,
     Ack,
@@ -116,6 +128,7 @@ __all__ = [
     "MAX_TOKENIZING",
     "MAX_TOKENIZING_PER_CLIENT",
     "MIN_MESSAGE_BYTES",
+    "PUSH",
     "EndpointClaim",
     "EndpointRefused",
     "PromptTokenizer",
@@ -124,6 +137,7 @@ __all__ = [
     "ServerStats",
     "WireServer",
     "check_endpoint",
+    "check_output_bounds",
     "claim_endpoints",
     "default_endpoints",
     "message_cap",
@@ -182,10 +196,30 @@ class ServerStats(msgspec.Struct, kw_only=True):
     unreplied: int = 0  # replies that could not be delivered: the client was gone
     infos: int = 0  # Info requests answered
     prompts_tokenized: int = 0  # text prompts handed to the tokenizer
-    steps_published: int = 0  # step messages handed to the PUSH socket
+    steps_published: int = 0  # step messages handed to a socket (PUSH or a client's connection)
+    steps_dropped: int = 0  # step messages dropped with an abandoned destination
     tap_dropped: int = 0  # step messages the tap dropped
     request_failures: int = 0  # accepted requests that failed inside the runtime
-    max_backlog: int = 0  # largest output backlog seen, in steps
+    requests_stalled: int = 0  # requests ended because their outputs were not read
+    clients_gone: int = 0  # connections that closed with requests or messages of theirs left
+    max_backlog: int = 0  # most messages one destination had queued at once
+
+
+PUSH: Final = b""
+"""The destination key of the shared PUSH outputs socket (a ROUTER routing id is never
+empty, so it cannot collide with a client's)."""
+
+RETRY_S: Final = 0.01
+"""How often a destination whose socket refused a message (its queue is full, or the
+PUSH socket has no reader) is tried again: libzmq says when a socket may send, not when
+one ROUTER peer may."""
+
+STALL_REASON: Final = "outputs not read"
+"""The runtime's abort reason for a request ended because its outputs stalled (logs)."""
+
+MAX_ENDED: Final = 4096
+"""Requests ended for stalled outputs that an ``Abort`` from their owner can still ask
+about (the oldest are forgotten first)."""
 
 
 class WireServer:
@@ -198,21 +232,30 @@ class WireServer:
         max_request_bytes: int,
         output_high_water: int,
         tap_buffer: int,
+        output_stall_s: float = 10.0,
         rate: float | None = None,
         burst: int = 64,
         curve: bool = False,
         tap: bool = False,
     ) -> None:
+        check_output_bounds(output_high_water, output_stall_s)
         self.runtime = runtime
         self._limits = RateLimiter(rate, burst)
         self._curve = curve
         self.stats = ServerStats()
         self._max_request_bytes = max_request_bytes
         self._high_water = output_high_water
+        self._stall_s = output_stall_s
         self._counter = SequenceCounter()
-        self._backlog: collections.deque[list[bytes]] = collections.deque()
-        self._backlog_changed = trio.Event()
-        self._steps_queued = 0  # steps appended to the backlog, ever
+        # Destination (a client's routing id, or PUSH) -> its undelivered messages.
+        self._outboxes: dict[bytes, Outbox] = {PUSH: self._new_outbox()}
+        self._dest: dict[str, bytes] = {}  # wire request id -> its destination, to its final slot
+        self._stalled: dict[str, Error] = {}  # request ended for stalled outputs -> its error
+        self._ended: collections.OrderedDict[str, tuple[bytes, Error]] = (
+            collections.OrderedDict()
+        )  # request ended for stalled outputs -> (its owner, the error), for Abort replies
+        self._changed = trio.Event()  # set (and replaced) on every queue, send or drop
+        self._supervise = trio.Event()  # wakes the supervisor early (a connection closed)
         self._tap_tx, self._tap_rx = trio.open_memory_channel[list[bytes]](tap_buffer)
         self._tap_enabled = tap
         tokenizer = PromptTokenizer(runtime)
@@ -225,10 +268,9 @@ class WireServer:
         )
         self._running: dict[str, bytes] = {}  # acknowledged request id -> its owner
         self._finished = trio.Event()  # replaced each time a request task ends
-        self._replies: collections.deque[list[bytes]] = collections.deque()
-        self._reply_waiter: trio.CancelScope | None = None
+        self._router_waiter: trio.CancelScope | None = None
         self._closing = False
-        self._linger_s = 0.0  # how long the PUSH socket may keep unsent steps on close
+        self._linger_s = 0.0  # how long the sockets may keep unsent messages on close
         self.endpoints: ServerEndpoints | None = None  # set once bound
         self._last_step = 0  # the step number of the last step queued
         # Requests whose stream ended with the engine's death, before their final step:
@@ -238,6 +280,15 @@ class WireServer:
         #: set once the engine's death has been published (or there was nothing to say)
         self.death_published = trio.Event()
 
+    def _new_outbox(self) -> Outbox:
+        return Outbox(limit=self._high_water, stall_s=self._stall_s)
+
+    def _outbox(self, dest: bytes) -> Outbox:
+        box = self._outboxes.get(dest)
+        if box is None:
+            box = self._outboxes[dest] = self._new_outbox()
+        return box
+
     @property
     def closing(self) -> bool:
         """Whether the server has stopped taking requests (:meth:`close`, :meth:`drain`)."""
@@ -245,62 +296,201 @@ class WireServer:
 
     @property
     def linger_s(self) -> float:
-        """Seconds the PUSH socket may keep unsent step messages when it closes: what
+        """Seconds the sockets may keep unsent messages when they close: what
         :meth:`drain` left of its finish budget (0 before a drain)."""
         return self._linger_s
 
     def close(self) -> None:
-        """Stop taking requests (``unavailable`` from now on) and release a publisher held
-        by :meth:`on_step`. Called by :func:`serve` on exit; safe to call twice."""
+        """Stop taking requests (``unavailable`` from now on). Called by :func:`serve` on
+        exit; safe to call twice."""
         self._closing = True
         self._wake()
 
     # ---- output side ----------------------------------------------------------------
 
     async def on_step(self, published: PublishedStep) -> None:
-        """Record sink: encode the step, queue it for the output owner task, then hold the
-        publisher (and with it the pipeline) while more than ``output_high_water`` steps
-        wait for the consumer. Returns at once after the server starts closing."""
-        self._queue_step(published)
-        while len(self._backlog) > self._high_water and not self._closing:
-            await self._backlog_changed.wait()
+        """Record sink: queue the step for every destination with a request in it. Never
+        waits (module docstring: no consumer holds another)."""
+        self._route_step(published)
 
-    def _queue_step(self, published: PublishedStep, errors: Sequence[Error] = ()) -> None:
+    def _route_step(self, published: PublishedStep, errors: Sequence[Error] = ()) -> None:
+        """Slice ``published`` to each destination's requests and queue one message for
+        each; the whole step goes to the tap. ``errors`` name requests the step ends with
+        an error (the engine's death); requests ended for stalled outputs get theirs."""
         seqnos = self._counter.advance(published)
-        frames = encode_step(published, seqnos, errors)
         self._last_step = max(self._last_step, published.step)
-        self._backlog.append(frames)
-        self._steps_queued += 1
-        self.stats.max_backlog = max(self.stats.max_backlog, len(self._backlog))
-        self._wake()
+        errs = {e.request_id: e for e in errors}
+        slots: dict[bytes, list[int]] = {}
+        for i, (rid, reason) in enumerate(
+            zip(published.request_ids, published.finish_reasons, strict=True)
+        ):
+            dest = self._dest.get(rid)
+            if dest is None:
+                continue  # not a wire request: HTTP or in-process
+            slots.setdefault(dest, []).append(i)
+            if reason is not None or rid in errs:  # its final slot
+                del self._dest[rid]
+                stalled = self._stalled.pop(rid, None)
+                if stalled is not None:
+                    errs.setdefault(rid, stalled)
+        now = trio.current_time()
+        for dest, mine in slots.items():
+            part = slice_step(published, mine)
+            frames = encode_step(
+                part,
+                [seqnos[i] for i in mine],
+                [errs[r] for r in part.request_ids if r in errs],
+            )
+            box = self._outbox(dest)
+            box.push(frames, now)
+            self.stats.max_backlog = max(self.stats.max_backlog, len(box))
         if self._tap_enabled:
             try:
-                self._tap_tx.send_nowait(frames)
+                self._tap_tx.send_nowait(encode_step(published, seqnos, list(errs.values())))
             except trio.WouldBlock:
                 self.stats.tap_dropped += 1
+        if slots:
+            self._wake()
 
     def _wake(self) -> None:
-        self._backlog_changed.set()
-        self._backlog_changed = trio.Event()
+        """Something was queued, sent or dropped: wake the socket owners and waiters."""
+        self._changed.set()
+        self._changed = trio.Event()
+        if self._router_waiter is not None:
+            self._router_waiter.cancel()
 
     @property
     def backlog(self) -> int:
-        """Steps encoded but not yet handed to the PUSH socket."""
-        return len(self._backlog)
+        """Messages queued for any destination and not yet handed to its socket."""
+        return sum(len(box) for box in self._outboxes.values())
+
+    def outbox(self, dest: bytes = PUSH) -> Outbox | None:
+        """The outbox of a destination (a client's routing id; PUSH by default), for tests
+        and diagnostics."""
+        return self._outboxes.get(dest)
 
     async def run_outputs(self, sock: TrioSocket) -> None:
+        """The PUSH socket's owner task: hand its outbox's messages over, oldest first."""
+        box = self._outboxes[PUSH]
         while True:
-            if not self._backlog:
-                await self._backlog_changed.wait()
+            frames = box.head()
+            if frames is None:
+                await self._changed.wait()
                 continue
-            await sock.send_multipart(self._backlog[0])
-            self._backlog.popleft()  # only after the send: a cancelled send loses nothing
-            self.stats.steps_published += 1
-            self._wake()
+            if sock.try_send_multipart(frames):
+                box.sent()
+                self.stats.steps_published += 1
+                self._wake()
+                await trio.lowlevel.checkpoint()
+                continue
+            with trio.move_on_after(RETRY_S):  # no reader, or its queue is full
+                await self._changed.wait()
 
     async def run_tap(self, sock: TrioSocket) -> None:
         async for frames in self._tap_rx:
             await sock.send_multipart(frames)  # PUB never blocks; it drops at its HWM
+
+    def _flush_router(self, sock: TrioSocket) -> bool:
+        """Hand every client's queued messages (replies and step messages, in order) to
+        the ROUTER without waiting. Returns whether a client's queue was full, so the owner
+        task tries again after :data:`RETRY_S`. A connection that closed, under a routing id
+        libzmq assigned (which no later connection can have), is gone: its messages are
+        dropped and the supervisor ends its requests."""
+        blocked = False
+        for dest, box in list(self._outboxes.items()):
+            if dest == PUSH or box.gone:
+                continue
+            while (frames := box.head()) is not None:
+                try:
+                    if not sock.try_send_multipart([dest, *frames]):
+                        blocked = True
+                        break
+                except zmq.ZMQError:  # EHOSTUNREACH: no connection with this routing id
+                    if dest[:1] == b"\x00":
+                        self._gone(dest, box)
+                    else:  # a client-chosen routing id: it may reconnect
+                        blocked = True
+                    break
+                if _is_step(frames):
+                    self.stats.steps_published += 1
+                box.sent()
+        return blocked
+
+    def _gone(self, dest: bytes, box: Outbox) -> None:
+        box.gone = True
+        dropped = box.drop_all()
+        self.stats.steps_dropped += dropped
+        self.stats.clients_gone += 1
+        running = sum(1 for d in self._dest.values() if d == dest)
+        log.info("wire client gone", messages_dropped=dropped, requests=running)
+        self._supervise.set()
+        self._wake()
+
+    async def run_supervisor(self) -> None:
+        """End the requests of destinations that stopped reading, and forget destinations
+        with nothing left (the bounds of :class:`~spectrio.wire.outbox.Outbox`)."""
+        tick = min(0.25, self._stall_s / 4)
+        while True:
+            with trio.move_on_after(tick):
+                await self._supervise.wait()
+            self._supervise = trio.Event()
+            await self._supervise_once(trio.current_time())
+
+    async def _supervise_once(self, now: float) -> None:
+        running: collections.Counter[bytes] = collections.Counter(self._dest.values())
+        for dest, box in list(self._outboxes.items()):
+            if box.stalled(now):
+                ended = [
+                    r
+                    for r, d in self._dest.items()
+                    if d == dest and r in self._running and r not in self._stalled
+                ]
+                if box.stalled_at is None or ended:
+                    await self._end_stalled(dest, box, ended, now)
+            if box.abandoned(now, running[dest]):
+                dropped = box.drop_all()
+                self.stats.steps_dropped += dropped
+                log.warning(
+                    "wire outputs dropped: nobody read them",
+                    destination="outputs socket" if dest == PUSH else "client",
+                    messages=dropped,
+                )
+                self._wake()
+            if dest != PUSH and running[dest] == 0 and (box.gone or not box):
+                del self._outboxes[dest]
+
+    async def _end_stalled(self, dest: bytes, box: Outbox, ended: list[str], now: float) -> None:
+        """Abort the running requests of a destination that stopped reading; each one's
+        final step carries an ``output_stalled`` error, and its owner can read the error
+        by aborting it later (:meth:`_abort`)."""
+        if box.stalled_at is None:
+            box.stalled_at = now
+        if box.gone:
+            reason = "the connection that submitted it closed"
+        elif box.full():
+            reason = f"{len(box)} of its step messages were not read"
+        else:
+            reason = f"its step messages were not read for {box.waited(now):.1f} s"
+        if ended:
+            log.warning(
+                "wire outputs stalled: ending their requests",
+                destination="outputs socket" if dest == PUSH else "client",
+                requests=len(ended),
+                reason=reason,
+            )
+        for rid in ended:
+            error = self._error(ErrorCode.OUTPUT_STALLED, f"ended: {reason}", rid)
+            self._stalled[rid] = error
+            self._ended[rid] = (self._running[rid], error)
+            while len(self._ended) > MAX_ENDED:
+                self._ended.popitem(last=False)
+            self.stats.requests_stalled += 1
+            await self.runtime.abort(rid, STALL_REASON)
+
+    async def _all_handed_over(self) -> None:
+        """Wait until every destination's queue is empty (sent, or dropped)."""
+        while any(len(box) for box in self._outboxes.values()):
+            await self._changed.wait()
 
     async def drain(
         self,
@@ -314,10 +504,11 @@ class WireServer:
         ones finish for up to ``grace_s`` seconds, or until ``cut`` is set (a second
         signal); then, within ``finish_s`` more seconds whatever happens, abort the rest
         with reason ``shutdown``, wait for the runtime to publish their abort step and hand
-        every queued step to the PUSH socket, which keeps unsent messages for what remains
-        of ``finish_s`` when it closes. Returns True when every request finished on its
-        own and everything was handed over; cancel :func:`serve` afterwards."""
-        self.close()  # a publisher held by on_step returns now
+        every queued message to its socket (the PUSH socket, or the client's connection),
+        which keeps unsent messages for what remains of ``finish_s`` when it closes.
+        Returns True when every request finished on its own and everything was handed
+        over; cancel :func:`serve` afterwards."""
+        self.close()
         self._prompts.cancel_all()
         with trio.move_on_after(grace_s):
             async with trio.open_nursery() as grace:
@@ -334,15 +525,14 @@ class WireServer:
             await self.runtime.wait_idle()  # the abort step carries -9 for each of them
             while self._running:
                 await self._finished.wait()
-            while self._backlog:
-                await self._backlog_changed.wait()
+            await self._all_handed_over()
         self._linger_s = max(0.0, deadline - trio.current_time())
-        clean = not cut_ids and not self._running and not self._backlog
+        clean = not cut_ids and not self._running and not self.backlog
         log.info(
             "drained" if clean else "drained with aborts",
             aborted=len(cut_ids),
             running=len(self._running),
-            backlog=len(self._backlog),
+            backlog=self.backlog,
         )
         return clean
 
@@ -357,8 +547,8 @@ class WireServer:
         stage), and publish one last step in which every request still open ends with
         ``finish_reason="abort"`` (a ``-9`` slot) and an ``unavailable`` error in the
         envelope's ``errors``, whose reason starts with ``engine_dead``. Returns once that
-        step is handed to the PUSH socket, or after ``finish_s`` seconds; the socket then
-        keeps it for what remains of them when it closes."""
+        step is handed to every destination's socket, or after ``finish_s`` seconds; the
+        sockets then keep it for what remains of them when they close."""
         self._dead = exc
         deadline = trio.current_time() + finish_s
         self._prompts.cancel_all()  # prompts being tokenized get unavailable
@@ -371,13 +561,12 @@ class WireServer:
                 errors = [
                     Error(code=ErrorCode.UNAVAILABLE, reason=reason, request_id=r) for r in ids
                 ]
-                self._queue_step(death_step(self._last_step + 1, ids), errors)
+                self._route_step(death_step(self._last_step + 1, ids), errors)
                 self.stats.errors[ErrorCode.UNAVAILABLE.value] = self.stats.errors.get(
                     ErrorCode.UNAVAILABLE.value, 0
                 ) + len(ids)
             log.error("engine dead: open requests aborted", requests=len(ids), cause=str(exc))
-            while self._backlog:
-                await self._backlog_changed.wait()
+            await self._all_handed_over()
         self._closing = True
         self._wake()
         self._linger_s = max(0.0, deadline - trio.current_time())
@@ -390,54 +579,45 @@ class WireServer:
         return Error(code=code, reason=reason, request_id=request_id)
 
     def _reply(self, envelope: Sequence[bytes], reply: Ack | Error | ModelInfo) -> None:
-        """Queue a reply for the request owner task, from any task; never waits."""
+        """Queue a reply on its client's connection, behind the step messages queued for
+        it; from any task, never waits. A client whose queue is full (it reads nothing)
+        loses the reply, and nobody else waits for it."""
         if isinstance(reply, Ack):
             self.stats.acks += 1
         elif isinstance(reply, ModelInfo):
             self.stats.infos += 1
-        self._replies.append([*envelope, encode(reply)])
-        if self._reply_waiter is not None:
-            self._reply_waiter.cancel()
+        box = self._outbox(envelope[0])
+        if box.gone:
+            self.stats.unreplied += 1
+            return
+        if box.full():
+            self.stats.replies_dropped += 1
+            log.debug("reply dropped: the client is not reading its replies")
+            return
+        box.push([*envelope[1:], encode(reply)], trio.current_time())
+        self._wake()
 
-    def _flush_replies(self, sock: TrioSocket) -> None:
-        """Send the queued replies without waiting: a client whose queue is full (it does
-        not read) loses this reply, and nobody else waits for it."""
-        while self._replies:
-            frames = self._replies.popleft()
-            try:
-                if not sock.try_send_multipart(frames):
-                    self.stats.replies_dropped += 1
-                    log.debug("reply dropped: the client is not reading its replies")
-            except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the client is gone
-                self.stats.unreplied += 1
-                log.debug("reply undeliverable", error=str(exc))
-
-    async def _unless_reply(self, wait: Callable[[], Awaitable[T]]) -> T | None:
-        """Await ``wait()``, or return None as soon as a reply is queued to be sent.
-        ``wait`` must be cancel-safe (a socket receive is: it consumes nothing)."""
-        with trio.CancelScope() as scope:
-            self._reply_waiter = scope
-            if self._replies:
-                scope.cancel()
+    async def _unless_woken(self, wait: Callable[[], Awaitable[T]], retry_s: float) -> T | None:
+        """Await ``wait()``, or return None once something is queued for a client (or
+        after ``retry_s`` seconds). ``wait`` must be cancel-safe (a socket receive is: it
+        consumes nothing)."""
+        with trio.move_on_after(retry_s), trio.CancelScope() as scope:
+            self._router_waiter = scope
             try:
                 return await wait()
             finally:
-                self._reply_waiter = None
+                self._router_waiter = None
         return None
 
     async def run_requests(self, sock: TrioSocket, nursery: trio.Nursery) -> None:
-        """The ROUTER's owner task: send queued replies, read one request, answer it."""
+        """The ROUTER's owner task: hand the clients their replies and step messages, read
+        one request, answer it."""
         while True:
-            self._flush_replies(sock)
-            frames = await self._unless_reply(sock.recv_frames)
+            blocked = self._flush_router(sock)
+            frames = await self._unless_woken(sock.recv_frames, RETRY_S if blocked else math.inf)
             if frames is None:
                 continue
             self.stats.requests += 1
-            # Admission control: hold this request (and read no more) while the consumer
-            # lags; replies already queued still go out.
-            while len(self._backlog) > self._high_water and not self._closing:
-                self._flush_replies(sock)
-                await self._unless_reply(self._backlog_changed.wait)
             await self._dispatch(frames, nursery)
 
     def _owner(self, frames: list[zmq.Frame]) -> bytes:
@@ -506,19 +686,48 @@ class WireServer:
         if self._closing:
             raise WireError(ErrorCode.UNAVAILABLE, "the server is shutting down", msg.request_id)
         if isinstance(msg, Submit):
-            return await self._submit(msg, owner, envelope, nursery)
+            await self._submit(msg, owner, envelope, nursery)
+            return None  # the Ack is queued once the runtime has the request
         assert isinstance(msg, Abort)
         self._abort(msg, owner, envelope, nursery)
         return None  # the Ack follows once the runtime has aborted the request
 
     def _info_reply(self, msg: Info) -> ModelInfo:
+        health = self.runtime.health()
+        info = msgspec.structs.replace(
+            self._info,
+            healthy=health.ok,
+            health=health.reason,
+            output_stall_s=self._stall_s,
+        )
         if not msg.tokenizer:
-            return self._info
-        return msgspec.structs.replace(self._info, tokenizer_json=self._prompts.tokenizer.json)
+            return info
+        return msgspec.structs.replace(info, tokenizer_json=self._prompts.tokenizer.json)
+
+    def _destination(self, msg: Submit, envelope: list[bytes]) -> bytes:
+        """Where a request's step messages go: back on its connection (``stream``), or to
+        the PUSH socket. A destination that is not reading takes no new request."""
+        rid = msg.request_id
+        if msg.stream and len(envelope) != 1:
+            raise WireError(
+                ErrorCode.INVALID_FIELD,
+                "stream: needs a DEALER socket; a REQ socket takes one reply per request",
+                rid,
+            )
+        dest = envelope[0] if msg.stream else PUSH
+        box = self._outboxes.get(dest)
+        if box is not None and box.stalled(trio.current_time()):
+            where = "this connection" if msg.stream else "the outputs socket"
+            raise WireError(
+                ErrorCode.RATE_LIMITED,
+                f"the step messages queued for {where} are not being read; read them first",
+                rid,
+            )
+        return dest
 
     async def _submit(
         self, msg: Submit, owner: bytes, envelope: list[bytes], nursery: trio.Nursery
-    ) -> Ack | None:
+    ) -> None:
         rid = msg.request_id
         check_length(
             msg,
@@ -529,36 +738,37 @@ class WireServer:
             raise WireError(
                 ErrorCode.DUPLICATE_REQUEST, f"request_id {rid!r} is still running", rid
             )
+        dest = self._destination(msg, envelope)
         if isinstance(msg.prompt, str) or msg.messages is not None:
             pending = self._prompts.reserve(msg, owner)
-            nursery.start_soon(self._tokenize_then_start, msg, pending, envelope, nursery)
-            return None  # the reply follows once the prompt is tokenized
-        await self._start(msg, owner, *self._prompts.check(msg), nursery)
-        return Ack(of="submit", request_id=rid)
+            nursery.start_soon(self._tokenize_then_start, msg, pending, envelope, dest, nursery)
+            return  # the reply follows once the prompt is tokenized
+        await self._start(msg, owner, envelope, dest, *self._prompts.check(msg), nursery)
 
     async def _tokenize_then_start(
-        self, msg: Submit, pending: PendingPrompt, envelope: list[bytes], nursery: trio.Nursery
+        self,
+        msg: Submit,
+        pending: PendingPrompt,
+        envelope: list[bytes],
+        dest: bytes,
+        nursery: trio.Nursery,
     ) -> None:
         rid = msg.request_id
-        reply: Ack | Error
         started = False
         try:
             self.stats.prompts_tokenized += 1
             prepared = await self._prompts.tokenize(msg, pending)
             if prepared is None or self._closing:
-                reply = self._error(ErrorCode.UNAVAILABLE, "the server is shutting down", rid)
-            else:
-                await self._start(msg, pending.owner, *prepared, nursery)
-                started = True
-                reply = Ack(of="submit", request_id=rid)
+                raise WireError(ErrorCode.UNAVAILABLE, "the server is shutting down", rid)
+            await self._start(msg, pending.owner, envelope, dest, *prepared, nursery)
+            started = True
         except WireError as exc:
-            reply = self._error(exc.code, exc.reason, exc.request_id)
+            self._reply(envelope, self._error(exc.code, exc.reason, exc.request_id))
         finally:
             self._prompts.done(rid)
         aborted = started and bool(pending.aborts) and await self.runtime.abort(rid, ABORT_REASON)
         if aborted:
-            await self._handed_over()
-        self._reply(envelope, reply)
+            await self._handed_over(dest)
         for abort_envelope in pending.aborts:
             self._reply(abort_envelope, self._abort_reply(rid, aborted))
 
@@ -566,25 +776,32 @@ class WireServer:
         self,
         msg: Submit,
         owner: bytes,
+        envelope: list[bytes],
+        dest: bytes,
         prompt_ids: list[int],
         params: SamplingParams,
         nursery: trio.Nursery,
     ) -> None:
-        """Hand the request to the runtime, so that once this returns it is running
-        there (``runtime.abort`` finds it), and follow its stream in a task of its own.
-        ``params`` are the request's, with a chat's end-of-turn tokens added. A refusal
-        by the runtime is the ``Error`` reply, never a failure after an ``Ack``."""
+        """Hand the request to the runtime and queue its ``Ack``, so that once this
+        returns it is running there (``runtime.abort`` finds it) and its step messages go
+        to ``dest``, behind the ``Ack``; then follow its stream in a task of its own.
+        ``params`` are the request's, with a chat's end-of-turn tokens added. A refusal by
+        the runtime is the ``Error`` reply (raised), never a failure after an ``Ack``."""
         rid = msg.request_id
-        self._running[rid] = owner
         try:
             stream = self.runtime.generate(
                 prompt_ids, params, request_id=rid, cache_salt=msg.cache_salt
             )
-            await stream.__aenter__()  # submits it, for a runtime that submits on entry
         except InvalidRequest as exc:
-            self._running.pop(rid, None)
             self.stats.request_failures += 1
             raise WireError(ErrorCode(exc.code), str(exc), rid) from None
+        # Submitted: no step of it can be published before the next checkpoint, so the
+        # Ack is queued ahead of its first step message.
+        self._running[rid] = owner
+        self._dest[rid] = dest
+        self._reply(envelope, Ack(of="submit", request_id=rid))
+        try:
+            await stream.__aenter__()
         except BaseException:
             self._running.pop(rid, None)
             raise
@@ -611,28 +828,37 @@ class WireServer:
         """Abort a request of this client's; the ``Ack`` is sent once the runtime has
         aborted it, so no token of it is published after the ``Ack``. A request of
         another client's is reported exactly like one that does not exist, so ids of
-        others are not revealed."""
+        others are not revealed. A request the server ended because its outputs were not
+        read gets that ``output_stalled`` error, to its owner only."""
         rid = msg.request_id
         pending = self._prompts.get(rid)
         if pending is not None and pending.owner == owner:
             pending.aborts.append(envelope)
             return
-        if self._running.get(rid) != owner:
+        if self._running.get(rid) != owner or rid in self._stalled:
+            ended = self._ended.get(rid)
+            if ended is not None and ended[0] == owner:
+                error = ended[1]
+                raise WireError(error.code, error.reason, rid)
             raise WireError(ErrorCode.UNKNOWN_REQUEST, f"request_id {rid!r} is not running", rid)
-        nursery.start_soon(self._abort_then_reply, rid, envelope)
+        nursery.start_soon(self._abort_then_reply, rid, envelope, self._dest.get(rid, PUSH))
 
-    async def _abort_then_reply(self, rid: str, envelope: list[bytes]) -> None:
+    async def _abort_then_reply(self, rid: str, envelope: list[bytes], dest: bytes) -> None:
         aborted = await self.runtime.abort(rid, ABORT_REASON)
-        await self._handed_over()
+        await self._handed_over(dest)
         self._reply(envelope, self._abort_reply(rid, aborted))
 
-    async def _handed_over(self) -> None:
-        """Wait until every step queued so far is handed to the PUSH socket, so that
-        the step messages with a request's last tokens leave before the reply that says
-        there are no more (with a consumer that does not read, the reply waits too)."""
-        target = self._steps_queued
-        while self.stats.steps_published < target and not self._closing:
-            await self._backlog_changed.wait()
+    async def _handed_over(self, dest: bytes) -> None:
+        """For a request whose steps go to the PUSH socket, wait until every step queued
+        for it so far is handed over (or dropped), so that the step messages with a
+        request's last tokens leave before the reply that says there are no more. A
+        stream's reply is queued behind its steps on the same connection already."""
+        if dest != PUSH:
+            return
+        box = self._outboxes[PUSH]
+        target = box.handed_over + len(box)
+        while box.handed_over < target and not self._closing:
+            await self._changed.wait()
 
     def _abort_reply(self, rid: str, aborted: bool) -> Ack | Error:
         if aborted:
@@ -641,6 +867,20 @@ class WireServer:
         return self._error(
             ErrorCode.UNKNOWN_REQUEST, f"request_id {rid!r} finished before the abort", rid
         )
+
+
+def check_output_bounds(high_water: int, stall_s: float) -> None:
+    """Refuse output bounds that cannot work (``ValueError`` naming the flag)."""
+    if high_water < 1:
+        raise ValueError(f"--output-high-water: must be >= 1, got {high_water}")
+    if not (math.isfinite(stall_s) and stall_s > 0):
+        raise ValueError(f"--output-stall-s: must be a finite number > 0, got {stall_s}")
+
+
+def _is_step(frames: list[bytes]) -> bool:
+    """Whether a queued message is a step message (``[envelope, record]``) rather than a
+    reply (``[reply]``, or ``["", reply]`` to a REQ socket)."""
+    return len(frames) == 2 and frames[0] != b""
 
 
 def engine_dead_reason(exc: EngineDead) -> str:
@@ -662,6 +902,17 @@ def death_step(step: int, request_ids: Sequence[str]) -> PublishedStep:
     )
 
 
+def _router_handover(
+    configure: Callable[[zmq.Socket[bytes]], None] | None,
+) -> Callable[[zmq.Socket[bytes]], None]:
+    def apply(sock: zmq.Socket[bytes]) -> None:
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if configure is not None:
+            configure(sock)
+
+    return apply
+
+
 async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:
     await event.wait()
     scope.cancel()
@@ -679,7 +930,9 @@ async def serve(
     claim: EndpointClaim | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_message_bytes: int | None = None,
-    output_high_water: int = 256,
+    output_high_water: int = 1024,
+    output_stall_s: float = 10.0,
+    output_sndhwm: int = 1000,
     tap_buffer: int = 1024,
     max_requests_per_s: float | None = None,
     request_burst: int = 64,
@@ -702,12 +955,18 @@ async def serve(
     peer whose message is larger, without a reply, before the server sees it. It must be
     larger than ``max_request_bytes``.
 
+    Outputs (module docstring): each destination, a client's connection or the PUSH
+    socket, queues at most ``output_high_water`` messages before its requests are ended,
+    and the requests of one whose oldest message has waited ``output_stall_s`` seconds
+    are ended (``output_stalled``). ``output_sndhwm`` is the libzmq queue of each
+    connection (``SNDHWM``: messages handed over but not yet read), below the server's.
+
     ``max_requests_per_s`` caps each client (by CURVE key or ROUTER identity) with a
     token bucket of ``request_burst``; a request over the cap gets ``rate_limited``.
 
     On cancellation, running requests are aborted (the runtime ends their streams with
     ``finish_reason="abort"``) and the sockets close; after :meth:`WireServer.drain`, the
-    PUSH socket keeps unsent steps for what remains of the drain's finish budget.
+    sockets keep unsent messages for what remains of the drain's finish budget.
     """
     if rank != 0:
         log.info("not rank 0: no sockets bound", rank=rank)
@@ -722,12 +981,14 @@ async def serve(
     ctx = context if context is not None else zmq.Context.instance()
     socks: list[TrioSocket] = []
     out: TrioSocket | None = None
+    req: TrioSocket | None = None
     server: WireServer | None = None
     try:
         server = WireServer(
             runtime,
             max_request_bytes=max_request_bytes,
             output_high_water=output_high_water,
+            output_stall_s=output_stall_s,
             tap_buffer=tap_buffer,
             rate=max_requests_per_s,
             burst=request_burst,
@@ -748,9 +1009,16 @@ async def serve(
                 )
         configure = curve.apply if curve is not None else None  # encrypts every socket
         opened = functools.partial(open_socket, ctx, configure=configure, allow_public=allow_public)
-        req = opened(zmq.ROUTER, bind=requests_endpoint, max_msg_size=cap)
+        req = opened(
+            zmq.ROUTER,
+            bind=requests_endpoint,
+            max_msg_size=cap,
+            sndhwm=output_sndhwm,
+            # A client that chose its routing id keeps its streams across a reconnect.
+            configure=_router_handover(configure),
+        )
         socks.append(req)
-        out = opened(zmq.PUSH, bind=outputs_endpoint, max_msg_size=None)
+        out = opened(zmq.PUSH, bind=outputs_endpoint, max_msg_size=None, sndhwm=output_sndhwm)
         socks.append(out)
         tap: TrioSocket | None = None
         if tap_endpoint is not None:
@@ -779,6 +1047,7 @@ async def serve(
                 if tap is not None:
                     nursery.start_soon(server.run_tap, tap)
                 nursery.start_soon(server.run_requests, req, nursery)
+                nursery.start_soon(server.run_supervisor)
                 nursery.start_soon(server.watch_engine)
                 log.info(
                     "serving",
@@ -789,12 +1058,12 @@ async def serve(
                 )
                 task_status.started(server)
         finally:
-            server.close()  # a publisher held by on_step returns now
+            server.close()
             remove()
             log.info("server stopped", **msgspec.structs.asdict(server.stats))
     finally:
         linger_ms = int(server.linger_s * 1000) if server is not None else 0
         for sock in socks:
-            sock.close(linger=linger_ms if sock is out else 0)
+            sock.close(linger=linger_ms if sock is out or sock is req else 0)
         if own_claim:
             claim.release()

@@ -1,0 +1,122 @@
+"""Per-destination output queues of the wire server: pure state, no sockets, no Trio.
+
+A destination is one client connection (its step messages and replies travel back on
+the connection that submitted the requests, schema 1.7) or the shared PUSH outputs
+socket (requests submitted without ``stream``). Each has an :class:`Outbox`: the
+messages not yet handed to its socket, in order. The server's socket owner tasks send
+from the head; nothing here waits.
+
+The invariants the server builds on:
+
+* **Nothing is dropped while it can still be read.** A step message stays queued until
+  the socket takes it. Only an outbox that is :meth:`Outbox.abandoned` (its destination
+  is gone for good, or it stalled, nothing of it still runs, and it read nothing for
+  :data:`DROP_AFTER` times ``stall_s`` more) is emptied, and every message dropped is
+  counted.
+* **Bounded in time.** An outbox is *stalled* when its oldest message has waited
+  ``stall_s`` seconds: its destination reads nothing, or reads slower than its requests
+  produce. The server then ends that destination's running requests (and only those),
+  which frees their KV blocks.
+* **Bounded in memory.** An outbox is stalled as well once it holds ``limit`` messages;
+  its final messages (the abort step of the requests ended for it) are still queued, so
+  at most ``limit`` plus one step per running request of it are kept.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+__all__ = ["DROP_AFTER", "Outbox", "OutboxStats"]
+
+DROP_AFTER = 3
+"""An outbox whose requests were ended keeps their messages this many times ``stall_s``
+longer before they are dropped."""
+
+
+@dataclass
+class OutboxStats:
+    """Counters of one outbox, for logs and tests."""
+
+    queued: int = 0  # messages queued, ever
+    sent: int = 0  # messages handed to the socket
+    dropped: int = 0  # messages dropped with an abandoned outbox
+    max_depth: int = 0  # most messages queued at once
+
+
+@dataclass
+class Outbox:
+    """The undelivered messages of one destination, oldest first, each with the time it
+    was queued. ``limit`` and ``stall_s`` bound it (module docstring)."""
+
+    limit: int
+    stall_s: float
+    _queue: collections.deque[tuple[list[bytes], float]] = field(default_factory=collections.deque)
+    stats: OutboxStats = field(default_factory=OutboxStats)
+    stalled_at: float | None = None  # when the server ended this destination's requests
+    gone: bool = False  # the destination can never read again (a closed connection)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def push(self, frames: list[bytes], now: float) -> None:
+        """Queue one message (never refused: the bounds act on requests, not messages)."""
+        if self.gone:
+            self.stats.dropped += 1
+            return
+        self._queue.append((frames, now))
+        self.stats.queued += 1
+        self.stats.max_depth = max(self.stats.max_depth, len(self._queue))
+
+    def head(self) -> list[bytes] | None:
+        """The oldest undelivered message, or None."""
+        return self._queue[0][0] if self._queue else None
+
+    def sent(self) -> None:
+        """The head was handed to the socket. Progress clears a stall."""
+        self._queue.popleft()
+        self.stats.sent += 1
+        if not self._queue:
+            self.stalled_at = None
+
+    def full(self) -> bool:
+        """Whether it holds ``limit`` messages or more (a new request is refused)."""
+        return len(self._queue) >= self.limit
+
+    def waited(self, now: float) -> float:
+        """Seconds the oldest message has waited (0 when empty)."""
+        return now - self._queue[0][1] if self._queue else 0.0
+
+    def stalled(self, now: float) -> bool:
+        """Whether its destination has fallen behind for good: the oldest message has
+        waited ``stall_s`` seconds, or ``limit`` messages are queued, or it is gone."""
+        if self.gone:
+            return True
+        return bool(self._queue) and (self.full() or self.waited(now) >= self.stall_s)
+
+    def abandoned(self, now: float, running: int) -> bool:
+        """Whether to drop what it holds: its destination is gone, or it stalled, none of
+        its requests still runs, and it has made no progress for :data:`DROP_AFTER`
+        times ``stall_s`` since its requests were ended (time for a client that resumes
+        to read how they ended)."""
+        if not self._queue:
+            return False
+        if self.gone:
+            return True
+        return (
+            running == 0
+            and self.stalled_at is not None
+            and now - self.stalled_at >= DROP_AFTER * self.stall_s
+        )
+
+    def drop_all(self) -> int:
+        """Empty it; returns how many messages were dropped (also counted)."""
+        n = len(self._queue)
+        self._queue.clear()
+        self.stats.dropped += n
+        return n
+
+    @property
+    def handed_over(self) -> int:
+        """Messages that left the outbox, sent or dropped."""
+        return self.stats.sent + self.stats.dropped
