@@ -40,6 +40,7 @@ from spectrio.core.params import SamplingParams, check_cache_salt
 from spectrio.core.timing import StepTiming
 from spectrio.errors import SpectrioError
 from spectrio.runtime.api import Delta, Runtime, open_runtime
+from spectrio.runtime.health import Health
 
 T = TypeVar("T")
 
@@ -282,6 +283,10 @@ class AsyncioRuntime:
     def step_timings(self) -> list[StepTiming]:
         """:meth:`spectrio.Runtime.step_timings`."""
         return self.runtime.step_timings()
+
+    def health(self) -> Health:
+        """:meth:`spectrio.Runtime.health`: whether the pipeline is making progress."""
+        return self.runtime.health()
 
 
 def _end_at_shutdown(job: _Job) -> None:

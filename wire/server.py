@@ -1038,7 +1038,7 @@ async def serve(
                 outputs=bound.outputs,
                 tap=bound.tap,
             )
-        remove = runtime.add_record_sink(server.on_step)
+        remove = runtime.add_record_sink(server.on_step, name="wire")
         try:
             async with trio.open_nursery() as nursery:
                 if zap is not None:
