@@ -787,6 +787,7 @@ async def soak_fronts(args: argparse.Namespace) -> dict[str, Any]:
         "rss_end_mb": round(rss_end / 2**20, 1),
         "rss_max_mb": round(max((b for _, b in rss), default=rss_end) / 2**20, 1),
         "rss_slope_mb_per_min": round(slope, 3),
+        "rss_mb": [[round(t - t0, 1), round(b / 2**20, 1)] for t, b in rss],  # every second
         "idle_after_s": round(idle_s, 2),
         "idle": idle,
         "open_requests_after": after_health.open_requests,
