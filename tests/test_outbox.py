@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from spectrio.core.messages import PublishedStep
 from spectrio.core.record import pack_step_record, select_slots, unpack
 from spectrio.wire.codec import decode_step, encode, encode_step, slice_step
-from spectrio.wire.outbox import DROP_AFTER, Outbox
+from spectrio.wire.outbox import DROP_AFTER, RECONNECT_S, Outbox
 from spectrio.wire.schema import Ack, Error, ErrorCode
 from spectrio.wire.stream_connection import is_step_message, new_routing_id, reply_matches
 
@@ -65,6 +65,18 @@ def test_a_gone_destination_drops_what_comes() -> None:
     box.drop_all()
     box.push([b"late"], now=1.0)
     assert len(box) == 0 and box.stats.dropped == 2
+
+
+def test_a_closed_connection_has_a_short_grace_to_come_back() -> None:
+    box = Outbox(limit=100, stall_s=10.0)
+    box.push([b"a"], now=0.0)
+    box.unreachable(now=1.0)
+    box.unreachable(now=2.0)  # the first failure counts
+    assert not box.stalled(now=1.0 + RECONNECT_S - 0.01)
+    assert box.stalled(now=1.0 + RECONNECT_S)
+    box.sent()  # it came back
+    box.push([b"b"], now=5.0)
+    assert box.unreachable_since is None and not box.stalled(now=5.0 + RECONNECT_S)
 
 
 # ---- the record sliced per destination ----------------------------------------------------

@@ -35,6 +35,7 @@ from spectrio.models import LoadedModel
 from spectrio.runtime.api import Runtime, open_runtime
 from spectrio.wire.client import Client, open_client
 from spectrio.wire.codec import decode_reply, decode_step, encode, encode_step
+from spectrio.wire.outbox import RECONNECT_S
 from spectrio.wire.schema import (
     SCHEMA_VERSION,
     Abort,
@@ -287,6 +288,34 @@ async def test_a_client_that_dies_has_its_requests_ended_at_once(
                 await idle_and_free(rt)
             assert rt.stats().finished.get("abort") == 2
             assert server.stats.clients_gone == 1
+
+
+async def test_a_client_with_its_own_routing_id_that_dies_is_ended_after_the_grace(
+    bundled: LoadedModel, ctx: Context, tmp_path: Path
+) -> None:
+    """The library's clients choose their routing id (so a transport reconnect keeps
+    their streams): when one closes, the server gives it RECONNECT_S to come back, then
+    ends its requests, far below the stall bound."""
+    with trio.fail_after(TIMEOUT):
+        async with open_runtime(CONFIG) as rt, served(rt, ctx, tmp_path) as server:
+            assert server.endpoints is not None
+            endpoint = server.endpoints.requests
+
+            def submit_and_die() -> None:
+                with Client(endpoint, timeout_s=30, context=ctx) as client:
+                    long = SamplingParams(max_tokens=400, ignore_eos=True)
+                    rid = client.submit("def f(x):", long)
+                    client.submit("class A:", long)
+                    for chunk in client.stream(rid):
+                        if chunk.token_ids:
+                            return  # closes the socket with both requests running
+
+            await trio.to_thread.run_sync(submit_and_die)
+            closed = trio.current_time()
+            await idle_and_free(rt)
+            assert trio.current_time() - closed < RECONNECT_S + 1.5
+            assert rt.stats().finished.get("abort") == 2
+            assert server.stats.requests_stalled == 2
 
 
 async def test_sync_stream_client_and_info_health(

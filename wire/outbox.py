@@ -27,7 +27,11 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-__all__ = ["DROP_AFTER", "Outbox", "OutboxStats"]
+__all__ = ["DROP_AFTER", "RECONNECT_S", "Outbox", "OutboxStats"]
+
+RECONNECT_S = 2.0
+"""Seconds a connection that closed under a routing id of its client's choosing has to
+come back (a transport reconnect takes libzmq about 0.1 s) before it counts as stalled."""
 
 DROP_AFTER = 3
 """An outbox whose requests were ended keeps their messages this many times ``stall_s``
@@ -55,6 +59,7 @@ class Outbox:
     stats: OutboxStats = field(default_factory=OutboxStats)
     stalled_at: float | None = None  # when the server ended this destination's requests
     gone: bool = False  # the destination can never read again (a closed connection)
+    unreachable_since: float | None = None  # its connection is closed; it may come back
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -76,6 +81,7 @@ class Outbox:
         """The head was handed to the socket. Progress clears a stall."""
         self._queue.popleft()
         self.stats.sent += 1
+        self.unreachable_since = None
         if not self._queue:
             self.stalled_at = None
 
@@ -87,10 +93,19 @@ class Outbox:
         """Seconds the oldest message has waited (0 when empty)."""
         return now - self._queue[0][1] if self._queue else 0.0
 
+    def unreachable(self, now: float) -> None:
+        """Its connection is closed (a send found no peer); it may reconnect."""
+        if self.unreachable_since is None:
+            self.unreachable_since = now
+
     def stalled(self, now: float) -> bool:
         """Whether its destination has fallen behind for good: the oldest message has
-        waited ``stall_s`` seconds, or ``limit`` messages are queued, or it is gone."""
+        waited ``stall_s`` seconds, or ``limit`` messages are queued, or it is gone, or
+        its connection closed and has not come back for :data:`RECONNECT_S`."""
         if self.gone:
+            return True
+        grace = min(RECONNECT_S, self.stall_s)
+        if self.unreachable_since is not None and now - self.unreachable_since >= grace:
             return True
         return bool(self._queue) and (self.full() or self.waited(now) >= self.stall_s)
 

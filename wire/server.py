@@ -108,7 +108,7 @@ from spectrio.wire.endpoints import (
     claim_endpoints,
     default_endpoints,
 )
-from spectrio.wire.outbox import Outbox
+from spectrio.wire.outbox import RECONNECT_S, Outbox
 from spectrio.wire.schema import (
     Abort,
     Ack,
@@ -409,6 +409,7 @@ class WireServer:
                     if dest[:1] == b"\x00":
                         self._gone(dest, box)
                     else:  # a client-chosen routing id: it may reconnect
+                        box.unreachable(trio.current_time())
                         blocked = True
                     break
                 if _is_step(frames):
@@ -467,6 +468,8 @@ class WireServer:
             box.stalled_at = now
         if box.gone:
             reason = "the connection that submitted it closed"
+        elif box.unreachable_since is not None:
+            reason = f"its connection closed and did not come back for {RECONNECT_S:g} s"
         elif box.full():
             reason = f"{len(box)} of its step messages were not read"
         else:
