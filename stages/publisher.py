@@ -22,8 +22,9 @@ async def run_publisher(
 ) -> None:
     """Ends when ``inbox`` ends. ``deliver`` hands tokens to in-process subscribers and
     must not block; ``publish`` hands the packed step record to observers and awaits
-    record sinks, so a slow sink (a wire consumer) holds the publisher and, through its
-    bounded inbox, the scheduler: backpressure, nothing dropped. Only rank 0 delivers
+    record sinks, so a slow sink holds the publisher and, through its bounded inbox, the
+    scheduler (the wire server's sink never waits; the runtime's watchdog logs one that
+    does). Only rank 0 delivers
     and publishes. ``prepare`` (the scheduler's ``published``) drops requests aborted
     while the step waited in the inbox."""
     task_status.started()

@@ -4,18 +4,22 @@ Two halves, usable separately:
 
 * **requests:** ``submit``/``abort``/``ping``/``info`` over a DEALER socket; each call
   waits for its reply and raises :class:`RequestRefused` on an ``Error``.
-* **outputs:** step messages from the server's PUSH (lossless, one primary consumer) or
-  PUB tap (observers; may drop). :class:`StreamAssembler` turns them into per-request
-  :class:`Chunk` s, checks every request's sequence numbers (raising
+* **outputs:** since schema 1.7, by default, the step messages of the client's own
+  requests on that same connection (``Submit.stream``; any number of clients share a
+  server); or, with an ``outputs`` endpoint, the server's PUSH socket (one consumer
+  process) or PUB tap (observers; may drop). :class:`StreamAssembler` turns them into
+  per-request :class:`Chunk` s, checks every request's sequence numbers (raising
   :class:`SequenceGap` on a missing or repeated token) and detokenises incrementally.
 
-:class:`AsyncClient` is the Trio API (each socket is owned by one task at a time, enforced
-by a lock); :class:`Client` is the synchronous API over blocking pyzmq calls. Both bound
-every wait, for a reply and for the next step message, by ``timeout_s`` (60 s by default)
-and raise :class:`ClientTimeout` when it passes: a server that died (even by SIGKILL) or
-stopped answering never hangs a client. A call that timed out, or was cancelled, while
-waiting for its reply reconnects the request socket, so its late reply can never be
-taken for the reply of a later call.
+:class:`AsyncClient` is the Trio API (on a stream connection one pump task owns the
+socket, :mod:`spectrio.wire.stream_connection`; otherwise each socket is owned by one
+task at a time, enforced by a lock); :class:`Client` is the synchronous API over
+blocking pyzmq calls. Both bound every wait, for a reply and for the next step message,
+by ``timeout_s`` (60 s by default) and raise :class:`ClientTimeout` when it passes: a
+server that died (even by SIGKILL) or stopped answering never hangs a client. A late
+reply is never taken for the reply of a later call: on a stream connection replies are
+matched to their call, and otherwise a call that timed out, or was cancelled, while
+waiting for its reply reconnects the request socket.
 
 Text is detokenised with the **server's** tokenizer: a client with a requests endpoint
 and no ``tokenizer`` argument asks the server for it (``Info``, schema 1.2) before its
@@ -26,7 +30,7 @@ without a requests endpoint (an observer of the outputs or the tap) cannot ask, 
 the bundled tokenizer unless given one.
 
 Note that a PUSH socket deals messages round-robin over its connected PULL peers, so one
-process should read the outputs; other clients may submit requests only.
+process should read the outputs socket; stream connections have no such limit.
 """
 
 from __future__ import annotations

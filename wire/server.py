@@ -1,17 +1,19 @@
 """ZeroMQ endpoints for a running :class:`~spectrio.runtime.api.Runtime` (wire schema v1,
 ``docs/wire.md``).
 
-Three sockets, each driven by exactly one owner task:
+Three sockets, each driven by exactly one owner task (and a supervisor task that ends
+the requests of destinations that stopped reading):
 
 * **requests** (ROUTER): every frame is untrusted. It is decoded with
   :func:`spectrio.wire.codec.decode_request` (the size cap comes first) and checked with
   :func:`~spectrio.wire.codec.check_submit`; every request gets an ``Ack`` or an
   ``Error`` with a specific code. A valid ``Submit`` runs ``runtime.generate`` in a task of
   its own; its output reaches consumers only through the step stream.
-* **streams** (schema 1.7): a ``Submit`` with ``stream`` gets the request's step messages
-  back on the connection that sent it, after its ``Ack``: each client reads its own,
-  sliced from the step to its requests (:func:`spectrio.wire.codec.slice_step`), in
-  order and complete, and any number of clients share one server.
+* **streams** (on the requests socket, schema 1.7): a ``Submit`` with ``stream`` gets
+  the request's step messages back on the connection that sent it, after its ``Ack``:
+  each client reads its own, sliced from the step to its requests
+  (:func:`spectrio.wire.codec.slice_step`), in order and complete, and any number of
+  clients share one server.
 * **outputs** (PUSH): one ``[envelope, record]`` message per step for the requests
   submitted without ``stream``, with per-request sequence numbers
   (:class:`~spectrio.wire.codec.SequenceCounter`). PUSH deals messages round-robin, so it
@@ -21,8 +23,9 @@ Three sockets, each driven by exactly one owner task:
 
 Nothing a client does makes the request task wait on that client:
 
-* Replies are sent without waiting. A client that does not read its replies fills its
-  own queue at the ROUTER (``SNDHWM``); from then on its replies are dropped and counted
+* Replies are queued on the client's connection, behind its step messages, and sent
+  without waiting. A client that does not read fills its own queue; once that holds
+  ``output_high_water`` messages its replies are dropped and counted
   (``stats.replies_dropped``), and every other client is served as before.
 * Admission (:mod:`spectrio.wire.admission`) comes before any cost: per-client rate
   limits, the size caps, and a text prompt bounded before it is tokenized (one whose
