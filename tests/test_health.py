@@ -9,9 +9,10 @@ a dead engine are judged as the rules say."""
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -109,6 +110,18 @@ def test_stall_timeout_is_a_positive_finite_number() -> None:
 
 
 # ---- through a runtime ----------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def every_level() -> Iterator[None]:
+    """The watchdog's info lines reach ``capture_logs`` even after an earlier test (a CLI
+    entry point) configured structlog to drop levels below warning."""
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        yield
+    finally:
+        structlog.configure(**saved)
 
 
 def config(**kw: Any) -> RuntimeConfig:

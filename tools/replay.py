@@ -167,8 +167,9 @@ async def replay_wire(
     """Replay ``requests`` against a running ``spectrio serve``. Their step messages come
     back on this client's own connection (wire schema 1.7), so other clients may use the
     server meanwhile; with ``outputs_endpoint`` they are read from the server's outputs
-    socket instead, of which this client must then be the only reader. A refused request gets ``finish_reason="error"``;
-    a server that stops answering raises :class:`spectrio.wire.client.ClientTimeout`."""
+    socket instead, of which this client must then be the only reader. A refused request
+    gets ``finish_reason="error"``; a server that stops answering raises
+    :class:`spectrio.wire.client.ClientTimeout`."""
     from spectrio.wire.client import RequestRefused, open_client
 
     builders: dict[str, ResultBuilder] = {}
