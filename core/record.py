@@ -232,24 +232,27 @@ def unpack(buf: bytes | bytearray | memoryview | np.ndarray) -> StepRecord:
     )
 
 
-def select_slots(buf: bytes | bytearray | memoryview, slots: np.ndarray | list[int]) -> bytes:
+def select_slots(
+    buf: bytes | bytearray | memoryview | StepRecord, slots: np.ndarray | list[int]
+) -> bytes:
     """The record of the same step restricted to ``slots`` (ascending slot indices), in
     the same layout: the slots' ``accept_num`` entries, their tokens, and their logprob
     rows. The width is that of the widest kept row (0 when no kept token carries a
     logprob), so a consumer that asked for none is never sent padding: the rule of the
     full record (only the requested columns) holds for each slice. A wire server sends
     each client the slice of its own requests."""
-    rec = unpack(buf)
+    rec = buf if isinstance(buf, StepRecord) else unpack(buf)  # unpack once, slice many
     keep = np.asarray(slots, dtype=np.int64)
     if keep.size and (int(keep.min()) < 0 or int(keep.max()) >= rec.bsz):
         raise ValueError(f"slots {keep.tolist()} outside a record of {rec.bsz} slots")
     accept = rec.accept_num[keep]
     off = rec.offsets
-    rows = (
-        np.concatenate([np.arange(off[i], off[i + 1]) for i in keep.tolist()])
-        if keep.size
-        else np.zeros(0, dtype=np.int64)
-    ).astype(np.int64)
+    if keep.size == 1:
+        rows = np.arange(off[keep[0]], off[keep[0] + 1], dtype=np.int64)
+    elif keep.size:
+        rows = np.concatenate([np.arange(off[i], off[i + 1]) for i in keep.tolist()])
+    else:
+        rows = np.zeros(0, dtype=np.int64)
     width = 0
     if rec.width and rows.size:
         assert rec.lp_ids is not None

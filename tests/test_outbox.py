@@ -55,6 +55,10 @@ def test_abandoned_only_when_nothing_runs_and_it_stayed_unread() -> None:
     assert box.abandoned(now=1.0 + DROP_AFTER, running=0)
     assert box.drop_all() == 1 and box.stats.dropped == 1 and box.handed_over == 1
     assert not box.abandoned(now=1e9, running=0)  # empty: nothing to drop
+    assert box.stalled_at is None  # the next stall starts its own grace
+    box.push([b"b"], now=200.0)
+    box.stalled_at = 210.0
+    assert not box.abandoned(now=210.0 + DROP_AFTER - 0.01, running=0)
 
 
 def test_a_gone_destination_drops_what_comes() -> None:

@@ -168,10 +168,17 @@ async def test_no_output_consumer_holds_only_its_own_requests(
             started = trio.current_time()
             ended_after: list[float] = []
 
+            refused: list[Ack | Error | ModelInfo] = []
+
             async def watch() -> None:
                 while server.stats.requests_stalled == 0:  # noqa: ASYNC110 - a counter
                     await trio.sleep(0.01)
                 ended_after.append(trio.current_time() - started)
+                # A new request for the stalled socket is refused (until its queue is
+                # dropped, 3 stall periods after its requests were ended).
+                again = Submit(v=SCHEMA_VERSION, request_id="w2", prompt=[1], params=long)
+                sock.send(encode(again))
+                refused.append(decode_reply((await recv(sock))[-1]))
 
             front = HttpFront(rt, model_name="bundled")
             async with trio.open_nursery() as nursery:
@@ -201,10 +208,7 @@ async def test_no_output_consumer_holds_only_its_own_requests(
             reply = decode_reply((await recv(sock))[-1])
             assert isinstance(reply, Error) and reply.code is ErrorCode.OUTPUT_STALLED
             assert "not read" in reply.reason
-            # A new request for the stalled socket is refused until its queue is dropped
-            # (3 stall periods after its requests were ended).
-            sock.send(encode(Submit(v=SCHEMA_VERSION, request_id="w2", prompt=[1], params=long)))
-            reply = decode_reply((await recv(sock))[-1])
+            (reply,) = refused
             assert isinstance(reply, Error) and reply.code is ErrorCode.RATE_LIMITED
             with trio.fail_after(stall_s * 3 + 2):
                 while push:  # noqa: ASYNC110 - polling a queue
@@ -316,6 +320,69 @@ async def test_a_client_with_its_own_routing_id_that_dies_is_ended_after_the_gra
             assert trio.current_time() - closed < RECONNECT_S + 1.5
             assert rt.stats().finished.get("abort") == 2
             assert server.stats.requests_stalled == 2
+
+
+async def test_an_id_is_not_reused_before_its_final_step(
+    bundled: LoadedModel, ctx: Context, tmp_path: Path
+) -> None:
+    """An aborted request's final (``-9``) slot comes with the next step: until it is
+    routed, a new request with the same id is refused (``duplicate_request``), so the
+    old slot can never end the new request, nor go to another client."""
+    with trio.fail_after(TIMEOUT):
+        async with open_runtime(CONFIG) as rt, served(rt, ctx, tmp_path) as server:
+            assert server.endpoints is not None
+            sock = dealer(ctx, server.endpoints.requests)
+            long = SamplingParams(max_tokens=300, ignore_eos=True)
+            short = SamplingParams(max_tokens=8, ignore_eos=True)
+
+            def submit(params: SamplingParams) -> bytes:
+                return encode(
+                    Submit(
+                        v=SCHEMA_VERSION, request_id="r1", prompt=[3, 4], params=params, stream=True
+                    )
+                )
+
+            sock.send(submit(long))
+            assert decode_reply((await recv(sock))[-1]) == Ack(of="submit", request_id="r1")
+            sock.send(encode(Abort(v=SCHEMA_VERSION, request_id="r1")))
+            sock.send(submit(short))  # at once: the old one's final slot is not out yet
+            replies: list[Ack | Error | ModelInfo] = []
+            ends: list[tuple[str, int]] = []  # (finish reason, tokens) per r1 stream
+            count = 0
+
+            def resubmitted() -> bool:
+                return Ack(of="submit", request_id="r1") in replies
+
+            # The abort's Ack and the resubmit's reply (in either order), the old stream's
+            # end, and the new one's too if the resubmit was taken.
+            while len(replies) < 2 or len(ends) < (2 if resubmitted() else 1):
+                frames = await recv(sock)
+                if not is_step_message(frames):
+                    replies.append(decode_reply(frames[-1]))
+                    continue
+                env, tokens = decode_step(frames)
+                assert env.request_ids == ["r1"] and env.seqnos == [count]
+                count += len(tokens.get("r1", []))
+                if env.finish_reasons[0] is not None:
+                    ends.append((env.finish_reasons[0], count))
+                    count = 0
+            assert Ack(of="abort", request_id="r1") in replies
+            second = next(r for r in replies if r != Ack(of="abort", request_id="r1"))
+            assert ends[0][0] == "abort"
+            if isinstance(second, Error):  # refused inside the window, as it should be
+                assert second.code is ErrorCode.DUPLICATE_REQUEST
+                assert len(ends) == 1
+                sock.send(submit(short))  # after the final slot: accepted
+                assert decode_reply((await recv(sock))[-1]) == Ack(of="submit", request_id="r1")
+                while True:
+                    env, tokens = decode_step(await recv(sock))
+                    count += len(tokens.get("r1", []))
+                    if env.finish_reasons[0] is not None:
+                        ends.append((env.finish_reasons[0], count))
+                        break
+            assert ends[1] == ("length", 8)
+            await idle_and_free(rt)
+            sock.close(linger=0)
 
 
 async def test_sync_stream_client_and_info_health(

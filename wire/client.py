@@ -577,6 +577,12 @@ async def open_client(
                     yield client
                 finally:
                     nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # The caller's own error (RequestRefused, ClientTimeout, ...) leaves the block
+            # as itself, as from a client without streams, not wrapped by the pump's nursery.
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
         finally:
             client.close()
         return

@@ -31,7 +31,7 @@ from spectrio.core.params import (
     check_prompt,
     invalid_from_validation_error,
 )
-from spectrio.core.record import RecordError, select_slots, unpack
+from spectrio.core.record import RecordError, StepRecord, select_slots, unpack
 from spectrio.stages.output_processor import record_logprobs
 from spectrio.wire.schema import (
     MAX_REQUEST_ID_LEN,
@@ -404,10 +404,13 @@ class SequenceCounter:
         return seqnos
 
 
-def slice_step(published: PublishedStep, slots: Sequence[int]) -> PublishedStep:
+def slice_step(
+    published: PublishedStep, slots: Sequence[int], record: StepRecord | None = None
+) -> PublishedStep:
     """The step restricted to ``slots`` (ascending indices): the same step number, those
     slots' request ids and finish reasons, their totals, and the record sliced in the
-    same layout (:func:`spectrio.core.record.select_slots`). All slots: the step itself."""
+    same layout (:func:`spectrio.core.record.select_slots`; ``record``: the step's record
+    unpacked once for all its slices). All slots: the step itself."""
     if len(slots) == len(published.request_ids):
         return published
     ids = [published.request_ids[i] for i in slots]
@@ -416,7 +419,7 @@ def slice_step(published: PublishedStep, slots: Sequence[int]) -> PublishedStep:
         step=published.step,
         request_ids=ids,
         finish_reasons=[published.finish_reasons[i] for i in slots],
-        record=select_slots(published.record, list(slots)),
+        record=select_slots(published.record if record is None else record, list(slots)),
         drafts={r: d for r, d in published.drafts.items() if r in keep},
         cached_tokens={r: n for r, n in published.cached_tokens.items() if r in keep},
     )

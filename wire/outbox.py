@@ -129,6 +129,8 @@ class Outbox:
         n = len(self._queue)
         self._queue.clear()
         self.stats.dropped += n
+        self.stalled_at = None  # a later stall is a new one, with its own grace
+        self.unreachable_since = None
         return n
 
     @property

@@ -46,9 +46,11 @@ in-process requests never reach a wire socket. A destination that does not read 
 behind alone: once its oldest queued message has waited ``output_stall_s`` seconds (or
 ``output_high_water`` messages are queued), the server aborts its running requests
 (their final step carries an ``output_stalled`` error, and their KV blocks are freed);
-once nothing of it runs and it has still read nothing for ``output_stall_s`` more, its
-messages are dropped and counted. A connection that closed is ended at once. Every
-other client, the HTTP front and the embedding API go on as before.
+once nothing of it runs and it has still read nothing for 3 times ``output_stall_s``
+more, its messages are dropped and counted. A connection found closed (a send to its
+routing id fails) is ended at once when libzmq chose the id, after
+:data:`~spectrio.wire.outbox.RECONNECT_S` when its client did. Every other client, the
+HTTP front and the embedding API go on as before.
 
 ``ipc://`` endpoints live in a run directory that one server at a time holds
 (:func:`~spectrio.wire.endpoints.claim_endpoints`, in :mod:`spectrio.wire.endpoints`
@@ -65,6 +67,7 @@ import collections
 import errno
 import functools
 import hashlib
+import itertools
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Final, TypeVar
@@ -77,7 +80,7 @@ import zmq
 
 from spectrio.core.messages import PublishedStep
 from spectrio.core.params import InvalidRequest, SamplingParams
-from spectrio.core.record import pack_step_record
+from spectrio.core.record import pack_step_record, unpack
 from spectrio.errors import EngineDead
 from spectrio.runtime.api import RequestStream, Runtime
 from spectrio.wire.admission import (
@@ -253,6 +256,8 @@ class WireServer:
         # Destination (a client's routing id, or PUSH) -> its undelivered messages.
         self._outboxes: dict[bytes, Outbox] = {PUSH: self._new_outbox()}
         self._dest: dict[str, bytes] = {}  # wire request id -> its destination, to its final slot
+        self._owners: dict[bytes, bytes] = {}  # routing id -> the owner that last used it
+        self._closed_ids = itertools.count(1)
         self._stalled: dict[str, Error] = {}  # request ended for stalled outputs -> its error
         self._ended: collections.OrderedDict[str, tuple[bytes, Error]] = (
             collections.OrderedDict()
@@ -337,8 +342,9 @@ class WireServer:
                 if stalled is not None:
                     errs.setdefault(rid, stalled)
         now = trio.current_time()
+        record = unpack(published.record) if len(slots) > 1 else None
         for dest, mine in slots.items():
-            part = slice_step(published, mine)
+            part = slice_step(published, mine, record)
             frames = encode_step(
                 part,
                 [seqnos[i] for i in mine],
@@ -462,6 +468,7 @@ class WireServer:
                 self._wake()
             if dest != PUSH and running[dest] == 0 and (box.gone or not box):
                 del self._outboxes[dest]
+                self._owners.pop(dest, None)
 
     async def _end_stalled(self, dest: bytes, box: Outbox, ended: list[str], now: float) -> None:
         """Abort the running requests of a destination that stopped reading; each one's
@@ -494,9 +501,15 @@ class WireServer:
             await self.runtime.abort(rid, STALL_REASON)
 
     async def _all_handed_over(self) -> None:
-        """Wait until every destination's queue is empty (sent, or dropped)."""
-        while any(len(box) for box in self._outboxes.values()):
-            await self._changed.wait()
+        """Wait until every destination that reads has an empty queue (sent, or dropped):
+        one that stalled, closed or is gone would hold the wait, and the sockets' linger
+        that the readers' last messages need, until the deadline."""
+        while True:
+            now = trio.current_time()
+            if not any(len(box) and not box.stalled(now) for box in self._outboxes.values()):
+                return
+            with trio.move_on_after(0.1):  # a queue may stall without any event
+                await self._changed.wait()
 
     async def drain(
         self,
@@ -561,7 +574,8 @@ class WireServer:
         with trio.move_on_at(deadline):
             while self._running:  # every stream has the death; wait for them to see it
                 await self._finished.wait()
-            ids = sorted(self._lost)
+            # Streams that saw the death, and requests whose abort step never went out.
+            ids = sorted(set(self._lost) | set(self._dest))
             if ids:
                 reason = engine_dead_reason(exc)
                 errors = [
@@ -626,6 +640,28 @@ class WireServer:
             self.stats.requests += 1
             await self._dispatch(frames, nursery)
 
+    def _claim(self, dest: bytes, owner: bytes) -> None:
+        """A routing id serves one owner. When a connection of another owner (another
+        CURVE key) takes an id over (``ROUTER_HANDOVER``), nothing of the first owner's
+        reaches it: the first owner's destination is closed (its requests are ended, its
+        queue dropped) and the newcomer starts with an empty one."""
+        before = self._owners.get(dest)
+        self._owners[dest] = owner
+        if before is None or before == owner:
+            return
+        closed = b"\x00closed:%d" % next(self._closed_ids)  # no routing id looks like it
+        box = self._outboxes[closed] = self._new_outbox()
+        box.gone = True
+        for rid, d in self._dest.items():
+            if d == dest:
+                self._dest[rid] = closed
+        old = self._outboxes.pop(dest, None)
+        if old is not None:
+            self.stats.steps_dropped += old.drop_all()
+        self.stats.clients_gone += 1
+        log.warning("a routing id was taken over by another client; the first one's requests end")
+        self._supervise.set()
+
     def _owner(self, frames: list[zmq.Frame]) -> bytes:
         """Who sent a request: its CURVE public key when a ZAP handler named it, else its
         ROUTER identity (a new one per connection, which a client cannot choose to be
@@ -656,6 +692,7 @@ class WireServer:
         envelope = [f.bytes for f in frames[:split]]
         body = frames[split:]
         owner = self._owner(frames)
+        self._claim(envelope[0], owner)
         if not self._limits.admit(owner, trio.current_time()):
             self._reply(
                 envelope,
@@ -740,7 +777,8 @@ class WireServer:
             max_model_len=self.runtime.config.max_model_len,
             max_token_bytes=self._prompts.tokenizer.max_token_bytes,
         )
-        if rid in self._running or rid in self._prompts:
+        self._check_unique(rid)
+        if rid in self._prompts:
             raise WireError(
                 ErrorCode.DUPLICATE_REQUEST, f"request_id {rid!r} is still running", rid
             )
@@ -778,6 +816,15 @@ class WireServer:
         for abort_envelope in pending.aborts:
             self._reply(abort_envelope, self._abort_reply(rid, aborted))
 
+    def _check_unique(self, rid: str) -> None:
+        """Refuse an id whose request runs, or whose final step message has not been
+        routed yet (an aborted request's ``-9`` slot comes with the next step): its steps
+        would go to the new request's destination."""
+        if rid in self._running or rid in self._dest:
+            raise WireError(
+                ErrorCode.DUPLICATE_REQUEST, f"request_id {rid!r} is still running", rid
+            )
+
     async def _start(
         self,
         msg: Submit,
@@ -794,6 +841,7 @@ class WireServer:
         ``params`` are the request's, with a chat's end-of-turn tokens added. A refusal by
         the runtime is the ``Error`` reply (raised), never a failure after an ``Ack``."""
         rid = msg.request_id
+        self._check_unique(rid)  # again: tokenizing may have spanned another's final step
         try:
             stream = self.runtime.generate(
                 prompt_ids, params, request_id=rid, cache_salt=msg.cache_salt
@@ -801,6 +849,8 @@ class WireServer:
         except InvalidRequest as exc:
             self.stats.request_failures += 1
             raise WireError(ErrorCode(exc.code), str(exc), rid) from None
+        except (EngineDead, RuntimeError) as exc:  # died before watch_engine noticed
+            raise WireError(ErrorCode.UNAVAILABLE, f"engine_dead: {exc}", rid) from None
         # Submitted: no step of it can be published before the next checkpoint, so the
         # Ack is queued ahead of its first step message.
         self._running[rid] = owner
@@ -808,8 +858,9 @@ class WireServer:
         self._reply(envelope, Ack(of="submit", request_id=rid))
         try:
             await stream.__aenter__()
-        except BaseException:
+        except BaseException:  # cancelled (shutdown): the stream aborted the request
             self._running.pop(rid, None)
+            self._dest.pop(rid, None)
             raise
         nursery.start_soon(self._follow, rid, stream)
 

@@ -120,10 +120,11 @@ class StreamConnection:
             if events & zmq.POLLIN or (self._outgoing and events & zmq.POLLOUT):
                 await trio.lowlevel.checkpoint()
                 continue
-            with trio.CancelScope() as scope:  # woken by a frame to send
+            # Nothing to do now: wait for the socket's events to change (the FD is
+            # edge-triggered, and it also signals POLLOUT) or for a frame to send.
+            with trio.CancelScope() as scope:
                 self._wake = scope
-                if not self._outgoing:
-                    await trio.lowlevel.wait_readable(self._fd)
+                await trio.lowlevel.wait_readable(self._fd)
             self._wake = None
 
     async def _dispatch(self, frames: list[bytes]) -> None:
@@ -159,6 +160,8 @@ class StreamConnection:
                 return await self._reply_rx.receive()
             finally:
                 self._waiting = None
+                if frame in self._outgoing:  # never sent (no server): never to be sent late
+                    self._outgoing.remove(frame)
                 try:  # a reply that came as the wait was cancelled is nobody's now
                     self._reply_rx.receive_nowait()
                     self.late_replies += 1
