@@ -12,6 +12,10 @@ draft vocabulary where the model has one, with the draft side's float16 weights)
 Cases alternate in rounds and the median is reported, so a busy machine slows every case
 alike. Ops are counted with ``paddle.profiler`` (top-level operator events per forward).
 ``--reference`` adds the oracle's speed (dense attention, one token at a time, batch 1).
+Each target case is also read against its memory floor (``spectrio.models.memory_floor``):
+the bytes it reads (weights, and each row's KV) at the read bandwidth probed in this run,
+before and after the timed rounds (the best pass of either); ``target_rowsN_over_floor``
+is the forward's median time over that floor.
 Prints one JSON object.
 """
 
@@ -155,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         precision_for(name)
         for _ in range(5):
             fn()
+    from spectrio.models.memory_floor import floor_us, forward_bytes, read_bandwidth
+
+    probes = [read_bandwidth(threads=threads)]
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.rounds):
         for name, fn in cases.items():
@@ -163,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.calls):
                 fn()
             times[name].append((time.perf_counter() - t0) / args.calls * 1e6)
+    probes.append(read_bandwidth(threads=threads))
+    bandwidth = max(probes, key=lambda b: b.best_gb_s)
     result: dict[str, object] = {
         "machine": f"{platform.machine()} cores={os.cpu_count()}",
         "paddle": paddle.__version__,
@@ -171,11 +180,25 @@ def main(argv: list[str] | None = None) -> int:
         "layers": cfg.num_hidden_layers,
         "params": sum(int(p.numel()) for p in model.parameters()),
         "load_seconds": round(load_seconds, 3),
+        "read_gb_s": [b.best_gb_s for b in probes],
+        "read_method": bandwidth.method,
     }
     for name, fn in cases.items():
         precision_for(name)
         result[f"{name}_us"] = round(statistics.median(times[name]), 1)
         result[f"{name}_ops"] = _count_ops(fn)
+    weight_bytes = 2 if model.dtype == "float16" else 8 if model.dtype == "float64" else 4
+    for rows in args.rows:
+        read = forward_bytes(
+            cfg, [CONTEXT + 1] * rows, weight_bytes=weight_bytes, kv_bytes=weight_bytes
+        )
+        floor = floor_us(read, bandwidth)
+        result[f"target_rows{rows}_bytes"] = read
+        result[f"target_rows{rows}_floor_us"] = round(floor, 1)
+        result[f"target_rows{rows}_over_floor"] = round(
+            result[f"target_rows{rows}_us"] / floor,  # type: ignore[operator]
+            3,
+        )
     for rows in args.rows:
         if f"mtp_rows{rows}_us" in result:
             ratio = result[f"mtp_rows{rows}_us"] / result[f"target_rows{rows}_us"]  # type: ignore[operator]

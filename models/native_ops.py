@@ -47,6 +47,7 @@ __all__ = [
     "native_ops_available",
     "pack_panels",
     "panel_matmul",
+    "read_sum",
 ]
 
 NATIVE_ENV = "SPECTRIO_NATIVE_OPS"
@@ -167,3 +168,12 @@ def pack_panels(w: paddle.Tensor, rows: bool = False) -> paddle.Tensor:
     :func:`spectrio.models.serving_matrix.pack_panels`. Only where the kernels run."""
     threads = configured_threads() or 1
     return _C_OPS._run_custom_op("spectrio_pack_panels", w, rows, threads)[0]
+
+
+def read_sum(x: paddle.Tensor, threads: int) -> paddle.Tensor | None:
+    """The sum of float32 ``x`` read once by ``threads`` threads (the read-bandwidth
+    probe's kernel, :mod:`spectrio.models.memory_floor`), or None where the kernels do
+    not run."""
+    if not _usable(x):
+        return None
+    return _C_OPS._run_custom_op("spectrio_read_sum", x, max(1, int(threads)))[0]

@@ -377,10 +377,19 @@ def test_bench_runs_ngram_on_the_repeat_workload(
         "off", "--json", str(out_json),
     ]  # fmt: skip
     assert bench.main(argv) == 0
-    assert "spec_method=ngram prompts=repeat" in capsys.readouterr().out
-    rows = {r["k"]: r for r in json.loads(out_json.read_text())["rows"]}
+    printed = capsys.readouterr().out
+    assert "spec_method=ngram prompts=repeat" in printed
+    doc = json.loads(out_json.read_text())
+    rows = {r["k"]: r for r in doc["rows"]}
     assert rows[0]["drafts_accepted"] == 0
     assert rows[3]["drafts_accepted"] > 0
+    # The memory floor of the model's forward, probed in the same run.
+    memory = doc["memory"]
+    assert memory["read_gb_s"] > 0 and memory["forward_weight_bytes"] > 0
+    assert memory["floor_us_1row"] == pytest.approx(
+        memory["forward_weight_bytes"] / (memory["read_gb_s"] * 1e9) * 1e6, rel=0.01
+    )
+    assert "memory floor:" in printed
 
 
 def test_bench_compares_methods_in_one_run(tmp_path: Path) -> None:

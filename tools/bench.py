@@ -41,7 +41,11 @@ Run: ``spectrio bench [--model M] [--batch 1 16] [--k 0 1 2 3 auto] [--waves W] 
 [--save-trace run.jsonl]``.
 
 JSON (``--json``; stable, for scripts that compare runs): ``{"schema": 2, "machine",
-"memory" ({"peak_rss_mib"}: the bench process's peak),
+"memory" ({"peak_rss_mib"}: the bench process's peak; for a checkpoint, the memory floor
+of its forward, probed after the runs (:mod:`spectrio.models.memory_floor`):
+``read_gb_s`` and ``read_method``, the bandwidth probe; ``forward_weight_bytes``, what a
+target forward reads of its weights; ``floor_us_1row``, those bytes at that bandwidth,
+the least a 1-row forward can take),
 "args" (the options), "rows": [...]}`` with one row per case, keys:
 
 * case: ``batch``, ``k`` (int or "auto"), ``logprobs`` ("off" or N), ``dtype``,
@@ -784,6 +788,24 @@ def trace_path(
     return str(p.with_name(f"{p.stem}.b{batch}.k{k}.lp{lp}.r{round_}{p.suffix}"))
 
 
+def _memory_floor(model: str, dtype: str) -> dict[str, object]:
+    """The bench's ``memory`` keys of the floor (module docstring), probed now."""
+    from spectrio.core.config import RuntimeConfig
+    from spectrio.models.loader import model_config
+    from spectrio.models.memory_floor import floor_us, forward_bytes, read_bandwidth
+
+    cfg = model_config(model)
+    width = 8 if dtype == "float64" else 4
+    weights = forward_bytes(cfg, [], weight_bytes=width, kv_bytes=width)
+    probe = read_bandwidth(threads=RuntimeConfig().resolve_num_threads())
+    return {
+        "read_gb_s": probe.best_gb_s,
+        "read_method": probe.method,
+        "forward_weight_bytes": weights,
+        "floor_us_1row": round(floor_us(weights, probe), 1),
+    }
+
+
 def _machine() -> str:
     cores = os.cpu_count()
     return f"{platform.machine()} {platform.processor() or ''} cores={cores}".strip()
@@ -1055,8 +1077,15 @@ def main(argv: list[str] | None = None) -> int:
         root = timing_cache.cache_root("auto")
         print(f"adaptive runs started from kept step times ({root or 'off'}): " + ", ".join(warm))
     print(summary_table(rows))
-    memory = {"peak_rss_mib": round(peak_rss_bytes() / 2**20)}
+    memory: dict[str, object] = {"peak_rss_mib": round(peak_rss_bytes() / 2**20)}
     print(f"memory: peak RSS {memory['peak_rss_mib']} MiB (the whole bench process)")
+    if not args.model.startswith("synthetic:"):
+        memory.update(_memory_floor(args.model, args.dtype))
+        print(
+            f"memory floor: {memory['forward_weight_bytes'] / 1e6:.1f} MB of weights a "
+            f"forward, read at {memory['read_gb_s']} GB/s ({memory['read_method']}): "
+            f"{memory['floor_us_1row']} µs for one row"
+        )
     gains = speedups(rows)
     if gains:
         print(format_speedups(gains))

@@ -14,6 +14,10 @@
 //   head is packed the same way. Panels may also be float16 (the MTP layer's and the
 //   draft head's, whose products only pick drafts): each weight is widened to float32 in
 //   registers, so the product reads half the bytes and sums in float32 as before.
+// * spectrio_read_sum: the sum of a float32 tensor, each byte read once with wide loads by
+//   `num_threads` threads. It is the read-bandwidth probe of models/memory_floor.py: a
+//   forward at few rows is bound by the bytes it reads, and the bandwidth this measures,
+//   in the same run as the forward, is the floor that forward is judged by.
 //
 // Every output element is computed by one thread over a fixed order, so results do not
 // depend on the thread count. Threads come from OpenMP with an explicit count, from the
@@ -306,3 +310,52 @@ PD_BUILD_OP(spectrio_pack_panels)
     .SetKernelFn(PD_KERNEL(PackPanels))
     .SetInferShapeFn(PD_INFER_SHAPE(PackPanelsShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(PackPanelsDtype));
+
+// The probe's sum: each thread sums a contiguous share with four independent vector
+// accumulators (enough loads in flight to saturate the memory system), then the shares
+// are added in thread order.
+std::vector<paddle::Tensor> ReadSum(const paddle::Tensor& x, int num_threads) {
+  check_f32_cpu(x, "read_sum x");
+  const int64_t n = x.numel();
+  const float* p = x.data<float>();
+  const int threads = std::max(1, num_threads);
+  std::vector<double> partial(threads, 0.0);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int t = 0; t < threads; ++t) {
+    const int64_t lo = n * t / threads, hi = n * (t + 1) / threads;
+    int64_t i = lo;
+    double total = 0.0;
+#ifdef SPECTRIO_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (; i + 32 <= hi; i += 32) {
+      a0 = _mm256_add_ps(a0, _mm256_loadu_ps(p + i));
+      a1 = _mm256_add_ps(a1, _mm256_loadu_ps(p + i + 8));
+      a2 = _mm256_add_ps(a2, _mm256_loadu_ps(p + i + 16));
+      a3 = _mm256_add_ps(a3, _mm256_loadu_ps(p + i + 24));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (float v : lanes) total += v;
+#endif
+    for (; i < hi; ++i) total += p[i];
+    partial[t] = total;
+  }
+  double sum = 0.0;
+  for (double v : partial) sum += v;
+  auto out = paddle::empty({1}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  out.data<float>()[0] = static_cast<float>(sum);
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> ReadSumShape(const std::vector<int64_t>&) { return {{1}}; }
+
+std::vector<paddle::DataType> ReadSumDtype(const paddle::DataType& x) { return {x}; }
+
+PD_BUILD_OP(spectrio_read_sum)
+    .Inputs({"X"})
+    .Outputs({"Out"})
+    .Attrs({"num_threads: int"})
+    .SetKernelFn(PD_KERNEL(ReadSum))
+    .SetInferShapeFn(PD_INFER_SHAPE(ReadSumShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(ReadSumDtype));
