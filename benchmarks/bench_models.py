@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             fn()
     from spectrio.models.memory_floor import floor_us, forward_bytes, read_bandwidth
 
-    probes = [read_bandwidth(threads=threads)]
+    probes = [read_bandwidth(threads=threads or 1)]
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.rounds):
         for name, fn in cases.items():
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.calls):
                 fn()
             times[name].append((time.perf_counter() - t0) / args.calls * 1e6)
-    probes.append(read_bandwidth(threads=threads))
+    probes.append(read_bandwidth(threads=threads or 1))
     bandwidth = max(probes, key=lambda b: b.best_gb_s)
     result: dict[str, object] = {
         "machine": f"{platform.machine()} cores={os.cpu_count()}",

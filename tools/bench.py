@@ -104,6 +104,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import trio
 import trio.testing
@@ -788,8 +789,17 @@ def trace_path(
     return str(p.with_name(f"{p.stem}.b{batch}.k{k}.lp{lp}.r{round_}{p.suffix}"))
 
 
-def _memory_floor(model: str, dtype: str) -> dict[str, object]:
-    """The bench's ``memory`` keys of the floor (module docstring), probed now."""
+class _Floor(msgspec.Struct, frozen=True):
+    """The bench's ``memory`` keys of the floor (module docstring)."""
+
+    read_gb_s: float
+    read_method: str
+    forward_weight_bytes: int
+    floor_us_1row: float
+
+
+def _memory_floor(model: str, dtype: str) -> _Floor:
+    """The memory floor of ``model``'s forward, its bandwidth probed now."""
     from spectrio.core.config import RuntimeConfig
     from spectrio.models.loader import model_config
     from spectrio.models.memory_floor import floor_us, forward_bytes, read_bandwidth
@@ -798,12 +808,12 @@ def _memory_floor(model: str, dtype: str) -> dict[str, object]:
     width = 8 if dtype == "float64" else 4
     weights = forward_bytes(cfg, [], weight_bytes=width, kv_bytes=width)
     probe = read_bandwidth(threads=RuntimeConfig().resolve_num_threads())
-    return {
-        "read_gb_s": probe.best_gb_s,
-        "read_method": probe.method,
-        "forward_weight_bytes": weights,
-        "floor_us_1row": round(floor_us(weights, probe), 1),
-    }
+    return _Floor(
+        read_gb_s=probe.best_gb_s,
+        read_method=probe.method,
+        forward_weight_bytes=weights,
+        floor_us_1row=round(floor_us(weights, probe), 1),
+    )
 
 
 def _machine() -> str:
@@ -1080,11 +1090,12 @@ def main(argv: list[str] | None = None) -> int:
     memory: dict[str, object] = {"peak_rss_mib": round(peak_rss_bytes() / 2**20)}
     print(f"memory: peak RSS {memory['peak_rss_mib']} MiB (the whole bench process)")
     if not args.model.startswith("synthetic:"):
-        memory.update(_memory_floor(args.model, args.dtype))
+        floor = _memory_floor(args.model, args.dtype)
+        memory.update(msgspec.structs.asdict(floor))
         print(
-            f"memory floor: {memory['forward_weight_bytes'] / 1e6:.1f} MB of weights a "
-            f"forward, read at {memory['read_gb_s']} GB/s ({memory['read_method']}): "
-            f"{memory['floor_us_1row']} µs for one row"
+            f"memory floor: {floor.forward_weight_bytes / 1e6:.1f} MB of weights a forward, "
+            f"read at {floor.read_gb_s} GB/s ({floor.read_method}): "
+            f"{floor.floor_us_1row} µs for one row"
         )
     gains = speedups(rows)
     if gains:
