@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         precision_for(name)
         result[f"{name}_us"] = round(statistics.median(times[name]), 1)
         result[f"{name}_ops"] = _count_ops(fn)
-    weight_bytes = 2 if model.dtype == "float16" else 8 if model.dtype == "float64" else 4
+    weight_bytes = np.dtype(model.dtype).itemsize
     for rows in args.rows:
         read = forward_bytes(
             cfg, [CONTEXT + 1] * rows, weight_bytes=weight_bytes, kv_bytes=weight_bytes

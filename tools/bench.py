@@ -805,7 +805,7 @@ def _memory_floor(model: str, dtype: str) -> _Floor:
     from spectrio.models.memory_floor import floor_us, forward_bytes, read_bandwidth
 
     cfg = model_config(model)
-    width = 8 if dtype == "float64" else 4
+    width = np.dtype(dtype).itemsize
     weights = forward_bytes(cfg, [], weight_bytes=width, kv_bytes=width)
     probe = read_bandwidth(threads=RuntimeConfig().resolve_num_threads())
     return _Floor(

@@ -387,8 +387,9 @@ class SequenceCounter:
         """Tokens sent so far to a request that has not finished (0 if unknown)."""
         return self._sent.get(request_id, 0)
 
-    def advance(self, published: PublishedStep) -> list[int]:
-        accept = unpack(published.record).accept_num
+    def advance(self, published: PublishedStep, record: StepRecord | None = None) -> list[int]:
+        """``record``: ``published.record`` already unpacked, if the caller has it."""
+        accept = (unpack(published.record) if record is None else record).accept_num
         if accept.shape[0] != len(published.request_ids):
             raise ValueError(
                 f"record has {accept.shape[0]} slots for {len(published.request_ids)} request ids"

@@ -325,7 +325,8 @@ class WireServer:
         """Slice ``published`` to each destination's requests and queue one message for
         each; the whole step goes to the tap. ``errors`` name requests the step ends with
         an error (the engine's death); requests ended for stalled outputs get theirs."""
-        seqnos = self._counter.advance(published)
+        record = unpack(published.record)  # once, for the counter and every slice
+        seqnos = self._counter.advance(published, record)
         self._last_step = max(self._last_step, published.step)
         errs = {e.request_id: e for e in errors}
         slots: dict[bytes, list[int]] = {}
@@ -342,7 +343,6 @@ class WireServer:
                 if stalled is not None:
                     errs.setdefault(rid, stalled)
         now = trio.current_time()
-        record = unpack(published.record) if len(slots) > 1 else None
         for dest, mine in slots.items():
             part = slice_step(published, mine, record)
             frames = encode_step(
@@ -462,7 +462,7 @@ class WireServer:
                 self.stats.steps_dropped += dropped
                 log.warning(
                     "wire outputs dropped: nobody read them",
-                    destination="outputs socket" if dest == PUSH else "client",
+                    destination=_label(dest),
                     messages=dropped,
                 )
                 self._wake()
@@ -487,7 +487,7 @@ class WireServer:
         if ended:
             log.warning(
                 "wire outputs stalled: ending their requests",
-                destination="outputs socket" if dest == PUSH else "client",
+                destination=_label(dest),
                 requests=len(ended),
                 reason=reason,
             )
@@ -850,7 +850,7 @@ class WireServer:
             self.stats.request_failures += 1
             raise WireError(ErrorCode(exc.code), str(exc), rid) from None
         except (EngineDead, RuntimeError) as exc:  # died before watch_engine noticed
-            raise WireError(ErrorCode.UNAVAILABLE, f"engine_dead: {exc}", rid) from None
+            raise WireError(ErrorCode.UNAVAILABLE, engine_dead_reason(exc), rid) from None
         # Submitted: no step of it can be published before the next checkpoint, so the
         # Ack is queued ahead of its first step message.
         self._running[rid] = owner
@@ -934,13 +934,18 @@ def check_output_bounds(high_water: int, stall_s: float) -> None:
         raise ValueError(f"--output-stall-s: must be a finite number > 0, got {stall_s}")
 
 
+def _label(dest: bytes) -> str:
+    """A destination as the logs name it."""
+    return "outputs socket" if dest == PUSH else "client"
+
+
 def _is_step(frames: list[bytes]) -> bool:
     """Whether a queued message is a step message (``[envelope, record]``) rather than a
     reply (``[reply]``, or ``["", reply]`` to a REQ socket)."""
     return len(frames) == 2 and frames[0] != b""
 
 
-def engine_dead_reason(exc: EngineDead) -> str:
+def engine_dead_reason(exc: Exception) -> str:
     """The reason every open request's error carries when the engine dies."""
     return f"engine_dead: {exc}"
 
