@@ -304,6 +304,42 @@ class AttentionPlan:
         return cached
 
 
+@dataclasses.dataclass
+class LayerRows:
+    """A step's rows as the native layer op addresses them (``csrc/spectrio_layer.cc``),
+    shared by every layer: row r is position ``positions[r]`` of sequence ``row_seq[r]``,
+    whose blocks are ``tables[row_seq[r]]`` (-1 past a table's end; the op checks every
+    block a row reads), and rotates with row ``positions[r]`` of the ``rope`` tables."""
+
+    positions: paddle.Tensor  # int64 [N]
+    row_seq: paddle.Tensor  # int64 [N]
+    tables: paddle.Tensor  # int64 [B, W]
+    rope: tuple[paddle.Tensor, paddle.Tensor]  # cos, sin [P, head_dim / 2]
+
+    @classmethod
+    def build(
+        cls,
+        batch: PackedBatch,
+        rope: tuple[paddle.Tensor, paddle.Tensor],
+        stage: Callable[[np.ndarray], paddle.Tensor] = paddle.to_tensor,
+    ) -> LayerRows:
+        cu = batch.cu_seqlens_q
+        b = batch.num_seqs
+        row_seq = np.zeros(batch.num_tokens, np.int64) if b == 1 else np.repeat(
+            np.arange(b, dtype=np.int64), np.diff(cu)
+        )
+        return cls(
+            positions=stage(batch.positions),
+            row_seq=stage(row_seq),
+            tables=stage(_padded_tables(batch.block_tables)),
+            rope=rope,
+        )
+
+    @property
+    def as_tuple(self) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+        return self.positions, self.row_seq, self.tables
+
+
 def _padded_tables(block_tables: list[np.ndarray]) -> np.ndarray:
     """Block tables as one ``[B, max_blocks]`` array (-1 past each table's end)."""
     if len(block_tables) == 1:

@@ -71,6 +71,11 @@ class PagedKVCache:
         fo.scatter_(self._k[layer], rows, fo.reshape(k, [-1, d]))
         fo.scatter_(self._v[layer], rows, fo.reshape(v, [-1, d]))
 
+    def pools(self, layer: int) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """The layer's key and value pools, ``[kv_heads * num_slots, head_dim]`` each (the
+        native layer op writes and reads them in place)."""
+        return self._k[layer], self._v[layer]
+
     def gather(
         self, layer: int, blocks: paddle.Tensor, num_seqs: int, row_axis: bool = False
     ) -> tuple[paddle.Tensor, paddle.Tensor]:

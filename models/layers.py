@@ -19,7 +19,7 @@ from paddle import nn
 
 from spectrio.models import fast_ops as fo
 from spectrio.models import native_ops
-from spectrio.models.batch import AttentionPlan
+from spectrio.models.batch import AttentionPlan, LayerRows
 from spectrio.models.config import DType, ModelConfig
 from spectrio.models.kv_cache import PagedKVCache
 from spectrio.models.serving_matrix import ServingMatrix
@@ -404,6 +404,50 @@ class DecoderLayer(nn.Layer):
         attn = self.self_attn.forward_paged(h, rope, plan, cache, layer)
         h, x = self.post_attention_layernorm.add_normalize(x, attn)
         return x, self.mlp.forward_fused(h)
+
+    def native_ready(self) -> bool:
+        """Whether :meth:`forward_native` runs: the serving weights are packed panels
+        (float32 weights where the native kernels run; the MTP layer's may be float16)."""
+        if self.mlp._gate_up_weight is None:
+            self.prepare_serving()
+        attn, mlp = self.self_attn, self.mlp
+        matrices = (attn._qkv_weight, attn._o_weight, mlp._gate_up_weight, mlp._down_weight)
+        return all(m is not None and m.packed for m in matrices)
+
+    def forward_native(
+        self,
+        x: paddle.Tensor,
+        delta: paddle.Tensor | None,
+        bias: paddle.Tensor | None,
+        rows: LayerRows,
+        cache: PagedKVCache,
+        layer: int,
+    ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor | None]:
+        """The block on ``x + delta + bias`` in two native ops, one per half
+        (``csrc/spectrio_layer.cc``), with each half's partial output summed across
+        tensor-parallel ranks between them. Returns ``(x', delta', bias')`` whose sum is
+        the block's output: the down bias is left for the next op to add, as each op
+        adds the previous half's bias (o's, here) after the ranks' sum. Only where
+        :meth:`native_ready`, without autograd."""
+        attn, mlp = self.self_attn, self.mlp
+        assert attn._qkv_weight is not None and attn._o_weight is not None
+        assert mlp._gate_up_weight is not None and mlp._down_weight is not None
+        qkv, o = attn._qkv_weight.panels, attn._o_weight.panels
+        gate_up, down = mlp._gate_up_weight.panels, mlp._down_weight.panels
+        assert qkv is not None and o is not None and gate_up is not None and down is not None
+        eps = self.input_layernorm.eps
+        out, x = native_ops.attention_block(
+            x, delta, bias, qkv, attn._qkv_bias, attn._qk_norm_weight, rows.rope,
+            cache.pools(layer), o, rows.as_tuple,
+            (attn.num_heads, attn.num_kv_heads, attn.head_dim, cache.block_size), eps,
+        )  # fmt: skip
+        out = attn._reduce(out)
+        f = mlp._down_weight.shape[0]
+        out, x = native_ops.mlp_block(
+            x, out, attn.o_proj.bias, gate_up, mlp._gate_up_bias, down, f,
+            self.post_attention_layernorm.eps,
+        )  # fmt: skip
+        return x, mlp._reduce(out), mlp.down_proj.bias
 
     def prepare_serving(self, release: bool = False) -> None:
         """Build the fused serving weights (once). With ``release``, free the separate

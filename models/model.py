@@ -14,7 +14,8 @@ from spectrio.models.paddle_setup import configure_paddle, paddle  # first: impo
 from paddle import nn
 
 from spectrio.models import fast_ops as fo
-from spectrio.models.batch import AttentionPlan, PackedBatch
+from spectrio.models import native_ops
+from spectrio.models.batch import AttentionPlan, LayerRows, PackedBatch
 from spectrio.models.config import DType, ModelConfig
 from spectrio.models.kv_cache import PagedKVCache
 from spectrio.models.layers import (
@@ -187,6 +188,10 @@ class SpectrioForCausalLM(nn.Layer):
         model sets it up too)."""
         self.serving_only = False  # prepare_serving(release=True) freed the unfused weights
         self._rope_table: paddle.Tensor | None = None  # [P, D, D], P: the positions in use
+        self._rope_halves: tuple[paddle.Tensor, paddle.Tensor] | None = None  # [P, D/2] each
+        #: run each decoder layer as two native ops where they can (``forward_native``);
+        #: False keeps the op-by-op Paddle path (the float64 path always takes it)
+        self.native_layers = native_ops.native_layers_enabled()
         self._inv_freq_cache: np.ndarray | None = None
         self._head = HeadLayouts()  # the head for serving, in the layout each matmul wants
         self.draft_vocab: np.ndarray | None = None  # token ids the MTP pass drafts from
@@ -236,7 +241,7 @@ class SpectrioForCausalLM(nn.Layer):
         """Forget what the serving path derives from the weights (fused projections, RoPE
         tables); call it after changing weights in place outside training."""
         self.require_weights("drop_serving_cache()")
-        self._rope_table = None
+        self._rope_table = self._rope_halves = None
         self._head = HeadLayouts()
         self._draft_head = HeadLayouts(self.draft_half)
         for layer in self._decoder_layers():
@@ -357,6 +362,31 @@ class SpectrioForCausalLM(nn.Layer):
             self._rope_table = paddle.to_tensor(rope_matrices(cos.numpy(), sin.numpy()))
         return RopeRows(fo.gather(self._rope_table, self.staging.put(positions)))
 
+    def _rope_tables(self, positions: np.ndarray) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """cos/sin ``[P, D/2]`` of positions ``0..P-1``, P covering ``positions``: the
+        native layer op's tables, built in float64 from the inverse frequencies and grown
+        by doubling (a position's row does not depend on the table's size)."""
+        need = int(positions.max()) + 1 if positions.size else 1
+        if need > 1:
+            self._check_positions(need - 1)
+        if self._rope_halves is None or self._rope_halves[0].shape[0] < need:
+            size = max(256, 1 << (need - 1).bit_length())
+            freqs = np.arange(size, dtype=np.float64)[:, None] * self._inv_freq()[None, :]
+            self._rope_halves = (
+                paddle.to_tensor(np.cos(freqs).astype(np.float32)),
+                paddle.to_tensor(np.sin(freqs).astype(np.float32)),
+            )
+        return self._rope_halves
+
+    def _native(self, layers: list[DecoderLayer], cache: PagedKVCache) -> bool:
+        """Whether ``layers`` run as native ops in this pass."""
+        return (
+            self.native_layers
+            and cache.dtype == "float32"
+            and not paddle.is_grad_enabled()
+            and all(layer.native_ready() for layer in layers)
+        )
+
     def _select(self, hidden: paddle.Tensor, batch: PackedBatch) -> paddle.Tensor:
         if batch.logits_indices is None:
             return hidden
@@ -369,12 +399,21 @@ class SpectrioForCausalLM(nn.Layer):
     def forward(self, batch: PackedBatch, cache: PagedKVCache) -> ForwardOutput:
         """Target pass: writes K/V of every row, returns logits and final hidden states."""
         self.staging.reset()
-        plan = AttentionPlan.build(batch, cache, self.dtype, self.staging.put)
-        rope = self._rope_rows(batch.positions)
+        layers = list(self.model.layers)
         x = self._embed(self.staging.put(batch.input_ids))
         delta = None
-        for i, layer in enumerate(self.model.layers):
-            x, delta = layer.forward_paged(x, rope, plan, cache, i, delta)
+        if self._native(layers, cache):
+            rows = LayerRows.build(batch, self._rope_tables(batch.positions), self.staging.put)
+            bias = None
+            for i, layer in enumerate(layers):
+                x, delta, bias = layer.forward_native(x, delta, bias, rows, cache, i)
+            if bias is not None:
+                delta = fo.add(delta, bias)
+        else:
+            plan = AttentionPlan.build(batch, cache, self.dtype, self.staging.put)
+            rope = self._rope_rows(batch.positions)
+            for i, layer in enumerate(layers):
+                x, delta = layer.forward_paged(x, rope, plan, cache, i, delta)
         hidden, summed = self.model.norm.add_normalize(x, delta, weighted=True)
         logits = self.compute_logits(self._select(hidden, batch))
         return ForwardOutput(logits=logits, hidden=summed if self._mtp_reads_prenorm else hidden)
@@ -394,10 +433,16 @@ class SpectrioForCausalLM(nn.Layer):
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP layer (num_nextn_predict_layers=0)")
         self.staging.reset()
-        plan = AttentionPlan.build(batch, cache, self.dtype, self.staging.put)
-        rope = self._rope_rows(batch.positions)
         x = self.mtp.fuse(self._embed(self.staging.put(batch.input_ids)), prev_hidden, True)
-        x, delta = self.mtp.forward_paged(x, rope, plan, cache, 0)
+        if self._native([self.mtp], cache):
+            rows = LayerRows.build(batch, self._rope_tables(batch.positions), self.staging.put)
+            x, delta, bias = self.mtp.forward_native(x, None, None, rows, cache, 0)
+            if bias is not None:
+                delta = fo.add(delta, bias)
+        else:
+            plan = AttentionPlan.build(batch, cache, self.dtype, self.staging.put)
+            rope = self._rope_rows(batch.positions)
+            x, delta = self.mtp.forward_paged(x, rope, plan, cache, 0)
         x = fo.add(x, delta)
         norm = self.mtp.shared_head.norm
         if self._mtp_norm_in_layer:

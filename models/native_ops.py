@@ -25,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -43,7 +44,10 @@ log = structlog.get_logger("spectrio.models.native_ops")
 __all__ = [
     "NATIVE_ENV",
     "add_rms_norm",
+    "attention_block",
     "kernels_identity",
+    "mlp_block",
+    "native_layers_enabled",
     "native_ops_available",
     "pack_panels",
     "panel_matmul",
@@ -51,7 +55,12 @@ __all__ = [
 ]
 
 NATIVE_ENV = "SPECTRIO_NATIVE_OPS"
-SOURCE = Path(__file__).resolve().parent / "csrc" / "spectrio_ops.cc"
+#: ``0`` keeps the decoder layers on the op-by-op Paddle path while the other kernels run
+#: (a comparison of the two; the default runs the layer ops wherever they can)
+LAYERS_ENV = "SPECTRIO_NATIVE_LAYERS"
+_CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (_CSRC / "spectrio_ops.cc", _CSRC / "spectrio_layer.cc")
+HEADERS = (_CSRC / "checks.h", _CSRC / "panel_kernels.h")
 _NAME = "spectrio_ops"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 # Linked against the OpenMP runtime Paddle ships and loads (Intel's, which serves the GNU
@@ -64,7 +73,7 @@ _LDFLAGS = [f"-L{_PADDLE_LIBS}", "-liomp5", f"-Wl,-rpath,{_PADDLE_LIBS}"]
 _BUILD = """
 import sys
 from paddle.utils.cpp_extension import load
-load(name=sys.argv[1], sources=[sys.argv[2]], extra_cxx_cflags=sys.argv[3].split(),
+load(name=sys.argv[1], sources=sys.argv[2].split(","), extra_cxx_cflags=sys.argv[3].split(),
      extra_ldflags=sys.argv[4].split(), build_directory=sys.argv[5], verbose=False)
 """
 
@@ -73,7 +82,8 @@ _state: bool | None = None  # None: not tried yet in this process
 
 
 def _key() -> str:
-    ident = "\0".join([SOURCE.read_text(), " ".join(_CFLAGS + _LDFLAGS), cpu_signature()])
+    texts = [f.read_text() for f in (*SOURCES, *HEADERS)]
+    ident = "\0".join([*texts, " ".join(_CFLAGS + _LDFLAGS), cpu_signature()])
     return hashlib.sha256(ident.encode()).hexdigest()[:20]
 
 
@@ -81,7 +91,7 @@ def _build(tmp: Path) -> None:
     """Compile the library into ``tmp`` (:func:`publish_folder` renames it into place)."""
     log.info("compiling spectrio's native kernels once for this machine", out=str(tmp))
     child = subprocess.run(
-        [sys.executable, "-c", _BUILD, _NAME, str(SOURCE), " ".join(_CFLAGS),
+        [sys.executable, "-c", _BUILD, _NAME, ",".join(map(str, SOURCES)), " ".join(_CFLAGS),
          " ".join(_LDFLAGS), str(tmp)],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
@@ -96,6 +106,12 @@ def kernels_identity() -> str:
     """What names the kernels this process runs (the library's key), or ``"off"``: the
     adaptive policy's kept step times hold only for the same kernels."""
     return _key() if native_ops_available() else "off"
+
+
+def native_layers_enabled() -> bool:
+    """Whether models run their decoder layers as native ops where they can (not turned
+    off by ``SPECTRIO_NATIVE_LAYERS=0``; :attr:`SpectrioForCausalLM.native_layers`)."""
+    return os.environ.get(LAYERS_ENV, "1").strip() not in ("0", "false", "no", "off")
 
 
 def native_ops_available() -> bool:
@@ -177,3 +193,67 @@ def read_sum(x: paddle.Tensor, threads: int) -> paddle.Tensor | None:
     if not _usable(x):
         return None
     return _C_OPS._run_custom_op("spectrio_read_sum", x, max(1, int(threads)))[0]
+
+
+_ABSENT: dict[Any, paddle.Tensor] = {}
+
+
+def _absent() -> paddle.Tensor:
+    """The empty tensor the layer ops read as "no such input" (a bias, a norm)."""
+    t = _ABSENT.get("f32")
+    if t is None:
+        t = _ABSENT["f32"] = paddle.empty([0], dtype="float32")
+    return t
+
+
+def attention_block(
+    x: paddle.Tensor,
+    delta: paddle.Tensor | None,
+    delta_bias: paddle.Tensor | None,
+    qkv: paddle.Tensor,
+    qkv_bias: paddle.Tensor | None,
+    qk_norm: paddle.Tensor | None,
+    rope: tuple[paddle.Tensor, paddle.Tensor],
+    pools: tuple[paddle.Tensor, paddle.Tensor],
+    o: paddle.Tensor,
+    rows: tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor],
+    shape: tuple[int, int, int, int],
+    eps: float,
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """A layer's attention half in one op (``csrc/spectrio_layer.cc`` says what it
+    computes and its invariants): ``(partial o projection, x + delta + delta_bias)``.
+    ``qkv``/``o``: panels; ``rope``: cos/sin tables ``[P, D/2]``; ``pools``: the layer's K
+    and V pools, written in place; ``rows``: positions, sequence of each row and the
+    padded block tables; ``shape``: heads, KV heads, head dim, block size. Only where the
+    kernels run, without autograd (the caller checks)."""
+    none = _absent()
+    out, summed = _C_OPS._run_custom_op(
+        "spectrio_attention_block",
+        x, none if delta is None else delta, none if delta_bias is None else delta_bias,
+        qkv, none if qkv_bias is None else qkv_bias, none if qk_norm is None else qk_norm,
+        rope[0], rope[1], pools[0], pools[1], o, rows[0], rows[1], rows[2],
+        *shape, float(eps), configured_threads() or 1,
+    )  # fmt: skip
+    return out, summed
+
+
+def mlp_block(
+    x: paddle.Tensor,
+    delta: paddle.Tensor | None,
+    delta_bias: paddle.Tensor | None,
+    gate_up: paddle.Tensor,
+    gate_up_bias: paddle.Tensor | None,
+    down: paddle.Tensor,
+    intermediate: int,
+    eps: float,
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """A layer's MLP half in one op: ``(partial down projection, x + delta +
+    delta_bias)``, as :func:`attention_block`."""
+    none = _absent()
+    out, summed = _C_OPS._run_custom_op(
+        "spectrio_mlp_block",
+        x, none if delta is None else delta, none if delta_bias is None else delta_bias,
+        gate_up, none if gate_up_bias is None else gate_up_bias, down,
+        int(intermediate), float(eps), configured_threads() or 1,
+    )  # fmt: skip
+    return out, summed

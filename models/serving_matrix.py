@@ -97,6 +97,11 @@ class ServingMatrix:
         return self._panels is not None
 
     @property
+    def panels(self) -> paddle.Tensor | None:
+        """The packed panels (None where the weight stays a plain tensor)."""
+        return self._panels
+
+    @property
     def half(self) -> bool:
         return self._panels is not None and self._panels.dtype == paddle.float16
 

@@ -1,0 +1,381 @@
+// A decoder layer of the serving forward in two ops, split where tensor parallelism sums
+// the ranks' partial outputs (loaded by spectrio/models/native_ops.py, used by
+// DecoderLayer.forward_native in spectrio/models/layers.py):
+//
+// * spectrio_attention_block: summed = x + delta (+ the previous block's bias), the
+//   RMSNorm (its weight is folded into the q/k/v panels), the fused q/k/v product and its
+//   bias, the q/k RMSNorms (Qwen3's), RoPE (rotate-half; the tables come from the model's
+//   inverse frequencies, so every scaling the loader accepts), this step's K/V written
+//   into the paged pools, causal GQA attention of every row over its own sequence's
+//   context read through the block tables, and the o product. Returns (out, summed):
+//   out is this rank's partial o projection, without the o bias.
+// * spectrio_mlp_block: summed = x + delta (+ bias), the RMSNorm, the fused gate|up
+//   product and its bias, SiLU(gate) * up, the down product. Returns (out, summed).
+//
+// One parallel region per op: the phases share one team of threads, separated by the
+// barriers of their work-sharing loops, instead of a dispatch and a fork per small op.
+// Every loop is scheduled statically (`static, 1` deals the attention's tasks round-robin,
+// which balances a prefill chunk's growing contexts): GCC emits runtime calls for a
+// dynamic schedule, and the OpenMP runtime Paddle ships and these kernels share
+// (native_ops.py) handed out wrong iterations through them with two threads.
+//
+// Invariant (batch invariance): every value a row produces is computed by one thread in
+// a fixed order that depends only on that row, its sequence's context and the weights:
+// its norm, its q/k/v, its attention (over its own context, in position order) and the
+// panel products (panel_kernels.h). A row's output therefore does not depend on which
+// other rows share the step, on the row count or on the thread count; greedy output with
+// speculation equals greedy output without it because of this.
+//
+// The rows of a step: row r is position positions[r] of sequence row_seq[r], whose KV
+// blocks are tables[row_seq[r], :]; the rows of one sequence are consecutive positions,
+// and a row attends to positions 0 .. positions[r] of its sequence (this step's rows
+// included: every row's K/V is written before any row attends).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "checks.h"
+#include "paddle/extension.h"
+#include "panel_kernels.h"
+
+namespace {
+
+using spectrio::check_f32_cpu;
+using spectrio::kPanel;
+
+// A packed weight as the ops read it: float32 or float16 panels [ceil(n / 16), k, 16].
+struct Panels {
+  const void* data;
+  bool half;
+  int64_t count, k, n;
+};
+
+Panels panels_of(const paddle::Tensor& t, int64_t k, int64_t n, const char* what) {
+  PD_CHECK(t.is_cpu(), what, ": a CPU tensor is expected");
+  const bool half = t.dtype() == paddle::DataType::FLOAT16;
+  PD_CHECK(half || t.dtype() == paddle::DataType::FLOAT32, what,
+           ": float32 or float16 panels are expected");
+  const auto& s = t.shape();
+  const int64_t count = (n + kPanel - 1) / kPanel;
+  PD_CHECK(s.size() == 3 && s[0] == count && s[1] == k && s[2] == kPanel, what,
+           ": panels [ceil(N / 16), K, 16] are expected for K=", k, ", N=", n);
+  const void* data = half ? static_cast<const void*>(t.data<paddle::float16>())
+                          : static_cast<const void*>(t.data<float>());
+  return {data, half, count, k, n};
+}
+
+// out [rows, w.n] = x [rows, w.k] @ w, by the calling team (panel_kernels.h).
+void product(const Panels& w, const float* x, int64_t rows, float* out) {
+  if (w.half) {
+    spectrio::panel_matmul_team(x, rows, w.k, static_cast<const uint16_t*>(w.data), w.count,
+                                out, w.n);
+  } else {
+    spectrio::panel_matmul_team(x, rows, w.k, static_cast<const float*>(w.data), w.count, out,
+                                w.n);
+  }
+}
+
+// An optional float32 input: a tensor with no elements stands for "absent".
+const float* optional_f32(const paddle::Tensor& t, int64_t numel, const char* what) {
+  if (t.numel() == 0) return nullptr;
+  check_f32_cpu(t, what);
+  PD_CHECK(t.numel() == numel, what, ": ", numel, " elements are expected, not ", t.numel());
+  return t.data<float>();
+}
+
+const int64_t* int64_input(const paddle::Tensor& t, int64_t numel, const char* what) {
+  PD_CHECK(t.is_cpu() && t.dtype() == paddle::DataType::INT64, what,
+           ": a CPU int64 tensor is expected");
+  PD_CHECK(t.numel() == numel, what, ": ", numel, " elements are expected, not ", t.numel());
+  return t.data<int64_t>();
+}
+
+// summed = x + (delta + bias); normed = summed / rms(summed). The same operations, in the
+// same order, as spectrio_add_rms_norm with a unit weight and the Python path's bias add.
+inline void add_normalize_row(const float* x, const float* delta, const float* bias, int64_t d,
+                              float eps, float* summed, float* normed) {
+  float sq = 0.0f;
+  for (int64_t i = 0; i < d; ++i) {
+    float s = x[i];
+    if (delta != nullptr) s += bias != nullptr ? delta[i] + bias[i] : delta[i];
+    summed[i] = s;
+    sq += s * s;
+  }
+  const float scale = 1.0f / std::sqrt(sq / static_cast<float>(d) + eps);
+  for (int64_t i = 0; i < d; ++i) normed[i] = summed[i] * scale;
+}
+
+// The rows' add + norm, shared by both blocks (inside the team).
+void add_normalize_rows(const float* x, const float* delta, const float* bias, int64_t rows,
+                        int64_t d, float eps, float* summed, float* normed) {
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < rows; ++r)
+    add_normalize_row(x + r * d, delta == nullptr ? nullptr : delta + r * d, bias, d, eps,
+                      summed + r * d, normed + r * d);
+}
+
+// a . b in eight interleaved partial sums, added in a fixed order (vectorised by the
+// compiler without reassociating anything).
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// x [d] /= rms(x), times weight.
+inline void rms_norm_head(float* x, const float* weight, int64_t d, float eps) {
+  float sq = 0.0f;
+  for (int64_t i = 0; i < d; ++i) sq += x[i] * x[i];
+  const float scale = 1.0f / std::sqrt(sq / static_cast<float>(d) + eps);
+  for (int64_t i = 0; i < d; ++i) x[i] = x[i] * scale * weight[i];
+}
+
+// Rotate-half RoPE of one head in place, with the row's cos/sin [d / 2].
+inline void rope_head(float* x, const float* cos, const float* sin, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t j = 0; j < half; ++j) {
+    const float a = x[j], b = x[j + half];
+    x[j] = a * cos[j] - b * sin[j];
+    x[j + half] = b * cos[j] + a * sin[j];
+  }
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> AttentionBlock(
+    const paddle::Tensor& x, const paddle::Tensor& delta, const paddle::Tensor& delta_bias,
+    const paddle::Tensor& qkv_panels, const paddle::Tensor& qkv_bias,
+    const paddle::Tensor& qk_norm, const paddle::Tensor& rope_cos, const paddle::Tensor& rope_sin,
+    const paddle::Tensor& k_pool, const paddle::Tensor& v_pool, const paddle::Tensor& o_panels,
+    const paddle::Tensor& positions, const paddle::Tensor& row_seq, const paddle::Tensor& tables,
+    int num_heads, int num_kv_heads, int head_dim, int block_size, float eps, int num_threads) {
+  check_f32_cpu(x, "attention_block x");
+  PD_CHECK(x.shape().size() == 2, "attention_block: x is [N, d]");
+  const int64_t n = x.shape()[0], d = x.shape()[1];
+  const int64_t h = num_heads, kvh = num_kv_heads, hd = head_dim, bs = block_size;
+  PD_CHECK(h > 0 && kvh > 0 && h % kvh == 0 && hd > 0 && hd % 2 == 0 && bs > 0,
+           "attention_block: heads, head_dim and block_size do not fit");
+  const int64_t g = h / kvh, nq = h * hd, nqkv = (h + 2 * kvh) * hd;
+  const float* dp = optional_f32(delta, n * d, "attention_block delta");
+  const float* bp = optional_f32(delta_bias, d, "attention_block delta_bias");
+  const Panels w_qkv = panels_of(qkv_panels, d, nqkv, "attention_block qkv");
+  const Panels w_o = panels_of(o_panels, nq, d, "attention_block o");
+  const float* qkv_b = optional_f32(qkv_bias, nqkv, "attention_block qkv_bias");
+  const float* qk_w = optional_f32(qk_norm, (h + kvh) * hd, "attention_block qk_norm");
+  check_f32_cpu(rope_cos, "attention_block rope_cos");
+  check_f32_cpu(rope_sin, "attention_block rope_sin");
+  const int64_t half = hd / 2;
+  PD_CHECK(rope_cos.shape().size() == 2 && rope_cos.shape()[1] == half &&
+               rope_sin.shape() == rope_cos.shape(),
+           "attention_block: rope tables are [P, head_dim / 2]");
+  const int64_t rope_len = rope_cos.shape()[0];
+  check_f32_cpu(k_pool, "attention_block k_pool");
+  check_f32_cpu(v_pool, "attention_block v_pool");
+  PD_CHECK(k_pool.shape().size() == 2 && k_pool.shape()[1] == hd &&
+               v_pool.shape() == k_pool.shape() && k_pool.shape()[0] % (kvh * bs) == 0,
+           "attention_block: pools are [kv_heads * blocks * block_size, head_dim]");
+  const int64_t slots = k_pool.shape()[0] / kvh, num_blocks = slots / bs;
+  const int64_t* pos = int64_input(positions, n, "attention_block positions");
+  const int64_t* seq = int64_input(row_seq, n, "attention_block row_seq");
+  PD_CHECK(tables.shape().size() == 2, "attention_block: tables are [B, W]");
+  const int64_t num_seqs = tables.shape()[0], width = tables.shape()[1];
+  const int64_t* tab = int64_input(tables, num_seqs * width, "attention_block tables");
+
+  // Every address the team will use is checked here, before the parallel region.
+  int64_t max_ctx = 0;
+  std::vector<int64_t> seq_last(num_seqs, -1);
+  for (int64_t r = 0; r < n; ++r) {
+    PD_CHECK(seq[r] >= 0 && seq[r] < num_seqs, "attention_block: row ", r, " names sequence ",
+             seq[r], " of ", num_seqs);
+    PD_CHECK(pos[r] >= 0 && pos[r] < rope_len, "attention_block: row ", r, " is at position ",
+             pos[r], ", outside the RoPE table's ", rope_len);
+    seq_last[seq[r]] = std::max(seq_last[seq[r]], pos[r]);
+    max_ctx = std::max(max_ctx, pos[r] + 1);
+  }
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t blocks = seq_last[b] < 0 ? 0 : seq_last[b] / bs + 1;
+    PD_CHECK(blocks <= width, "attention_block: sequence ", b, " reaches position ", seq_last[b],
+             " beyond its ", width, " blocks");
+    for (int64_t j = 0; j < blocks; ++j)
+      PD_CHECK(tab[b * width + j] >= 0 && tab[b * width + j] < num_blocks,
+               "attention_block: sequence ", b, " names block ", tab[b * width + j], " of ",
+               num_blocks);
+  }
+
+  auto out = paddle::empty({n, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto summed = paddle::empty({n, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  std::vector<float> normed(n * d), qkv(n * nqkv), attn(n * nq);
+  const float* xp = x.data<float>();
+  float* sp = summed.data<float>();
+  float* op = out.data<float>();
+  // The pools are written in place: the op owns no state, the cache does (no autograd).
+  float* kp = const_cast<float*>(k_pool.data<float>());
+  float* vp = const_cast<float*>(v_pool.data<float>());
+  const float* cos_t = rope_cos.data<float>();
+  const float* sin_t = rope_sin.data<float>();
+
+#pragma omp parallel num_threads(std::max(1, num_threads))
+  {
+    add_normalize_rows(xp, dp, bp, n, d, eps, sp, normed.data());
+    product(w_qkv, normed.data(), n, qkv.data());
+
+    // bias, q/k norms, RoPE, and this step's K/V into the pools
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n; ++r) {
+      float* row = qkv.data() + r * nqkv;
+      if (qkv_b != nullptr)
+        for (int64_t i = 0; i < nqkv; ++i) row[i] += qkv_b[i];
+      const float* cos = cos_t + pos[r] * half;
+      const float* sin = sin_t + pos[r] * half;
+      for (int64_t head = 0; head < h + kvh; ++head) {
+        if (qk_w != nullptr) rms_norm_head(row + head * hd, qk_w + head * hd, hd, eps);
+        rope_head(row + head * hd, cos, sin, hd);
+      }
+      const int64_t p = pos[r];
+      const int64_t slot = tab[seq[r] * width + p / bs] * bs + p % bs;
+      for (int64_t kv = 0; kv < kvh; ++kv) {
+        std::copy_n(row + nq + kv * hd, hd, kp + (kv * slots + slot) * hd);
+        std::copy_n(row + nq + (kvh + kv) * hd, hd, vp + (kv * slots + slot) * hd);
+      }
+    }
+
+    // attention: one task per (row, KV head), its g query heads together
+    std::vector<float> scores(g * max_ctx);
+    std::vector<int64_t> rows_of(max_ctx);
+#pragma omp for schedule(static, 1)
+    for (int64_t task = 0; task < n * kvh; ++task) {
+      const int64_t r = task / kvh, kv = task % kvh;
+      const int64_t ctx = pos[r] + 1;
+      const int64_t* table = tab + seq[r] * width;
+      for (int64_t j = 0; j < ctx; ++j)
+        rows_of[j] = (kv * slots + table[j / bs] * bs + j % bs) * hd;
+      const float* q = qkv.data() + r * nqkv + kv * g * hd;
+      for (int64_t j = 0; j < ctx; ++j) {
+        const float* key = kp + rows_of[j];
+        for (int64_t i = 0; i < g; ++i) scores[i * ctx + j] = dot(q + i * hd, key, hd);
+      }
+      for (int64_t i = 0; i < g; ++i) {
+        float* s = scores.data() + i * ctx;
+        float top = s[0];
+        for (int64_t j = 1; j < ctx; ++j) top = std::max(top, s[j]);
+        float total = 0.0f;
+        for (int64_t j = 0; j < ctx; ++j) {
+          s[j] = std::exp(s[j] - top);
+          total += s[j];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t j = 0; j < ctx; ++j) s[j] *= inv;
+      }
+      float* o = attn.data() + r * nq + kv * g * hd;
+      std::fill_n(o, g * hd, 0.0f);
+      for (int64_t j = 0; j < ctx; ++j) {
+        const float* value = vp + rows_of[j];
+        for (int64_t i = 0; i < g; ++i) {
+          const float w = scores[i * ctx + j];
+          float* oi = o + i * hd;
+          for (int64_t e = 0; e < hd; ++e) oi[e] += w * value[e];
+        }
+      }
+    }
+
+    product(w_o, attn.data(), n, op);
+  }
+  return {out, summed};
+}
+
+std::vector<std::vector<int64_t>> AttentionBlockShape(
+    const std::vector<int64_t>& x, const std::vector<int64_t>&, const std::vector<int64_t>&,
+    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
+    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
+    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
+    const std::vector<int64_t>&, const std::vector<int64_t>&) {
+  return {x, x};
+}
+
+std::vector<paddle::DataType> AttentionBlockDtype(
+    const paddle::DataType& x, const paddle::DataType&, const paddle::DataType&,
+    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
+    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
+    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
+    const paddle::DataType&, const paddle::DataType&) {
+  return {x, x};
+}
+
+PD_BUILD_OP(spectrio_attention_block)
+    .Inputs({"X", "Delta", "DeltaBias", "QkvPanels", "QkvBias", "QkNorm", "RopeCos", "RopeSin",
+             "KPool", "VPool", "OPanels", "Positions", "RowSeq", "Tables"})
+    .Outputs({"Out", "Summed"})
+    .Attrs({"num_heads: int", "num_kv_heads: int", "head_dim: int", "block_size: int",
+            "eps: float", "num_threads: int"})
+    .SetKernelFn(PD_KERNEL(AttentionBlock))
+    .SetInferShapeFn(PD_INFER_SHAPE(AttentionBlockShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(AttentionBlockDtype));
+
+std::vector<paddle::Tensor> MlpBlock(const paddle::Tensor& x, const paddle::Tensor& delta,
+                                     const paddle::Tensor& delta_bias,
+                                     const paddle::Tensor& gate_up_panels,
+                                     const paddle::Tensor& gate_up_bias,
+                                     const paddle::Tensor& down_panels, int64_t intermediate,
+                                     float eps, int num_threads) {
+  check_f32_cpu(x, "mlp_block x");
+  PD_CHECK(x.shape().size() == 2, "mlp_block: x is [N, d]");
+  const int64_t n = x.shape()[0], d = x.shape()[1], f = intermediate;
+  PD_CHECK(f > 0, "mlp_block: the intermediate size is positive");
+  const float* dp = optional_f32(delta, n * d, "mlp_block delta");
+  const float* bp = optional_f32(delta_bias, d, "mlp_block delta_bias");
+  const Panels w_gu = panels_of(gate_up_panels, d, 2 * f, "mlp_block gate_up");
+  const Panels w_down = panels_of(down_panels, f, d, "mlp_block down");
+  const float* gu_b = optional_f32(gate_up_bias, 2 * f, "mlp_block gate_up_bias");
+
+  auto out = paddle::empty({n, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto summed = paddle::empty({n, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  std::vector<float> normed(n * d), gate_up(n * 2 * f), act(n * f);
+  float* sp = summed.data<float>();
+
+#pragma omp parallel num_threads(std::max(1, num_threads))
+  {
+    add_normalize_rows(x.data<float>(), dp, bp, n, d, eps, sp, normed.data());
+    product(w_gu, normed.data(), n, gate_up.data());
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n; ++r) {
+      const float* gate = gate_up.data() + r * 2 * f;
+      const float* up = gate + f;
+      float* a = act.data() + r * f;
+      for (int64_t i = 0; i < f; ++i) {
+        const float gv = gu_b != nullptr ? gate[i] + gu_b[i] : gate[i];
+        const float uv = gu_b != nullptr ? up[i] + gu_b[f + i] : up[i];
+        a[i] = gv / (1.0f + std::exp(-gv)) * uv;
+      }
+    }
+    product(w_down, act.data(), n, out.data<float>());
+  }
+  return {out, summed};
+}
+
+std::vector<std::vector<int64_t>> MlpBlockShape(const std::vector<int64_t>& x,
+                                                const std::vector<int64_t>&,
+                                                const std::vector<int64_t>&,
+                                                const std::vector<int64_t>&,
+                                                const std::vector<int64_t>&,
+                                                const std::vector<int64_t>&) {
+  return {x, x};
+}
+
+std::vector<paddle::DataType> MlpBlockDtype(const paddle::DataType& x, const paddle::DataType&,
+                                            const paddle::DataType&, const paddle::DataType&,
+                                            const paddle::DataType&, const paddle::DataType&) {
+  return {x, x};
+}
+
+PD_BUILD_OP(spectrio_mlp_block)
+    .Inputs({"X", "Delta", "DeltaBias", "GateUpPanels", "GateUpBias", "DownPanels"})
+    .Outputs({"Out", "Summed"})
+    .Attrs({"intermediate: int64_t", "eps: float", "num_threads: int"})
+    .SetKernelFn(PD_KERNEL(MlpBlock))
+    .SetInferShapeFn(PD_INFER_SHAPE(MlpBlockShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(MlpBlockDtype));
