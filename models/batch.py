@@ -223,16 +223,8 @@ class AttentionPlan:
         q_lens = cu[1:] - cu[:-1]
         max_q = int(q_lens.max())
         uniform = b == 1 or int(q_lens.min()) == max_q  # decode and verification
-        needed = (first_pos + q_lens - 1) // block_size + 1  # blocks each sequence reads
+        needed = _blocks_read(batch, block_size)
         table_lens = [len(t) for t in batch.block_tables]
-        pairs = enumerate(zip(needed.tolist(), table_lens, strict=True))
-        short = [i for i, (n, have) in pairs if n > have]
-        if short:
-            i = short[0]
-            raise ValueError(
-                f"block table of {table_lens[i]} blocks cannot hold position "
-                f"{int(first_pos[i] + q_lens[i] - 1)} (block_size={block_size})"
-            )
         tables = _padded_tables(batch.block_tables)
         seq_of_row = np.repeat(np.arange(b), max_q if uniform else q_lens)
         write = tables[seq_of_row, positions // block_size] * block_size + positions % block_size
@@ -320,9 +312,11 @@ class LayerRows:
     def build(
         cls,
         batch: PackedBatch,
+        block_size: int,
         rope: tuple[paddle.Tensor, paddle.Tensor],
         stage: Callable[[np.ndarray], paddle.Tensor] = paddle.to_tensor,
     ) -> LayerRows:
+        _blocks_read(batch, block_size)
         cu = batch.cu_seqlens_q
         b = batch.num_seqs
         row_seq = np.zeros(batch.num_tokens, np.int64) if b == 1 else np.repeat(
@@ -338,6 +332,22 @@ class LayerRows:
     @property
     def as_tuple(self) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
         return self.positions, self.row_seq, self.tables
+
+
+def _blocks_read(batch: PackedBatch, block_size: int) -> np.ndarray:
+    """The blocks each sequence's rows read (``[B]``); ``ValueError`` naming the first
+    sequence whose block table is too short for them."""
+    cu = batch.cu_seqlens_q
+    last = batch.positions[cu[1:] - 1]
+    needed = last // block_size + 1
+    table_lens = [len(t) for t in batch.block_tables]
+    for i, (n, have) in enumerate(zip(needed.tolist(), table_lens, strict=True)):
+        if n > have:
+            raise ValueError(
+                f"block table of {have} blocks cannot hold position {int(last[i])} "
+                f"(block_size={block_size})"
+            )
+    return needed
 
 
 def _padded_tables(block_tables: list[np.ndarray]) -> np.ndarray:

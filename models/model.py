@@ -403,7 +403,9 @@ class SpectrioForCausalLM(nn.Layer):
         x = self._embed(self.staging.put(batch.input_ids))
         delta = None
         if self._native(layers, cache):
-            rows = LayerRows.build(batch, self._rope_tables(batch.positions), self.staging.put)
+            rows = LayerRows.build(
+                batch, cache.block_size, self._rope_tables(batch.positions), self.staging.put
+            )
             bias = None
             for i, layer in enumerate(layers):
                 x, delta, bias = layer.forward_native(x, delta, bias, rows, cache, i)
@@ -435,7 +437,9 @@ class SpectrioForCausalLM(nn.Layer):
         self.staging.reset()
         x = self.mtp.fuse(self._embed(self.staging.put(batch.input_ids)), prev_hidden, True)
         if self._native([self.mtp], cache):
-            rows = LayerRows.build(batch, self._rope_tables(batch.positions), self.staging.put)
+            rows = LayerRows.build(
+                batch, cache.block_size, self._rope_tables(batch.positions), self.staging.put
+            )
             x, delta, bias = self.mtp.forward_native(x, None, None, rows, cache, 0)
             if bias is not None:
                 delta = fo.add(delta, bias)

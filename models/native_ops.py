@@ -12,9 +12,11 @@ Invariants:
 * **Built once, in a child process, atomically.** The compiler runs through
   ``paddle.utils.cpp_extension`` in a child (its output and any crash stay there), into a
   temporary folder that is renamed into ``<cache>/native/<key>/`` when complete. The key
-  covers the source, the flags and :func:`spectrio.models.fast_ops.cpu_signature` (the
-  library is built for this CPU's instruction set), so a changed source or another CPU
-  builds again and a stale library is never loaded.
+  covers the sources, the flags (those of the instruction-set path
+  :mod:`spectrio.models.cpu_paths` chooses from CPUID, or ``SPECTRIO_CPU_PATH`` forces)
+  and :func:`spectrio.models.fast_ops.cpu_signature`, so a changed source, another path
+  or another CPU builds again and a stale library is never loaded. A path the CPU lacks
+  is refused with ``ConfigError`` before anything is built or loaded.
 * **Never in the way.** ``SPECTRIO_NATIVE_OPS=0`` turns the kernels off;
   ``SPECTRIO_NATIVE_OPS=DIR`` keeps the libraries in ``DIR``. A build that fails (no
   compiler, no headers) is logged once and the process runs the Python path; the failure
@@ -36,7 +38,8 @@ from typing import Any
 import structlog
 
 from spectrio.cache_dir import cache_subfolder, publish_folder
-from spectrio.models.fast_ops import cpu_signature
+from spectrio.models.cpu_paths import choose_path, compiler_flags
+from spectrio.models.fast_ops import cpu_signature, cpuinfo_line
 from spectrio.models.paddle_setup import configured_threads, paddle
 
 log = structlog.get_logger("spectrio.models.native_ops")
@@ -45,6 +48,7 @@ __all__ = [
     "NATIVE_ENV",
     "add_rms_norm",
     "attention_block",
+    "cpu_path",
     "kernels_identity",
     "mlp_block",
     "native_layers_enabled",
@@ -62,7 +66,7 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (_CSRC / "spectrio_ops.cc", _CSRC / "spectrio_layer.cc")
 HEADERS = (_CSRC / "checks.h", _CSRC / "panel_kernels.h")
 _NAME = "spectrio_ops"
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_CFLAGS = ["-O3", "-fopenmp"]  # and the chosen path's (cpu_paths.py)
 # Linked against the OpenMP runtime Paddle ships and loads (Intel's, which serves the GNU
 # entry points the compiler emits), not the compiler's own: kernels and MKL's GEMMs
 # then share one pool of threads. With two runtimes each kernel waited for the other
@@ -81,9 +85,27 @@ _lock = threading.Lock()
 _state: bool | None = None  # None: not tried yet in this process
 
 
+_path: str | None = None
+
+
+def cpu_path() -> str:
+    """The instruction-set path the kernels are built for in this process
+    (:mod:`spectrio.models.cpu_paths`): ``SPECTRIO_CPU_PATH``, else the best this CPU
+    runs. ``ConfigError`` where the variable names a path this CPU cannot run."""
+    global _path
+    if _path is None:
+        flags = frozenset(cpuinfo_line("flags").partition(":")[2].split())
+        _path = choose_path(flags, os.environ)
+    return _path
+
+
+def _cflags() -> list[str]:
+    return _CFLAGS + compiler_flags(cpu_path())
+
+
 def _key() -> str:
     texts = [f.read_text() for f in (*SOURCES, *HEADERS)]
-    ident = "\0".join([*texts, " ".join(_CFLAGS + _LDFLAGS), cpu_signature()])
+    ident = "\0".join([*texts, " ".join(_cflags() + _LDFLAGS), cpu_signature()])
     return hashlib.sha256(ident.encode()).hexdigest()[:20]
 
 
@@ -91,7 +113,7 @@ def _build(tmp: Path) -> None:
     """Compile the library into ``tmp`` (:func:`publish_folder` renames it into place)."""
     log.info("compiling spectrio's native kernels once for this machine", out=str(tmp))
     child = subprocess.run(
-        [sys.executable, "-c", _BUILD, _NAME, ",".join(map(str, SOURCES)), " ".join(_CFLAGS),
+        [sys.executable, "-c", _BUILD, _NAME, ",".join(map(str, SOURCES)), " ".join(_cflags()),
          " ".join(_LDFLAGS), str(tmp)],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
@@ -126,6 +148,7 @@ def native_ops_available() -> bool:
 
 
 def _load() -> bool:
+    cpu_path()  # a path this CPU cannot run is refused here, before any build
     root = cache_subfolder(NATIVE_ENV, "native")
     if root is None:
         return False
@@ -139,6 +162,7 @@ def _load() -> bool:
         )
 
         load_op_meta_info_and_register_op(str(library))
+        log.debug("native kernels loaded", path=cpu_path(), library=str(library))
     except (OSError, subprocess.SubprocessError, RuntimeError, ValueError) as exc:
         log.warning("native kernels unavailable; the Python path runs", error=str(exc))
         return False

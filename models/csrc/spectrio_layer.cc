@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "checks.h"
@@ -115,16 +116,124 @@ void add_normalize_rows(const float* x, const float* delta, const float* bias, i
                       summed + r * d, normed + r * d);
 }
 
-// a . b in eight interleaved partial sums, added in a fixed order (vectorised by the
-// compiler without reassociating anything).
+// e^x for x <= 88.7 (the softmax's x - max and SiLU's -x): Cephes' expf, a degree-6
+// polynomial of the remainder after 2^n, within 2 ulp of e^x; below -87.3 it returns 0 or
+// a subnormal. The same operations in the AVX2 lanes and the scalar tail, so an element's
+// value does not depend on which of the two computes it.
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpP0 = 1.9875691500e-4f, kExpP1 = 1.3981999507e-3f, kExpP2 = 8.3334519073e-3f;
+constexpr float kExpP3 = 4.1665795894e-2f, kExpP4 = 1.6666665459e-1f, kExpP5 = 5.0000001201e-1f;
+constexpr float kExpMax = 88.3762626647949f, kExpMin = -87.3365478515625f;
+
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, kExpMin), kExpMax);
+  const float n = std::nearbyint(x * kLog2e);
+  float r = std::fma(n, -kLn2Hi, x);
+  r = std::fma(n, -kLn2Lo, r);
+  float y = kExpP0;
+  y = std::fma(y, r, kExpP1);
+  y = std::fma(y, r, kExpP2);
+  y = std::fma(y, r, kExpP3);
+  y = std::fma(y, r, kExpP4);
+  y = std::fma(y, r, kExpP5);
+  y = std::fma(y, r * r, r) + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+#ifdef SPECTRIO_AVX2
+inline __m256 exp_approx(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpMin)), _mm256_set1_ps(kExpMax));
+  const __m256 n =
+      _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Hi), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Lo), r);
+  __m256 y = _mm256_set1_ps(kExpP0);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kExpP1));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kExpP2));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kExpP3));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kExpP4));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kExpP5));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i bits =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+// The eight lanes' sum in a fixed order.
+inline float lane_sum(__m256 v) {
+  const __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  __m128 s = _mm_add_ps(lo, hi);                   // (0+4) (1+5) (2+6) (3+7)
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));          // (0+4+2+6) (1+5+3+7)
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));  // all
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// a . b: two eight-lane partial sums over 16-element steps, added in a fixed order.
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
-  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; i < n; ++i) s += a[i] * b[i];
+  float s = 0.0f;
+#ifdef SPECTRIO_AVX2
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
+  }
+  if (i + 8 <= n) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+    i += 8;
+  }
+  s = lane_sum(_mm256_add_ps(a0, a1));
+#endif
+  for (; i < n; ++i) s = std::fma(a[i], b[i], s);
   return s;
+}
+
+// s[j] = e^(s[j] - top) for j < n; returns their sum (lanes, then the tail, in order).
+inline float exp_shifted(float* s, int64_t n, float top) {
+  int64_t j = 0;
+  float total = 0.0f;
+#ifdef SPECTRIO_AVX2
+  const __m256 t = _mm256_set1_ps(top);
+  __m256 acc = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp_approx(_mm256_sub_ps(_mm256_loadu_ps(s + j), t));
+    _mm256_storeu_ps(s + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  total = lane_sum(acc);
+#endif
+  for (; j < n; ++j) {
+    s[j] = exp_approx(s[j] - top);
+    total += s[j];
+  }
+  return total;
+}
+
+// out[i] = silu(gate[i] + bias[i]) * (up[i] + bias[f + i]), no bias where it is null.
+inline void swiglu_row(const float* gate, const float* up, const float* bias, int64_t f,
+                       float* out) {
+  int64_t i = 0;
+#ifdef SPECTRIO_AVX2
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (; i + 8 <= f; i += 8) {
+    __m256 g = _mm256_loadu_ps(gate + i), u = _mm256_loadu_ps(up + i);
+    if (bias != nullptr) {
+      g = _mm256_add_ps(g, _mm256_loadu_ps(bias + i));
+      u = _mm256_add_ps(u, _mm256_loadu_ps(bias + f + i));
+    }
+    const __m256 e = exp_approx(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u));
+  }
+#endif
+  for (; i < f; ++i) {
+    const float g = bias != nullptr ? gate[i] + bias[i] : gate[i];
+    const float u = bias != nullptr ? up[i] + bias[f + i] : up[i];
+    out[i] = g / (1.0f + exp_approx(-g)) * u;
+  }
 }
 
 // x [d] /= rms(x), times weight.
@@ -263,12 +372,7 @@ std::vector<paddle::Tensor> AttentionBlock(
         float* s = scores.data() + i * ctx;
         float top = s[0];
         for (int64_t j = 1; j < ctx; ++j) top = std::max(top, s[j]);
-        float total = 0.0f;
-        for (int64_t j = 0; j < ctx; ++j) {
-          s[j] = std::exp(s[j] - top);
-          total += s[j];
-        }
-        const float inv = 1.0f / total;
+        const float inv = 1.0f / exp_shifted(s, ctx, top);
         for (int64_t j = 0; j < ctx; ++j) s[j] *= inv;
       }
       float* o = attn.data() + r * nq + kv * g * hd;
@@ -344,13 +448,7 @@ std::vector<paddle::Tensor> MlpBlock(const paddle::Tensor& x, const paddle::Tens
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < n; ++r) {
       const float* gate = gate_up.data() + r * 2 * f;
-      const float* up = gate + f;
-      float* a = act.data() + r * f;
-      for (int64_t i = 0; i < f; ++i) {
-        const float gv = gu_b != nullptr ? gate[i] + gu_b[i] : gate[i];
-        const float uv = gu_b != nullptr ? up[i] + gu_b[f + i] : up[i];
-        a[i] = gv / (1.0f + std::exp(-gv)) * uv;
-      }
+      swiglu_row(gate, gate + f, gu_b, f, act.data() + r * f);
     }
     product(w_down, act.data(), n, out.data<float>());
   }
