@@ -11,6 +11,8 @@ draft vocabulary where the model has one, with the draft side's float16 weights)
 ``mtp_f32`` the same with float32 draft weights.
 Cases alternate in rounds and the median is reported, so a busy machine slows every case
 alike. Ops are counted with ``paddle.profiler`` (top-level operator events per forward).
+``--paddle-layers`` adds each target case with its layers run op by op in Paddle
+(``paddle_target_rowsN``, the path before the native layer op), alternated with the rest.
 ``--reference`` adds the oracle's speed (dense attention, one token at a time, batch 1).
 Each target case is also read against its memory floor (``spectrio.models.memory_floor``):
 the bytes it reads (weights, and each row's KV) at the read bandwidth probed in this run,
@@ -77,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=30, help="forwards per case per round")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--reference", action="store_true", help="also time the reference generator")
+    p.add_argument(
+        "--paddle-layers",
+        action="store_true",
+        help="also time each target case with its layers op by op in Paddle (paddle_target_*)",
+    )
     p.add_argument("--max-tokens", type=int, default=128, help="reference tokens per prompt")
     args = p.parse_args(argv)
 
@@ -141,6 +148,16 @@ def main(argv: list[str] | None = None) -> int:
                 return out.logits
 
         cases[f"target_rows{rows}"] = target
+        if args.paddle_layers:
+
+            def op_by_op(target: Callable[[], object] = target) -> object:
+                model.native_layers = False
+                try:
+                    return target()
+                finally:
+                    model.native_layers = True
+
+            cases[f"paddle_target_rows{rows}"] = op_by_op
         if model.mtp is not None:
             cases[f"mtp_rows{rows}"] = mtp
             if model.draft_half:

@@ -399,7 +399,7 @@ class SpectrioForCausalLM(nn.Layer):
     def forward(self, batch: PackedBatch, cache: PagedKVCache) -> ForwardOutput:
         """Target pass: writes K/V of every row, returns logits and final hidden states."""
         self.staging.reset()
-        layers = list(self.model.layers)
+        layers = self._decoder_layers()[: self.config.num_hidden_layers]
         x = self._embed(self.staging.put(batch.input_ids))
         delta = None
         if self._native(layers, cache):
@@ -409,7 +409,7 @@ class SpectrioForCausalLM(nn.Layer):
             bias = None
             for i, layer in enumerate(layers):
                 x, delta, bias = layer.forward_native(x, delta, bias, rows, cache, i)
-            if bias is not None:
+            if bias is not None and delta is not None:
                 delta = fo.add(delta, bias)
         else:
             plan = AttentionPlan.build(batch, cache, self.dtype, self.staging.put)

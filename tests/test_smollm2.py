@@ -19,7 +19,7 @@ import pytest
 from test_architectures import paged_greedy
 
 from spectrio.errors import CheckpointError
-from spectrio.models import LoadedModel, load, reference
+from spectrio.models import LoadedModel, load, native_ops, reference
 from spectrio.models.convert import convert_gguf
 from spectrio.models.loader import SMOLLM2_GGUF, smollm2_path
 
@@ -47,6 +47,17 @@ def test_greedy_equals_transformers(smol64: LoadedModel) -> None:
 def test_paged_serving_forward_equals_transformers(smol64: LoadedModel) -> None:
     for prompt, want in list(zip(GOLDEN["prompt_ids"], GOLDEN["token_ids"], strict=True))[:2]:
         assert paged_greedy(smol64, prompt, GOLDEN["new_tokens"]) == want
+
+
+def test_float32_native_serving_greedy_equals_transformers(smollm2_gguf: Path) -> None:
+    """In float32 the serving forward runs the native layer op (issue 57); its greedy
+    tokens still equal transformers' float64 ones on every golden prompt."""
+    smol32 = load(smollm2_gguf, dtype="float32")
+    if native_ops.native_ops_available():
+        assert smol32.model.native_layers
+        assert all(layer.native_ready() for layer in smol32.model.model.layers)
+    for prompt, want in zip(GOLDEN["prompt_ids"], GOLDEN["token_ids"], strict=True):
+        assert paged_greedy(smol32, prompt, GOLDEN["new_tokens"]) == want
 
 
 def test_tokenizer_equals_transformers(smol64: LoadedModel) -> None:
