@@ -116,6 +116,16 @@ void add_normalize_rows(const float* x, const float* delta, const float* bias, i
                       summed + r * d, normed + r * d);
 }
 
+// a * b + c: one fused instruction where the build has FMA (as the vector lanes compute
+// it), a multiply and an add otherwise (std::fma would be a slow library call there).
+inline float mul_add(float a, float b, float c) {
+#ifdef __FMA__
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 // e^x for x <= 88.7 (the softmax's x - max and SiLU's -x): Cephes' expf, a degree-6
 // polynomial of the remainder after 2^n, within 2 ulp of e^x; below -87.3 it returns 0 or
 // a subnormal. The same operations in the AVX2 lanes and the scalar tail, so an element's
@@ -128,15 +138,15 @@ constexpr float kExpMax = 88.3762626647949f, kExpMin = -87.3365478515625f;
 inline float exp_approx(float x) {
   x = std::min(std::max(x, kExpMin), kExpMax);
   const float n = std::nearbyint(x * kLog2e);
-  float r = std::fma(n, -kLn2Hi, x);
-  r = std::fma(n, -kLn2Lo, r);
+  float r = mul_add(n, -kLn2Hi, x);
+  r = mul_add(n, -kLn2Lo, r);
   float y = kExpP0;
-  y = std::fma(y, r, kExpP1);
-  y = std::fma(y, r, kExpP2);
-  y = std::fma(y, r, kExpP3);
-  y = std::fma(y, r, kExpP4);
-  y = std::fma(y, r, kExpP5);
-  y = std::fma(y, r * r, r) + 1.0f;
+  y = mul_add(y, r, kExpP1);
+  y = mul_add(y, r, kExpP2);
+  y = mul_add(y, r, kExpP3);
+  y = mul_add(y, r, kExpP4);
+  y = mul_add(y, r, kExpP5);
+  y = mul_add(y, r * r, r) + 1.0f;
   int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
@@ -188,7 +198,7 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   }
   s = lane_sum(_mm256_add_ps(a0, a1));
 #endif
-  for (; i < n; ++i) s = std::fma(a[i], b[i], s);
+  for (; i < n; ++i) s = mul_add(a[i], b[i], s);
   return s;
 }
 
