@@ -46,10 +46,18 @@ of tokens the request emitted before this step). Inverse-CDF sampling is
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["Purpose", "keyed_sample", "keyed_uniforms", "rejection_sample", "sample_rows"]
+__all__ = [
+    "Purpose",
+    "greedy_run",
+    "keyed_sample",
+    "keyed_uniforms",
+    "rejection_sample",
+    "sample_rows",
+]
 
 _TO_UNIT = 2.0**-53  # NumPy's Generator.random(): the top 53 bits of a 64-bit word
 
@@ -180,6 +188,25 @@ def _validate(
         raise ValueError("positions must be >= 0")
     if t and (draft_token_ids.min() < 0 or draft_token_ids.max() >= v):
         raise ValueError(f"draft token ids must lie in [0, {v})")
+
+
+def greedy_run(rows: np.ndarray, drafts: Sequence[int]) -> list[int]:
+    """One greedy request's decision, as :func:`rejection_sample` makes it for a greedy
+    row: its drafts while each equals the argmax of its row, then the argmax of the first
+    row whose draft differs, or of the bonus row. ``rows`` [n + 1, V] for ``n`` drafts.
+    A batch whose requests are all greedy is decided request by request with this: no
+    randomness, and no copy of every row into one array."""
+    if rows.ndim != 2 or rows.shape[0] != len(drafts) + 1:
+        raise ValueError(f"{len(drafts)} drafts need {len(drafts) + 1} rows, got {rows.shape}")
+    best = np.argmax(rows, axis=1).tolist()
+    run: list[int] = []
+    for draft, top in zip(drafts, best, strict=False):
+        if draft != top:
+            run.append(top)
+            return run
+        run.append(draft)
+    run.append(best[len(drafts)])
+    return run
 
 
 def rejection_sample(

@@ -34,7 +34,7 @@ from spectrio.core.messages import SeqResult, SeqWork, StepPlan, StepResult, Tok
 from spectrio.core.params import SamplingParams
 from spectrio.models import TextTokenizer
 from spectrio.stages.logits_processing import History, log_softmax, process_rows, token_logprobs
-from spectrio.stages.rejection import rejection_sample
+from spectrio.stages.rejection import greedy_run, rejection_sample
 from spectrio.stages.stops import StopStringMatcher, truncate_run
 
 __all__ = ["Sampler"]
@@ -137,6 +137,8 @@ class Sampler:
         """Accepted drafts plus the recovered or bonus token, per prepared sequence."""
         if not prepared:
             return []
+        if all(p.probs is None for p in prepared):  # all greedy: nothing to draw
+            return [greedy_run(p.processed, p.work.drafts) for p in prepared]
         num_drafts = np.array([len(p.work.drafts) for p in prepared], dtype=np.int64)
         drafts = np.array([d for p in prepared for d in p.work.drafts], dtype=np.int64)
         keys = np.array([p.state.key or 0 for p in prepared], dtype=np.uint64)  # greedy: unused

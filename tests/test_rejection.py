@@ -461,3 +461,25 @@ def test_every_emitted_position_follows_target(
         tv, pval = _tv_and_pvalue(emitted, p)
         assert tv < 3.0 * math.sqrt(V / emitted.size), (name, j, tv)
         assert pval > 1e-4, (name, j, pval)
+
+
+def test_greedy_run_decides_as_rejection_sample_does() -> None:
+    """The all-greedy fast path (Sampler._accept) against the batched rule, on random
+    rows with drafts that match the argmax for a while, then may not."""
+    from spectrio.stages.rejection import greedy_run
+
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        n = int(rng.integers(0, 5))
+        rows = rng.standard_normal((n + 1, 9))
+        if rng.random() < 0.3:
+            rows[:, 3] = rows.max(axis=1)  # ties: the first index wins in both
+        best = rows.argmax(axis=1)
+        drafts = [int(b) if rng.random() < 0.7 else int(rng.integers(0, 9)) for b in best[:n]]
+        want = rejection_sample(
+            np.array(drafts, dtype=np.int64), np.array([n]), rows, np.array([True]), None,
+            np.zeros(1, np.uint64), np.zeros(1, np.int64),
+        )[0]  # fmt: skip
+        assert greedy_run(rows, drafts) == [int(t) for t in want if t >= 0]
+    with pytest.raises(ValueError, match="2 drafts need 3 rows"):
+        greedy_run(np.zeros((2, 9)), [1, 2])
