@@ -51,7 +51,10 @@ from spectrio.wire.stream_connection import is_step_message
 
 TIMEOUT = 120
 Context = zmq.Context[zmq.Socket[bytes]]
-CONFIG = RuntimeConfig(max_model_len=512)
+CONFIG = RuntimeConfig(max_model_len=2000)
+#: A request that outlasts every time window these tests wait through (a stall bound, the
+#: reconnect grace) on a fast machine, until the server ends it.
+LONG = 1900
 
 
 @pytest.fixture
@@ -160,7 +163,7 @@ async def test_no_output_consumer_holds_only_its_own_requests(
         ):
             assert server.endpoints is not None
             sock = dealer(ctx, server.endpoints.requests)
-            long = SamplingParams(max_tokens=400, ignore_eos=True)
+            long = SamplingParams(max_tokens=LONG, ignore_eos=True)
             sock.send(
                 encode(Submit(v=SCHEMA_VERSION, request_id="w", prompt=[1, 2, 3], params=long))
             )
@@ -239,7 +242,7 @@ async def test_a_stream_client_that_stops_reading_reads_why_when_it_resumes(
             sock.setsockopt(zmq.RCVBUF, 2048)
             sock.connect(server.endpoints.requests)
             # One step a token with 21 logprob columns: the steps outgrow those buffers.
-            long = SamplingParams(max_tokens=500, ignore_eos=True, logprobs=20, speculative=False)
+            long = SamplingParams(max_tokens=LONG, ignore_eos=True, logprobs=20, speculative=False)
             frame = Submit(
                 v=SCHEMA_VERSION, request_id="s", prompt=[5, 6], params=long, stream=True
             )
@@ -279,7 +282,7 @@ async def test_a_client_that_dies_has_its_requests_ended_at_once(
         async with open_runtime(CONFIG) as rt, served(rt, ctx, tmp_path) as server:
             assert server.endpoints is not None
             sock = dealer(ctx, server.endpoints.requests)  # libzmq picks its routing id
-            long = SamplingParams(max_tokens=400, ignore_eos=True)
+            long = SamplingParams(max_tokens=LONG, ignore_eos=True)
             for rid in ("a", "b"):
                 frame = Submit(
                     v=SCHEMA_VERSION, request_id=rid, prompt=[7], params=long, stream=True
@@ -307,7 +310,7 @@ async def test_a_client_with_its_own_routing_id_that_dies_is_ended_after_the_gra
 
             def submit_and_die() -> None:
                 with Client(endpoint, timeout_s=30, context=ctx) as client:
-                    long = SamplingParams(max_tokens=400, ignore_eos=True)
+                    long = SamplingParams(max_tokens=LONG, ignore_eos=True)
                     rid = client.submit("def f(x):", long)
                     client.submit("class A:", long)
                     for chunk in client.stream(rid):
@@ -332,7 +335,7 @@ async def test_an_id_is_not_reused_before_its_final_step(
         async with open_runtime(CONFIG) as rt, served(rt, ctx, tmp_path) as server:
             assert server.endpoints is not None
             sock = dealer(ctx, server.endpoints.requests)
-            long = SamplingParams(max_tokens=300, ignore_eos=True)
+            long = SamplingParams(max_tokens=LONG, ignore_eos=True)
             short = SamplingParams(max_tokens=8, ignore_eos=True)
 
             def submit(params: SamplingParams) -> bytes:
