@@ -246,6 +246,51 @@ inline void swiglu_row(const float* gate, const float* up, const float* bias, in
   }
 }
 
+#ifdef SPECTRIO_AVX2
+// Lane l of the result: the sum of a_l's eight lanes (a fixed tree of additions).
+inline __m256 lane_sums8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                         __m256 a6, __m256 a7) {
+  const __m256 h0123 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 h4567 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
+                       _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+#endif
+
+// s[j] = q . k[rows[j] ..] for j < ctx. With AVX2 and a head dim of 64, eight positions at
+// a time, q held in registers; the positions past the last full eight, and other head
+// dims, take dot(). Which of the two computes position j depends only on j and ctx (the
+// row's own position), so a row's scores never depend on the other rows of its step.
+inline void score_row(const float* q, const float* k, const int64_t* rows, int64_t ctx,
+                      int64_t hd, float* s) {
+  int64_t j = 0;
+#ifdef SPECTRIO_AVX2
+  if (hd == 64) {
+    const __m256 q0 = _mm256_loadu_ps(q), q1 = _mm256_loadu_ps(q + 8);
+    const __m256 q2 = _mm256_loadu_ps(q + 16), q3 = _mm256_loadu_ps(q + 24);
+    const __m256 q4 = _mm256_loadu_ps(q + 32), q5 = _mm256_loadu_ps(q + 40);
+    const __m256 q6 = _mm256_loadu_ps(q + 48), q7 = _mm256_loadu_ps(q + 56);
+    auto dot64 = [&](const float* x) {
+      __m256 a = _mm256_mul_ps(q0, _mm256_loadu_ps(x));
+      a = _mm256_fmadd_ps(q1, _mm256_loadu_ps(x + 8), a);
+      a = _mm256_fmadd_ps(q2, _mm256_loadu_ps(x + 16), a);
+      a = _mm256_fmadd_ps(q3, _mm256_loadu_ps(x + 24), a);
+      a = _mm256_fmadd_ps(q4, _mm256_loadu_ps(x + 32), a);
+      a = _mm256_fmadd_ps(q5, _mm256_loadu_ps(x + 40), a);
+      a = _mm256_fmadd_ps(q6, _mm256_loadu_ps(x + 48), a);
+      return _mm256_fmadd_ps(q7, _mm256_loadu_ps(x + 56), a);
+    };
+    for (; j + 8 <= ctx; j += 8) {
+      const int64_t* r = rows + j;
+      _mm256_storeu_ps(s + j, lane_sums8(dot64(k + r[0]), dot64(k + r[1]), dot64(k + r[2]),
+                                         dot64(k + r[3]), dot64(k + r[4]), dot64(k + r[5]),
+                                         dot64(k + r[6]), dot64(k + r[7])));
+    }
+  }
+#endif
+  for (; j < ctx; ++j) s[j] = dot(q, k + rows[j], hd);
+}
+
 // o [hd] = sum over j < ctx of w[j] * v[rows[j] ..], in position order, one fused
 // multiply-add per element and position. With AVX2 and a head dim that is a multiple of
 // 64, each 64 columns are summed in eight registers; the scalar loop makes the same chain.
@@ -414,10 +459,8 @@ std::vector<paddle::Tensor> AttentionBlock(
       for (int64_t j = 0; j < ctx; ++j)
         rows_of[j] = (kv * slots + table[j / bs] * bs + j % bs) * hd;
       const float* q = qkv.data() + r * nqkv + kv * g * hd;
-      for (int64_t j = 0; j < ctx; ++j) {
-        const float* key = kp + rows_of[j];
-        for (int64_t i = 0; i < g; ++i) scores[i * ctx + j] = dot(q + i * hd, key, hd);
-      }
+      for (int64_t i = 0; i < g; ++i)
+        score_row(q + i * hd, kp, rows_of.data(), ctx, hd, scores.data() + i * ctx);
       for (int64_t i = 0; i < g; ++i) {
         float* s = scores.data() + i * ctx;
         float top = s[0];
