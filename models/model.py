@@ -387,6 +387,29 @@ class SpectrioForCausalLM(nn.Layer):
             and all(layer.native_ready() for layer in layers)
         )
 
+    def _run_layers(
+        self, layers: list[DecoderLayer], x: paddle.Tensor, batch: PackedBatch, cache: PagedKVCache
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """``layers`` (cache layer i for the i-th) over the paged batch from input ``x``:
+        as native ops where they run, else op by op. Returns ``(x', delta)`` whose sum is
+        the last layer's output, each layer's biases already added."""
+        delta: paddle.Tensor | None = None
+        if self._native(layers, cache):
+            rows = LayerRows.build(
+                batch, cache.block_size, self._rope_tables(batch.positions), self.staging.put
+            )
+            bias = None
+            for i, layer in enumerate(layers):
+                x, delta, bias = layer.forward_native(x, delta, bias, rows, cache, i)
+            assert delta is not None, "at least one layer"
+            return x, delta if bias is None else fo.add(delta, bias)
+        plan = AttentionPlan.build(batch, cache, self.dtype, self.staging.put)
+        rope = self._rope_rows(batch.positions)
+        for i, layer in enumerate(layers):
+            x, delta = layer.forward_paged(x, rope, plan, cache, i, delta)
+        assert delta is not None, "at least one layer"
+        return x, delta
+
     def _select(self, hidden: paddle.Tensor, batch: PackedBatch) -> paddle.Tensor:
         if batch.logits_indices is None:
             return hidden
@@ -399,23 +422,9 @@ class SpectrioForCausalLM(nn.Layer):
     def forward(self, batch: PackedBatch, cache: PagedKVCache) -> ForwardOutput:
         """Target pass: writes K/V of every row, returns logits and final hidden states."""
         self.staging.reset()
-        layers = self._decoder_layers()[: self.config.num_hidden_layers]
         x = self._embed(self.staging.put(batch.input_ids))
-        delta = None
-        if self._native(layers, cache):
-            rows = LayerRows.build(
-                batch, cache.block_size, self._rope_tables(batch.positions), self.staging.put
-            )
-            bias = None
-            for i, layer in enumerate(layers):
-                x, delta, bias = layer.forward_native(x, delta, bias, rows, cache, i)
-            if bias is not None and delta is not None:
-                delta = fo.add(delta, bias)
-        else:
-            plan = AttentionPlan.build(batch, cache, self.dtype, self.staging.put)
-            rope = self._rope_rows(batch.positions)
-            for i, layer in enumerate(layers):
-                x, delta = layer.forward_paged(x, rope, plan, cache, i, delta)
+        layers = self._decoder_layers()[: self.config.num_hidden_layers]
+        x, delta = self._run_layers(layers, x, batch, cache)
         hidden, summed = self.model.norm.add_normalize(x, delta, weighted=True)
         logits = self.compute_logits(self._select(hidden, batch))
         return ForwardOutput(logits=logits, hidden=summed if self._mtp_reads_prenorm else hidden)
@@ -436,17 +445,7 @@ class SpectrioForCausalLM(nn.Layer):
             raise RuntimeError("this checkpoint has no MTP layer (num_nextn_predict_layers=0)")
         self.staging.reset()
         x = self.mtp.fuse(self._embed(self.staging.put(batch.input_ids)), prev_hidden, True)
-        if self._native([self.mtp], cache):
-            rows = LayerRows.build(
-                batch, cache.block_size, self._rope_tables(batch.positions), self.staging.put
-            )
-            x, delta, bias = self.mtp.forward_native(x, None, None, rows, cache, 0)
-            if bias is not None:
-                delta = fo.add(delta, bias)
-        else:
-            plan = AttentionPlan.build(batch, cache, self.dtype, self.staging.put)
-            rope = self._rope_rows(batch.positions)
-            x, delta = self.mtp.forward_paged(x, rope, plan, cache, 0)
+        x, delta = self._run_layers([self.mtp], x, batch, cache)
         x = fo.add(x, delta)
         norm = self.mtp.shared_head.norm
         if self._mtp_norm_in_layer:

@@ -26,6 +26,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -219,15 +220,15 @@ def read_sum(x: paddle.Tensor, threads: int) -> paddle.Tensor | None:
     return _C_OPS._run_custom_op("spectrio_read_sum", x, max(1, int(threads)))[0]
 
 
-_ABSENT: dict[Any, paddle.Tensor] = {}
-
-
+@functools.cache
 def _absent() -> paddle.Tensor:
     """The empty tensor the layer ops read as "no such input" (a bias, a norm)."""
-    t = _ABSENT.get("f32")
-    if t is None:
-        t = _ABSENT["f32"] = paddle.empty([0], dtype="float32")
-    return t
+    return paddle.empty([0], dtype="float32")
+
+
+def _given(t: paddle.Tensor | None) -> paddle.Tensor:
+    """``t``, or the layer ops' "absent" tensor for None."""
+    return _absent() if t is None else t
 
 
 def attention_block(
@@ -250,11 +251,9 @@ def attention_block(
     and V pools, written in place; ``rows``: positions, sequence of each row and the
     padded block tables; ``shape``: heads, KV heads, head dim, block size. Only where the
     kernels run, without autograd (the caller checks)."""
-    none = _absent()
     out, summed = _C_OPS._run_custom_op(
         "spectrio_attention_block",
-        x, none if delta is None else delta, none if delta_bias is None else delta_bias,
-        qkv, none if qkv_bias is None else qkv_bias, none if qk_norm is None else qk_norm,
+        x, _given(delta), _given(delta_bias), qkv, _given(qkv_bias), _given(qk_norm),
         rope[0], rope[1], pools[0], pools[1], o, rows[0], rows[1], rows[2],
         *shape, float(eps), configured_threads() or 1,
     )  # fmt: skip
@@ -273,11 +272,9 @@ def mlp_block(
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """A layer's MLP half in one op: ``(partial down projection, x + delta +
     delta_bias)``, as :func:`attention_block`."""
-    none = _absent()
     out, summed = _C_OPS._run_custom_op(
         "spectrio_mlp_block",
-        x, none if delta is None else delta, none if delta_bias is None else delta_bias,
-        gate_up, none if gate_up_bias is None else gate_up_bias, down,
+        x, _given(delta), _given(delta_bias), gate_up, _given(gate_up_bias), down,
         int(intermediate), float(eps), configured_threads() or 1,
     )  # fmt: skip
     return out, summed
