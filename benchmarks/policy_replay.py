@@ -51,7 +51,7 @@ from typing import TypeVar
 
 import trio
 
-from spectrio.stages.spec_policy import SpecPolicy, batch_bucket, scale_to_bucket
+from spectrio.stages.spec_policy import Remaining, SpecPolicy, batch_bucket, scale_to_bucket
 
 __all__ = [
     "Accepts",
@@ -180,7 +180,7 @@ class _CyclePolicy(SpecPolicy):
         self._cycle: list[int] = []
         self.timed: list[tuple[int, int, float]] = []  # (sequences, k, seconds)
 
-    def choose(self, num_seqs: int) -> int:
+    def choose(self, num_seqs: int, closing: Sequence[Remaining] | None = None) -> int:
         if not self._cycle:
             self._cycle = list(range(self.k_max + 1))
             self._rng.shuffle(self._cycle)

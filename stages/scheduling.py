@@ -81,7 +81,7 @@ from spectrio.core.messages import Ended, SeqResult, SeqWork, StepPlan, StepResu
 from spectrio.core.params import SamplingParams
 from spectrio.stages.block_manager import BlockManager, PrefixKey
 from spectrio.stages.lifecycle import RequestState, advance
-from spectrio.stages.spec_policy import SpecPolicy
+from spectrio.stages.spec_policy import Remaining, SpecPolicy
 
 
 @dataclasses.dataclass(eq=False)
@@ -268,8 +268,9 @@ class Scheduler:
         """Plan one step, or None when nothing can run now."""
         if len(self._inflight) >= self.max_in_flight:
             raise RuntimeError(f"schedule() called with {len(self._inflight)} steps in flight")
+        drafting = [s for s in self.running if (s.decoding or s.pending) and s.speculative]
         self._step_k = self.policy.choose(
-            sum(1 for s in self.running if (s.decoding or s.pending) and s.speculative)
+            len(drafting), None if self.waiting else self._closing(drafting)
         )
         budget = self.config.max_chunk_tokens()
         queued = bool(self.waiting)
@@ -384,6 +385,18 @@ class Scheduler:
         else:
             ready = work.start_pos + len(work.token_ids)
         self.blocks.register(seq.seq_id, seq.prompt_ids, key, min(ready, prompt))
+
+    def _closing(self, drafting: list[Sequence]) -> list[Remaining]:
+        """What the policy weighs when no request waits (:meth:`SpecPolicy.closing_rate`):
+        each decoding sequence's remaining tokens and its own first drafts."""
+        out = []
+        for seq in drafting:
+            acc = seq.acceptance
+            reached = acc.proposed_at[0] if acc.proposed_at else 0
+            accepted = acc.accepted_at[0] if acc.accepted_at else 0
+            left = min(seq.remaining_tokens, self.config.max_model_len - seq.length)
+            out.append(Remaining(max(1, left), reached, accepted))
+        return out
 
     def _rows_for(self, seq: Sequence, budget: int) -> tuple[int, int, int]:
         """(target rows of real tokens, drafts, budget cost) for this step."""

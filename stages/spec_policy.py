@@ -31,15 +31,23 @@ The rule: pick the k that maximises expected tokens per second,
   step's prompt or catch-up rows are taken off at their learnt cost
   (:class:`_ExtraRowCost`).
 
+When no request waits for a slot the batch can only shrink, and a run's end matters as
+much as its steps: speculation lets the requests that accept more finish first, and the
+rest drain in small steps that cost more per token. The scheduler then passes every
+decoding sequence's remaining tokens and own acceptance, and the rate becomes the rest of
+the run's tokens over the time to emit them all (:meth:`SpecPolicy.closing_rate`); at
+batch 1 it equals the steady rate.
+
 Invariants of the search:
 
 * A run drafts ``k_max`` until the first draft position has been seen
   ``acceptance_warmup`` times, whatever kept times say.
-* Exploration starts at ``k_max`` after a bucket's first ``warmup_steps`` (untimed) and
-  goes down one k at a time while the smaller k does better, and the first time all the
-  way to k = 0 (the rate need not be unimodal there, see :meth:`_choose`); each k runs
-  twice, its first step untimed. A bucket not timed yet borrows a neighbouring
-  bucket's times.
+* Exploration times k = 1, 2 and 0 first (from a bucket's first ``warmup_steps``, which
+  are untimed), then climbs or descends one k at a time from the best while the next k
+  has no estimate (:meth:`SpecPolicy._explore`): the cheap k come first, so a batch where
+  speculation does not pay loses little to finding that out. Each k runs twice, its
+  first step untimed. A bucket not timed yet borrows a neighbouring bucket's times, and
+  one started from kept times only extends them to the best's neighbours.
 * Afterwards one step in ``probe_every`` starts a two-step probe of the best k's
   neighbour timed longer ago; a neighbour more than 3 standard errors behind
   (:meth:`_BucketTimes.settled`) is probed half as often. Only neighbours are ever
@@ -58,11 +66,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from statistics import median
 from typing import Any
 
-__all__ = ["SpecPolicy", "batch_bucket", "scale_to_bucket"]
+__all__ = ["Remaining", "SpecPolicy", "batch_bucket", "scale_to_bucket"]
 
 
 def batch_bucket(num_seqs: int) -> int:
@@ -90,6 +98,16 @@ class _Decayed:
     def add(self, x: float, decay: float) -> None:
         self.value = self.value * decay + x
         self.weight = self.weight * decay + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Remaining:
+    """A decoding sequence, for the choice when no request waits (:meth:`SpecPolicy.
+    closing_rate`): the tokens it may still emit, and its own first drafts so far."""
+
+    tokens: int
+    first_drafted: int = 0
+    first_accepted: int = 0
 
 
 class _BucketTimes:
@@ -207,6 +225,11 @@ class _BucketTimes:
             self._pairs[low] = deque(samples[-self.pair_window :], maxlen=self.pair_window)
         self._seeded = dict(times)
 
+    @property
+    def kept(self) -> bool:
+        """Whether this bucket started from an earlier run's times (:meth:`seed`)."""
+        return bool(self._seeded)
+
 
 class _ExtraRowCost:
     """One batch bucket's cost per row of the work a step may carry besides its decoding
@@ -317,7 +340,7 @@ class SpecPolicy:
         # Until the first draft position has been seen this many times, the expected
         # tokens are the prior's (0.5 a position), under which one draft looks best, so a
         # run started from kept step times would choose by them alone. k_max observes
-        # every position at once; a cold run starts there anyway.
+        # every position at once.
         self.acceptance_warmup = acceptance_warmup
         self._first_position_seen = 0
         if not 0.0 < occupancy_decay <= 1.0:
@@ -482,17 +505,21 @@ class SpecPolicy:
             out.append(total)
         return out
 
-    def choose(self, num_seqs: int) -> int:
-        """Drafts per sequence for a step with ``num_seqs`` decoding sequences."""
+    def choose(self, num_seqs: int, closing: Sequence[Remaining] | None = None) -> int:
+        """Drafts per sequence for a step with ``num_seqs`` decoding sequences.
+
+        ``closing``, one entry per decoding sequence, is given when no request waits for
+        a slot: the batch then only shrinks, and the choice weighs the time to finish
+        every running request, its drain included (:meth:`closing_rate`)."""
         if not self.adaptive or self.k_max == 0 or num_seqs <= 0:
             return self.k_max
-        k = self._choose(num_seqs)
+        k = self._choose(num_seqs, closing)
         if self._first_position_seen < self.acceptance_warmup:
-            # Where nothing is timed yet, the choice was k_max already (exploration
-            # starts there): a cold run is not changed.
+            # Every position is observed at once, whatever the times say: one step at
+            # a large batch, acceptance_warmup steps at batch 1.
             k, self._probing = self.k_max, None
         # The positions this step does not draft forget, so that rejections at a deep
-        # position do not outlive the request that caused them. Not while no step drafts
+        # position do not outlive the request that caused it. Not while no step drafts
         # at all: position 1 would then fade to the prior, and a head whose acceptance is
         # below the prior would look worth drafting again every few dozen steps (the
         # policy swung between k = 0 and k_max); the probes of k = 1 keep position 1
@@ -503,7 +530,40 @@ class SpecPolicy:
                 r.weight *= self.stale_decay
         return k
 
-    def _choose(self, num_seqs: int) -> int:
+    def closing_rate(
+        self, k: int, step_seconds: float, closing: Sequence[Remaining], tokens: list[float]
+    ) -> float:
+        """Tokens per second over the rest of a run that no request joins, if every
+        step from now on drafts ``k`` (a step of a full bucket takes ``step_seconds``).
+
+        Sequence ``i`` still has ``r_i`` tokens to emit and emits ``mu_i`` a step: the
+        batch's expected tokens at k (``tokens``), their gain over one token scaled by
+        the sequence's own first-draft acceptance against the batch's (shrunk towards it
+        by ``prior_weight`` pseudo-observations). It needs ``s_i = max(1, r_i / mu_i)``
+        more steps, and a step with ``b`` sequences left costs ``(F + b) / (F + B)`` of a
+        full one (:data:`STEP_FIXED_SEQS`), so the rest of the run costs
+        ``(F * max_i s_i + sum_i s_i)`` units of ``step_seconds / (F + B)``. The
+        difference from the steady rate is the drain: requests that accept more finish
+        first and leave the others to run in small, dearer-per-token steps, which no
+        step's own tokens per second shows (at batch 1 both rates are the same)."""
+        first = self.acceptance()[0] if self.k_max else 0.0
+        w = self.prior_weight
+        gain = tokens[k] - 1.0
+        longest = total_steps = remaining = 0.0
+        for r in closing:
+            own = (
+                (r.first_accepted + w * first) / (r.first_drafted + w)
+                if r.first_drafted + w
+                else first
+            )
+            mu = 1.0 + (gain * own / first if first > 1e-9 else gain)
+            steps = max(1.0, r.tokens / mu)
+            longest = max(longest, steps)
+            total_steps += steps
+            remaining += r.tokens
+        return remaining / (step_seconds * (STEP_FIXED_SEQS * longest + total_steps))
+
+    def _choose(self, num_seqs: int, closing: Sequence[Remaining] | None) -> int:
         self._num_choices += 1
         bucket = batch_bucket(num_seqs)
         if self._probing is not None and self._probing[0] == bucket:
@@ -515,42 +575,24 @@ class SpecPolicy:
         times = self._estimated_times(bucket)
         tokens = self._expected_tokens_all()
         overhead = self.overhead_per_token()
-
-        def rate(k: int) -> float:
-            # Per token a sequence spends 1 / tokens[k] decode steps and ``overhead`` lost
-            # ones (observe_occupancy), all at this k's step time.
-            return tokens[k] / ((1.0 + overhead * tokens[k]) * times[k])
-
-        # Explore downwards from k_max while each smaller k does better (the rate is
-        # unimodal in k): at batch 1 the k below the best is timed, and k = 0 is not. A k
-        # borrowed from a neighbouring batch size needs no step of its own. Above a known
-        # pair whose smaller k does better (kept times may cover only the k around the
-        # best), every k is worse, so exploration starts there.
-        top = next(
-            (
-                j
-                for j in range(self.k_max)
-                if j in times and j + 1 in times and rate(j) > rate(j + 1)
-            ),
-            self.k_max,
-        )
+        if closing is not None and len(closing) < 2:
+            closing = None  # one sequence: the closing rate is the steady one
+        rates = {
+            k: (
+                self.closing_rate(k, t, closing, tokens)
+                if closing is not None
+                # Per token a sequence spends 1 / tokens[k] decode steps and ``overhead``
+                # lost ones (observe_occupancy), all at this k's step time.
+                else tokens[k] / ((1.0 + overhead * tokens[k]) * t)
+            )
+            for k, t in times.items()
+        }
         timed = self._times.get(bucket)
-
-        def ran(k: int) -> bool:
-            return timed is not None and timed.last(k) > 0
-
-        for k in range(top, -1, -1):
-            if k not in times:
-                return k
-            # A descent this run made goes on to k = 0 once whatever it finds: the rate is
-            # unimodal in k only above k = 0. A step of one row per sequence and a step of
-            # several run different kernels (a GEMV against a GEMM over the whole head,
-            # several times dearer on a CPU's BLAS), so k = 1 can do worse than both its
-            # neighbours and hide a k = 0 that beats every k. k = 0 is reached through
-            # k = 1 run just before it, since a k's time is linked to its neighbour's.
-            if k < top and rate(k) < rate(k + 1) and (0 in times or not ran(k)):
-                break
-        best = max(times, key=rate)
+        fresh = (timed is None or not timed.kept) and times.keys() <= self._timed(bucket).keys()
+        explore = self._explore(rates, fresh)
+        if explore is not None:
+            return explore
+        best = max(rates, key=rates.__getitem__)
         if self._num_choices % self.probe_every == 0:
             # Re-measure the neighbour of the best timed longest ago (ties: the larger,
             # which also measures the next position's acceptance), so one unlucky early
@@ -564,14 +606,39 @@ class SpecPolicy:
             probe = min(near, key=lambda k: (last(k), -k))
             settled = (
                 timed is not None
-                and probe in times
-                and timed.settled(min(best, probe), abs(math.log(rate(best) / rate(probe))))
+                and probe in rates
+                and timed.settled(min(best, probe), abs(math.log(rates[best] / rates[probe])))
             )
             if settled and (self._num_choices // self.probe_every) % 2 == 1:
                 return best  # a neighbour clearly behind is probed half as often
             self._probing = (bucket, probe)
             return probe
         return best
+
+    def _explore(self, rates: dict[int, float], fresh: bool) -> int | None:
+        """The next k to time, or None when every k worth timing has an estimate.
+
+        A bucket with nothing kept or borrowed (``fresh``) times k = 1, 2 and 0 first.
+        One draft a sequence is cheap at any batch size, so where speculation does not
+        pay (a large batch on a CPU) little is lost finding that out, where starting at
+        k_max would run the dearest steps first. k = 0 is timed beside k = 1 and 2
+        because the rate need not be unimodal there: a step of one row per sequence and
+        a step of several can run different kernels, so k = 1 can do worse than both
+        neighbours and hide a k = 0 that beats every k. Above k = 0 the rate is unimodal,
+        so afterwards exploration climbs (or descends) one k at a time from the best
+        while the next one has no estimate: a kept or borrowed estimate counts, and a
+        better k is always a neighbour of the best."""
+        if fresh:
+            for k in (1, 2, 0):
+                if k <= self.k_max and k not in rates:
+                    return k
+        if not rates:
+            return min(1, self.k_max)
+        best = max(rates, key=rates.__getitem__)
+        for k in (best + 1, best - 1):
+            if 0 <= k <= self.k_max and k not in rates:
+                return k
+        return None
 
     def _estimated_times(self, bucket: int) -> dict[int, float]:
         """Step time per k for this batch bucket: its own where timed; otherwise borrowed

@@ -13,6 +13,7 @@ its own states the next substep reads.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -626,3 +627,51 @@ def test_a_mimo_config_spectrio_cannot_build_is_refused() -> None:
         ModelConfig.from_dict({**raw, "use_sliding_window": True})
     with pytest.raises(ModelConfigError, match="field 'use_bias'"):
         ModelConfig.from_dict({**raw, "use_bias": True})
+
+
+@pytest.mark.parametrize("max_lag", [1024, 2])
+async def test_drafts_after_deferred_catch_ups_are_the_dense_chain(
+    folders: dict[str, tuple[Path, Path]], monkeypatch: pytest.MonkeyPatch, max_lag: int
+) -> None:
+    """Steps that draft 0 defer the MTP layer's catch-up (stages/draft/mtp.py); the next
+    step that drafts catches up on every held row at once, from hidden states kept across
+    several steps. Its drafts must still be the dense chain's on the same context, with
+    the lag limit far (a stretch of k = 0 caught up only when drafting resumes) and near
+    (catch-ups forced between drafting steps)."""
+    from spectrio.stages.draft import mtp
+    from spectrio.stages.spec_policy import SpecPolicy
+
+    monkeypatch.setattr(mtp, "MIN_LAG", min(max_lag, mtp.MIN_LAG))
+    monkeypatch.setattr(mtp, "MAX_LAG", max_lag)
+    pattern = itertools.cycle([0, 0, 0, 0, 0, 3, 0, 0, 2, 0, 1, 0, 0, 0])
+    monkeypatch.setattr(SpecPolicy, "choose", lambda self, n, closing=None: next(pattern))
+    deferred: list[bool] = []
+    may_defer = mtp.CatchUp.may_defer
+
+    def counting(self: mtp.CatchUp, work: Any, lag: int) -> bool:
+        deferred.append(may_defer(self, work, lag))
+        return deferred[-1]
+
+    monkeypatch.setattr(mtp.CatchUp, "may_defer", counting)
+    seen: list[tuple[list[int], list[int]]] = []
+    propose = mtp.MTPProposer.propose
+
+    def recording(self: mtp.MTPProposer, plan: Any, history: Any) -> Any:
+        out = propose(self, plan, history)
+        for w in plan.seqs:
+            if out.drafts.get(w.slot):
+                seen.append((list(history.tokens(w.seq_id)), list(out.drafts[w.slot])))
+        return out
+
+    monkeypatch.setattr(mtp.MTPProposer, "propose", recording)
+    folder, _ = folders[LAYOUTS[0]]
+    spec = SpeculativeConfig(method="mtp", num_speculative_tokens=3, adaptive=True)
+    drafted, _ = await _greedy(folder, spec)
+    plain, _ = await _greedy(folder, SpeculativeConfig(method=None))
+    assert drafted == plain
+    assert sum(deferred) >= 10 and len(seen) >= 6
+    model = load(folder, dtype="float64").model
+    for context, drafts in seen:
+        target, dense = reference.greedy_mtp_drafts(model, [context[:-1]], 3)
+        assert target[0, 0] == context[-1]
+        assert drafts == dense[0, : len(drafts)].tolist(), f"after {len(context)} tokens"

@@ -383,9 +383,9 @@ def test_adaptive_policy_sets_the_drafts_of_every_decoding_sequence() -> None:
         # Every draft accepted, so tokens per second are 1.0, 1.82, 1.58, 1.43 for k = 0..3.
         accept_all(sched, plan, [1.0, 1.1, 1.9, 2.8][plan.seqs[0].num_drafts])
     assert seen[0] == [0, 0]  # the prompt step never drafts
-    first = [row[0] for row in seen[1:9]]
-    assert first == [3, 3, 2, 2, 1, 1, 0, 0]  # down from k_max while it improves, twice each
-    late = seen[10:]
+    first = [row[0] for row in seen[1:7]]
+    assert first == [1, 1, 2, 2, 0, 0]  # the cheap k first, twice each; k = 3 is not tried
+    late = seen[8:]
     assert all(row[0] == row[1] for row in late)
     # One step in 16 re-measures a neighbour of the best; every other step drafts one.
     assert sum(row[0] != 1 for row in late) <= 2 and late.count([1, 1]) >= len(late) - 2
@@ -492,7 +492,12 @@ def test_a_steps_extra_rows_go_to_the_policy_beside_its_time() -> None:
         counts, rows = mtp.run(plan)
         catch_up.append(len(counts[0][1]))
         finish_step(sched, plan, accepted=None, seconds=1.0, draft_rows=rows)
-    assert catch_up == [0, 12, 3, 3]  # prefill, the prompt's catch-up, then k + 1 rows
+    assert catch_up == [
+        0,
+        12,
+        2,
+        2,
+    ]  # prefill, the prompt's catch-up, then k + 1 rows (k = 1 first)
     # The prefill has no decoding sequence; the catch-up step has 12 - 3 extra rows.
     seen = [(num_seqs, extra) for num_seqs, _, _, extra in observed]
     assert seen == [(0, (12, 0)), (1, (0, 9)), (1, (0, 0)), (1, (0, 0))]

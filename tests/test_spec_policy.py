@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from policy_replay import Trace, replay_fixed, replay_policy
 
-from spectrio.stages.spec_policy import SpecPolicy, _ExtraRowCost
+from spectrio.stages.spec_policy import Remaining, SpecPolicy, _ExtraRowCost
 
 
 def _tokens(k: int, accept: list[float]) -> float:
@@ -88,10 +88,10 @@ def test_best_k_shrinks_as_the_batch_grows() -> None:
     assert best[1] >= 2 and best[64] == 0
 
 
-def test_exploration_descends_from_k_max_while_it_improves() -> None:
-    """Each k runs twice (a warm-up, then a timing) from k_max down, and exploration stops
-    at the first k that does worse than the one above it, then times k = 0."""
-    policy = SpecPolicy(3, probe_every=8, warmup_steps=0)
+def test_exploration_times_the_cheap_k_first_then_climbs_while_it_improves() -> None:
+    """Each k runs twice (a warm-up, then a timing): k = 1, 2 and 0 first, then one k at
+    a time up from the best while the next has no estimate; it stops above the best."""
+    policy = SpecPolicy(3, probe_every=8, warmup_steps=0, acceptance_warmup=0)
     times = {3: 1.0, 2: 0.7, 1: 0.9, 0: 0.8}  # all accepted: E/T = 4.0, 4.3, 2.2, 1.25
     first = []
     for _ in range(8):
@@ -100,13 +100,27 @@ def test_exploration_descends_from_k_max_while_it_improves() -> None:
         policy.observe_step(5, k, times[k])
         for _ in range(5):
             policy.observe_acceptance(k, k)
-    assert first == [3, 3, 2, 2, 1, 1, 0, 0]  # k = 1 did worse than k = 2; k = 0 once
+    assert first == [1, 1, 2, 2, 0, 0, 3, 3]  # k = 2 best of the three; k = 3 did worse
     picks = [policy.choose(5) for _ in range(16)]
-    # Choices 16 and 24 of the run probe a neighbour for two steps: k = 3 both times (a
-    # tie in weight goes to the larger, and no timing comes back in between).
-    assert picks.count(2) == 13 and picks[7:9] == [3, 3] and picks[15] == 3
+    # Choices 16 and 24 of the run probe a neighbour for two steps: k = 1, timed longer
+    # ago than k = 3 (no timing comes back in between, so it stays the older).
+    assert picks.count(2) == 13 and picks[7:9] == [1, 1] and picks[15] == 1
     # The probe's second step, then the best: 6 shares the bucket of 5 (up to 8).
-    assert [policy.choose(6) for _ in range(2)] == [3, 2]
+    assert [policy.choose(6) for _ in range(2)] == [1, 2]
+
+
+def test_a_batch_where_speculation_does_not_pay_never_runs_a_deep_k() -> None:
+    """Started cold at a large batch on a device where every verified row costs about as
+    much as a sequence's one (a CPU bound by arithmetic), the policy finds k = 0 after
+    timing only k = 1 and 2: it never pays for a step of k_max's rows, past the one
+    step that observes every draft position."""
+    accept = [0.6, 0.5, 0.45, 0.6]
+    cost = {"fixed": 8e-3, "per_row": 3.5e-3, "draft_fixed": 1e-3, "draft_per_row": 0.1e-3}
+    rates = {k: _true_rate(k, 16, accept, cost) for k in range(5)}
+    assert max(rates, key=rates.__getitem__) == 0
+    policy = SpecPolicy(4)
+    chosen = _simulate(policy, 16, accept, cost, steps=128)
+    assert chosen[3] == 0 and chosen[4] <= 1 and chosen[0] >= 100, chosen
 
 
 def test_no_speculation_is_found_where_one_row_is_much_cheaper_than_two() -> None:
@@ -596,3 +610,44 @@ def test_slots_lost_under_a_queue_tip_a_near_tie_to_fewer_drafts() -> None:
     assert policy.choose(64) == 4
     with pytest.raises(ValueError, match="occupancy_decay"):
         SpecPolicy(4, occupancy_decay=0.0)
+
+
+def test_the_closing_rate_of_one_sequence_ranks_k_as_the_steady_rate_does() -> None:
+    """At batch 1 there is no drain: the closing rate is the steady one over a constant."""
+    policy = SpecPolicy(3)
+    for _ in range(50):
+        policy.observe_acceptance(3, 2)
+    tokens = policy._expected_tokens_all()
+    times = [1.0, 1.1, 1.25, 1.5]
+    ratios = [
+        policy.closing_rate(k, times[k], [Remaining(100)], tokens) / (tokens[k] / times[k])
+        for k in range(4)
+    ]
+    assert max(ratios) == pytest.approx(min(ratios))
+
+
+def _closing_batch() -> list[Remaining]:
+    """16 requests of 128 tokens to go, half accepting 0.9 of first drafts, half 0.3."""
+    return [Remaining(128, 40, 36)] * 8 + [Remaining(128, 40, 12)] * 8
+
+
+def test_the_drain_of_a_closed_run_tips_a_large_batch_to_no_speculation() -> None:
+    """Each step of k = 1 gains 7-10% over k = 0 at batch 16, but the requests that accept
+    more finish first and leave the rest to drain in small steps: with no request
+    waiting the policy weighs the whole rest of the run and does not speculate; with a
+    queue (the batch stays full) it does."""
+    times = {0: 1.0, 1: 1.5, 2: 2.1, 3: 2.7}
+    accept = [0.65, 0.5, 0.4]
+    rng = np.random.default_rng(0)
+    picks = {}
+    for closing in (None, _closing_batch()):
+        policy = SpecPolicy(3, probe_every=1000)
+        chosen: collections.Counter[int] = collections.Counter()
+        for step in range(60):
+            k = policy.choose(16, closing)
+            if step >= 30:
+                chosen[k] += 1
+            _observe_draws(policy, k, 16, accept, rng)
+            policy.observe_step(16, k, times[k])
+        picks[closing is None] = chosen.most_common(1)[0][0]
+    assert picks == {True: 1, False: 0}

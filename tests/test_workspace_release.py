@@ -103,7 +103,7 @@ def test_stored_hidden_rows_share_a_small_step_and_copy_from_a_large_one() -> No
     for rows in (8, SHARE_ROWS + 1):
         step = paddle.to_tensor(np.arange(rows * 3, dtype=np.float64).reshape(rows, 3))
         ws.store(7, 10, step, 4, 3)  # positions 10..12 are rows 4..6 of the step
-        held = ws._rows[7].hidden
+        held = ws._rows[7][-1].hidden
         assert (held is step) == (rows <= SHARE_ROWS)
         assert held.shape[0] == (rows if rows <= SHARE_ROWS else 3)
         np.testing.assert_array_equal(ws.rows_of([(7, 11, 2)]).numpy(), step.numpy()[5:7])

@@ -12,8 +12,14 @@ step first catches up: it runs the layer over positions ``catch-up .. start_pos 
 holds), then sets the catch-up position to ``start_pos``. The last catch-up row's logits
 give draft 1; substep ``i + 1`` reads substep ``i``'s output hidden state and draft at
 the next position. Substep KV entries past ``start_pos`` are speculative, and the next
-step's catch-up overwrites them. A sequence drafting 0 this step still catches up, so
-its cache stays complete whatever k the adaptive policy picks.
+step's catch-up overwrites them.
+
+A sequence drafting 0 this step may defer its catch-up (:meth:`CatchUp.may_defer`): its
+hidden rows are kept until a step that drafts for it (or the lag limit) catches up on
+all of them at once, so a run that the policy keeps at k = 0 does not pay for the MTP
+layer on every step. Its prompt is always caught up first: a prompt block registered in
+the prefix cache carries real MTP KV (``stages/scheduling.py``, *Registration*), and only
+positions past the prompt ever lag. Every rank defers the same way, from the plan alone.
 
 Catch-up rows beyond ``k_max + 1`` a sequence (a request's first decode step reads its
 whole last prompt chunk) are the draft side's extra rows for the adaptive policy.
@@ -38,6 +44,12 @@ __all__ = ["CatchUp", "HiddenStore", "MTPProposer", "SHARE_ROWS", "extra_rows"]
 #: decode or verify step); a sequence of a larger step (a prefill) keeps a copy of its
 #: own rows, so one sequence left unscheduled cannot pin a whole prefill's tensor.
 SHARE_ROWS = 256
+
+#: Bounds of a deferred catch-up (:meth:`CatchUp.may_defer`): the hidden rows all
+#: lagging sequences hold stay within LAG_BYTES, each lagging MIN_LAG to MAX_LAG
+#: positions.
+LAG_BYTES = 32 << 20
+MIN_LAG, MAX_LAG = 8, 1024
 
 
 def extra_rows(catch_up_counts: Iterable[int], k_max: int) -> int:
@@ -66,6 +78,22 @@ class CatchUp:
         self._pos[seq_id] = start_pos
         return first, tokens[first + 1 : start_pos + 1]
 
+    def may_defer(self, work: SeqWork, max_lag: int) -> bool:
+        """Whether ``work``'s catch-up can wait for a later step: it drafts nothing, the
+        sequence's prompt is caught up (``context_len - num_output`` positions), and it
+        would lag at most ``max_lag`` positions."""
+        first = self._pos.get(work.seq_id)
+        return (
+            work.num_drafts == 0
+            and first is not None
+            and first >= work.context_len - work.num_output
+            and work.start_pos - first <= max_lag
+        )
+
+    def position(self, seq_id: int) -> int | None:
+        """The sequence's first position without real MTP KV (None: not seen yet)."""
+        return self._pos.get(seq_id)
+
     def release(self, seq_ids: Iterable[int]) -> None:
         for seq_id in seq_ids:
             self._pos.pop(seq_id, None)
@@ -88,44 +116,90 @@ class _StoredHidden:
 
 
 class HiddenStore:
-    """The target hidden rows of each speculative sequence's last verified rows."""
+    """The target hidden rows of each speculative sequence's verified rows not caught up
+    on yet: the last step's, and those of the steps whose catch-up was deferred.
+
+    Per sequence the stored steps are in position order, and a later step supersedes an
+    earlier one from its ``start_pos`` on (the rows past a step's accepted drafts were
+    never real), so position ``p`` is read from the last stored step starting at or
+    before ``p``."""
 
     def __init__(self, model: SpectrioForCausalLM) -> None:
         self.model = model
-        self._rows: dict[int, _StoredHidden] = {}
+        self._rows: dict[int, list[_StoredHidden]] = {}
 
     def store(
         self, seq_id: int, start_pos: int, hidden: paddle.Tensor, first: int, count: int
     ) -> None:
         """Keep rows ``first .. first + count - 1`` of ``hidden``, the target hidden states
-        of positions ``start_pos ..``."""
+        of positions ``start_pos ..``, after the rows kept before ``start_pos``."""
         if hidden.shape[0] > SHARE_ROWS:
             hidden, first = hidden[first : first + count], 0
-        self._rows[seq_id] = _StoredHidden(start_pos, hidden, first, count)
+        kept = [r for r in self._rows.get(seq_id, ()) if r.start_pos < start_pos]
+        kept.append(_StoredHidden(start_pos, hidden, first, count))
+        self._rows[seq_id] = kept
+
+    def drop_before(self, seq_id: int, pos: int) -> None:
+        """Forget the stored steps that hold nothing at or after ``pos`` (caught up)."""
+        stored = self._rows.get(seq_id)
+        if stored:
+            # A step is superseded where the next one starts: it holds nothing needed
+            # once the next one starts at or before ``pos``.
+            keep = 0
+            while keep + 1 < len(stored) and stored[keep + 1].start_pos <= pos:
+                keep += 1
+            del stored[:keep]
+
+    def lagging_rows(self) -> int:
+        """Rows held for deferred catch-ups, all sequences (kept tensors may be shared)."""
+        return sum(r.count for rows in self._rows.values() for r in rows[:-1])
 
     def rows_of(self, wanted: list[tuple[int, int, int]]) -> paddle.Tensor:
         """The stored hidden rows of positions ``start_pos .. start_pos + count - 1`` of
         each ``(seq_id, start_pos, count)``, stacked in order. When all come from one
         stored step (a decode step's shared tensor, the usual case), that is one gather,
-        not a slice per sequence and a concat."""
-        found = [(*self._locate(*w), w[2]) for w in wanted]  # (stored, first row, count)
-        source = found[0][0].hidden
-        if len(found) > 1 and all(stored.hidden is source for stored, _, _ in found):
-            rows = np.concatenate([np.arange(lo, lo + n) for _, lo, n in found])
-            return paddle.gather(source, self.model.staging.put(rows), axis=0)
-        parts = [stored.hidden[lo : lo + n] for stored, lo, n in found]
-        return parts[0] if len(parts) == 1 else paddle.concat(parts, axis=0)
+        not a slice per sequence and a concat; rows from several steps (a deferred
+        catch-up) are gathered from the concatenation of the steps' tensors."""
+        found = [piece for w in wanted for piece in self._locate(*w)]  # (tensor, row, n)
+        sources: dict[int, tuple[paddle.Tensor, int]] = {}  # id -> (tensor, offset)
+        offset = 0
+        for tensor, _, _ in found:
+            if id(tensor) not in sources:
+                sources[id(tensor)] = (tensor, offset)
+                offset += int(tensor.shape[0])
+        if len(found) == 1:
+            tensor, lo, n = found[0]
+            return tensor[lo : lo + n]
+        if any(int(t.shape[0]) > SHARE_ROWS for t, _ in sources.values()) and len(sources) > 1:
+            parts = [t[lo : lo + n] for t, lo, n in found]
+            return paddle.concat(parts, axis=0)
+        rows = np.concatenate([np.arange(lo, lo + n) + sources[id(t)][1] for t, lo, n in found])
+        tensors = [t for t, _ in sources.values()]
+        source = tensors[0] if len(tensors) == 1 else paddle.concat(tensors, axis=0)
+        return paddle.gather(source, self.model.staging.put(rows), axis=0)
 
-    def _locate(self, seq_id: int, start_pos: int, count: int) -> tuple[_StoredHidden, int]:
-        """The stored step holding these rows, and the row of ``start_pos`` in it."""
-        stored = self._rows[seq_id]
-        lo = start_pos - stored.start_pos
-        if lo < 0 or lo + count > stored.count:
+    def _locate(
+        self, seq_id: int, start_pos: int, count: int
+    ) -> list[tuple[paddle.Tensor, int, int]]:
+        """The stored pieces holding these positions: (tensor, its row of the first
+        position, positions), in order."""
+        stored = self._rows.get(seq_id, [])
+        pieces: list[tuple[paddle.Tensor, int, int]] = []
+        pos, end = start_pos, start_pos + count
+        for i, r in enumerate(stored):
+            upto = stored[i + 1].start_pos if i + 1 < len(stored) else r.start_pos + r.count
+            upto = min(upto, r.start_pos + r.count)
+            if pos >= end or pos < r.start_pos or pos >= upto:
+                continue
+            n = min(end, upto) - pos
+            pieces.append((r.hidden, r.first + pos - r.start_pos, n))
+            pos += n
+        if pos < end:
+            held = [(r.start_pos, r.count) for r in stored]
             raise RuntimeError(
-                f"seq {seq_id}: rows {start_pos}+{count} outside stored hidden rows "
-                f"{stored.start_pos}+{stored.count}"
+                f"seq {seq_id}: rows {start_pos}+{count} outside stored hidden rows {held}"
             )
-        return stored, stored.first + lo
+        return pieces
 
     def release(self, seq_ids: Iterable[int]) -> None:
         for seq_id in seq_ids:
@@ -171,10 +245,19 @@ class MTPProposer:
     def holds(self, seq_id: int) -> bool:
         return self.hidden.holds(seq_id) or self.catch_up.holds(seq_id)
 
+    def max_lag(self, num_seqs: int) -> int:
+        """The most positions a sequence's catch-up may lag when ``num_seqs`` sequences
+        speculate: their held hidden rows stay within :data:`LAG_BYTES`."""
+        row = self.model.config.hidden_size * np.dtype(self.model.dtype).itemsize
+        return int(min(MAX_LAG, max(MIN_LAG, LAG_BYTES // (row * max(1, num_seqs)))))
+
     def keep_hidden(self, plan: StepPlan, hidden: paddle.Tensor, row_starts: np.ndarray) -> None:
         for i, w in enumerate(plan.seqs):
             if w.speculative:
                 first = int(row_starts[i])
+                caught_up = self.catch_up.position(w.seq_id)
+                if caught_up is not None:
+                    self.hidden.drop_before(w.seq_id, caught_up)
                 self.hidden.store(
                     w.seq_id, w.start_pos, hidden, first, int(row_starts[i + 1]) - first
                 )
@@ -183,13 +266,16 @@ class MTPProposer:
         """Catch every speculative sequence up, then run the substeps for those with
         draft slots. Writes real MTP cache entries for the catch-up positions."""
         work: list[tuple[SeqWork, int, list[int]]] = []  # (work, first position, tokens)
-        for w in plan.seqs:
-            if w.speculative:
-                first, tokens = self.catch_up.advance(
-                    w.seq_id, w.start_pos, history.tokens(w.seq_id), len(w.cached_ids)
-                )
-                if tokens:
-                    work.append((w, first, tokens))
+        speculative = [w for w in plan.seqs if w.speculative]
+        max_lag = self.max_lag(len(speculative))
+        for w in speculative:
+            if self.catch_up.may_defer(w, max_lag):
+                continue
+            first, tokens = self.catch_up.advance(
+                w.seq_id, w.start_pos, history.tokens(w.seq_id), len(w.cached_ids)
+            )
+            if tokens:
+                work.append((w, first, tokens))
         if not work:
             return Proposal({})
         extra = extra_rows((len(tokens) for _, _, tokens in work), self.k_max)
