@@ -50,7 +50,8 @@ Invariants of the search:
   one started from kept times only extends them to the best's neighbours.
 * Afterwards one step in ``probe_every`` starts a two-step probe of the best k's
   neighbour timed longer ago; a neighbour more than 3 standard errors behind
-  (:meth:`_BucketTimes.settled`) is probed half as often. Only neighbours are ever
+  (:meth:`_BucketTimes.settled`) is probed ever less often, each probe that confirms it
+  doubling the gap to the next (up to ``MAX_PROBE_GAP`` chances). Only neighbours are ever
   tried: above k = 0 the rate is unimodal in k, so a better k is reachable one step at
   a time.
 
@@ -77,6 +78,10 @@ def batch_bucket(num_seqs: int) -> int:
     """Power-of-two bucket of a batch size (1, 2, 4, ...)."""
     return 1 << max(0, num_seqs - 1).bit_length()
 
+
+#: The most probe chances (one every ``probe_every`` steps) between two probes of a
+#: neighbour that stays clearly behind the best k.
+MAX_PROBE_GAP = 8
 
 # A step's time grows about linearly with its sequences, from a fixed part worth about
 # this many sequences' rows (docs/performance.md).
@@ -353,6 +358,8 @@ class SpecPolicy:
         self._extra: dict[int, _ExtraRowCost] = {}  # per batch bucket
         self._num_choices = 0
         self._probing: tuple[int, int] | None = None  # (bucket, k) of a probe's second step
+        self._probe_gap: dict[int, int] = {}  # per bucket: probe chances between probes
+        self._probe_skips: dict[int, int] = {}  # per bucket: chances left to skip
 
     # ---- feedback ---------------------------------------------------------------------
 
@@ -609,8 +616,19 @@ class SpecPolicy:
                 and probe in rates
                 and timed.settled(min(best, probe), abs(math.log(rates[best] / rates[probe])))
             )
-            if settled and (self._num_choices // self.probe_every) % 2 == 1:
-                return best  # a neighbour clearly behind is probed half as often
+            # A neighbour clearly behind is probed ever less often: each probe that
+            # finds it still behind doubles the gap to the next (up to MAX_PROBE_GAP
+            # chances); one that finds it close brings the gap back to every chance.
+            # A probe from k = 0 costs more than its two steps: it catches the MTP
+            # layer up on every row since the last step that drafted.
+            skip = self._probe_skips.get(bucket, 0)
+            if settled and skip > 0:
+                self._probe_skips[bucket] = skip - 1
+                return best
+            gap = self._probe_gap.get(bucket, 1)
+            gap = min(2 * gap, MAX_PROBE_GAP) if settled else 1
+            self._probe_gap[bucket] = gap
+            self._probe_skips[bucket] = gap - 1
             self._probing = (bucket, probe)
             return probe
         return best
