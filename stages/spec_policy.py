@@ -48,10 +48,10 @@ Invariants of the search:
   speculation does not pay loses little to finding that out. Each k runs twice, its
   first step untimed. A bucket not timed yet borrows a neighbouring bucket's times, and
   one started from kept times only extends them to the best's neighbours.
-* Afterwards one step in ``probe_every`` starts a two-step probe of the best k's
-  neighbour timed longer ago; a neighbour more than 3 standard errors behind
-  (:meth:`_BucketTimes.settled`) is probed ever less often, each probe that confirms it
-  doubling the gap to the next (up to ``MAX_PROBE_GAP`` chances). Only neighbours are ever
+* Afterwards one step in ``probe_every`` (``early_probe_every`` while a pair of the best
+  with a neighbour holds fewer than ``early_samples`` samples) starts a two-step probe
+  of the best k's neighbour timed longer ago; a neighbour more than 3 standard errors behind
+  (:meth:`_BucketTimes.settled`) is probed half as often. Only neighbours are ever
   tried: above k = 0 the rate is unimodal in k, so a better k is reachable one step at
   a time.
 
@@ -78,10 +78,6 @@ def batch_bucket(num_seqs: int) -> int:
     """Power-of-two bucket of a batch size (1, 2, 4, ...)."""
     return 1 << max(0, num_seqs - 1).bit_length()
 
-
-#: The most probe chances (one every ``probe_every`` steps) between two probes of a
-#: neighbour that stays clearly behind the best k.
-MAX_PROBE_GAP = 8
 
 # A step's time grows about linearly with its sequences, from a fixed part worth about
 # this many sequences' rows (docs/performance.md).
@@ -165,6 +161,11 @@ class _BucketTimes:
         self._recent.setdefault(k, deque(maxlen=self.window)).append((n, seconds))
         self._last_timed[k] = n
         self._last_k = k
+
+    def samples(self, low: int) -> int:
+        """Samples of the pair of ``low`` and ``low + 1`` (kept ones included)."""
+        pair = self._pairs.get(low)
+        return 0 if pair is None else len(pair)
 
     def settled(self, low: int, gap: float, min_samples: int = 8, z: float = 3.0) -> bool:
         """Whether a rate ``gap`` (log) between ``low`` and ``low + 1`` is more than ``z``
@@ -303,6 +304,8 @@ class SpecPolicy:
         *,
         adaptive: bool = True,
         probe_every: int = 24,
+        early_probe_every: int = 8,
+        early_samples: int = 4,
         window: int = 8,
         warmup_steps: int = 6,
         acceptance_decay: float = 0.999,
@@ -318,6 +321,10 @@ class SpecPolicy:
         self.k_max = k_max
         self.adaptive = adaptive
         self.probe_every = probe_every
+        if early_probe_every < 1:
+            raise ValueError(f"early_probe_every must be >= 1, got {early_probe_every}")
+        self.early_probe_every = early_probe_every
+        self.early_samples = early_samples
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.window = window
@@ -358,8 +365,6 @@ class SpecPolicy:
         self._extra: dict[int, _ExtraRowCost] = {}  # per batch bucket
         self._num_choices = 0
         self._probing: tuple[int, int] | None = None  # (bucket, k) of a probe's second step
-        self._probe_gap: dict[int, int] = {}  # per bucket: probe chances between probes
-        self._probe_skips: dict[int, int] = {}  # per bucket: chances left to skip
 
     # ---- feedback ---------------------------------------------------------------------
 
@@ -600,7 +605,15 @@ class SpecPolicy:
         if explore is not None:
             return explore
         best = max(rates, key=rates.__getitem__)
-        if self._num_choices % self.probe_every == 0:
+        near = [k for k in (best - 1, best + 1) if 0 <= k <= self.k_max]
+        # Until the best's pairs with its neighbours hold a few samples each, a choice
+        # rests on one or two steps' timings, and a spike in either picks the wrong k
+        # for a whole short run: probes come every ``early_probe_every`` steps then.
+        young = timed is not None and any(
+            timed.samples(min(best, k)) < self.early_samples for k in near
+        )
+        every = self.early_probe_every if young else self.probe_every
+        if self._num_choices % every == 0:
             # Re-measure the neighbour of the best timed longest ago (ties: the larger,
             # which also measures the next position's acceptance), so one unlucky early
             # timing (or a borrowed one) cannot keep a good k out of use for good, and
@@ -609,26 +622,14 @@ class SpecPolicy:
             def last(k: int) -> int:
                 return timed.last(k) if timed is not None else 0
 
-            near = [k for k in (best - 1, best + 1) if 0 <= k <= self.k_max]
             probe = min(near, key=lambda k: (last(k), -k))
             settled = (
                 timed is not None
                 and probe in rates
                 and timed.settled(min(best, probe), abs(math.log(rates[best] / rates[probe])))
             )
-            # A neighbour clearly behind is probed ever less often: each probe that
-            # finds it still behind doubles the gap to the next (up to MAX_PROBE_GAP
-            # chances); one that finds it close brings the gap back to every chance.
-            # A probe from k = 0 costs more than its two steps: it catches the MTP
-            # layer up on every row since the last step that drafted.
-            skip = self._probe_skips.get(bucket, 0)
-            if settled and skip > 0:
-                self._probe_skips[bucket] = skip - 1
-                return best
-            gap = self._probe_gap.get(bucket, 1)
-            gap = min(2 * gap, MAX_PROBE_GAP) if settled else 1
-            self._probe_gap[bucket] = gap
-            self._probe_skips[bucket] = gap - 1
+            if settled and (self._num_choices // every) % 2 == 1:
+                return best  # a neighbour clearly behind is probed half as often
             self._probing = (bucket, probe)
             return probe
         return best

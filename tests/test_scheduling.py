@@ -387,8 +387,9 @@ def test_adaptive_policy_sets_the_drafts_of_every_decoding_sequence() -> None:
     assert first == [1, 1, 2, 2, 0, 0]  # the cheap k first, twice each; k = 3 is not tried
     late = seen[8:]
     assert all(row[0] == row[1] for row in late)
-    # One step in 16 re-measures a neighbour of the best; every other step drafts one.
-    assert sum(row[0] != 1 for row in late) <= 2 and late.count([1, 1]) >= len(late) - 2
+    # Probes re-measure a neighbour of the best (two steps in every 8 while its pairs
+    # are young); every other step drafts one.
+    assert sum(row[0] != 1 for row in late) <= 8 and late.count([1, 1]) >= len(late) - 8
 
 
 def test_a_result_already_folded_in_is_not_published_after_an_abort() -> None:

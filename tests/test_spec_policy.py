@@ -276,7 +276,7 @@ def test_the_first_steps_of_a_batch_size_are_not_timed() -> None:
     """The first decode steps at a batch size run slower whatever k is (measured at batch
     1: up to 30% for four to nine steps). Timed then, k_max looked dear and a short run
     settled too low; they are left out, and exploration starts after them."""
-    policy = SpecPolicy(2, warmup_steps=6, probe_every=1000)
+    policy = SpecPolicy(2, warmup_steps=6, probe_every=1000, early_probe_every=1000)
     true_time = {0: 0.6, 1: 0.7, 2: 0.8}
     picks = []
     for step in range(20):
@@ -298,7 +298,7 @@ def test_steps_of_a_draining_batch_are_compared_at_the_buckets_full_size() -> No
     draining batch of 40. Per sequence k = 3 is dearer than its extra draft is worth, so
     k = 2 must win, though k = 3's raw step time is the smaller."""
     per_seq = {2: 0.80e-3, 3: 1.10e-3}  # seconds per sequence; fixed part of 8 sequences
-    policy = SpecPolicy(3, warmup_steps=0, probe_every=1000)
+    policy = SpecPolicy(3, warmup_steps=0, probe_every=1000, early_probe_every=1000)
     for _ in range(200):
         policy.observe_acceptance(3, 3)  # a quarter rejected at once: E[tokens] 2.5 at
         policy.observe_acceptance(3, 3)  # k = 2, 3.25 at k = 3 (30% more for 37.5% more time)
@@ -334,9 +334,11 @@ def test_a_position_not_drafted_for_a_while_leans_on_the_one_before_again() -> N
         replay_policy(trace, times, policy)
         return chosen
 
-    stuck = ks(SpecPolicy(3, stale_decay=1.0))
+    # Early probes (every 8 steps while a pair is young) would mask the failure: they
+    # re-measure position 2 too. Probes every 24 steps isolate the forgetting.
+    stuck = ks(SpecPolicy(3, stale_decay=1.0, early_probe_every=24))
     assert stuck[next_request].count(1) >= 30  # the failure this guards against
-    back = ks(SpecPolicy(3))
+    back = ks(SpecPolicy(3, early_probe_every=24))
     assert back[next_request].count(3) >= 30
     assert replay_policy(trace, times, SpecPolicy(3)) >= replay_fixed(trace, times, 3)
 
@@ -514,7 +516,7 @@ def test_a_policy_started_from_kept_timings_does_not_explore_again() -> None:
     # and it goes on learning: the machine changed (drafts now nearly free), so its own
     # samples push the kept ones out and it moves to more drafts
     cheap = {**CPU_LIKE, "per_row": 0.002e-3, "draft_per_row": 0.0}
-    late = _simulate(warm, b, ACCEPT, cheap, steps=600)
+    late = _simulate(warm, b, ACCEPT, cheap, steps=900)
     new_best = max(range(4), key=lambda k: _true_rate(k, b, ACCEPT, cheap))
     assert new_best > best and late.most_common(1)[0][0] == new_best, late
 
@@ -562,18 +564,17 @@ def test_kept_timings_wait_for_the_first_acceptance() -> None:
         SpecPolicy(4, acceptance_warmup=-1)
 
 
-def test_a_neighbour_clearly_behind_is_probed_ever_less_often() -> None:
+def test_a_neighbour_clearly_behind_is_probed_half_as_often() -> None:
     """Probes keep both neighbours of the best k measured (two steps in every 24); once
-    a neighbour's rate is more than 3 standard errors of its pair behind, each probe
-    that confirms it doubles the gap to the next, up to 8 chances (a probe in 192
-    steps). A close neighbour is still probed every time."""
+    a neighbour's rate is more than 3 standard errors of its pair behind, every other
+    probe of it is skipped. A close neighbour is still probed every time."""
     b, accept = 64, ACCEPT
     rates = {k: _true_rate(k, b, accept, CPU_LIKE) for k in range(4)}
     assert max(rates, key=rates.__getitem__) == 0 and rates[1] < 0.9 * rates[0]
     policy = SpecPolicy(3)
     _simulate(policy, b, accept, CPU_LIKE, steps=400)
     late = _simulate(policy, b, accept, CPU_LIKE, steps=480, seed=1)
-    assert late[0] >= 470 and late[1] <= 2 * (480 // (24 * 8) + 1), late
+    assert late[0] >= 450 and late[1] <= 480 // 24 + 2, late  # was 2 steps in every 24
     b = 2  # k = 1 and 3 within a few % of the best, k = 2
     rates = {k: _true_rate(k, b, accept, CPU_LIKE) for k in range(4)}
     assert max(rates, key=rates.__getitem__) == 2 and sorted(rates.values())[-2] > 0.97 * rates[2]
@@ -642,7 +643,7 @@ def test_the_drain_of_a_closed_run_tips_a_large_batch_to_no_speculation() -> Non
     rng = np.random.default_rng(0)
     picks = {}
     for closing in (None, _closing_batch()):
-        policy = SpecPolicy(3, probe_every=1000)
+        policy = SpecPolicy(3, probe_every=1000, early_probe_every=1000)
         chosen: collections.Counter[int] = collections.Counter()
         for step in range(60):
             k = policy.choose(16, closing)
