@@ -49,6 +49,7 @@ __all__ = [
     "NATIVE_ENV",
     "add_rms_norm",
     "attention_block",
+    "block_matmul",
     "cpu_path",
     "kernels_identity",
     "mlp_block",
@@ -65,7 +66,7 @@ NATIVE_ENV = "SPECTRIO_NATIVE_OPS"
 LAYERS_ENV = "SPECTRIO_NATIVE_LAYERS"
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (_CSRC / "spectrio_ops.cc", _CSRC / "spectrio_layer.cc")
-HEADERS = (_CSRC / "checks.h", _CSRC / "panel_kernels.h")
+HEADERS = (_CSRC / "checks.h", _CSRC / "panel_kernels.h", _CSRC / "block_kernels.h")
 _NAME = "spectrio_ops"
 _CFLAGS = ["-O3", "-fopenmp"]  # and the chosen path's (cpu_paths.py)
 # Linked against the OpenMP runtime Paddle ships and loads (Intel's, which serves the GNU
@@ -201,6 +202,14 @@ def panel_matmul(x: paddle.Tensor, panels: paddle.Tensor, n: int) -> paddle.Tens
         return None
     threads = configured_threads() or 1
     return _C_OPS._run_custom_op("spectrio_panel_matmul", x, panels, n, threads)[0]
+
+
+def block_matmul(x: paddle.Tensor, w: paddle.Tensor, ggml_type: int, n: int) -> paddle.Tensor:
+    """``x @ W.T`` for float32 ``x`` ``[M, K]`` and ``W``, ``n`` rows of GGUF blocks of
+    ``ggml_type`` held as a uint8 tensor (``models/csrc/block_kernels.h``: the
+    activations are quantized per 32 to int8 first). Only where the kernels run."""
+    threads = configured_threads() or 1
+    return _C_OPS._run_custom_op("spectrio_block_matmul", x, w, int(ggml_type), int(n), threads)[0]
 
 
 def pack_panels(w: paddle.Tensor, rows: bool = False) -> paddle.Tensor:

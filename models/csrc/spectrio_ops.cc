@@ -14,6 +14,8 @@
 //   head is packed the same way. Panels may also be float16 (the MTP layer's and the
 //   draft head's, whose products only pick drafts): each weight is widened to float32 in
 //   registers, so the product reads half the bytes and sums in float32 as before.
+// * spectrio_block_matmul: out = x @ W.T for a weight kept in one of GGUF's quantized
+//   block types (block_kernels.h), read where it lies (a memory-mapped file).
 // * spectrio_read_sum: the sum of a float32 tensor, each byte read once with wide loads by
 //   `num_threads` threads. It is the read-bandwidth probe of models/memory_floor.py: a
 //   forward at few rows is bound by the bytes it reads, and the bandwidth this measures,
@@ -35,6 +37,7 @@
 #include "paddle/extension.h"
 #include "checks.h"
 #include "panel_kernels.h"
+#include "block_kernels.h"
 
 using spectrio::check_f32_cpu;
 
@@ -250,3 +253,46 @@ PD_BUILD_OP(spectrio_read_sum)
     .SetKernelFn(PD_KERNEL(ReadSum))
     .SetInferShapeFn(PD_INFER_SHAPE(ReadSumShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(ReadSumDtype));
+
+std::vector<paddle::Tensor> BlockMatmul(const paddle::Tensor& x, const paddle::Tensor& w, int type,
+                                        int64_t n, int num_threads) {
+  check_f32_cpu(x, "block_matmul x");
+  PD_CHECK(w.is_cpu() && w.dtype() == paddle::DataType::UINT8,
+           "block_matmul w: a CPU uint8 tensor of blocks is expected");
+  const int64_t bb = spectrio::block_bytes(type);
+  PD_CHECK(bb > 0, "block_matmul: no kernel for ggml type ", type);
+  PD_CHECK(x.shape().size() == 2, "block_matmul: x is 2-D");
+  const int64_t rows = x.shape()[0], k_dim = x.shape()[1];
+  PD_CHECK(k_dim % spectrio::kGroup == 0, "block_matmul: K must be a multiple of 32, got ", k_dim);
+  const int64_t row_bytes = k_dim / spectrio::kGroup * bb;
+  PD_CHECK(n >= 0 && w.numel() == n * row_bytes, "block_matmul: w holds ", w.numel(),
+           " bytes, not ", n, " rows of ", row_bytes);
+  auto out = paddle::empty({rows, n}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const int64_t groups = k_dim / spectrio::kGroup;
+  std::vector<float> dx(static_cast<size_t>(rows * groups));
+  std::vector<int32_t> sums(static_cast<size_t>(rows * groups * 2));
+  std::vector<int8_t> q(static_cast<size_t>(rows * k_dim));
+  spectrio::quantize_rows(x.data<float>(), rows, k_dim, dx.data(), sums.data(), q.data());
+  const uint8_t* wp = w.data<uint8_t>();
+  float* op = out.data<float>();
+#pragma omp parallel num_threads(std::max(1, num_threads))
+  spectrio::block_matmul_team(type, wp, n, k_dim, dx.data(), sums.data(), q.data(), rows, op);
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> BlockMatmulShape(const std::vector<int64_t>& x,
+                                                   const std::vector<int64_t>&, int, int64_t n) {
+  return {{x[0], n}};
+}
+
+std::vector<paddle::DataType> BlockMatmulDtype(const paddle::DataType& x, const paddle::DataType&) {
+  return {x};
+}
+
+PD_BUILD_OP(spectrio_block_matmul)
+    .Inputs({"X", "W"})
+    .Outputs({"Out"})
+    .Attrs({"type: int", "n: int64_t", "num_threads: int"})
+    .SetKernelFn(PD_KERNEL(BlockMatmul))
+    .SetInferShapeFn(PD_INFER_SHAPE(BlockMatmulShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(BlockMatmulDtype));

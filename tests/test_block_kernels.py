@@ -1,0 +1,163 @@
+"""Products with GGUF's quantized blocks (``models/csrc/block_kernels.h``): every type
+the kernels run, against NumPy references of the layouts and of the int8 product, bit
+for bit across row counts, threads and CPU paths."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from spectrio.errors import CheckpointError
+from spectrio.models import gguf_blocks as gb
+from spectrio.models import native_ops
+from spectrio.models.cpu_paths import CPU_PATH_ENV, available_paths
+from spectrio.models.fast_ops import cpuinfo_line
+from spectrio.models.paddle_setup import configure_paddle, configured_threads, paddle
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+NATIVE = [t.name for t in gb.BLOCK_TYPES.values() if t.native]
+needs_kernels = pytest.mark.skipif(
+    not native_ops.native_ops_available(), reason="spectrio's native kernels do not build here"
+)
+
+
+def _blocks(name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """``n`` rows of ``k`` Gaussian weights (a few outliers) quantized by ``gguf``:
+    uint8 ``[n, k / 32, bytes]``."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    w[rng.random((n, k)) < 0.01] *= 8.0
+    raw = quantize(w, getattr(gguf.GGMLQuantizationType, name))
+    return raw.reshape(n, k // 32, gb.BLOCK_TYPES[name].bytes)
+
+
+def _matmul(x: np.ndarray, blocks: np.ndarray, name: str) -> np.ndarray:
+    t = gb.BLOCK_TYPES[name]
+    with paddle.no_grad():
+        out = native_ops.block_matmul(
+            paddle.to_tensor(x), paddle.to_tensor(blocks.reshape(-1)), t.ggml_id, blocks.shape[0]
+        )
+    return out.numpy()
+
+
+@pytest.mark.parametrize("name", NATIVE)
+def test_the_group_decoder_reads_each_layout_as_gguf_does(name: str) -> None:
+    blocks = _blocks(name, 7, 256)
+    want = dequantize(blocks.reshape(7, -1), getattr(gguf.GGMLQuantizationType, name))
+    np.testing.assert_array_equal(gb.dequantize(blocks, name), want)
+
+
+def test_activations_are_quantized_per_32_with_their_half_sums() -> None:
+    x = np.linspace(-3.0, 5.0, 64, dtype=np.float32).reshape(1, 64)
+    x[0, 32:] = 0.0  # an all-zero group: scale 0, every q 0
+    q, dx, sums = gb.quantize_activations(x)
+    assert dx[0, 0] == np.float32(np.abs(x[0, :32]).max()) / np.float32(127)
+    assert np.abs(q[0, :32]).max() == 127 and not q[0, 32:].any() and dx[0, 1] == 0
+    np.testing.assert_array_equal(sums[0, 0], [q[0, :16].sum(), q[0, 16:32].sum()])
+    err = np.abs(q[0, :32] * dx[0, 0] - x[0, :32]).max()
+    assert err <= dx[0, 0] / 2 + 1e-7
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", NATIVE)
+@pytest.mark.parametrize("rows", [1, 3, 5, 16])
+def test_the_kernel_computes_the_int8_product_of_the_reference(name: str, rows: int) -> None:
+    """K = 576 (18 groups, SmolLM2's width), 37 outputs (no multiple of anything)."""
+    blocks = _blocks(name, 37, 576, seed=rows)
+    x = np.random.default_rng(rows).standard_normal((rows, 576)).astype(np.float32)
+    got = _matmul(x, blocks, name)
+    want = gb.reference_matmul(x, blocks, name)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    # and close to the float product of the dequantized weights: the int8 activations
+    # cost well under 1% of a product's scale
+    exact = x.astype(np.float64) @ gb.dequantize(blocks, name).T.astype(np.float64)
+    assert np.abs(got - exact).max() <= 0.01 * np.abs(exact).max()
+
+
+@needs_kernels
+def test_a_rows_product_does_not_depend_on_its_batch_or_the_threads() -> None:
+    blocks = _blocks("Q4_1", 53, 1536)
+    x = np.random.default_rng(5).standard_normal((17, 1536)).astype(np.float32)
+    together = _matmul(x, blocks, "Q4_1")
+    for i in (0, 6, 16):
+        np.testing.assert_array_equal(_matmul(x[i : i + 1], blocks, "Q4_1")[0], together[i])
+    before = configured_threads()
+    try:
+        configure_paddle(1)
+        np.testing.assert_array_equal(_matmul(x, blocks, "Q4_1"), together)
+    finally:
+        configure_paddle(before or 1)
+
+
+@needs_kernels
+def test_bad_shapes_are_refused_by_the_op() -> None:
+    blocks = _blocks("Q8_0", 4, 64)
+    x = paddle.to_tensor(np.ones((1, 64), np.float32))
+    w = paddle.to_tensor(blocks.reshape(-1))
+    with paddle.no_grad():
+        with pytest.raises(OSError, match="not 5 rows"):  # what Paddle makes of a PD_CHECK
+            native_ops.block_matmul(x, w, 8, 5)
+        with pytest.raises(OSError, match="no kernel for ggml type 12"):
+            native_ops.block_matmul(x, w, 12, 4)
+        with pytest.raises(OSError, match="multiple of 32"):
+            native_ops.block_matmul(paddle.to_tensor(np.ones((1, 40), np.float32)), w, 8, 4)
+
+
+def test_a_tensor_whose_bytes_do_not_fit_its_type_and_shape_is_named() -> None:
+    gb.check_tensor_bytes("blk.0.ffn_up.weight", 8, (576, 1536), 1536 * 18 * 34)
+    with pytest.raises(CheckpointError, match=r"'blk.0.ffn_up.weight': 100 bytes, but Q8_0"):
+        gb.check_tensor_bytes("blk.0.ffn_up.weight", 8, (576, 1536), 100)
+    with pytest.raises(CheckpointError, match="not whole Q4_K blocks of 256"):
+        gb.check_tensor_bytes("t", 12, (576, 2), 0)
+    with pytest.raises(CheckpointError, match="unknown ggml type 99"):
+        gb.check_tensor_bytes("t", 99, (32,), 0)
+
+
+_ON_PATH = """
+import json, sys
+import numpy as np
+from spectrio.models import native_ops, gguf_blocks as gb
+from spectrio.models.paddle_setup import paddle
+assert native_ops.native_ops_available()
+data = np.load(sys.argv[1])
+out = {}
+with paddle.no_grad():
+    for name in NAMES:
+        t = gb.BLOCK_TYPES[name]
+        w = paddle.to_tensor(np.ascontiguousarray(data[name]).reshape(-1))
+        y = native_ops.block_matmul(paddle.to_tensor(data["x"]), w, t.ggml_id, data[name].shape[0])
+        out[name] = y.numpy().view(np.uint32).tolist()
+print(json.dumps({"path": native_ops.cpu_path(), "out": out}))
+""".replace("NAMES", repr(NATIVE))
+
+
+@needs_kernels
+def test_the_generic_and_avx2_paths_give_the_same_bits(tmp_path) -> None:  # noqa: ANN001
+    flags = frozenset(cpuinfo_line("flags").partition(":")[2].split())
+    paths = [p for p in ("generic", "avx2") if p in available_paths(flags)]
+    if len(paths) < 2:
+        pytest.skip("this CPU runs only the generic path")
+    x = np.random.default_rng(9).standard_normal((3, 288)).astype(np.float32)
+    arrays = {name: _blocks(name, 11, 288) for name in NATIVE}
+    np.savez(tmp_path / "in.npz", x=x, **arrays)
+    seen = {}
+    for path in paths:
+        proc = subprocess.run(
+            [sys.executable, "-c", _ON_PATH, str(tmp_path / "in.npz")],
+            env={**os.environ, CPU_PATH_ENV: path},
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert got["path"] == path
+        seen[path] = got["out"]
+    assert seen["generic"] == seen["avx2"]
