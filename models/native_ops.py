@@ -253,16 +253,19 @@ def attention_block(
     rows: tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor],
     shape: tuple[int, int, int, int],
     eps: float,
+    norm_weight: paddle.Tensor | None = None,
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """A layer's attention half in one op (``csrc/spectrio_layer.cc`` says what it
     computes and its invariants): ``(partial o projection, x + delta + delta_bias)``.
-    ``qkv``/``o``: panels; ``rope``: cos/sin tables ``[P, D/2]``; ``pools``: the layer's K
+    ``qkv``/``o``: panels, or uint8 blocks of a GGUF type (then ``norm_weight``, the
+    RMSNorm's weight, which panels have folded in, must be given); ``rope``: cos/sin tables ``[P, D/2]``; ``pools``: the layer's K
     and V pools, written in place; ``rows``: positions, sequence of each row and the
     padded block tables; ``shape``: heads, KV heads, head dim, block size. Only where the
     kernels run, without autograd (the caller checks)."""
     out, summed = _C_OPS._run_custom_op(
         "spectrio_attention_block",
-        x, _given(delta), _given(delta_bias), qkv, _given(qkv_bias), _given(qk_norm),
+        x, _given(delta), _given(delta_bias), _given(norm_weight), qkv, _given(qkv_bias),
+        _given(qk_norm),
         rope[0], rope[1], pools[0], pools[1], o, rows[0], rows[1], rows[2],
         *shape, float(eps), configured_threads() or 1,
     )  # fmt: skip
@@ -278,12 +281,13 @@ def mlp_block(
     down: paddle.Tensor,
     intermediate: int,
     eps: float,
+    norm_weight: paddle.Tensor | None = None,
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """A layer's MLP half in one op: ``(partial down projection, x + delta +
     delta_bias)``, as :func:`attention_block`."""
     out, summed = _C_OPS._run_custom_op(
         "spectrio_mlp_block",
-        x, _given(delta), _given(delta_bias), gate_up, _given(gate_up_bias), down,
-        int(intermediate), float(eps), configured_threads() or 1,
+        x, _given(delta), _given(delta_bias), _given(norm_weight), gate_up,
+        _given(gate_up_bias), down, int(intermediate), float(eps), configured_threads() or 1,
     )  # fmt: skip
     return out, summed

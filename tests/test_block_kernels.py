@@ -161,3 +161,40 @@ def test_the_generic_and_avx2_paths_give_the_same_bits(tmp_path) -> None:  # noq
         assert got["path"] == path
         seen[path] = got["out"]
     assert seen["generic"] == seen["avx2"]
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1"])
+def test_the_mlp_op_runs_block_weights_with_the_norm_weight_it_is_given(name: str) -> None:
+    """The layer op's MLP half with GGUF blocks for gate|up and down: the RMSNorm weight
+    is applied in the op (it cannot be folded into quantized values), then the same int8
+    products as the reference. Against NumPy: the norm, the reference products, SwiGLU."""
+    rng = np.random.default_rng(3)
+    n, d, f = 5, 96, 160
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    delta = rng.standard_normal((n, d)).astype(np.float32)
+    norm_w = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    gate_up, down = _blocks(name, 2 * f, d, seed=1), _blocks(name, d, f, seed=2)
+    with paddle.no_grad():
+        out, summed = native_ops.mlp_block(
+            paddle.to_tensor(x), paddle.to_tensor(delta), None,
+            paddle.to_tensor(gate_up.reshape(2 * f, -1)), None,
+            paddle.to_tensor(down.reshape(d, -1)), f, 1e-5, norm_weight=paddle.to_tensor(norm_w),
+        )  # fmt: skip
+    s = x + delta
+    np.testing.assert_array_equal(summed.numpy(), s)
+    normed = s / np.sqrt((s.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-5) * norm_w
+    gu = gb.reference_matmul(normed.astype(np.float32), gate_up, name)
+    act = _silu(gu[:, :f]) * gu[:, f:]
+    want = gb.reference_matmul(act.astype(np.float32), down, name)
+    # the op rounds in float32 where NumPy used float64: a q may land one step off
+    np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=5e-3 * np.abs(want).max())
+    with paddle.no_grad(), pytest.raises(OSError, match="need the norm weight"):
+        native_ops.mlp_block(
+            paddle.to_tensor(x), None, None, paddle.to_tensor(gate_up.reshape(2 * f, -1)), None,
+            paddle.to_tensor(down.reshape(d, -1)), f, 1e-5,
+        )  # fmt: skip

@@ -54,29 +54,48 @@ inline float f16_at(const uint8_t* p) {
 #endif
 }
 
-// The activations of `rows` rows of K (a multiple of 32), quantized per group: dx[m * G + g],
-// sums[m * 2G + h] (the sum of each 16 q's), q[m * K + k].
+// One row of K activations (a multiple of 32) quantized per group: dx[g], sums[2g + h]
+// (the sum of each 16 q's), q[k].
+inline void quantize_row(const float* x, int64_t k_dim, float* dx, int32_t* sums, int8_t* q) {
+  for (int64_t g = 0; g < k_dim / kGroup; ++g) {
+    const float* xs = x + g * kGroup;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(xs[i]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    dx[g] = amax / 127.0f;
+    int8_t* qs = q + g * kGroup;
+    int32_t lo = 0, hi = 0;
+    for (int64_t i = 0; i < kGroup; ++i) {
+      qs[i] = static_cast<int8_t>(std::nearbyint(xs[i] * inv));
+      (i < 16 ? lo : hi) += qs[i];
+    }
+    sums[2 * g] = lo;
+    sums[2 * g + 1] = hi;
+  }
+}
+
+// `rows` rows quantized: dx[m * G + g], sums[m * 2G + 2g + h], q[m * K + k]. The `_team`
+// form shares the rows among the calling team (an orphaned `omp for`).
 inline void quantize_rows(const float* x, int64_t rows, int64_t k_dim, float* dx, int32_t* sums,
                           int8_t* q) {
   const int64_t groups = k_dim / kGroup;
-  for (int64_t m = 0; m < rows; ++m) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* xs = x + m * k_dim + g * kGroup;
-      float amax = 0.0f;
-      for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(xs[i]));
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      dx[m * groups + g] = amax / 127.0f;
-      int8_t* qs = q + m * k_dim + g * kGroup;
-      int32_t lo = 0, hi = 0;
-      for (int64_t i = 0; i < kGroup; ++i) {
-        const float v = xs[i] * inv;
-        qs[i] = static_cast<int8_t>(std::nearbyint(v));
-        (i < 16 ? lo : hi) += qs[i];
-      }
-      sums[(m * groups + g) * 2] = lo;
-      sums[(m * groups + g) * 2 + 1] = hi;
-    }
-  }
+  for (int64_t m = 0; m < rows; ++m)
+    quantize_row(x + m * k_dim, k_dim, dx + m * groups, sums + m * 2 * groups, q + m * k_dim);
+}
+
+inline void quantize_rows_team(const float* x, int64_t rows, int64_t k_dim, float* dx,
+                               int32_t* sums, int8_t* q) {
+  const int64_t groups = k_dim / kGroup;
+#pragma omp for schedule(static)
+  for (int64_t m = 0; m < rows; ++m)
+    quantize_row(x + m * k_dim, k_dim, dx + m * groups, sums + m * 2 * groups, q + m * k_dim);
+}
+
+// The block type whose blocks take `bytes` bytes (each type's differ), or 0.
+inline int type_of_block_bytes(int64_t bytes) {
+  for (int t : {kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0})
+    if (block_bytes(t) == bytes) return t;
+  return 0;
 }
 
 // One weight group decoded: u[32] (unsigned, or signed for Q8_0), the scale and offset of

@@ -39,36 +39,70 @@
 #include "checks.h"
 #include "paddle/extension.h"
 #include "panel_kernels.h"
+#include "block_kernels.h"
 
 namespace {
 
 using spectrio::check_f32_cpu;
 using spectrio::kPanel;
 
-// A packed weight as the ops read it: float32 or float16 panels [ceil(n / 16), k, 16].
-struct Panels {
+// A weight as the ops read it: float32 or float16 panels [ceil(n / 16), k, 16] (kind 0,
+// 1), or n rows of GGUF blocks, [n, k / 32 * block bytes] uint8 (kind: the ggml type,
+// block_kernels.h; the block size tells the types apart).
+struct Weight {
   const void* data;
-  bool half;
+  int kind;
   int64_t count, k, n;
+  bool blocks() const { return kind > 1; }
 };
+constexpr int kF32Panels = 0, kF16Panels = 1;
 
-Panels panels_of(const paddle::Tensor& t, int64_t k, int64_t n, const char* what) {
+Weight weight_of(const paddle::Tensor& t, int64_t k, int64_t n, const char* what) {
   PD_CHECK(t.is_cpu(), what, ": a CPU tensor is expected");
+  const auto& s = t.shape();
+  if (t.dtype() == paddle::DataType::UINT8) {
+    PD_CHECK(k % spectrio::kGroup == 0 && s.size() == 2 && s[0] == n, what,
+             ": blocks [N, K / 32 * block bytes] are expected for K=", k, ", N=", n);
+    const int64_t groups = k / spectrio::kGroup;
+    const int type = s[1] % groups == 0 ? spectrio::type_of_block_bytes(s[1] / groups) : 0;
+    PD_CHECK(type != 0, what, ": rows of ", s[1], " bytes are no block type's for K=", k);
+    return {t.data<uint8_t>(), type, n, k, n};
+  }
   const bool half = t.dtype() == paddle::DataType::FLOAT16;
   PD_CHECK(half || t.dtype() == paddle::DataType::FLOAT32, what,
-           ": float32 or float16 panels are expected");
-  const auto& s = t.shape();
+           ": float32 or float16 panels, or uint8 blocks, are expected");
   const int64_t count = (n + kPanel - 1) / kPanel;
   PD_CHECK(s.size() == 3 && s[0] == count && s[1] == k && s[2] == kPanel, what,
            ": panels [ceil(N / 16), K, 16] are expected for K=", k, ", N=", n);
   const void* data = half ? static_cast<const void*>(t.data<paddle::float16>())
                           : static_cast<const void*>(t.data<float>());
-  return {data, half, count, k, n};
+  return {data, half ? kF16Panels : kF32Panels, count, k, n};
 }
 
-// out [rows, w.n] = x [rows, w.k] @ w, by the calling team (panel_kernels.h).
-void product(const Panels& w, const float* x, int64_t rows, float* out) {
-  if (w.half) {
+// The quantized activations a block weight's product needs, sized before the team starts
+// for the op's largest input.
+struct Scratch {
+  std::vector<float> dx;
+  std::vector<int32_t> sums;
+  std::vector<int8_t> q;
+  Scratch(int64_t rows, std::initializer_list<Weight> weights) {
+    int64_t k = 0;
+    for (const Weight& w : weights)
+      if (w.blocks()) k = std::max(k, w.k);
+    dx.resize(static_cast<size_t>(rows * k / spectrio::kGroup));
+    sums.resize(static_cast<size_t>(rows * k / spectrio::kGroup * 2));
+    q.resize(static_cast<size_t>(rows * k));
+  }
+};
+
+// out [rows, w.n] = x [rows, w.k] @ w, by the calling team (panel_kernels.h,
+// block_kernels.h: the rows are quantized first, each by one thread).
+void product(const Weight& w, const float* x, int64_t rows, float* out, Scratch& s) {
+  if (w.blocks()) {
+    spectrio::quantize_rows_team(x, rows, w.k, s.dx.data(), s.sums.data(), s.q.data());
+    spectrio::block_matmul_team(w.kind, static_cast<const uint8_t*>(w.data), w.n, w.k,
+                                s.dx.data(), s.sums.data(), s.q.data(), rows, out);
+  } else if (w.kind == kF16Panels) {
     spectrio::panel_matmul_team(x, rows, w.k, static_cast<const uint16_t*>(w.data), w.count,
                                 out, w.n);
   } else {
@@ -92,10 +126,13 @@ const int64_t* int64_input(const paddle::Tensor& t, int64_t numel, const char* w
   return t.data<int64_t>();
 }
 
-// summed = x + (delta + bias); normed = summed / rms(summed). The same operations, in the
-// same order, as spectrio_add_rms_norm with a unit weight and the Python path's bias add.
-inline void add_normalize_row(const float* x, const float* delta, const float* bias, int64_t d,
-                              float eps, float* summed, float* normed) {
+// summed = x + (delta + bias); normed = summed / rms(summed), times `weight` where given
+// (a block weight follows: the norm weight cannot be folded into quantized values). The
+// same operations, in the same order, as spectrio_add_rms_norm and the Python path's
+// bias add.
+inline void add_normalize_row(const float* x, const float* delta, const float* bias,
+                              const float* weight, int64_t d, float eps, float* summed,
+                              float* normed) {
   float sq = 0.0f;
   for (int64_t i = 0; i < d; ++i) {
     float s = x[i];
@@ -104,15 +141,20 @@ inline void add_normalize_row(const float* x, const float* delta, const float* b
     sq += s * s;
   }
   const float scale = 1.0f / std::sqrt(sq / static_cast<float>(d) + eps);
-  for (int64_t i = 0; i < d; ++i) normed[i] = summed[i] * scale;
+  if (weight != nullptr) {
+    for (int64_t i = 0; i < d; ++i) normed[i] = summed[i] * scale * weight[i];
+  } else {
+    for (int64_t i = 0; i < d; ++i) normed[i] = summed[i] * scale;
+  }
 }
 
 // The rows' add + norm, shared by both blocks (inside the team).
-void add_normalize_rows(const float* x, const float* delta, const float* bias, int64_t rows,
-                        int64_t d, float eps, float* summed, float* normed) {
+void add_normalize_rows(const float* x, const float* delta, const float* bias,
+                        const float* weight, int64_t rows, int64_t d, float eps, float* summed,
+                        float* normed) {
 #pragma omp for schedule(static)
   for (int64_t r = 0; r < rows; ++r)
-    add_normalize_row(x + r * d, delta == nullptr ? nullptr : delta + r * d, bias, d, eps,
+    add_normalize_row(x + r * d, delta == nullptr ? nullptr : delta + r * d, bias, weight, d, eps,
                       summed + r * d, normed + r * d);
 }
 
@@ -353,7 +395,8 @@ inline void rope_head(float* x, const float* cos, const float* sin, int64_t d) {
 
 std::vector<paddle::Tensor> AttentionBlock(
     const paddle::Tensor& x, const paddle::Tensor& delta, const paddle::Tensor& delta_bias,
-    const paddle::Tensor& qkv_panels, const paddle::Tensor& qkv_bias,
+    const paddle::Tensor& norm_weight, const paddle::Tensor& qkv_panels,
+    const paddle::Tensor& qkv_bias,
     const paddle::Tensor& qk_norm, const paddle::Tensor& rope_cos, const paddle::Tensor& rope_sin,
     const paddle::Tensor& k_pool, const paddle::Tensor& v_pool, const paddle::Tensor& o_panels,
     const paddle::Tensor& positions, const paddle::Tensor& row_seq, const paddle::Tensor& tables,
@@ -367,8 +410,11 @@ std::vector<paddle::Tensor> AttentionBlock(
   const int64_t g = h / kvh, nq = h * hd, nqkv = (h + 2 * kvh) * hd;
   const float* dp = optional_f32(delta, n * d, "attention_block delta");
   const float* bp = optional_f32(delta_bias, d, "attention_block delta_bias");
-  const Panels w_qkv = panels_of(qkv_panels, d, nqkv, "attention_block qkv");
-  const Panels w_o = panels_of(o_panels, nq, d, "attention_block o");
+  const Weight w_qkv = weight_of(qkv_panels, d, nqkv, "attention_block qkv");
+  const Weight w_o = weight_of(o_panels, nq, d, "attention_block o");
+  const float* norm_w = optional_f32(norm_weight, d, "attention_block norm_weight");
+  PD_CHECK(!w_qkv.blocks() || norm_w != nullptr,
+           "attention_block: block weights need the norm weight (it is not folded into them)");
   const float* qkv_b = optional_f32(qkv_bias, nqkv, "attention_block qkv_bias");
   const float* qk_w = optional_f32(qk_norm, (h + kvh) * hd, "attention_block qk_norm");
   check_f32_cpu(rope_cos, "attention_block rope_cos");
@@ -414,6 +460,7 @@ std::vector<paddle::Tensor> AttentionBlock(
   auto out = paddle::empty({n, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   auto summed = paddle::empty({n, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   std::vector<float> normed(n * d), qkv(n * nqkv), attn(n * nq);
+  Scratch scratch(n, {w_qkv, w_o});
   const float* xp = x.data<float>();
   float* sp = summed.data<float>();
   float* op = out.data<float>();
@@ -425,8 +472,8 @@ std::vector<paddle::Tensor> AttentionBlock(
 
 #pragma omp parallel num_threads(std::max(1, num_threads))
   {
-    add_normalize_rows(xp, dp, bp, n, d, eps, sp, normed.data());
-    product(w_qkv, normed.data(), n, qkv.data());
+    add_normalize_rows(xp, dp, bp, norm_w, n, d, eps, sp, normed.data());
+    product(w_qkv, normed.data(), n, qkv.data(), scratch);
 
     // bias, q/k norms, RoPE, and this step's K/V into the pools
 #pragma omp for schedule(static)
@@ -473,7 +520,7 @@ std::vector<paddle::Tensor> AttentionBlock(
         weighted_sum(scores.data() + i * ctx, rows_of.data(), ctx, vp, hd, o + i * hd);
     }
 
-    product(w_o, attn.data(), n, op);
+    product(w_o, attn.data(), n, op, scratch);
   }
   return {out, summed};
 }
@@ -483,7 +530,7 @@ std::vector<std::vector<int64_t>> AttentionBlockShape(
     const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
     const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
-    const std::vector<int64_t>&, const std::vector<int64_t>&) {
+    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&) {
   return {x, x};
 }
 
@@ -492,13 +539,13 @@ std::vector<paddle::DataType> AttentionBlockDtype(
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
     const paddle::DataType&, const paddle::DataType&, const paddle::DataType&,
-    const paddle::DataType&, const paddle::DataType&) {
+    const paddle::DataType&, const paddle::DataType&, const paddle::DataType&) {
   return {x, x};
 }
 
 PD_BUILD_OP(spectrio_attention_block)
-    .Inputs({"X", "Delta", "DeltaBias", "QkvPanels", "QkvBias", "QkNorm", "RopeCos", "RopeSin",
-             "KPool", "VPool", "OPanels", "Positions", "RowSeq", "Tables"})
+    .Inputs({"X", "Delta", "DeltaBias", "NormWeight", "QkvPanels", "QkvBias", "QkNorm", "RopeCos",
+             "RopeSin", "KPool", "VPool", "OPanels", "Positions", "RowSeq", "Tables"})
     .Outputs({"Out", "Summed"})
     .Attrs({"num_heads: int", "num_kv_heads: int", "head_dim: int", "block_size: int",
             "eps: float", "num_threads: int"})
@@ -508,6 +555,7 @@ PD_BUILD_OP(spectrio_attention_block)
 
 std::vector<paddle::Tensor> MlpBlock(const paddle::Tensor& x, const paddle::Tensor& delta,
                                      const paddle::Tensor& delta_bias,
+                                     const paddle::Tensor& norm_weight,
                                      const paddle::Tensor& gate_up_panels,
                                      const paddle::Tensor& gate_up_bias,
                                      const paddle::Tensor& down_panels, int64_t intermediate,
@@ -518,30 +566,35 @@ std::vector<paddle::Tensor> MlpBlock(const paddle::Tensor& x, const paddle::Tens
   PD_CHECK(f > 0, "mlp_block: the intermediate size is positive");
   const float* dp = optional_f32(delta, n * d, "mlp_block delta");
   const float* bp = optional_f32(delta_bias, d, "mlp_block delta_bias");
-  const Panels w_gu = panels_of(gate_up_panels, d, 2 * f, "mlp_block gate_up");
-  const Panels w_down = panels_of(down_panels, f, d, "mlp_block down");
+  const Weight w_gu = weight_of(gate_up_panels, d, 2 * f, "mlp_block gate_up");
+  const Weight w_down = weight_of(down_panels, f, d, "mlp_block down");
+  const float* norm_w = optional_f32(norm_weight, d, "mlp_block norm_weight");
+  PD_CHECK(!w_gu.blocks() || norm_w != nullptr,
+           "mlp_block: block weights need the norm weight (it is not folded into them)");
   const float* gu_b = optional_f32(gate_up_bias, 2 * f, "mlp_block gate_up_bias");
 
   auto out = paddle::empty({n, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   auto summed = paddle::empty({n, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   std::vector<float> normed(n * d), gate_up(n * 2 * f), act(n * f);
+  Scratch scratch(n, {w_gu, w_down});
   float* sp = summed.data<float>();
 
 #pragma omp parallel num_threads(std::max(1, num_threads))
   {
-    add_normalize_rows(x.data<float>(), dp, bp, n, d, eps, sp, normed.data());
-    product(w_gu, normed.data(), n, gate_up.data());
+    add_normalize_rows(x.data<float>(), dp, bp, norm_w, n, d, eps, sp, normed.data());
+    product(w_gu, normed.data(), n, gate_up.data(), scratch);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < n; ++r) {
       const float* gate = gate_up.data() + r * 2 * f;
       swiglu_row(gate, gate + f, gu_b, f, act.data() + r * f);
     }
-    product(w_down, act.data(), n, out.data<float>());
+    product(w_down, act.data(), n, out.data<float>(), scratch);
   }
   return {out, summed};
 }
 
 std::vector<std::vector<int64_t>> MlpBlockShape(const std::vector<int64_t>& x,
+                                                const std::vector<int64_t>&,
                                                 const std::vector<int64_t>&,
                                                 const std::vector<int64_t>&,
                                                 const std::vector<int64_t>&,
@@ -552,12 +605,13 @@ std::vector<std::vector<int64_t>> MlpBlockShape(const std::vector<int64_t>& x,
 
 std::vector<paddle::DataType> MlpBlockDtype(const paddle::DataType& x, const paddle::DataType&,
                                             const paddle::DataType&, const paddle::DataType&,
-                                            const paddle::DataType&, const paddle::DataType&) {
+                                            const paddle::DataType&, const paddle::DataType&,
+                                            const paddle::DataType&) {
   return {x, x};
 }
 
 PD_BUILD_OP(spectrio_mlp_block)
-    .Inputs({"X", "Delta", "DeltaBias", "GateUpPanels", "GateUpBias", "DownPanels"})
+    .Inputs({"X", "Delta", "DeltaBias", "NormWeight", "GateUpPanels", "GateUpBias", "DownPanels"})
     .Outputs({"Out", "Summed"})
     .Attrs({"intermediate: int64_t", "eps: float", "num_threads: int"})
     .SetKernelFn(PD_KERNEL(MlpBlock))
