@@ -258,8 +258,8 @@ def attention_block(
     """A layer's attention half in one op (``csrc/spectrio_layer.cc`` says what it
     computes and its invariants): ``(partial o projection, x + delta + delta_bias)``.
     ``qkv``/``o``: panels, or uint8 blocks of a GGUF type (then ``norm_weight``, the
-    RMSNorm's weight, which panels have folded in, must be given); ``rope``: cos/sin tables ``[P, D/2]``; ``pools``: the layer's K
-    and V pools, written in place; ``rows``: positions, sequence of each row and the
+    RMSNorm's weight, which panels have folded in, must be given); ``rope``: cos/sin
+    tables ``[P, D/2]``; ``pools``: the layer's K and V pools, written in place; ``rows``: positions, sequence of each row and the
     padded block tables; ``shape``: heads, KV heads, head dim, block size. Only where the
     kernels run, without autograd (the caller checks)."""
     out, summed = _C_OPS._run_custom_op(
