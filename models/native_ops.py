@@ -259,9 +259,10 @@ def attention_block(
     computes and its invariants): ``(partial o projection, x + delta + delta_bias)``.
     ``qkv``/``o``: panels, or uint8 blocks of a GGUF type (then ``norm_weight``, the
     RMSNorm's weight, which panels have folded in, must be given); ``rope``: cos/sin
-    tables ``[P, D/2]``; ``pools``: the layer's K and V pools, written in place; ``rows``: positions, sequence of each row and the
-    padded block tables; ``shape``: heads, KV heads, head dim, block size. Only where the
-    kernels run, without autograd (the caller checks)."""
+    tables ``[P, D/2]``; ``pools``: the layer's K and V pools, written in place;
+    ``rows``: positions, sequence of each row and the padded block tables; ``shape``:
+    heads, KV heads, head dim, block size. Only where the kernels run, without autograd
+    (the caller checks)."""
     out, summed = _C_OPS._run_custom_op(
         "spectrio_attention_block",
         x, _given(delta), _given(delta_bias), _given(norm_weight), qkv, _given(qkv_bias),
