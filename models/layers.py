@@ -436,16 +436,22 @@ class DecoderLayer(nn.Layer):
         gate_up, down = mlp._gate_up_weight.panels, mlp._down_weight.panels
         assert qkv is not None and o is not None and gate_up is not None and down is not None
         eps = self.input_layernorm.eps
+        # panels carry the norm weights folded in; blocks cannot, so the ops apply them
+        norms = (
+            self.input_layernorm.weight if attn._qkv_weight.blocks else None,
+            self.post_attention_layernorm.weight if mlp._gate_up_weight.blocks else None,
+        )
         out, x = native_ops.attention_block(
             x, delta, bias, qkv, attn._qkv_bias, attn._qk_norm_weight, rows.rope,
             cache.pools(layer), o, rows.as_tuple,
             (attn.num_heads, attn.num_kv_heads, attn.head_dim, cache.block_size), eps,
+            norm_weight=norms[0],
         )  # fmt: skip
         out = attn._reduce(out)
         f = mlp._down_weight.shape[0]
         out, x = native_ops.mlp_block(
             x, out, attn.o_proj.bias, gate_up, mlp._gate_up_bias, down, f,
-            self.post_attention_layernorm.eps,
+            self.post_attention_layernorm.eps, norm_weight=norms[1],
         )  # fmt: skip
         return x, mlp._reduce(out), mlp.down_proj.bias
 

@@ -11,6 +11,11 @@ so serving memory does not grow.
 Invariant: both layouts give ``x @ w`` up to float rounding; the panel kernel sums each
 output over K in order on one thread, so its result does not depend on the thread count.
 
+A matrix made by :meth:`ServingMatrix.from_blocks` keeps a GGUF file's quantized blocks as
+they are stored (``[N, K / 32 * block bytes]`` uint8, ``models/gguf_blocks.py``), and
+``spectrio_block_matmul`` multiplies by them with int8 activations; the layer ops read them
+too, taking the preceding RMSNorm's weight as an input since it cannot be folded in.
+
 A matrix made with ``half=True`` keeps float16 panels: the product reads half the bytes
 and sums in float32, but each weight is rounded to float16 first. Only products whose
 result picks drafts use it (the MTP layer and the draft head,
@@ -73,6 +78,7 @@ class ServingMatrix:
         self._n = int(n)
         self._panels: paddle.Tensor | None = None
         self._plain: paddle.Tensor | None = None
+        self._blocks: tuple[paddle.Tensor, int] | None = None  # (uint8 rows, ggml type)
         if half and packs(weight.dtype):
             array = weight if isinstance(weight, np.ndarray) else weight.numpy()
             packed = pack_panels(array.T if rows else array).astype(np.float16)
@@ -92,14 +98,38 @@ class ServingMatrix:
         tensor = paddle.to_tensor(weight) if isinstance(weight, np.ndarray) else weight
         self._plain = tensor.t().contiguous() if rows else tensor
 
+    @classmethod
+    def from_blocks(cls, raw: np.ndarray, type_name: str, k: int) -> ServingMatrix:
+        """A ``[k, N]`` weight from ``N`` rows of GGUF blocks of ``type_name`` (uint8
+        ``[N, row bytes]``, taken without a copy: a memory-mapped file's stays mapped)."""
+        from spectrio.models.gguf_blocks import BLOCK_TYPES
+
+        t = BLOCK_TYPES[type_name]
+        if not t.native:
+            raise ValueError(f"no block kernel for {type_name}")
+        rows = np.ascontiguousarray(raw, dtype=np.uint8).reshape(raw.shape[0], -1)
+        if rows.shape[1] != t.row_bytes(k) or k % t.elements:
+            raise ValueError(f"{type_name} rows of {rows.shape[1]} bytes do not hold {k} elements")
+        self = cls.__new__(cls)
+        self.shape, self._n = (int(k), int(rows.shape[0])), int(rows.shape[0])
+        self._panels = self._plain = None
+        self._blocks = (paddle.utils.dlpack.from_dlpack(rows), t.ggml_id)
+        return self
+
     @property
     def packed(self) -> bool:
-        return self._panels is not None
+        """Whether the layer ops can read it (panels or blocks)."""
+        return self._panels is not None or self._blocks is not None
+
+    @property
+    def blocks(self) -> bool:
+        return self._blocks is not None
 
     @property
     def panels(self) -> paddle.Tensor | None:
-        """The packed panels (None where the weight stays a plain tensor)."""
-        return self._panels
+        """The tensor the layer ops read: the packed panels or the blocks (None where the
+        weight stays a plain tensor)."""
+        return self._blocks[0] if self._blocks is not None else self._panels
 
     @property
     def half(self) -> bool:
@@ -107,6 +137,8 @@ class ServingMatrix:
 
     def matmul(self, x: paddle.Tensor) -> paddle.Tensor:
         """``x @ w`` for ``x`` ``[M, K]``."""
+        if self._blocks is not None:
+            return native_ops.block_matmul(x, self._blocks[0], self._blocks[1], self._n)
         if self._panels is not None:
             out = native_ops.panel_matmul(x, self._panels, self._n)
             if out is not None:

@@ -198,3 +198,22 @@ def test_the_mlp_op_runs_block_weights_with_the_norm_weight_it_is_given(name: st
             paddle.to_tensor(x), None, None, paddle.to_tensor(gate_up.reshape(2 * f, -1)), None,
             paddle.to_tensor(down.reshape(d, -1)), f, 1e-5,
         )  # fmt: skip
+
+
+@needs_kernels
+def test_a_serving_matrix_keeps_blocks_without_a_copy_and_multiplies_by_them() -> None:
+    from spectrio.models.serving_matrix import ServingMatrix
+
+    blocks = _blocks("Q5_0", 24, 64)
+    raw = blocks.reshape(24, -1)
+    m = ServingMatrix.from_blocks(raw, "Q5_0", 64)
+    assert m.shape == (64, 24) and m.packed and m.blocks and m.panels.dtype == paddle.uint8
+    assert m.panels.data_ptr() == raw.ctypes.data  # the file's bytes, not a copy
+    x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
+    with paddle.no_grad():
+        got = m.matmul(paddle.to_tensor(x)).numpy()
+    np.testing.assert_array_equal(got, _matmul(x, blocks, "Q5_0"))
+    with pytest.raises(ValueError, match="no block kernel for Q6_K"):
+        ServingMatrix.from_blocks(raw, "Q6_K", 64)
+    with pytest.raises(ValueError, match="do not hold 96 elements"):
+        ServingMatrix.from_blocks(raw, "Q5_0", 96)
