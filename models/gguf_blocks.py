@@ -32,6 +32,7 @@ __all__ = [
     "decode_groups",
     "quantize_activations",
     "reference_matmul",
+    "scaled_blocks",
 ]
 
 GROUP = 32
@@ -168,3 +169,19 @@ def reference_matmul(x: np.ndarray, raw: np.ndarray, name: str) -> np.ndarray:
     dots = np.einsum("mghi,nghi->mngh", qg, ug).astype(np.float64)  # [M, N, G, 2]
     scaled = dots * d[None].astype(np.float64) + sums[:, None] * m[None].astype(np.float64)
     return (scaled.sum(axis=-1) * dx[:, None].astype(np.float64)).sum(axis=-1)
+
+
+def scaled_blocks(raw: np.ndarray, name: str, factor: float) -> np.ndarray:
+    """A copy of blocks ``raw`` (uint8 ``[..., blocks * bytes]`` rows) whose weights are
+    ``factor`` times the originals: each block's float16 scale (and offset, for the types
+    with one) multiplied and rounded to float16, exactly where ``factor`` is a power of two
+    that keeps them normal."""
+    t = BLOCK_TYPES[name]
+    rows = np.array(raw, dtype=np.uint8, copy=True)
+    blocks = rows.reshape(-1, t.bytes)
+    fields = (0, 2) if name in ("Q4_1", "Q5_1") else (0,)
+    for at in fields:
+        half = np.ascontiguousarray(blocks[:, at : at + 2]).view(np.float16)
+        scaled = (half.astype(np.float32) * np.float32(factor)).astype(np.float16)
+        blocks[:, at : at + 2] = scaled.view(np.uint8)
+    return rows

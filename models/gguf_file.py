@@ -412,6 +412,23 @@ class GGUFFile:
             arr = arr[:, lo:hi]
         return arr
 
+    def blocks(self, name: str) -> tuple[str, np.ndarray] | None:
+        """A matrix's quantized blocks as stored, for the block kernels: its type's name and
+        uint8 ``[out, row bytes]`` rows (a view of the mapped file; q/k rows reordered as
+        :meth:`read` reorders them, a copy then). None where its type has no kernel."""
+        from spectrio.models.gguf_blocks import block_type, check_tensor_bytes
+
+        t = self._tensors[name]
+        kind = block_type(int(t.raw.tensor_type))
+        if kind is None or not kind.native or len(t.shape) != 2:
+            return None
+        raw = np.asarray(t.raw.data)
+        check_tensor_bytes(t.raw.name, kind.ggml_id, tuple(reversed(t.shape)), raw.nbytes)
+        rows = raw.reshape(t.shape[0], -1)
+        if self.arch in _INTERLEAVED_ROPE and is_qk_rows(name):
+            rows = interleaved_to_half(rows, self.config.head_dim)
+        return kind.name, rows
+
     # ---- tokenizer -----------------------------------------------------------------------
 
     def tokenizer_json(self) -> str | None:

@@ -84,6 +84,12 @@ class HeadLayouts:
         self._rows, self._cols, self._packed = None, weight, None
         self._large = math.prod(weight.shape) >= self.LARGE_HEAD
 
+    def set_matrix(self, matrix: ServingMatrix, source: paddle.Tensor) -> None:
+        """The head as a ready serving matrix (GGUF blocks), with ``source``, its weight
+        as a Paddle tensor (``[V, d]``), for the paths that do not take the matrix."""
+        self.set_rows(source)
+        self._packed = matrix
+
     def _panels(self) -> ServingMatrix | None:
         if self._packed is None:
             source = self._cols if self._cols is not None else self._rows

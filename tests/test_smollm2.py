@@ -19,7 +19,7 @@ import pytest
 from test_architectures import paged_greedy
 
 from spectrio.errors import CheckpointError
-from spectrio.models import LoadedModel, load, native_ops, reference
+from spectrio.models import LoadedModel, PackedBatch, PagedKVCache, load, native_ops, reference
 from spectrio.models.convert import convert_gguf
 from spectrio.models.loader import SMOLLM2_GGUF, smollm2_path
 
@@ -106,3 +106,37 @@ def test_the_name_says_how_to_install_when_missing(
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / SMOLLM2_GGUF).write_bytes(b"GGUF")
     assert smollm2_path() == tmp_path / "models" / SMOLLM2_GGUF
+
+
+def test_the_q4_1_blocks_predict_as_the_float_weights_they_hold(smollm2_gguf: Path) -> None:
+    """The shipped file's Q4_1 (and Q8_0 head) blocks, multiplied as stored with int8
+    activations (``models/block_serving.py``), predict the golden answers' next tokens as
+    the float32 weights they dequantize to do, teacher-forced over prompt and answer: the
+    same argmax at nearly every position (activations rounded to 8 bits tip near ties:
+    the first answer token of prompt 0 is 0.08 of a logit ahead of the next)."""
+    if not native_ops.native_ops_available():
+        pytest.skip("the block kernels do not build here")
+    from spectrio.models.block_serving import serve_blocks
+    from spectrio.models.gguf_file import GGUFFile
+
+    smol32 = load(smollm2_gguf, dtype="float32", mtp_head=False)
+    cfg = smol32.config
+    texts = [p + a for p, a in zip(GOLDEN["prompt_ids"], GOLDEN["token_ids"], strict=True)]
+
+    def argmax_rows() -> np.ndarray:
+        out = []
+        for ids in texts:
+            blocks = len(ids) // 4 + 1
+            cache = PagedKVCache(
+                cfg.num_hidden_layers, blocks, 4, cfg.num_key_value_heads, cfg.head_dim
+            )
+            batch = PackedBatch.from_sequences([ids], [0], [np.arange(blocks)])
+            with paddle.no_grad():
+                out.append(smol32.model.forward(batch, cache).logits.numpy().argmax(-1))
+        return np.concatenate(out)
+
+    float_top = argmax_rows()
+    counts = serve_blocks(smol32.model, GGUFFile(smollm2_gguf))
+    assert counts == {"Q4_1": 4 * cfg.num_hidden_layers, "Q8_0": 1}
+    block_top = argmax_rows()
+    assert (float_top == block_top).mean() >= 0.93, (float_top == block_top).mean()

@@ -151,8 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_diff_parser(sub)
 
     from spectrio.tools.convert import add_convert_parser
+    from spectrio.tools.quantize import add_quantize_parser
 
     add_convert_parser(sub)
+    add_quantize_parser(sub)
 
     sub.add_parser(
         "train", help="train the bundled model (see `spectrio train --help`)", add_help=False
