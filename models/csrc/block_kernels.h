@@ -33,7 +33,7 @@ enum BlockType : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8 };
 constexpr int64_t kGroup = 32;  // elements of an activation group and of a weight group
 
 // Bytes of one block of `type` (32 elements), or 0 for a type the kernels lack.
-inline int64_t block_bytes(int type) {
+constexpr int64_t block_bytes(int type) {
   switch (type) {
     case kQ4_0: return 18;
     case kQ4_1: return 20;
@@ -218,55 +218,90 @@ inline __m256i lane_dots(__m256i w, __m256i q, bool is_signed) {
 }
 #endif
 
-constexpr int64_t kBlockRows = 4;  // activation rows sharing one pass over a weight row
-
-// Rows [m0, m0 + mr) of output column n: weight row `wrow` (G blocks of type T).
-template <int T>
-void block_dot_rows(const uint8_t* wrow, int64_t groups, const float* dx, const int32_t* sums,
-                    const int8_t* q, int64_t k_dim, int64_t mr, float* out, int64_t out_stride) {
+// A tile of NC output columns (weight rows `w`, `w + row_bytes`, ...) x MR activation rows.
+// Its sizes are compile-time constants so that the accumulators stay in registers; every
+// output's arithmetic is the same whatever tile computes it.
+template <int T, int NC, int MR>
+void block_tile(const uint8_t* w, int64_t row_bytes, int64_t groups, const float* dx,
+                const int32_t* sums, const int8_t* q, int64_t k_dim, float* out,
+                int64_t out_stride) {
   constexpr bool kSigned = T == kQ8_0;
   constexpr bool kOffset = T != kQ8_0;
-  const int64_t bb = block_bytes(T);
-  alignas(32) float lanes[kBlockRows][8];
-  float offs[kBlockRows] = {};
+  constexpr int64_t bb = block_bytes(T);
+  float offs[NC][MR] = {};
+  alignas(32) float lanes[NC][MR][8];
 #ifdef SPECTRIO_AVX2
-  __m256 acc[kBlockRows];
-  for (int64_t r = 0; r < mr; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[NC][MR];
+#pragma GCC unroll 8
+  for (int c = 0; c < NC; ++c)
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) acc[c][r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    float d, m[2];
-    const __m256i w = decode_simd<T>(wrow + g * bb, d, m);
-    for (int64_t r = 0; r < mr; ++r) {
+    __m256i wv[NC];
+    float d[NC], m[NC][2];
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) wv[c] = decode_simd<T>(w + c * row_bytes + g * bb, d[c], m[c]);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
       const __m256i qv =
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * k_dim + g * kGroup));
-      const __m256 dots = _mm256_cvtepi32_ps(lane_dots(w, qv, kSigned));
       const float dxr = dx[r * groups + g];
-      acc[r] = _mm256_fmadd_ps(dots, _mm256_set1_ps(d * dxr), acc[r]);
-      if constexpr (kOffset) offs[r] = offset_term(dxr, m, sums + (r * groups + g) * 2, offs[r]);
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) {
+        const __m256 dots = _mm256_cvtepi32_ps(lane_dots(wv[c], qv, kSigned));
+        acc[c][r] = _mm256_fmadd_ps(dots, _mm256_set1_ps(d[c] * dxr), acc[c][r]);
+        if constexpr (kOffset)
+          offs[c][r] = offset_term(dxr, m[c], sums + (r * groups + g) * 2, offs[c][r]);
+      }
     }
   }
-  for (int64_t r = 0; r < mr; ++r) _mm256_store_ps(lanes[r], acc[r]);
+#pragma GCC unroll 8
+  for (int c = 0; c < NC; ++c)
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) _mm256_store_ps(lanes[c][r], acc[c][r]);
 #else
-  for (int64_t r = 0; r < mr; ++r)
-    for (int l = 0; l < 8; ++l) lanes[r][l] = 0.0f;
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < MR; ++r)
+      for (int l = 0; l < 8; ++l) lanes[c][r][l] = 0.0f;
   Group wg;
   for (int64_t g = 0; g < groups; ++g) {
-    decode_group(T, wrow + g * bb, wg);
-    for (int64_t r = 0; r < mr; ++r) {
-      const int8_t* qs = q + r * k_dim + g * kGroup;
-      const float dxr = dx[r * groups + g];
-      for (int l = 0; l < 8; ++l) {
-        int32_t dot = 0;
-        for (int i = 4 * l; i < 4 * l + 4; ++i) {
-          const int32_t w = kSigned ? static_cast<int8_t>(wg.u[i]) : wg.u[i];
-          dot += w * qs[i];
+    for (int c = 0; c < NC; ++c) {
+      decode_group(T, w + c * row_bytes + g * bb, wg);
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* qs = q + r * k_dim + g * kGroup;
+        const float dxr = dx[r * groups + g];
+        for (int l = 0; l < 8; ++l) {
+          int32_t dot = 0;
+          for (int i = 4 * l; i < 4 * l + 4; ++i) {
+            const int32_t wi = kSigned ? static_cast<int8_t>(wg.u[i]) : wg.u[i];
+            dot += wi * qs[i];
+          }
+          lanes[c][r][l] = std::fma(static_cast<float>(dot), wg.d[l / 4] * dxr, lanes[c][r][l]);
         }
-        lanes[r][l] = std::fma(static_cast<float>(dot), wg.d[l / 4] * dxr, lanes[r][l]);
+        if constexpr (kOffset)
+          offs[c][r] = offset_term(dxr, wg.m, sums + (r * groups + g) * 2, offs[c][r]);
       }
-      if constexpr (kOffset) offs[r] = offset_term(dxr, wg.m, sums + (r * groups + g) * 2, offs[r]);
     }
   }
 #endif
-  for (int64_t r = 0; r < mr; ++r) out[r * out_stride] = lane_sum(lanes[r]) + offs[r];
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < MR; ++r) out[r * out_stride + c] = lane_sum(lanes[c][r]) + offs[c][r];
+}
+
+constexpr int64_t kTileCols = 4;  // output columns a tile decodes together
+constexpr int64_t kTileRowsQ = 2;  // activation rows a tile multiplies together
+
+template <int T, int NC>
+void block_rows(const uint8_t* w, int64_t row_bytes, int64_t groups, const float* dx,
+                const int32_t* sums, const int8_t* q, int64_t k_dim, int64_t rows, float* out,
+                int64_t n) {
+  int64_t m = 0;
+  for (; m + kTileRowsQ <= rows; m += kTileRowsQ)
+    block_tile<T, NC, kTileRowsQ>(w, row_bytes, groups, dx + m * groups, sums + m * groups * 2,
+                                  q + m * k_dim, k_dim, out + m * n, n);
+  if (m < rows)
+    block_tile<T, NC, 1>(w, row_bytes, groups, dx + m * groups, sums + m * groups * 2,
+                         q + m * k_dim, k_dim, out + m * n, n);
 }
 
 template <int T>
@@ -274,12 +309,17 @@ void block_matmul_typed(const uint8_t* w, int64_t n, int64_t k_dim, const float*
                         const int32_t* sums, const int8_t* q, int64_t rows, float* out) {
   const int64_t groups = k_dim / kGroup;
   const int64_t row_bytes = groups * block_bytes(T);
+  const int64_t tiles = (n + kTileCols - 1) / kTileCols;
 #pragma omp for schedule(static)
-  for (int64_t j = 0; j < n; ++j) {
-    for (int64_t m0 = 0; m0 < rows; m0 += kBlockRows) {
-      const int64_t mr = std::min(kBlockRows, rows - m0);
-      block_dot_rows<T>(w + j * row_bytes, groups, dx + m0 * groups, sums + m0 * groups * 2,
-                        q + m0 * k_dim, k_dim, mr, out + m0 * n + j, n);
+  for (int64_t t = 0; t < tiles; ++t) {
+    int64_t j = t * kTileCols;
+    if (j + kTileCols <= n) {
+      block_rows<T, kTileCols>(w + j * row_bytes, row_bytes, groups, dx, sums, q, k_dim, rows,
+                               out + j, n);
+    } else {
+      for (; j < n; ++j)
+        block_rows<T, 1>(w + j * row_bytes, row_bytes, groups, dx, sums, q, k_dim, rows, out + j,
+                         n);
     }
   }
 }
