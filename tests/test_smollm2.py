@@ -140,3 +140,20 @@ def test_the_q4_1_blocks_predict_as_the_float_weights_they_hold(smollm2_gguf: Pa
     assert counts == {"Q4_1": 4 * cfg.num_hidden_layers, "Q8_0": 1}
     block_top = argmax_rows()
     assert (float_top == block_top).mean() >= 0.93, (float_top == block_top).mean()
+
+
+def test_a_serving_load_takes_the_blocks_when_asked(
+    smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``SPECTRIO_GGUF_BLOCKS=1``: a runtime's own load (``serving=True``) of a GGUF file
+    serves from its blocks; without it, from float32 panels."""
+    if not native_ops.native_ops_available():
+        pytest.skip("the block kernels do not build here")
+    from spectrio.models.loader import BLOCKS_ENV
+
+    monkeypatch.setenv(BLOCKS_ENV, "1")
+    layer = load(smollm2_gguf, dtype="float32", mtp_head=False, serving=True).model.model.layers[0]
+    assert layer.self_attn._qkv_weight.blocks and layer.mlp._down_weight.blocks
+    monkeypatch.delenv(BLOCKS_ENV)
+    layer = load(smollm2_gguf, dtype="float32", mtp_head=False, serving=True).model.model.layers[0]
+    assert not layer.self_attn._qkv_weight.blocks
