@@ -4,8 +4,8 @@
 // place (models/gguf_blocks.py holds the layouts and a NumPy reference of this product).
 //
 // The activations are quantized first, row by row, in groups of 32: a scale
-// dx = max|x| / 127 and q = round(x * 127 / max|x|) in int8, with the sum of each 16
-// q's. Every weight group of 32 decodes to 32 unsigned bytes u, a scale per half-group
+// dx = max|x| / 127 and q = round(x * 127 / max|x|) in int8, with dx times the group's
+// sum of q's. Every weight group of 32 decodes to 32 unsigned bytes u, a scale per half-group
 // (elements 0-15 and 16-31) and an offset per half-group, w = d * u + m (Q8_0: signed
 // bytes, no offset), so one group's share of the dot product is
 //   dx * (d * sum(u * q) + m * sum(q)),
@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "panel_kernels.h"
 
@@ -54,9 +55,11 @@ inline float f16_at(const uint8_t* p) {
 #endif
 }
 
-// One row of K activations (a multiple of 32) quantized per group: dx[g], sums[2g + h]
-// (the sum of each 16 q's), q[k].
-inline void quantize_row(const float* x, int64_t k_dim, float* dx, int32_t* sums, int8_t* q) {
+// One row of K activations (a multiple of 32) quantized per group: dx[g], q[k], and
+// sdx[g * stride] = dx[g] * (the sum of the group's 32 q's), the factor of a group's
+// offset term (laid out group-major, so a tile reads its rows' factors as one vector).
+inline void quantize_row(const float* x, int64_t k_dim, float* dx, float* sdx, int64_t stride,
+                         int8_t* q) {
   for (int64_t g = 0; g < k_dim / kGroup; ++g) {
     const float* xs = x + g * kGroup;
     float amax = 0.0f;
@@ -64,31 +67,30 @@ inline void quantize_row(const float* x, int64_t k_dim, float* dx, int32_t* sums
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     dx[g] = amax / 127.0f;
     int8_t* qs = q + g * kGroup;
-    int32_t lo = 0, hi = 0;
+    int32_t sum = 0;
     for (int64_t i = 0; i < kGroup; ++i) {
       qs[i] = static_cast<int8_t>(std::nearbyint(xs[i] * inv));
-      (i < 16 ? lo : hi) += qs[i];
+      sum += qs[i];
     }
-    sums[2 * g] = lo;
-    sums[2 * g + 1] = hi;
+    sdx[g * stride] = dx[g] * static_cast<float>(sum);
   }
 }
 
-// `rows` rows quantized: dx[m * G + g], sums[m * 2G + 2g + h], q[m * K + k]. The `_team`
-// form shares the rows among the calling team (an orphaned `omp for`).
-inline void quantize_rows(const float* x, int64_t rows, int64_t k_dim, float* dx, int32_t* sums,
+// `rows` rows quantized: dx[m * G + g], sdx[g * rows + m], q[m * K + k]. The `_team` form
+// shares the rows among the calling team (an orphaned `omp for`).
+inline void quantize_rows(const float* x, int64_t rows, int64_t k_dim, float* dx, float* sdx,
                           int8_t* q) {
   const int64_t groups = k_dim / kGroup;
   for (int64_t m = 0; m < rows; ++m)
-    quantize_row(x + m * k_dim, k_dim, dx + m * groups, sums + m * 2 * groups, q + m * k_dim);
+    quantize_row(x + m * k_dim, k_dim, dx + m * groups, sdx + m, rows, q + m * k_dim);
 }
 
 inline void quantize_rows_team(const float* x, int64_t rows, int64_t k_dim, float* dx,
-                               int32_t* sums, int8_t* q) {
+                               float* sdx, int8_t* q) {
   const int64_t groups = k_dim / kGroup;
 #pragma omp for schedule(static)
   for (int64_t m = 0; m < rows; ++m)
-    quantize_row(x + m * k_dim, k_dim, dx + m * groups, sums + m * 2 * groups, q + m * k_dim);
+    quantize_row(x + m * k_dim, k_dim, dx + m * groups, sdx + m, rows, q + m * k_dim);
 }
 
 // The block type whose blocks take `bytes` bytes (each type's differ), or 0.
@@ -145,13 +147,6 @@ inline void decode_group(int type, const uint8_t* b, Group& g) {
     default:
       return;
   }
-}
-
-// A group's offset term for one row: dx * (m_lo * sum_lo + m_hi * sum_hi), in the same
-// rounding steps on both paths (spelled out, so no compiler contracts it differently).
-inline float offset_term(float dxr, const float m[2], const int32_t* s, float acc) {
-  return std::fma(dxr, std::fma(m[0], static_cast<float>(s[0]), m[1] * static_cast<float>(s[1])),
-                  acc);
 }
 
 // The 8 lanes' sum, in the fixed tree both paths use.
@@ -220,22 +215,26 @@ inline __m256i lane_dots(__m256i w, __m256i q, bool is_signed) {
 
 // A tile of NC output columns (weight rows `w`, `w + row_bytes`, ...) x MR activation rows.
 // Its sizes are compile-time constants so that the accumulators stay in registers; every
-// output's arithmetic is the same whatever tile computes it.
+// output's arithmetic is the same whatever tile computes it: its groups' dots summed in
+// order into 8 lanes, and its offset terms, fma(m, sdx, acc), in order beside them.
 template <int T, int NC, int MR>
 void block_tile(const uint8_t* w, int64_t row_bytes, int64_t groups, const float* dx,
-                const int32_t* sums, const int8_t* q, int64_t k_dim, float* out,
+                const float* sdx, int64_t rows, const int8_t* q, int64_t k_dim, float* out,
                 int64_t out_stride) {
   constexpr bool kSigned = T == kQ8_0;
-  constexpr bool kOffset = T != kQ8_0;
+  constexpr bool kOffset = T != kQ8_0;  // every offset type's halves share their offset
   constexpr int64_t bb = block_bytes(T);
-  float offs[NC][MR] = {};
+  alignas(16) float offs[NC][4] = {};
   alignas(32) float lanes[NC][MR][8];
 #ifdef SPECTRIO_AVX2
   __m256 acc[NC][MR];
+  __m128 offv[NC];
 #pragma GCC unroll 8
-  for (int c = 0; c < NC; ++c)
+  for (int c = 0; c < NC; ++c) {
+    offv[c] = _mm_setzero_ps();
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) acc[c][r] = _mm256_setzero_ps();
+  }
   for (int64_t g = 0; g < groups; ++g) {
     __m256i wv[NC];
     float d[NC], m[NC][2];
@@ -250,15 +249,28 @@ void block_tile(const uint8_t* w, int64_t row_bytes, int64_t groups, const float
       for (int c = 0; c < NC; ++c) {
         const __m256 dots = _mm256_cvtepi32_ps(lane_dots(wv[c], qv, kSigned));
         acc[c][r] = _mm256_fmadd_ps(dots, _mm256_set1_ps(d[c] * dxr), acc[c][r]);
-        if constexpr (kOffset)
-          offs[c][r] = offset_term(dxr, m[c], sums + (r * groups + g) * 2, offs[c][r]);
+      }
+    }
+    if constexpr (kOffset) {
+      if constexpr (MR == 4) {
+        const __m128 f = _mm_loadu_ps(sdx + g * rows);
+#pragma GCC unroll 8
+        for (int c = 0; c < NC; ++c) offv[c] = _mm_fmadd_ps(_mm_set1_ps(m[c][0]), f, offv[c]);
+      } else {
+#pragma GCC unroll 8
+        for (int c = 0; c < NC; ++c)
+#pragma GCC unroll 8
+          for (int r = 0; r < MR; ++r)
+            offs[c][r] = std::fma(m[c][0], sdx[g * rows + r], offs[c][r]);
       }
     }
   }
 #pragma GCC unroll 8
-  for (int c = 0; c < NC; ++c)
+  for (int c = 0; c < NC; ++c) {
+    if constexpr (MR == 4) _mm_store_ps(offs[c], offv[c]);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) _mm256_store_ps(lanes[c][r], acc[c][r]);
+  }
 #else
   for (int c = 0; c < NC; ++c)
     for (int r = 0; r < MR; ++r)
@@ -278,8 +290,7 @@ void block_tile(const uint8_t* w, int64_t row_bytes, int64_t groups, const float
           }
           lanes[c][r][l] = std::fma(static_cast<float>(dot), wg.d[l / 4] * dxr, lanes[c][r][l]);
         }
-        if constexpr (kOffset)
-          offs[c][r] = offset_term(dxr, wg.m, sums + (r * groups + g) * 2, offs[c][r]);
+        if constexpr (kOffset) offs[c][r] = std::fma(wg.m[0], sdx[g * rows + r], offs[c][r]);
       }
     }
   }
@@ -288,25 +299,30 @@ void block_tile(const uint8_t* w, int64_t row_bytes, int64_t groups, const float
     for (int r = 0; r < MR; ++r) out[r * out_stride + c] = lane_sum(lanes[c][r]) + offs[c][r];
 }
 
-constexpr int64_t kTileCols = 4;  // output columns a tile decodes together
-constexpr int64_t kTileRowsQ = 2;  // activation rows a tile multiplies together
+#ifndef SPECTRIO_TILE_COLS
+#define SPECTRIO_TILE_COLS 2
+#endif
+constexpr int64_t kTileCols = SPECTRIO_TILE_COLS;  // output columns a tile decodes together
 
 template <int T, int NC>
 void block_rows(const uint8_t* w, int64_t row_bytes, int64_t groups, const float* dx,
-                const int32_t* sums, const int8_t* q, int64_t k_dim, int64_t rows, float* out,
+                const float* sdx, const int8_t* q, int64_t k_dim, int64_t rows, float* out,
                 int64_t n) {
   int64_t m = 0;
-  for (; m + kTileRowsQ <= rows; m += kTileRowsQ)
-    block_tile<T, NC, kTileRowsQ>(w, row_bytes, groups, dx + m * groups, sums + m * groups * 2,
-                                  q + m * k_dim, k_dim, out + m * n, n);
-  if (m < rows)
-    block_tile<T, NC, 1>(w, row_bytes, groups, dx + m * groups, sums + m * groups * 2,
-                         q + m * k_dim, k_dim, out + m * n, n);
+  auto tile = [&](auto mr) {
+    constexpr int MR = decltype(mr)::value;
+    block_tile<T, NC, MR>(w, row_bytes, groups, dx + m * groups, sdx + m, rows, q + m * k_dim,
+                          k_dim, out + m * n, n);
+    m += MR;
+  };
+  while (rows - m >= 4) tile(std::integral_constant<int, 4>{});
+  if (rows - m >= 2) tile(std::integral_constant<int, 2>{});
+  if (rows - m >= 1) tile(std::integral_constant<int, 1>{});
 }
 
 template <int T>
 void block_matmul_typed(const uint8_t* w, int64_t n, int64_t k_dim, const float* dx,
-                        const int32_t* sums, const int8_t* q, int64_t rows, float* out) {
+                        const float* sdx, const int8_t* q, int64_t rows, float* out) {
   const int64_t groups = k_dim / kGroup;
   const int64_t row_bytes = groups * block_bytes(T);
   const int64_t tiles = (n + kTileCols - 1) / kTileCols;
@@ -314,27 +330,27 @@ void block_matmul_typed(const uint8_t* w, int64_t n, int64_t k_dim, const float*
   for (int64_t t = 0; t < tiles; ++t) {
     int64_t j = t * kTileCols;
     if (j + kTileCols <= n) {
-      block_rows<T, kTileCols>(w + j * row_bytes, row_bytes, groups, dx, sums, q, k_dim, rows,
+      block_rows<T, kTileCols>(w + j * row_bytes, row_bytes, groups, dx, sdx, q, k_dim, rows,
                                out + j, n);
     } else {
       for (; j < n; ++j)
-        block_rows<T, 1>(w + j * row_bytes, row_bytes, groups, dx, sums, q, k_dim, rows, out + j,
+        block_rows<T, 1>(w + j * row_bytes, row_bytes, groups, dx, sdx, q, k_dim, rows, out + j,
                          n);
     }
   }
 }
 
 // The product inside an OpenMP parallel region (an orphaned `omp for`): the team shares
-// the weight rows; `dx`, `sums` and `q` are the quantized activations (quantize_rows).
+// the weight rows; `dx`, `sdx` and `q` are the quantized activations (quantize_rows).
 inline void block_matmul_team(int type, const uint8_t* w, int64_t n, int64_t k_dim,
-                              const float* dx, const int32_t* sums, const int8_t* q,
-                              int64_t rows, float* out) {
+                              const float* dx, const float* sdx, const int8_t* q, int64_t rows,
+                              float* out) {
   switch (type) {
-    case kQ8_0: return block_matmul_typed<kQ8_0>(w, n, k_dim, dx, sums, q, rows, out);
-    case kQ4_0: return block_matmul_typed<kQ4_0>(w, n, k_dim, dx, sums, q, rows, out);
-    case kQ4_1: return block_matmul_typed<kQ4_1>(w, n, k_dim, dx, sums, q, rows, out);
-    case kQ5_0: return block_matmul_typed<kQ5_0>(w, n, k_dim, dx, sums, q, rows, out);
-    case kQ5_1: return block_matmul_typed<kQ5_1>(w, n, k_dim, dx, sums, q, rows, out);
+    case kQ8_0: return block_matmul_typed<kQ8_0>(w, n, k_dim, dx, sdx, q, rows, out);
+    case kQ4_0: return block_matmul_typed<kQ4_0>(w, n, k_dim, dx, sdx, q, rows, out);
+    case kQ4_1: return block_matmul_typed<kQ4_1>(w, n, k_dim, dx, sdx, q, rows, out);
+    case kQ5_0: return block_matmul_typed<kQ5_0>(w, n, k_dim, dx, sdx, q, rows, out);
+    case kQ5_1: return block_matmul_typed<kQ5_1>(w, n, k_dim, dx, sdx, q, rows, out);
     default: return;
   }
 }

@@ -83,14 +83,14 @@ Weight weight_of(const paddle::Tensor& t, int64_t k, int64_t n, const char* what
 // for the op's largest input.
 struct Scratch {
   std::vector<float> dx;
-  std::vector<int32_t> sums;
+  std::vector<float> sdx;
   std::vector<int8_t> q;
   Scratch(int64_t rows, std::initializer_list<Weight> weights) {
     int64_t k = 0;
     for (const Weight& w : weights)
       if (w.blocks()) k = std::max(k, w.k);
     dx.resize(static_cast<size_t>(rows * k / spectrio::kGroup));
-    sums.resize(static_cast<size_t>(rows * k / spectrio::kGroup * 2));
+    sdx.resize(static_cast<size_t>(rows * k / spectrio::kGroup));
     q.resize(static_cast<size_t>(rows * k));
   }
 };
@@ -99,9 +99,9 @@ struct Scratch {
 // block_kernels.h: the rows are quantized first, each by one thread).
 void product(const Weight& w, const float* x, int64_t rows, float* out, Scratch& s) {
   if (w.blocks()) {
-    spectrio::quantize_rows_team(x, rows, w.k, s.dx.data(), s.sums.data(), s.q.data());
+    spectrio::quantize_rows_team(x, rows, w.k, s.dx.data(), s.sdx.data(), s.q.data());
     spectrio::block_matmul_team(w.kind, static_cast<const uint8_t*>(w.data), w.n, w.k,
-                                s.dx.data(), s.sums.data(), s.q.data(), rows, out);
+                                s.dx.data(), s.sdx.data(), s.q.data(), rows, out);
   } else if (w.kind == kF16Panels) {
     spectrio::panel_matmul_team(x, rows, w.k, static_cast<const uint16_t*>(w.data), w.count,
                                 out, w.n);
