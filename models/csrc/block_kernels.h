@@ -240,15 +240,19 @@ void block_tile(const uint8_t* w, int64_t row_bytes, int64_t groups, const float
     float d[NC], m[NC][2];
 #pragma GCC unroll 8
     for (int c = 0; c < NC; ++c) wv[c] = decode_simd<T>(w + c * row_bytes + g * bb, d[c], m[c]);
+    __m256 dv[NC];
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) dv[c] = _mm256_set1_ps(d[c]);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const __m256i qv =
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * k_dim + g * kGroup));
-      const float dxr = dx[r * groups + g];
+      const __m256 dxv = _mm256_broadcast_ss(dx + r * groups + g);
 #pragma GCC unroll 8
       for (int c = 0; c < NC; ++c) {
+        // d * dx in every lane: the same rounding as the scalar product
         const __m256 dots = _mm256_cvtepi32_ps(lane_dots(wv[c], qv, kSigned));
-        acc[c][r] = _mm256_fmadd_ps(dots, _mm256_set1_ps(d[c] * dxr), acc[c][r]);
+        acc[c][r] = _mm256_fmadd_ps(dots, _mm256_mul_ps(dv[c], dxv), acc[c][r]);
       }
     }
     if constexpr (kOffset) {
