@@ -150,10 +150,6 @@ class HiddenStore:
                 keep += 1
             del stored[:keep]
 
-    def lagging_rows(self) -> int:
-        """Rows held for deferred catch-ups, all sequences (kept tensors may be shared)."""
-        return sum(r.count for rows in self._rows.values() for r in rows[:-1])
-
     def rows_of(self, wanted: list[tuple[int, int, int]]) -> paddle.Tensor:
         """The stored hidden rows of positions ``start_pos .. start_pos + count - 1`` of
         each ``(seq_id, start_pos, count)``, stacked in order. When all come from one
