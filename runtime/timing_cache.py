@@ -111,6 +111,7 @@ def identity(
     """Everything that moves a step's time, as JSON-ready data (``head_path``: the MTP
     head file attached to the model, :attr:`LoadedModel.head_path`)."""
     from spectrio.models.fast_ops import cpu_signature
+    from spectrio.models.loader import blocks_enabled
     from spectrio.models.native_ops import kernels_identity
 
     spec = config.speculative
@@ -128,7 +129,7 @@ def identity(
         "cpu": [_cpu_model(), os.cpu_count(), cpu_signature()],
         "kernels": kernels_identity() if config.dtype == "float32" else "off",
         # the file's quantized blocks instead of float weights (models/loader.py)
-        **({"blocks": True} if os.environ.get("SPECTRIO_GGUF_BLOCKS") == "1" else {}),
+        **({"blocks": True} if blocks_enabled() else {}),
     }
 
 
