@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from spectrio.errors import CheckpointError
 
@@ -54,20 +55,27 @@ class BlockType:
         return k // self.elements * self.bytes
 
 
+def _block_type(name: str, native: bool) -> BlockType:
+    """``name``'s id and block size as the ``gguf`` package records them."""
+    qtype = GGMLQuantizationType[name]
+    elements, nbytes = GGML_QUANT_SIZES[qtype]
+    return BlockType(name, int(qtype), elements, nbytes, native)
+
+
 BLOCK_TYPES: dict[str, BlockType] = {
     t.name: t
     for t in (
-        BlockType("F32", 0, 1, 4, False),
-        BlockType("F16", 1, 1, 2, False),
-        BlockType("Q4_0", 2, 32, 18, True),
-        BlockType("Q4_1", 3, 32, 20, True),
-        BlockType("Q5_0", 6, 32, 22, True),
-        BlockType("Q5_1", 7, 32, 24, True),
-        BlockType("Q8_0", 8, 32, 34, True),
-        BlockType("Q4_K", 12, 256, 144, False),
-        BlockType("Q5_K", 13, 256, 176, False),
-        BlockType("Q6_K", 14, 256, 210, False),
-        BlockType("BF16", 30, 1, 2, False),
+        _block_type("F32", False),
+        _block_type("F16", False),
+        _block_type("Q4_0", True),
+        _block_type("Q4_1", True),
+        _block_type("Q5_0", True),
+        _block_type("Q5_1", True),
+        _block_type("Q8_0", True),
+        _block_type("Q4_K", False),
+        _block_type("Q5_K", False),
+        _block_type("Q6_K", False),
+        _block_type("BF16", False),
     )
 }
 _BY_ID = {t.ggml_id: t for t in BLOCK_TYPES.values()}
