@@ -558,21 +558,43 @@ class SpecPolicy:
         difference from the steady rate is the drain: requests that accept more finish
         first and leave the others to run in small, dearer-per-token steps, which no
         step's own tokens per second shows (at batch 1 both rates are the same)."""
+        return self._closing_rate(k, step_seconds, self._closing_shares(closing), tokens)
+
+    def _closing_shares(
+        self, closing: Sequence[Remaining]
+    ) -> tuple[float, list[tuple[int, float]]]:
+        """The batch's first-draft acceptance, and each sequence's remaining tokens with
+        its own (shrunk towards the batch's): what :meth:`closing_rate` weighs, the same
+        for every k of one choice."""
         first = self.acceptance()[0] if self.k_max else 0.0
         w = self.prior_weight
-        gain = tokens[k] - 1.0
-        longest = total_steps = remaining = 0.0
-        for r in closing:
-            own = (
+        own = [
+            (
+                r.tokens,
                 (r.first_accepted + w * first) / (r.first_drafted + w)
                 if r.first_drafted + w
-                else first
+                else first,
             )
-            mu = 1.0 + (gain * own / first if first > 1e-9 else gain)
-            steps = max(1.0, r.tokens / mu)
+            for r in closing
+        ]
+        return first, own
+
+    @staticmethod
+    def _closing_rate(
+        k: int,
+        step_seconds: float,
+        shares: tuple[float, list[tuple[int, float]]],
+        tokens: list[float],
+    ) -> float:
+        first, own = shares
+        gain = tokens[k] - 1.0
+        longest = total_steps = remaining = 0.0
+        for left, acceptance in own:
+            mu = 1.0 + (gain * acceptance / first if first > 1e-9 else gain)
+            steps = max(1.0, left / mu)
             longest = max(longest, steps)
             total_steps += steps
-            remaining += r.tokens
+            remaining += left
         return remaining / (step_seconds * (STEP_FIXED_SEQS * longest + total_steps))
 
     def _choose(self, num_seqs: int, closing: Sequence[Remaining] | None) -> int:
@@ -589,10 +611,11 @@ class SpecPolicy:
         overhead = self.overhead_per_token()
         if closing is not None and len(closing) < 2:
             closing = None  # one sequence: the closing rate is the steady one
+        shares = None if closing is None else self._closing_shares(closing)
         rates = {
             k: (
-                self.closing_rate(k, t, closing, tokens)
-                if closing is not None
+                self._closing_rate(k, t, shares, tokens)
+                if shares is not None
                 # Per token a sequence spends 1 / tokens[k] decode steps and ``overhead``
                 # lost ones (observe_occupancy), all at this k's step time.
                 else tokens[k] / ((1.0 + overhead * tokens[k]) * t)
