@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "panel_kernels.h"
 
@@ -92,6 +93,16 @@ inline void quantize_rows_team(const float* x, int64_t rows, int64_t k_dim, floa
   for (int64_t m = 0; m < rows; ++m)
     quantize_row(x + m * k_dim, k_dim, dx + m * groups, sdx + m, rows, q + m * k_dim);
 }
+
+// Room for the quantized activations (quantize_rows) of `rows` rows of up to `k` values.
+struct QuantizedRows {
+  std::vector<float> dx, sdx;
+  std::vector<int8_t> q;
+  QuantizedRows(int64_t rows, int64_t k)
+      : dx(static_cast<size_t>(rows * k / kGroup)),
+        sdx(static_cast<size_t>(rows * k / kGroup)),
+        q(static_cast<size_t>(rows * k)) {}
+};
 
 // The block type whose blocks take `bytes` bytes (each type's differ), or 0.
 inline int type_of_block_bytes(int64_t bytes) {

@@ -81,23 +81,19 @@ Weight weight_of(const paddle::Tensor& t, int64_t k, int64_t n, const char* what
 
 // The quantized activations a block weight's product needs, sized before the team starts
 // for the op's largest input.
-struct Scratch {
-  std::vector<float> dx;
-  std::vector<float> sdx;
-  std::vector<int8_t> q;
-  Scratch(int64_t rows, std::initializer_list<Weight> weights) {
-    int64_t k = 0;
-    for (const Weight& w : weights)
-      if (w.blocks()) k = std::max(k, w.k);
-    dx.resize(static_cast<size_t>(rows * k / spectrio::kGroup));
-    sdx.resize(static_cast<size_t>(rows * k / spectrio::kGroup));
-    q.resize(static_cast<size_t>(rows * k));
-  }
-};
+// The rows' quantized activations, sized for the op's largest block-weight input (none
+// where every weight is panels).
+int64_t block_k(std::initializer_list<Weight> weights) {
+  int64_t k = 0;
+  for (const Weight& w : weights)
+    if (w.blocks()) k = std::max(k, w.k);
+  return k;
+}
 
 // out [rows, w.n] = x [rows, w.k] @ w, by the calling team (panel_kernels.h,
 // block_kernels.h: the rows are quantized first, each by one thread).
-void product(const Weight& w, const float* x, int64_t rows, float* out, Scratch& s) {
+void product(const Weight& w, const float* x, int64_t rows, float* out,
+             spectrio::QuantizedRows& s) {
   if (w.blocks()) {
     spectrio::quantize_rows_team(x, rows, w.k, s.dx.data(), s.sdx.data(), s.q.data());
     spectrio::block_matmul_team(w.kind, static_cast<const uint8_t*>(w.data), w.n, w.k,
@@ -460,7 +456,7 @@ std::vector<paddle::Tensor> AttentionBlock(
   auto out = paddle::empty({n, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   auto summed = paddle::empty({n, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   std::vector<float> normed(n * d), qkv(n * nqkv), attn(n * nq);
-  Scratch scratch(n, {w_qkv, w_o});
+  spectrio::QuantizedRows scratch(n, block_k({w_qkv, w_o}));
   const float* xp = x.data<float>();
   float* sp = summed.data<float>();
   float* op = out.data<float>();
@@ -576,7 +572,7 @@ std::vector<paddle::Tensor> MlpBlock(const paddle::Tensor& x, const paddle::Tens
   auto out = paddle::empty({n, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   auto summed = paddle::empty({n, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   std::vector<float> normed(n * d), gate_up(n * 2 * f), act(n * f);
-  Scratch scratch(n, {w_gu, w_down});
+  spectrio::QuantizedRows scratch(n, block_k({w_gu, w_down}));
   float* sp = summed.data<float>();
 
 #pragma omp parallel num_threads(std::max(1, num_threads))

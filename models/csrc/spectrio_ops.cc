@@ -268,15 +268,12 @@ std::vector<paddle::Tensor> BlockMatmul(const paddle::Tensor& x, const paddle::T
   PD_CHECK(n >= 0 && w.numel() == n * row_bytes, "block_matmul: w holds ", w.numel(),
            " bytes, not ", n, " rows of ", row_bytes);
   auto out = paddle::empty({rows, n}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  const int64_t groups = k_dim / spectrio::kGroup;
-  std::vector<float> dx(static_cast<size_t>(rows * groups));
-  std::vector<float> sdx(static_cast<size_t>(rows * groups));
-  std::vector<int8_t> q(static_cast<size_t>(rows * k_dim));
-  spectrio::quantize_rows(x.data<float>(), rows, k_dim, dx.data(), sdx.data(), q.data());
+  spectrio::QuantizedRows a(rows, k_dim);
+  spectrio::quantize_rows(x.data<float>(), rows, k_dim, a.dx.data(), a.sdx.data(), a.q.data());
   const uint8_t* wp = w.data<uint8_t>();
   float* op = out.data<float>();
 #pragma omp parallel num_threads(std::max(1, num_threads))
-  spectrio::block_matmul_team(type, wp, n, k_dim, dx.data(), sdx.data(), q.data(), rows, op);
+  spectrio::block_matmul_team(type, wp, n, k_dim, a.dx.data(), a.sdx.data(), a.q.data(), rows, op);
   return {out};
 }
 
