@@ -338,7 +338,7 @@ def test_smollm2_as_q8_0_generates_as_the_original(
     """Q8_0 of the Q4_1 file's dequantized weights: the same greedy tokens on the golden
     prompts, and the vocabulary copied (it encodes the prompts as transformers did)."""
     out = tmp_path / "smollm2-q8_0.gguf"
-    assert main(["quantize", "smollm2", str(out), "--type", "Q8_0"]) == 0
+    assert main(["quantize", str(smollm2_gguf), str(out), "--type", "Q8_0"]) == 0
     assert "Q8_0 (211 Q8_0, 61 F32)" in capsys.readouterr().out
     loaded = load(out, mtp_head=False)
     assert loaded.config.num_hidden_layers == 30 and loaded.config.hidden_size == 576
