@@ -1,78 +1,271 @@
-"""A float model's serving weights taken from a GGUF file's quantized blocks instead.
+"""A serving model whose weights are a GGUF file's quantized blocks, as stored.
 
-The layers' fused projections and the output head are
-:meth:`~spectrio.models.serving_matrix.ServingMatrix.from_blocks` matrices over the
-file's own blocks (q/k/v and gate/up concatenated row-wise, which needs one type per
-group; q's 1/sqrt(head_dim) folded into its block scales), so the native layer ops and
-the head multiply by the quantized weights with int8 activations. A group whose tensors
-are of a type without a kernel, or of mixed types, keeps its float32 matrices.
+:func:`load_blocks` builds the model without a float32 copy of the weights it serves
+from blocks: their parameters never get storage. What it does instead:
 
-This first step still builds the float32 model from the file and keeps its parameters:
-it changes what the serving forward computes with, not the memory the model holds.
+* **The layers' products** are :meth:`~spectrio.models.serving_matrix.ServingMatrix.from_blocks`
+  matrices that the native layer ops multiply by. q/k/v and gate/up are fused row-wise,
+  which needs one block type per group: a group mixing Q4_0 or Q5_0 with Q8_0 (what
+  llama.cpp's Q4_K_M and Q5_K_M mixes write for attn_v) has its narrower members
+  re-stored as Q8_0, which holds each of their values exactly. q's 1/sqrt(head_dim) is
+  folded into its block scales (exact when that is a power of two).
+* **The embedding and the output head** stay in the file: a step's embedding rows are
+  dequantized for its tokens only, the head is a block matrix (a tied head is the
+  embedding's blocks), and the draft vocabulary's head rows are dequantized once.
+* **Fused groups are copies, read with file reads**: the rest are views of the mapped
+  file, so resident memory is about the file's size, and the mapped pages the copies
+  were made from are dropped again (``madvise``).
+
+Where a group's type has no kernel (or mixes types no lossless re-storing unifies), its
+tensors are widened to float32 and served as float panels, with a warning naming each
+tensor, its type and the memory it costs. Norms, biases and a trained MTP head are read
+as before. F32 matrices are served as float32 panels, which is what they are.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import structlog
 
-from spectrio.models.gguf_blocks import scaled_blocks
+from spectrio.errors import CheckpointError
+from spectrio.models.checkpoint import TensorSource, fill_parameters, hf_name
+from spectrio.models.gguf_blocks import BLOCK_TYPES, decode_groups, scaled_blocks
 from spectrio.models.gguf_file import GGUFFile
-from spectrio.models.model import SpectrioForCausalLM
+from spectrio.models.mtp_head import WithHead
 from spectrio.models.serving_matrix import ServingMatrix
+from spectrio.process_memory import trim_freed_memory
 
-__all__ = ["serve_blocks"]
+if TYPE_CHECKING:
+    from spectrio.models.config import ModelConfig
+    from spectrio.models.model import SpectrioForCausalLM
+
+__all__ = ["BlockPlan", "Shard", "load_blocks", "plan_blocks", "served_weight_bytes"]
 
 log = structlog.get_logger("spectrio.models.block_serving")
 
+#: types whose every value a Q8_0 block with the same scale holds: ``d * (u - offset)``
+_WIDENS_TO_Q8_0 = {"Q4_0": 8, "Q5_0": 16}
 
-def _group(source: GGUFFile, names: list[str]) -> tuple[str, list[np.ndarray]] | None:
-    """The blocks of every tensor of ``names``, when all have one type with a kernel."""
-    found = [source.blocks(n) for n in names]
-    if any(f is None for f in found) or len({f[0] for f in found if f is not None}) != 1:
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Tensors served as one block matrix (Hugging Face names) and their common type."""
+
+    names: tuple[str, ...]
+    kind: str
+
+
+@dataclasses.dataclass
+class BlockPlan:
+    """What :func:`load_blocks` serves from blocks, decided from the file's types alone."""
+
+    groups: dict[str, Group]  # by the serving matrix's role: "3.qkv", "head", ...
+    #: widened tensors: (name, type, float32 bytes)
+    widened: list[tuple[str, str, int]]
+
+    @property
+    def skipped(self) -> frozenset[str]:
+        """Tensor names whose parameters are never filled."""
+        names = {n for g in self.groups.values() for n in g.names}
+        if "head" in self.groups:  # the embedding is served from the file too
+            names.add("model.embed_tokens.weight")
+        return frozenset(names)
+
+    def counts(self) -> Counter[str]:
+        return Counter(g.kind for g in self.groups.values())
+
+
+def _common_kind(kinds: list[str]) -> str | None:
+    """The one type a group's tensors of ``kinds`` are served in, or None."""
+    if not all(k in BLOCK_TYPES and BLOCK_TYPES[k].native for k in kinds):
         return None
-    return found[0][0], [f[1] for f in found if f is not None]  # type: ignore[index]
+    if len(set(kinds)) == 1:
+        return kinds[0]
+    if "Q8_0" in kinds and all(k == "Q8_0" or k in _WIDENS_TO_Q8_0 for k in kinds):
+        return "Q8_0"
+    return None
 
 
-def serve_blocks(model: SpectrioForCausalLM, source: GGUFFile) -> Counter[str]:
-    """Point ``model``'s serving matrices at ``source``'s blocks where a kernel runs them;
-    returns the matrices set per block type (``float32``: kept)."""
-    cfg = model.config
-    d = cfg.hidden_size
-    model.prepare_serving()
-    counts: Counter[str] = Counter()
-    for i, layer in enumerate(model.model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
+def plan_blocks(gguf: GGUFFile, cfg: ModelConfig) -> BlockPlan:
+    """Which of ``gguf``'s matrices are served from blocks, and which are widened."""
+    groups: dict[str, Group] = {}
+    widened: list[tuple[str, str, int]] = []
+
+    def consider(role: str, names: list[str]) -> None:
+        kinds = [gguf.type_name(n) for n in names]
+        if all(k == "F32" for k in kinds):
+            return  # served as float32 panels: the same bytes as stored
+        kind = _common_kind(kinds)
+        if kind is not None and gguf.shape(names[0])[1] % BLOCK_TYPES[kind].elements:
+            kind = None  # the kernels take whole blocks of a row; a file rarely lacks them
+        if kind is None:
+            for n, k in zip(names, kinds, strict=True):
+                widened.append((n, k, int(np.prod(gguf.shape(n))) * 4))
+            return
+        groups[role] = Group(tuple(names), kind)
+
+    for i in range(cfg.num_hidden_layers):
         pre = f"model.layers.{i}."
-        qkv = _group(source, [pre + f"self_attn.{p}_proj.weight" for p in "qkv"])
-        if qkv is not None:
-            kind, (q, k, v) = qkv
-            if attn.q_norm is None:  # the fused float path scales q; blocks scale their d
-                q = scaled_blocks(q, kind, attn.scale)
-            attn._qkv_weight = ServingMatrix.from_blocks(np.concatenate([q, k, v]), kind, d)
-        counts[qkv[0] if qkv else "float32"] += 1
-        o = _group(source, [pre + "self_attn.o_proj.weight"])
-        if o is not None:
-            attn._o_weight = ServingMatrix.from_blocks(
-                o[1][0], o[0], attn.num_heads * attn.head_dim
+        consider(f"{i}.qkv", [f"{pre}{p}.weight" for p in _QKV])
+        consider(f"{i}.o", [f"{pre}self_attn.o_proj.weight"])
+        consider(f"{i}.gate_up", [f"{pre}{p}.weight" for p in _GATE_UP])
+        consider(f"{i}.down", [f"{pre}mlp.down_proj.weight"])
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    consider("head", [head])
+    return BlockPlan(groups, widened)
+
+
+def served_weight_bytes(gguf: GGUFFile, cfg: ModelConfig) -> int:
+    """Bytes of weights one target forward reads when ``gguf`` is served from its blocks:
+    each block matrix as served (a group re-stored as Q8_0 at Q8_0's size), every other
+    target tensor as float32, and no embedding but the head (a lookup reads a row)."""
+    plan = plan_blocks(gguf, cfg)
+    served = {n: g.kind for g in plan.groups.values() for n in g.names}
+    total = 0
+    for name in gguf.names():
+        if name == "model.embed_tokens.weight" and not cfg.tie_word_embeddings:
+            continue
+        shape = gguf.shape(name)
+        if name in served:
+            total += shape[0] * BLOCK_TYPES[served[name]].row_bytes(shape[1])
+        else:
+            total += int(np.prod(shape)) * 4
+    return total
+
+
+def as_q8_0(rows: np.ndarray, kind: str) -> np.ndarray:
+    """Blocks of ``kind`` (Q4_0 or Q5_0; uint8 ``[N, row bytes]``) re-stored as Q8_0
+    blocks holding the same values: each block keeps its float16 scale, and its quants
+    become ``u - offset``, which fit in int8."""
+    t = BLOCK_TYPES[kind]
+    blocks = rows.reshape(rows.shape[0], -1, t.bytes)
+    u, _, _ = decode_groups(blocks, kind)
+    out = np.empty((*blocks.shape[:2], BLOCK_TYPES["Q8_0"].bytes), dtype=np.uint8)
+    out[..., :2] = blocks[..., :2]  # the float16 scale, first in both layouts
+    out[..., 2:] = (u.astype(np.int16) - _WIDENS_TO_Q8_0[kind]).astype(np.int8).view(np.uint8)
+    return out.reshape(rows.shape[0], -1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """One tensor-parallel rank's share: ``rank`` of ``size`` (1: the whole model)."""
+
+    rank: int = 0
+    size: int = 1
+
+    def rows(self, rows: np.ndarray) -> np.ndarray:
+        """A column-parallel (or vocab-parallel) matrix's rows for this rank."""
+        part = rows.shape[0] // self.size
+        return rows[self.rank * part : (self.rank + 1) * part]
+
+    def columns(self, rows: np.ndarray, kind: str, k: int, name: str) -> np.ndarray:
+        """A row-parallel matrix's share of every row's ``k`` inputs: whole blocks only."""
+        t = BLOCK_TYPES[kind]
+        part = k // self.size
+        if part % t.elements:
+            raise CheckpointError(
+                f"tensor {name!r} ({kind}) cannot be split across {self.size} "
+                f"tensor-parallel ranks: each rank's {part} inputs of {k} are not whole "
+                f"{t.elements}-element blocks (serve it widened to float32 with "
+                "SPECTRIO_GGUF_BLOCKS=0, or use fewer ranks)"
             )
-        counts[o[0] if o else "float32"] += 1
-        gu = _group(source, [pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"])
-        if gu is not None:
-            mlp._gate_up_weight = ServingMatrix.from_blocks(np.concatenate(gu[1]), gu[0], d)
-        counts[gu[0] if gu else "float32"] += 1
-        down = _group(source, [pre + "mlp.down_proj.weight"])
-        if down is not None:
-            f = cfg.intermediate_size
-            mlp._down_weight = ServingMatrix.from_blocks(down[1][0], down[0], f)
-        counts[down[0] if down else "float32"] += 1
-    lm_head = model.lm_head
-    head = _group(source, ["model.embed_tokens.weight" if lm_head is None else "lm_head.weight"])
+        width = t.row_bytes(part)
+        return np.ascontiguousarray(rows[:, self.rank * width : (self.rank + 1) * width])
+
+
+def _rows(gguf: GGUFFile, names: tuple[str, ...], kind: str, shard: Shard) -> np.ndarray:
+    """The group's rows (this rank's, for a column-parallel group), concatenated, each in
+    ``kind``: a copy, made with file reads."""
+    parts = []
+    for name in names:
+        stored = gguf.type_name(name)
+        part = shard.rows(gguf.read_blocks(name)) if shard.size > 1 else gguf.read_blocks(name)
+        parts.append(part if stored == kind else as_q8_0(part, stored))
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _embedding_rows(gguf: GGUFFile, name: str) -> Callable[[np.ndarray], np.ndarray]:
+    """``rows(ids)``: float32 rows ``ids`` of the matrix ``name``, dequantized from the file."""
+
+    def rows(ids: np.ndarray) -> np.ndarray:
+        return gguf.read_rows(name, np.asarray(ids, dtype=np.int64).reshape(-1))
+
+    return rows
+
+
+def _inputs(cfg: ModelConfig, what: str) -> int:
+    """Inputs of every row of a row-parallel matrix (o or down) of the whole model."""
+    return cfg.num_attention_heads * cfg.head_dim if what == "o" else cfg.intermediate_size
+
+
+def load_blocks(
+    cfg: ModelConfig,
+    source: TensorSource,
+    gguf: GGUFFile,
+    model: SpectrioForCausalLM,
+    shard: Shard = Shard(),
+) -> BlockPlan:
+    """Fill ``model`` for serving from ``gguf``'s blocks where kernels run them and from
+    ``source`` (``gguf``, with a trained head attached or not) for everything else.
+    ``shard``: ``model`` is a tensor-parallel rank's (:mod:`spectrio.models.parallel`),
+    so it takes that rank's rows of the column-parallel and vocab-parallel matrices and
+    its whole blocks of every row of the row-parallel ones. Returns the plan it
+    followed."""
+    plan = plan_blocks(gguf, cfg)
+    for name, kind, nbytes in plan.widened:
+        log.warning(
+            "no block kernel for this tensor's type: widened to float32",
+            tensor=name,
+            type=kind,
+            float32_mb=round(nbytes / 1e6, 1),
+        )
+    fill_parameters(model, cfg, source, "float32", shard.rank, shard.size, skip=plan.skipped)
+    for name, param in model.named_parameters():  # a shard's parameters come initialised
+        if hf_name(name, cfg) in plan.skipped and param._is_initialized():
+            param._clear_data()
+    d = cfg.hidden_size
+    for role, group in plan.groups.items():
+        if role == "head":
+            continue
+        index, what = role.split(".")
+        layer = model.model.layers[int(index)]
+        attn, mlp = layer.self_attn, layer.mlp
+        split = shard.size > 1 and what in ("o", "down")
+        rows = _rows(gguf, group.names, group.kind, Shard() if split else shard)
+        if split:
+            rows = shard.columns(rows, group.kind, _inputs(cfg, what), group.names[0])
+        if what == "qkv":
+            if attn.q_norm is None:  # the fused float path scales q; blocks scale their d
+                n_q = attn.num_heads * attn.head_dim
+                rows[:n_q] = scaled_blocks(rows[:n_q], group.kind, attn.scale)
+            attn._qkv_weight = ServingMatrix.from_blocks(rows, group.kind, d)
+        elif what == "o":
+            k = attn.num_heads * attn.head_dim  # this rank's heads
+            attn._o_weight = ServingMatrix.from_blocks(rows, group.kind, k)
+        elif what == "gate_up":
+            mlp._gate_up_weight = ServingMatrix.from_blocks(rows, group.kind, d)
+        else:
+            k = _inputs(cfg, what) // shard.size
+            mlp._down_weight = ServingMatrix.from_blocks(rows, group.kind, k)
+    head = plan.groups.get("head")
     if head is not None:
-        weight = model.model.embed_tokens.weight if lm_head is None else lm_head.weight.t()
-        model._head.set_matrix(ServingMatrix.from_blocks(head[1][0], head[0], d), weight.detach())
-    counts[head[0] if head else "float32"] += 1
-    log.info("serving from GGUF blocks", path=source.where, matrices=dict(counts))
-    return counts
+        (name,) = head.names
+        matrix = ServingMatrix.from_blocks(shard.rows(gguf.block_view(name)), head.kind, d)
+        embed = _embedding_rows(gguf, "model.embed_tokens.weight")
+        model.serve_rows_from(embed, _embedding_rows(gguf, name), matrix)
+    if isinstance(source, WithHead):
+        model.set_draft_vocab(source.head.draft_vocab)
+    model.eval()
+    model.prepare_serving(release=True)
+    gguf.drop_mapped_pages()  # the copies' sources; views are paged in again when read
+    trim_freed_memory()
+    log.info("serving from GGUF blocks", path=gguf.where, matrices=dict(plan.counts()))
+    return plan

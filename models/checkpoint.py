@@ -267,11 +267,14 @@ def fill_parameters(
     dtype: str,
     rank: int = 0,
     size: int = 1,
+    skip: frozenset[str] = frozenset(),
 ) -> None:
     """Set every parameter of ``model`` (rank ``rank`` of ``size``'s shard when ``size`` >
     1) from ``source``, widened to ``dtype``. Every name and full shape is checked before
     any value is read, so a wrong checkpoint fails fast and names the first problem:
-    missing, misshapen, unexpected, or non-float."""
+    missing, misshapen, unexpected, or non-float. Tensors named (Hugging Face names) in
+    ``skip`` are checked but not read: their parameters stay without storage, for a
+    caller that serves them from elsewhere (a GGUF file's blocks)."""
     names = source.names()
     plan: list[tuple[paddle.Tensor, str, str, int | None, list[int]]] = []
     for name, param in model.named_parameters():
@@ -292,6 +295,7 @@ def fill_parameters(
             )
         plan.append((param, name, hf, axis, want))
     refuse_unexpected(source.where, cfg, names - {p[2] for p in plan})
+    plan = [item for item in plan if item[2] not in skip]
     order = getattr(source, "read_order", None)  # a source in several files: file by file
     if order is not None:
         plan.sort(key=lambda item: order(item[2]))

@@ -34,6 +34,7 @@ __all__ = [
     "quantize_activations",
     "reference_matmul",
     "scaled_blocks",
+    "synthetic_blocks",
 ]
 
 GROUP = 32
@@ -72,9 +73,9 @@ BLOCK_TYPES: dict[str, BlockType] = {
         _block_type("Q5_0", True),
         _block_type("Q5_1", True),
         _block_type("Q8_0", True),
-        _block_type("Q4_K", False),
-        _block_type("Q5_K", False),
-        _block_type("Q6_K", False),
+        _block_type("Q4_K", True),
+        _block_type("Q5_K", True),
+        _block_type("Q6_K", True),
         _block_type("BF16", False),
     )
 }
@@ -121,10 +122,55 @@ def _high_bits(raw4: np.ndarray) -> np.ndarray:
     return (bits * 16).astype(np.uint8)
 
 
+def _k_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K super-blocks → each group's 6-bit scale and minimum ``[..., blocks, 8]``:
+    groups 0-3 in the low 6 bits of bytes 4-7 and 8-11, groups 4-7 in the nibbles of bytes
+    12-15 with their top 2 bits in the high bits of bytes 4-7 (scales) and 8-11 (minima)."""
+    s = raw[..., 4:16].astype(np.int32)
+    lo, mid, top = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([lo & 63, (top & 0x0F) | ((lo >> 6) << 4)], axis=-1)
+    mn = np.concatenate([mid & 63, (top >> 4) | ((mid >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def _decode_k(raw: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """K-quant super-blocks ``[..., blocks, bytes]`` → :func:`decode_groups`'s values per
+    group ``[..., blocks, 8, ...]`` (eight groups of 32 each)."""
+    lead = raw.shape[:-1]
+    if name == "Q6_K":
+        # low nibbles: bytes 64h + 32(t & 1) + i shifted by 4(t >> 1), for group 4h + t;
+        # two high bits: byte 32h + i shifted by 2t; the value is that 6-bit q - 32
+        ql = raw[..., 0:128].reshape(*lead, 2, 2, 32)
+        low = np.concatenate([ql & 0x0F, ql >> 4], axis=-2)
+        qh = raw[..., 128:192].reshape(*lead, 2, 1, 32)
+        high = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+        u = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(*lead, 8, 32)
+        sc = raw[..., 192:208].view(np.int8).astype(np.float32).reshape(*lead, 8, 2)
+        d = _f16(raw, 208)[..., None, None] * sc
+        return u, d, np.zeros_like(d)
+    sc, mn = _k_scales(raw)
+    d = _f16(raw, 0)[..., None] * sc.astype(np.float32)
+    m = -(_f16(raw, 2)[..., None] * mn.astype(np.float32))
+    # nibbles: groups 2c and 2c + 1 are the low and high nibbles of bytes 32c .. 32c + 31
+    qs = raw[..., 48:176] if name == "Q5_K" else raw[..., 16:144]
+    qs = qs.reshape(*lead, 4, 1, 32)
+    u = np.concatenate([qs & 0x0F, qs >> 4], axis=-2).reshape(*lead, 8, 32)
+    if name == "Q5_K":  # the fifth bit of element i of group j: bit j of byte 16 + i
+        qh = raw[..., None, 16:48]
+        u = u | (((qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1) << 4)
+    return u, np.stack([d, d], axis=-1), np.stack([m, m], axis=-1)
+
+
 def decode_groups(raw: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Blocks of type ``name`` (``raw``: uint8 ``[..., blocks, bytes]``) → ``u``
-    ``[..., blocks, 32]`` (uint8; int8 for Q8_0), ``d`` and ``m`` ``[..., blocks, 2]``
-    (float32, per half-group), with ``w = d * u + m`` elementwise per half."""
+    ``[..., groups, 32]`` (uint8; int8 for Q8_0 and Q6_K), ``d`` and ``m`` ``[..., groups,
+    2]`` (float32, per half-group), with ``w = d * u + m`` elementwise per half. A block
+    is one group, a K-quant super-block eight (Q4_K/Q5_K: a scale and offset per group,
+    ``d * sc`` and ``-dmin * min``; Q6_K: a scale per half, ``d * sc``, no offset)."""
+    if name in ("Q4_K", "Q5_K", "Q6_K"):
+        u, d, m = _decode_k(raw, name)
+        flat = lambda a: a.reshape(*a.shape[:-3], -1, a.shape[-1])  # noqa: E731
+        return flat(u), flat(d), flat(m)
     d = _f16(raw, 0)
     if name == "Q8_0":
         u = raw[..., 2:34].view(np.int8)
@@ -145,7 +191,9 @@ def decode_groups(raw: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray, n
 
 
 def dequantize(raw: np.ndarray, name: str) -> np.ndarray:
-    """Blocks → float32 weights ``[..., blocks * 32]``, from :func:`decode_groups`."""
+    """Blocks → float32 weights ``[..., blocks * block elements]``, from
+    :func:`decode_groups` (each weight ``d * u + m`` rounded once to float32, as ``gguf``
+    computes it: the product is exact)."""
     u, d, m = decode_groups(raw, name)
     half = lambda a: np.repeat(a, 16, axis=-1)  # noqa: E731 — per half-group → per element
     w = half(d) * u.astype(np.float32) + half(m)
@@ -168,7 +216,7 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 def reference_matmul(x: np.ndarray, raw: np.ndarray, name: str) -> np.ndarray:
     """``x @ W.T`` as the block kernel computes it, in float64: ``x`` float32 ``[M, K]``,
-    ``raw`` uint8 ``[N, K / 32, bytes]`` blocks of ``name``."""
+    ``raw`` uint8 ``[N, K / block elements, bytes]`` blocks of ``name``."""
     q, dx, sums = quantize_activations(x)
     u, d, m = decode_groups(raw, name)
     rows, k = q.shape
@@ -179,6 +227,36 @@ def reference_matmul(x: np.ndarray, raw: np.ndarray, name: str) -> np.ndarray:
     return (scaled.sum(axis=-1) * dx[:, None].astype(np.float64)).sum(axis=-1)
 
 
+#: byte offsets of each type's float16 block scales (and offsets): the fields that scale
+#: every weight of the block when multiplied together
+_F16_FIELDS = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
+
+
+def synthetic_blocks(name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` rows of ``k`` elements of random blocks of ``name`` (uint8 ``[n, row bytes]``):
+    random quants and sub-block scales, float16 scales of weights near unit size (for
+    tests and benchmarks of types ``gguf`` cannot quantize)."""
+    t = BLOCK_TYPES[name]
+    rows = rng.integers(0, 256, (n, t.row_bytes(k)), dtype=np.uint8)
+    blocks = rows.reshape(-1, t.bytes)
+    per_element = {"Q8_0": 1 / 64, "Q4_0": 1 / 4, "Q4_1": 1 / 8, "Q5_0": 1 / 8, "Q5_1": 1 / 16,
+                   "Q4_K": 1 / 256, "Q5_K": 1 / 512, "Q6_K": 1 / 1024}[name]  # fmt: skip
+    for i, at in enumerate(_F16_FIELDS[name]):
+        scale = rng.uniform(0.5, 1.5, blocks.shape[0]) * per_element
+        value = scale if i == 0 or name.endswith("_K") else -8 * scale
+        blocks[:, at : at + 2] = value.astype(np.float16).reshape(-1, 1).view(np.uint8)
+    return rows
+
+
 def scaled_blocks(raw: np.ndarray, name: str, factor: float) -> np.ndarray:
     """A copy of blocks ``raw`` (uint8 ``[..., blocks * bytes]`` rows) whose weights are
     ``factor`` times the originals: each block's float16 scale (and offset, for the types
@@ -187,8 +265,7 @@ def scaled_blocks(raw: np.ndarray, name: str, factor: float) -> np.ndarray:
     t = BLOCK_TYPES[name]
     rows = np.array(raw, dtype=np.uint8, copy=True)
     blocks = rows.reshape(-1, t.bytes)
-    fields = (0, 2) if name in ("Q4_1", "Q5_1") else (0,)
-    for at in fields:
+    for at in _F16_FIELDS[name]:
         half = np.ascontiguousarray(blocks[:, at : at + 2]).view(np.float16)
         scaled = (half.astype(np.float32) * np.float32(factor)).astype(np.float16)
         blocks[:, at : at + 2] = scaled.view(np.uint8)

@@ -1,13 +1,14 @@
 """A GGUF file's Hugging Face folder, converted once and kept in the cache folder.
 
-Opening a GGUF file is slow in a way that does not depend on its tensors: the ``gguf``
-package parses every metadata field element by element, and a 49,152-token vocabulary
-with its merges is about 150,000 of them (several seconds on a small CPU), before the
-weights are dequantized in NumPy. The folder :func:`spectrio.models.convert.convert_gguf`
-writes holds the same weights, exactly (float32 holds every dequantized value), the same
-config, tokenizer and chat template, and opens in a fraction of a second. So the first
-load of a GGUF file converts it into ``<cache>/gguf/<key>/`` and every load after that
-reads the folder; ``tests/test_gguf_cache.py`` checks that both give the same model.
+A load that widens a GGUF file's weights to float32 parameters (training, the dense
+forward, ``spectrio convert``, a runtime with ``SPECTRIO_GGUF_BLOCKS=0``) would
+dequantize every weight in NumPy each time. The folder
+:func:`spectrio.models.convert.convert_gguf` writes holds the same weights, exactly
+(float32 holds every dequantized value), the same config, tokenizer and chat template,
+and opens in a fraction of a second. So the first such load converts the file into
+``<cache>/gguf/<key>/`` and every one after that reads the folder;
+``tests/test_gguf_cache.py`` checks that both give the same model. A runtime serving the
+file's quantized blocks (the default) reads the file itself and never converts it.
 
 Invariants:
 

@@ -45,6 +45,7 @@ import numpy as np
 from spectrio.errors import CheckpointError, ModelConfigError
 from spectrio.models.checkpoint import interleaved_to_half, is_qk_rows
 from spectrio.models.config import ModelConfig, RopeScaling
+from spectrio.models.gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo
 
 __all__ = ["GGUFFile", "GGUF_MAGIC", "is_gguf", "llama3_scaling"]
 
@@ -226,6 +227,12 @@ def llama3_scaling(
     )
 
 
+def _qtype(t: TensorInfo) -> Any:
+    from gguf.constants import GGMLQuantizationType
+
+    return GGMLQuantizationType(t.ggml_type)
+
+
 def is_gguf(path: Path) -> bool:
     """Whether ``path`` is a file that starts with the GGUF magic."""
     try:
@@ -237,7 +244,7 @@ def is_gguf(path: Path) -> bool:
 
 @dataclasses.dataclass
 class _Tensor:
-    raw: Any  # gguf.ReaderTensor
+    raw: TensorInfo
     shape: list[int]  # Hugging Face order: [out, in] for a matrix
 
 
@@ -247,14 +254,12 @@ class GGUFFile:
     dequantized when read."""
 
     def __init__(self, path: Path) -> None:
-        import gguf
-
         self.path = path
         self.where = str(path)
         try:
-            self._reader = gguf.GGUFReader(str(path))
-        except (ValueError, OSError, IndexError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{path}: corrupt or unreadable GGUF file ({exc})") from exc
+            self._header = GGUFHeader(path)
+        except GGUFHeaderError as exc:
+            raise CheckpointError(f"corrupt or unreadable GGUF file: {exc}") from exc
         self.arch = str(self._field("general.architecture"))
         if self.arch not in _ARCHS:
             raise CheckpointError(
@@ -262,13 +267,13 @@ class GGUFFile:
                 f"(supported: {', '.join(_ARCHS)})"
             )
         self._tensors: dict[str, _Tensor] = {}
-        self._rope_freqs: Any = None  # gguf.ReaderTensor of rope_freqs.weight, if any
-        for t in self._reader.tensors:
+        self._rope_freqs: TensorInfo | None = None  # rope_freqs.weight, if any
+        for t in self._header.tensors:
             if t.name == ROPE_FREQS:
                 self._rope_freqs = t
                 continue
             name = self._hf_tensor_name(t.name)
-            self._tensors[name] = _Tensor(t, [int(n) for n in reversed(list(t.shape))])
+            self._tensors[name] = _Tensor(t, [int(n) for n in reversed(t.dims)])
         try:
             self.config = self._config()
         except ModelConfigError as exc:
@@ -277,12 +282,11 @@ class GGUFFile:
     # ---- metadata ----------------------------------------------------------------------
 
     def _field(self, key: str, default: Any = ...) -> Any:
-        field = self._reader.fields.get(key)
-        if field is None:
+        if key not in self._header.fields:
             if default is ...:
                 raise CheckpointError(f"{self.path}: GGUF metadata {key!r} is missing")
             return default
-        return field.contents()
+        return self._header.fields[key]
 
     def _arch_field(self, key: str, default: Any = ...) -> Any:
         return self._field(f"{self.arch}.{key}", default)
@@ -366,9 +370,10 @@ class GGUFFile:
         from gguf.quants import dequantize
 
         t = self._rope_freqs
+        assert t is not None
         where = f"{self.path}: tensor {ROPE_FREQS!r} (per-frequency RoPE scaling)"
         try:
-            divisors = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64)
+            divisors = np.asarray(dequantize(t.data, _qtype(t)), dtype=np.float64)
         except (NotImplementedError, ValueError) as exc:
             raise CheckpointError(f"{where} is unreadable ({exc})") from exc
         original = int(self._arch_field("rope.scaling.original_context_length", ORIGINAL_CONTEXT))
@@ -395,10 +400,10 @@ class GGUFFile:
 
         t = self._tensors[name]
         try:
-            arr = np.asarray(dequantize(t.raw.data, t.raw.tensor_type)).reshape(t.shape)
+            arr = np.asarray(dequantize(t.raw.data, _qtype(t.raw))).reshape(t.shape)
         except NotImplementedError as exc:
             raise CheckpointError(
-                f"{self.path}: tensor {t.raw.name!r}: {exc} (type {t.raw.tensor_type.name})"
+                f"{self.path}: tensor {t.raw.name!r}: {exc} (type {_qtype(t.raw).name})"
             ) from exc
         except ValueError as exc:
             raise CheckpointError(
@@ -412,22 +417,56 @@ class GGUFFile:
             arr = arr[:, lo:hi]
         return arr
 
-    def blocks(self, name: str) -> tuple[str, np.ndarray] | None:
-        """A matrix's quantized blocks as stored, for the block kernels: its type's name and
-        uint8 ``[out, row bytes]`` rows (a view of the mapped file; q/k rows reordered as
-        :meth:`read` reorders them, a copy then). None where its type has no kernel."""
-        from spectrio.models.gguf_blocks import block_type, check_tensor_bytes
+    def type_name(self, name: str) -> str:
+        """The ggml type tensor ``name`` is stored in (``"Q4_1"``, ``"F32"``, ...)."""
+        return str(_qtype(self._tensors[name].raw).name)
+
+    def _matrix_rows(self, name: str) -> tuple[TensorInfo, int]:
+        """A matrix's tensor, checked to hold whole blocks, and its bytes per row."""
+        from spectrio.models.gguf_blocks import check_tensor_bytes
 
         t = self._tensors[name]
-        kind = block_type(int(t.raw.tensor_type))
-        if kind is None or not kind.native or len(t.shape) != 2:
-            return None
-        raw = np.asarray(t.raw.data)
-        check_tensor_bytes(t.raw.name, kind.ggml_id, tuple(reversed(t.shape)), raw.nbytes)
-        rows = raw.reshape(t.shape[0], -1)
+        if len(t.shape) != 2:
+            raise CheckpointError(f"{self.path}: tensor {t.raw.name!r} is not a matrix")
+        check_tensor_bytes(t.raw.name, t.raw.ggml_type, tuple(reversed(t.shape)), t.raw.data.nbytes)
+        return t.raw, t.raw.data.nbytes // t.shape[0]
+
+    def block_view(self, name: str) -> np.ndarray:
+        """A matrix's blocks as stored: uint8 ``[out, row bytes]``, a view of the mapped
+        file (q/k rows of an interleaved-RoPE family come reordered, in a copy)."""
+        raw, row_bytes = self._matrix_rows(name)
+        rows = raw.data.view(np.uint8).reshape(self._tensors[name].shape[0], row_bytes)
         if self.arch in _INTERLEAVED_ROPE and is_qk_rows(name):
             rows = interleaved_to_half(rows, self.config.head_dim)
-        return kind.name, rows
+        return rows
+
+    def read_blocks(self, name: str) -> np.ndarray:
+        """:meth:`block_view`'s rows in a new array filled by reading the file, so the
+        mapping's pages are not made resident for a copy."""
+        raw, row_bytes = self._matrix_rows(name)
+        out = np.empty((self._tensors[name].shape[0], row_bytes), dtype=np.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(self._header.offset_of(raw))
+            if f.readinto(memoryview(out).cast("B")) != out.nbytes:
+                raise CheckpointError(f"{self.path}: tensor {raw.name!r} is truncated")
+        if self.arch in _INTERLEAVED_ROPE and is_qk_rows(name):
+            out = interleaved_to_half(out, self.config.head_dim)
+        return out
+
+    def read_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
+        """Rows ``ids`` of matrix ``name`` (not a q/k matrix), dequantized to float32
+        ``[len(ids), in]``: an embedding's rows for a step's tokens."""
+        from gguf.quants import dequantize
+
+        t = self._tensors[name]
+        picked = t.raw.data.reshape(t.shape[0], -1)[ids]
+        return np.asarray(dequantize(picked, _qtype(t.raw)), dtype=np.float32).reshape(
+            len(ids), t.shape[1]
+        )
+
+    def drop_mapped_pages(self) -> None:
+        """Let the kernel drop the mapping's resident pages (they are read again on use)."""
+        self._header.drop_pages()
 
     # ---- tokenizer -----------------------------------------------------------------------
 

@@ -196,10 +196,13 @@ class Attention(nn.Layer):
         (:class:`~spectrio.models.serving_matrix.ServingMatrix`).
         """
         q_scale = 1.0 if self.q_norm is not None else self.scale
-        q = self.q_proj.weight.numpy()
-        self._qkv_weight = _folded(
-            norm_weight, [q * q.dtype.type(q_scale), self.k_proj.weight, self.v_proj.weight], half
-        )
+        if self._qkv_weight is None:  # else set from elsewhere (GGUF blocks): keep it
+            q = self.q_proj.weight.numpy()
+            self._qkv_weight = _folded(
+                norm_weight,
+                [q * q.dtype.type(q_scale), self.k_proj.weight, self.v_proj.weight],
+                half,
+            )
         if self.q_proj.bias is not None:
             self._qkv_bias = paddle.concat(
                 [self.q_proj.bias * q_scale, self.k_proj.bias, self.v_proj.bias]
@@ -211,7 +214,8 @@ class Attention(nn.Layer):
                     self.k_norm.weight.unsqueeze(0).expand([self.num_kv_heads, -1]),
                 ]
             ).detach()
-        self._o_weight = ServingMatrix(self.o_proj.weight.detach(), half=half)
+        if self._o_weight is None:
+            self._o_weight = ServingMatrix(self.o_proj.weight.detach(), half=half)
 
     def forward_paged(
         self,
@@ -347,12 +351,14 @@ class MLP(nn.Layer):
     def fuse(self, norm_weight: paddle.Tensor, half: bool = False) -> None:
         """Build the gate|up matrix with the preceding RMSNorm's weight folded in
         (``half``: float16 panels, as :meth:`Attention.fuse_qkv`)."""
-        self._gate_up_weight = _folded(
-            norm_weight, [self.gate_proj.weight, self.up_proj.weight], half
-        )
+        if self._gate_up_weight is None:  # else set from elsewhere (GGUF blocks): keep it
+            self._gate_up_weight = _folded(
+                norm_weight, [self.gate_proj.weight, self.up_proj.weight], half
+            )
         if self.gate_proj.bias is not None:
             self._gate_up_bias = paddle.concat([self.gate_proj.bias, self.up_proj.bias]).detach()
-        self._down_weight = ServingMatrix(self.down_proj.weight.detach(), half=half)
+        if self._down_weight is None:
+            self._down_weight = ServingMatrix(self.down_proj.weight.detach(), half=half)
 
     def forward_fused(self, x: paddle.Tensor) -> paddle.Tensor:
         """The same MLP on a normalised, unweighted ``x``: one gate|up matmul, ``swiglu``."""
@@ -367,6 +373,9 @@ class MLP(nn.Layer):
 class DecoderLayer(nn.Layer):
     #: build the serving weights as float16 panels (the MTP layer's, which only drafts)
     half_weights = False
+    #: prepare_serving built the serving weights (a class default: a tensor-parallel
+    #: layer builds its parts without this __init__)
+    _fused = False
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -398,7 +407,7 @@ class DecoderLayer(nn.Layer):
     ) -> tuple[paddle.Tensor, paddle.Tensor]:
         """The block on ``x + delta``. Returns ``(x', delta')`` whose sum is the block's
         output, left unsummed so the next norm adds it in its own op."""
-        if self.mlp._gate_up_weight is None:
+        if not self._fused:
             self.prepare_serving()
         h, x = self.input_layernorm.add_normalize(x, delta)
         attn = self.self_attn.forward_paged(h, rope, plan, cache, layer)
@@ -408,7 +417,7 @@ class DecoderLayer(nn.Layer):
     def native_ready(self) -> bool:
         """Whether :meth:`forward_native` runs: the serving weights are packed panels
         (float32 weights where the native kernels run; the MTP layer's may be float16)."""
-        if self.mlp._gate_up_weight is None:
+        if not self._fused:
             self.prepare_serving()
         attn, mlp = self.self_attn, self.mlp
         matrices = (attn._qkv_weight, attn._o_weight, mlp._gate_up_weight, mlp._down_weight)
@@ -445,13 +454,14 @@ class DecoderLayer(nn.Layer):
             x, delta, bias, qkv, attn._qkv_bias, attn._qk_norm_weight, rows.rope,
             cache.pools(layer), o, rows.as_tuple,
             (attn.num_heads, attn.num_kv_heads, attn.head_dim, cache.block_size), eps,
-            norm_weight=norms[0],
+            norm_weight=norms[0], types=(attn._qkv_weight.ggml_type, attn._o_weight.ggml_type),
         )  # fmt: skip
         out = attn._reduce(out)
         f = mlp._down_weight.shape[0]
         out, x = native_ops.mlp_block(
             x, out, attn.o_proj.bias, gate_up, mlp._gate_up_bias, down, f,
             self.post_attention_layernorm.eps, norm_weight=norms[1],
+            types=(mlp._gate_up_weight.ggml_type, mlp._down_weight.ggml_type),
         )  # fmt: skip
         return x, mlp._reduce(out), mlp.down_proj.bias
 
@@ -460,9 +470,10 @@ class DecoderLayer(nn.Layer):
         q/k/v and gate/up matrices they were built from: the fused copies hold the same
         values (times the norm weights), so keeping both doubles most of a layer's
         memory, but only the serving forward can run afterwards."""
-        if self.mlp._gate_up_weight is None:
+        if not self._fused:
             self.self_attn.fuse_qkv(self.input_layernorm.weight, self.half_weights)
             self.mlp.fuse(self.post_attention_layernorm.weight, self.half_weights)
+            self._fused = True
         if release:
             attn, mlp = self.self_attn, self.mlp
             linears = [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj]
@@ -470,10 +481,12 @@ class DecoderLayer(nn.Layer):
             shared = ((attn.o_proj, attn._o_weight), (mlp.down_proj, mlp._down_weight))
             linears += [linear for linear, matrix in shared if matrix is not None and matrix.packed]
             for linear in linears:
-                linear.weight._clear_data()
+                if linear.weight._is_initialized():  # one served from blocks never was
+                    linear.weight._clear_data()
 
     def drop_fused(self) -> None:
         """Forget the fused serving weights (they are rebuilt from the parameters)."""
         attn, mlp = self.self_attn, self.mlp
         attn._qkv_weight = attn._qkv_bias = attn._qk_norm_weight = attn._o_weight = None
         mlp._gate_up_weight = mlp._gate_up_bias = mlp._down_weight = None
+        self._fused = False

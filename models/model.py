@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -72,7 +73,7 @@ class HeadLayouts:
 
     @property
     def empty(self) -> bool:
-        return self._rows is None and self._cols is None
+        return self._rows is None and self._cols is None and self._packed is None
 
     def set_rows(self, weight: paddle.Tensor) -> None:
         """The head as ``[V, d]`` (a tied embedding)."""
@@ -84,11 +85,11 @@ class HeadLayouts:
         self._rows, self._cols, self._packed = None, weight, None
         self._large = math.prod(weight.shape) >= self.LARGE_HEAD
 
-    def set_matrix(self, matrix: ServingMatrix, source: paddle.Tensor) -> None:
-        """The head as a ready serving matrix (GGUF blocks), with ``source``, its weight
-        as a Paddle tensor (``[V, d]``), for the paths that do not take the matrix."""
-        self.set_rows(source)
-        self._packed = matrix
+    def set_matrix(self, matrix: ServingMatrix) -> None:
+        """The head as a ready serving matrix (GGUF blocks) alone: only 2-D hidden
+        states, as the serving forward passes, can be multiplied by it."""
+        self._rows = self._cols = None
+        self._packed, self._large = matrix, True
 
     def _panels(self) -> ServingMatrix | None:
         if self._packed is None:
@@ -206,6 +207,11 @@ class SpectrioForCausalLM(nn.Layer):
         self._mtp_reads_prenorm = layout.reads_prenorm
         self._mtp_norm_in_layer = layout.norm_in_layer
         self.staging = Staging()  # persistent input buffers (models/staging.py)
+        #: ``rows(ids)``: float32 ``[len(ids), d]`` rows of the embedding / the output head
+        #: computed from elsewhere (a GGUF file's blocks, dequantized row by row) when the
+        #: parameters hold no storage (:meth:`serve_rows_from`); None: the parameters
+        self._embed_rows: Callable[[np.ndarray], np.ndarray] | None = None
+        self._head_rows: Callable[[np.ndarray], np.ndarray] | None = None
         # Held for a serving pass: runtimes sharing this model (open_runtime's ``loaded``)
         # take turns, since a pass stages its inputs in ``staging``.
         self.step_lock = threading.Lock()
@@ -319,7 +325,9 @@ class SpectrioForCausalLM(nn.Layer):
             return self.compute_logits(hidden), None
         if self._draft_head.empty:
             ids = paddle.to_tensor(self.draft_vocab)
-            if self.lm_head is None:
+            if self._head_rows is not None:
+                self._draft_head.set_rows(paddle.to_tensor(self._head_rows(self.draft_vocab)))
+            elif self.lm_head is None:
                 self._draft_head.set_rows(paddle.gather(self.model.embed_tokens.weight, ids))
             else:
                 self._draft_head.set_columns(
@@ -327,10 +335,27 @@ class SpectrioForCausalLM(nn.Layer):
                 )
         return self._draft_head.logits(hidden), self.draft_vocab
 
-    def _embed(self, ids: paddle.Tensor) -> paddle.Tensor:
+    def serve_rows_from(
+        self,
+        embed: Callable[[np.ndarray], np.ndarray],
+        head: Callable[[np.ndarray], np.ndarray],
+        head_matrix: ServingMatrix,
+    ) -> None:
+        """Serve the embedding and the head from outside the parameters (a GGUF file's
+        blocks): ``embed(ids)`` and ``head(ids)`` give float32 rows, ``head_matrix`` the
+        whole head's product. The parameters they replace stay without storage, so only
+        the serving forward runs."""
+        self._embed_rows, self._head_rows = embed, head
+        self._head.set_matrix(head_matrix)
+        self._draft_head = HeadLayouts(self.draft_half)
+        self.serving_only = True
+
+    def _embed(self, ids: np.ndarray) -> paddle.Tensor:
         """Embedding rows of ``ids`` (a row gather: ``nn.Embedding`` without its Python
         wrapper)."""
-        return fo.gather(self.model.embed_tokens.weight, ids)
+        if self._embed_rows is not None:
+            return paddle.to_tensor(self._embed_rows(ids))
+        return fo.gather(self.model.embed_tokens.weight, self.staging.put(ids))
 
     def _inv_freq(self) -> np.ndarray:
         if self._inv_freq_cache is None:
@@ -428,7 +453,7 @@ class SpectrioForCausalLM(nn.Layer):
     def forward(self, batch: PackedBatch, cache: PagedKVCache) -> ForwardOutput:
         """Target pass: writes K/V of every row, returns logits and final hidden states."""
         self.staging.reset()
-        x = self._embed(self.staging.put(batch.input_ids))
+        x = self._embed(batch.input_ids)
         layers = self._decoder_layers()[: self.config.num_hidden_layers]
         x, delta = self._run_layers(layers, x, batch, cache)
         hidden, summed = self.model.norm.add_normalize(x, delta, weighted=True)
@@ -450,7 +475,7 @@ class SpectrioForCausalLM(nn.Layer):
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP layer (num_nextn_predict_layers=0)")
         self.staging.reset()
-        x = self.mtp.fuse(self._embed(self.staging.put(batch.input_ids)), prev_hidden, True)
+        x = self.mtp.fuse(self._embed(batch.input_ids), prev_hidden, True)
         x, delta = self._run_layers([self.mtp], x, batch, cache)
         x = fo.add(x, delta)
         norm = self.mtp.shared_head.norm

@@ -207,7 +207,8 @@ def panel_matmul(x: paddle.Tensor, panels: paddle.Tensor, n: int) -> paddle.Tens
 def block_matmul(x: paddle.Tensor, w: paddle.Tensor, ggml_type: int, n: int) -> paddle.Tensor:
     """``x @ W.T`` for float32 ``x`` ``[M, K]`` and ``W``, ``n`` rows of GGUF blocks of
     ``ggml_type`` held as a uint8 tensor (``models/csrc/block_kernels.h``: the
-    activations are quantized per 32 to int8 first). Only where the kernels run."""
+    activations are quantized per 32 to int8 first; K a multiple of the type's block,
+    256 for the K-quants). Only where the kernels run."""
     threads = configured_threads() or 1
     return _C_OPS._run_custom_op("spectrio_block_matmul", x, w, int(ggml_type), int(n), threads)[0]
 
@@ -254,6 +255,7 @@ def attention_block(
     shape: tuple[int, int, int, int],
     eps: float,
     norm_weight: paddle.Tensor | None = None,
+    types: tuple[int, int] = (0, 0),
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """A layer's attention half in one op (``csrc/spectrio_layer.cc`` says what it
     computes and its invariants): ``(partial o projection, x + delta + delta_bias)``.
@@ -261,14 +263,16 @@ def attention_block(
     RMSNorm's weight, which panels have folded in, must be given); ``rope``: cos/sin
     tables ``[P, D/2]``; ``pools``: the layer's K and V pools, written in place;
     ``rows``: positions, sequence of each row and the padded block tables; ``shape``:
-    heads, KV heads, head dim, block size. Only where the kernels run, without autograd
-    (the caller checks)."""
+    heads, KV heads, head dim, block size; ``types``: the ggml types of ``qkv`` and ``o``
+    (:attr:`~spectrio.models.serving_matrix.ServingMatrix.ggml_type`), which block
+    weights need (their sizes cannot tell every type apart) and panels ignore (their
+    dtype says). Only where the kernels run, without autograd (the caller checks)."""
     out, summed = _C_OPS._run_custom_op(
         "spectrio_attention_block",
         x, _given(delta), _given(delta_bias), _given(norm_weight), qkv, _given(qkv_bias),
         _given(qk_norm),
         rope[0], rope[1], pools[0], pools[1], o, rows[0], rows[1], rows[2],
-        *shape, float(eps), configured_threads() or 1,
+        *shape, float(eps), configured_threads() or 1, int(types[0]), int(types[1]),
     )  # fmt: skip
     return out, summed
 
@@ -283,12 +287,15 @@ def mlp_block(
     intermediate: int,
     eps: float,
     norm_weight: paddle.Tensor | None = None,
+    types: tuple[int, int] = (0, 0),
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """A layer's MLP half in one op: ``(partial down projection, x + delta +
-    delta_bias)``, as :func:`attention_block`."""
+    delta_bias)``, as :func:`attention_block` (``types``: those of ``gate_up`` and
+    ``down``)."""
     out, summed = _C_OPS._run_custom_op(
         "spectrio_mlp_block",
         x, _given(delta), _given(delta_bias), _given(norm_weight), gate_up,
         _given(gate_up_bias), down, int(intermediate), float(eps), configured_threads() or 1,
+        int(types[0]), int(types[1]),
     )  # fmt: skip
     return out, summed

@@ -39,10 +39,17 @@ from paddle import nn
 from spectrio.errors import ConfigError
 from spectrio.models.checkpoint import fill_parameters
 from spectrio.models.config import DType, ModelConfig
+from spectrio.models.gguf_file import GGUFFile
 from spectrio.models.layers import MLP, Attention, DecoderLayer, RMSNorm
-from spectrio.models.loader import LoadedModel, open_checkpoint, read_config, resolve_path
+from spectrio.models.loader import (
+    LoadedModel,
+    blocks_run,
+    open_checkpoint,
+    read_config,
+    resolve_path,
+)
 from spectrio.models.model import MTPLayer, SharedHead, SpectrioForCausalLM
-from spectrio.models.mtp_head import attached_head
+from spectrio.models.mtp_head import WithHead, attached_head
 
 log = structlog.get_logger("spectrio.models.parallel")
 
@@ -215,8 +222,10 @@ class ParallelCausalLM(SpectrioForCausalLM):
         """Local vocab shard's logits, gathered to the full vocabulary on every rank."""
         return self.tp.all_gather_last(super().compute_logits(hidden))
 
-    def _embed(self, ids: paddle.Tensor) -> paddle.Tensor:
-        return self.model.embed_tokens(ids)  # masked lookup and all-reduce
+    def _embed(self, ids: np.ndarray) -> paddle.Tensor:
+        if self._embed_rows is not None:  # every rank reads whole rows from the file
+            return paddle.to_tensor(self._embed_rows(ids))
+        return self.model.embed_tokens(self.staging.put(ids))  # masked lookup, all-reduce
 
 
 # ---- loading --------------------------------------------------------------------------
@@ -244,12 +253,19 @@ def load_sharded(
     t0 = time.perf_counter()
     path = resolve_path(path_or_name)
     check_divisible(read_config(path), tp.size)
-    cfg, source, tokenizer, template = open_checkpoint(path, str(path_or_name))
+    blocks = serving and dtype == "float32" and path.is_file() and blocks_run()
+    cfg, source, tokenizer, template = open_checkpoint(path, str(path_or_name), blocks=blocks)
     model = build_sharded(cfg, tp, dtype)
-    fill_parameters(model, cfg, source, dtype, tp.rank, tp.size)
-    model.eval()
-    if serving:
-        model.prepare_serving(release=True)
+    target = source._target if isinstance(source, WithHead) else source
+    if blocks and isinstance(target, GGUFFile):  # this rank's share of the file's blocks
+        from spectrio.models.block_serving import Shard, load_blocks
+
+        load_blocks(cfg, source, target, model, Shard(tp.rank, tp.size))
+    else:
+        fill_parameters(model, cfg, source, dtype, tp.rank, tp.size)
+        model.eval()
+        if serving:
+            model.prepare_serving(release=True)
     seconds = time.perf_counter() - t0
     log.info("model shard loaded", path=str(path), rank=tp.rank, size=tp.size, seconds=seconds)
     return LoadedModel(

@@ -12,9 +12,10 @@ Invariant: both layouts give ``x @ w`` up to float rounding; the panel kernel su
 output over K in order on one thread, so its result does not depend on the thread count.
 
 A matrix made by :meth:`ServingMatrix.from_blocks` keeps a GGUF file's quantized blocks as
-they are stored (``[N, K / 32 * block bytes]`` uint8, ``models/gguf_blocks.py``), and
-``spectrio_block_matmul`` multiplies by them with int8 activations; the layer ops read them
-too, taking the preceding RMSNorm's weight as an input since it cannot be folded in.
+they are stored (``[N, K / block elements * block bytes]`` uint8, ``models/gguf_blocks.py``),
+and ``spectrio_block_matmul`` multiplies by them with int8 activations; the layer ops read
+them too, given their ggml type (:attr:`ServingMatrix.ggml_type`: block sizes cannot tell
+every type apart) and the preceding RMSNorm's weight, since it cannot be folded in.
 
 A matrix made with ``half=True`` keeps float16 panels: the product reads half the bytes
 and sums in float32, but each weight is rounded to float16 first. Only products whose
@@ -107,8 +108,12 @@ class ServingMatrix:
         t = BLOCK_TYPES[type_name]
         if not t.native:
             raise ValueError(f"no block kernel for {type_name}")
+        if k % t.elements:
+            raise ValueError(
+                f"{type_name} needs rows of a multiple of {t.elements} elements, not {k}"
+            )
         rows = np.ascontiguousarray(raw, dtype=np.uint8).reshape(raw.shape[0], -1)
-        if rows.shape[1] != t.row_bytes(k) or k % t.elements:
+        if rows.shape[1] != t.row_bytes(k):
             raise ValueError(f"{type_name} rows of {rows.shape[1]} bytes do not hold {k} elements")
         self = cls.__new__(cls)
         self.shape, self._n = (int(k), int(rows.shape[0])), int(rows.shape[0])
@@ -130,6 +135,14 @@ class ServingMatrix:
         """The tensor the layer ops read: the packed panels or the blocks (None where the
         weight stays a plain tensor)."""
         return self._blocks[0] if self._blocks is not None else self._panels
+
+    @property
+    def ggml_type(self) -> int:
+        """The ggml type id of what :attr:`panels` holds, as the layer ops take it: the
+        blocks' type, or F32 (0) / F16 (1) for panels (and for a plain tensor)."""
+        if self._blocks is not None:
+            return self._blocks[1]
+        return 1 if self.half else 0
 
     @property
     def half(self) -> bool:

@@ -28,14 +28,27 @@ needs_kernels = pytest.mark.skipif(
 )
 
 
+K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
+
+
+def _k(name: str, k: int = 576) -> int:
+    """``k``, or for a K-quant the next multiple of its 256-element super-blocks."""
+    step = gb.BLOCK_TYPES[name].elements
+    return -(-k // step) * step
+
+
 def _blocks(name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     """``n`` rows of ``k`` Gaussian weights (a few outliers) quantized by ``gguf``:
-    uint8 ``[n, k / 32, bytes]``."""
+    uint8 ``[n, k / block elements, bytes]`` (K-quants, which ``gguf`` cannot quantize:
+    random blocks, :func:`gb.synthetic_blocks`)."""
     rng = np.random.default_rng(seed)
+    t = gb.BLOCK_TYPES[name]
+    if name in K_QUANTS:
+        return gb.synthetic_blocks(name, n, k, rng).reshape(n, -1, t.bytes)
     w = rng.standard_normal((n, k)).astype(np.float32)
     w[rng.random((n, k)) < 0.01] *= 8.0
     raw = quantize(w, getattr(gguf.GGMLQuantizationType, name))
-    return raw.reshape(n, k // 32, gb.BLOCK_TYPES[name].bytes)
+    return raw.reshape(n, k // 32, t.bytes)
 
 
 def _matmul(x: np.ndarray, blocks: np.ndarray, name: str) -> np.ndarray:
@@ -49,9 +62,24 @@ def _matmul(x: np.ndarray, blocks: np.ndarray, name: str) -> np.ndarray:
 
 @pytest.mark.parametrize("name", NATIVE)
 def test_the_group_decoder_reads_each_layout_as_gguf_does(name: str) -> None:
-    blocks = _blocks(name, 7, 256)
+    blocks = _blocks(name, 7, 512)
     want = dequantize(blocks.reshape(7, -1), getattr(gguf.GGMLQuantizationType, name))
     np.testing.assert_array_equal(gb.dequantize(blocks, name), want)
+
+
+@pytest.mark.parametrize("name", K_QUANTS)
+def test_k_quant_groups_carry_their_own_scales(name: str) -> None:
+    """Eight groups of 32 a super-block, each with the scale (per half for Q6_K) and
+    offset of its sub-block: the groups of one super-block differ."""
+    blocks = _blocks(name, 3, 256, seed=4)
+    u, d, m = gb.decode_groups(blocks, name)
+    assert u.shape == (3, 8, 32) and d.shape == m.shape == (3, 8, 2)
+    assert u.dtype == (np.int8 if name == "Q6_K" else np.uint8)
+    assert len(np.unique(d[0, :, 0])) > 1
+    if name == "Q6_K":
+        assert not m.any() and u.min() >= -32 and u.max() <= 31
+    else:
+        assert (d[..., 0] == d[..., 1]).all() and (m <= 0).all() and u.max() <= 31
 
 
 def test_activations_are_quantized_per_32_with_their_half_sums() -> None:
@@ -69,9 +97,11 @@ def test_activations_are_quantized_per_32_with_their_half_sums() -> None:
 @pytest.mark.parametrize("name", NATIVE)
 @pytest.mark.parametrize("rows", [1, 3, 5, 16])
 def test_the_kernel_computes_the_int8_product_of_the_reference(name: str, rows: int) -> None:
-    """K = 576 (18 groups, SmolLM2's width), 37 outputs (no multiple of anything)."""
-    blocks = _blocks(name, 37, 576, seed=rows)
-    x = np.random.default_rng(rows).standard_normal((rows, 576)).astype(np.float32)
+    """K = 576 (18 groups, SmolLM2's width; 768 for the K-quants' super-blocks), 37
+    outputs (no multiple of anything)."""
+    k = _k(name)
+    blocks = _blocks(name, 37, k, seed=rows)
+    x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
     got = _matmul(x, blocks, name)
     want = gb.reference_matmul(x, blocks, name)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
@@ -82,16 +112,18 @@ def test_the_kernel_computes_the_int8_product_of_the_reference(name: str, rows: 
 
 
 @needs_kernels
-def test_a_rows_product_does_not_depend_on_its_batch_or_the_threads() -> None:
-    blocks = _blocks("Q4_1", 53, 1536)
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", *K_QUANTS])
+def test_a_rows_product_does_not_depend_on_its_batch_or_the_threads(name: str) -> None:
+    blocks = _blocks(name, 53, 1536)
     x = np.random.default_rng(5).standard_normal((17, 1536)).astype(np.float32)
-    together = _matmul(x, blocks, "Q4_1")
+    together = _matmul(x, blocks, name)
     for i in (0, 6, 16):
-        np.testing.assert_array_equal(_matmul(x[i : i + 1], blocks, "Q4_1")[0], together[i])
+        np.testing.assert_array_equal(_matmul(x[i : i + 1], blocks, name)[0], together[i])
+    np.testing.assert_array_equal(_matmul(x[3:8], blocks, name), together[3:8])
     before = configured_threads()
     try:
         configure_paddle(1)
-        np.testing.assert_array_equal(_matmul(x, blocks, "Q4_1"), together)
+        np.testing.assert_array_equal(_matmul(x, blocks, name), together)
     finally:
         configure_paddle(before or 1)
 
@@ -104,10 +136,12 @@ def test_bad_shapes_are_refused_by_the_op() -> None:
     with paddle.no_grad():
         with pytest.raises(OSError, match="not 5 rows"):  # what Paddle makes of a PD_CHECK
             native_ops.block_matmul(x, w, 8, 5)
-        with pytest.raises(OSError, match="no kernel for ggml type 12"):
-            native_ops.block_matmul(x, w, 12, 4)
+        with pytest.raises(OSError, match="no kernel for ggml type 10"):
+            native_ops.block_matmul(x, w, 10, 4)
         with pytest.raises(OSError, match="multiple of 32"):
             native_ops.block_matmul(paddle.to_tensor(np.ones((1, 40), np.float32)), w, 8, 4)
+        with pytest.raises(OSError, match="multiple of 256 for ggml type 12"):
+            native_ops.block_matmul(paddle.to_tensor(np.ones((1, 576), np.float32)), w, 12, 4)
 
 
 def test_a_tensor_whose_bytes_do_not_fit_its_type_and_shape_is_named() -> None:
@@ -144,8 +178,8 @@ def test_the_generic_and_avx2_paths_give_the_same_bits(tmp_path) -> None:  # noq
     paths = [p for p in ("generic", "avx2") if p in available_paths(flags)]
     if len(paths) < 2:
         pytest.skip("this CPU runs only the generic path")
-    x = np.random.default_rng(9).standard_normal((3, 288)).astype(np.float32)
-    arrays = {name: _blocks(name, 11, 288) for name in NATIVE}
+    x = np.random.default_rng(9).standard_normal((3, 512)).astype(np.float32)
+    arrays = {name: _blocks(name, 11, 512) for name in NATIVE}
     np.savez(tmp_path / "in.npz", x=x, **arrays)
     seen = {}
     for path in paths:
@@ -168,13 +202,15 @@ def _silu(x: np.ndarray) -> np.ndarray:
 
 
 @needs_kernels
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q4_0", "Q4_K", "Q6_K"])
 def test_the_mlp_op_runs_block_weights_with_the_norm_weight_it_is_given(name: str) -> None:
     """The layer op's MLP half with GGUF blocks for gate|up and down: the RMSNorm weight
     is applied in the op (it cannot be folded into quantized values), then the same int8
-    products as the reference. Against NumPy: the norm, the reference products, SwiGLU."""
+    products as the reference. Against NumPy: the norm, the reference products, SwiGLU.
+    Q4_0 and Q4_K rows are the same size: the op computes with the type it is given."""
     rng = np.random.default_rng(3)
-    n, d, f = 5, 96, 160
+    n, d, f = 5, _k(name, 96), _k(name, 160)
+    t = gb.BLOCK_TYPES[name]
     x = rng.standard_normal((n, d)).astype(np.float32)
     delta = rng.standard_normal((n, d)).astype(np.float32)
     norm_w = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
@@ -184,6 +220,7 @@ def test_the_mlp_op_runs_block_weights_with_the_norm_weight_it_is_given(name: st
             paddle.to_tensor(x), paddle.to_tensor(delta), None,
             paddle.to_tensor(gate_up.reshape(2 * f, -1)), None,
             paddle.to_tensor(down.reshape(d, -1)), f, 1e-5, norm_weight=paddle.to_tensor(norm_w),
+            types=(t.ggml_id, t.ggml_id),
         )  # fmt: skip
     s = x + delta
     np.testing.assert_array_equal(summed.numpy(), s)
@@ -196,7 +233,12 @@ def test_the_mlp_op_runs_block_weights_with_the_norm_weight_it_is_given(name: st
     with paddle.no_grad(), pytest.raises(OSError, match="need the norm weight"):
         native_ops.mlp_block(
             paddle.to_tensor(x), None, None, paddle.to_tensor(gate_up.reshape(2 * f, -1)), None,
-            paddle.to_tensor(down.reshape(d, -1)), f, 1e-5,
+            paddle.to_tensor(down.reshape(d, -1)), f, 1e-5, types=(t.ggml_id, t.ggml_id),
+        )  # fmt: skip
+    with paddle.no_grad(), pytest.raises(OSError, match="the caller passes the blocks' type"):
+        native_ops.mlp_block(
+            paddle.to_tensor(x), None, None, paddle.to_tensor(gate_up.reshape(2 * f, -1)), None,
+            paddle.to_tensor(down.reshape(d, -1)), f, 1e-5, norm_weight=paddle.to_tensor(norm_w),
         )  # fmt: skip
 
 
@@ -213,7 +255,13 @@ def test_a_serving_matrix_keeps_blocks_without_a_copy_and_multiplies_by_them() -
     with paddle.no_grad():
         got = m.matmul(paddle.to_tensor(x)).numpy()
     np.testing.assert_array_equal(got, _matmul(x, blocks, "Q5_0"))
-    with pytest.raises(ValueError, match="no block kernel for Q6_K"):
-        ServingMatrix.from_blocks(raw, "Q6_K", 64)
+    assert m.ggml_type == gb.BLOCK_TYPES["Q5_0"].ggml_id
+    with pytest.raises(ValueError, match="no block kernel for BF16"):
+        ServingMatrix.from_blocks(raw, "BF16", 64)
     with pytest.raises(ValueError, match="do not hold 96 elements"):
         ServingMatrix.from_blocks(raw, "Q5_0", 96)
+    k_rows = _blocks("Q4_K", 3, 1536).reshape(3, -1)
+    with pytest.raises(ValueError, match="Q4_K needs rows of a multiple of 256 elements, not 576"):
+        ServingMatrix.from_blocks(k_rows[:, : 576 // 32 * 18], "Q4_K", 576)
+    q4k = ServingMatrix.from_blocks(k_rows, "Q4_K", 1536)
+    assert q4k.ggml_type == 12 and ServingMatrix(np.ones((4, 16), np.float32)).ggml_type == 0

@@ -21,9 +21,11 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quant_shape_to_byte_shape
+from test_smollm2 import teacher_forced_top
 
 from spectrio.errors import CheckpointError
-from spectrio.models import LoadedModel, load, reference
+from spectrio.models import LoadedModel, load, native_ops, reference
+from spectrio.models.block_serving import plan_blocks
 from spectrio.models.config import BUNDLED_DIR
 from spectrio.models.gguf_cache import cached_folder
 from spectrio.models.gguf_file import GGUFFile, rope_divisors
@@ -421,6 +423,18 @@ def test_smollm2_as_q4_k_m_falls_back_as_llama_cpp_does(
     assert result.bytes == out.stat().st_size == 105_454_144  # llama-quantize's size too
     loaded = load(out, mtp_head=False)
     assert greedy_agrees(loaded, 2, 8) == 8
+    if not native_ops.native_ops_available():
+        return
+    # Served from its blocks, every matrix: q|k|v mixing Q5_0 with attn_v's Q8_0 is
+    # re-stored as Q8_0 (exact); ffn_down runs the K-quant kernels.
+    float_top = teacher_forced_top(load(out, mtp_head=False, serving=False).model)
+    plan = plan_blocks(GGUFFile(out), loaded.config)
+    assert not plan.widened
+    assert plan.counts() == {"Q5_0": 16 + 30 + 30, "Q8_0": 14 + 1, "Q4_K": 16, "Q6_K": 14}
+    served = load(out, mtp_head=False, serving=True).model
+    assert served.model.layers[0].mlp._down_weight.blocks
+    block_top = teacher_forced_top(served)
+    assert (float_top == block_top).mean() >= 0.93, (float_top == block_top).mean()
 
 
 # ---- refusals --------------------------------------------------------------------------------

@@ -19,7 +19,15 @@ import pytest
 from test_architectures import paged_greedy
 
 from spectrio.errors import CheckpointError
-from spectrio.models import LoadedModel, PackedBatch, PagedKVCache, load, native_ops, reference
+from spectrio.models import (
+    LoadedModel,
+    PackedBatch,
+    PagedKVCache,
+    SpectrioForCausalLM,
+    load,
+    native_ops,
+    reference,
+)
 from spectrio.models.convert import convert_gguf
 from spectrio.models.loader import SMOLLM2_GGUF, smollm2_path
 
@@ -108,52 +116,61 @@ def test_the_name_says_how_to_install_when_missing(
     assert smollm2_path() == tmp_path / "models" / SMOLLM2_GGUF
 
 
-def test_the_q4_1_blocks_predict_as_the_float_weights_they_hold(smollm2_gguf: Path) -> None:
-    """The shipped file's Q4_1 (and Q8_0 head) blocks, multiplied as stored with int8
-    activations (``models/block_serving.py``), predict the golden answers' next tokens as
-    the float32 weights they dequantize to do, teacher-forced over prompt and answer: the
-    same argmax at nearly every position (activations rounded to 8 bits tip near ties:
-    the first answer token of prompt 0 is 0.08 of a logit ahead of the next)."""
-    if not native_ops.native_ops_available():
-        pytest.skip("the block kernels do not build here")
-    from spectrio.models.block_serving import serve_blocks
-    from spectrio.models.gguf_file import GGUFFile
-
-    smol32 = load(smollm2_gguf, dtype="float32", mtp_head=False)
-    cfg = smol32.config
-    texts = [p + a for p, a in zip(GOLDEN["prompt_ids"], GOLDEN["token_ids"], strict=True)]
-
-    def argmax_rows() -> np.ndarray:
-        out = []
-        for ids in texts:
-            blocks = len(ids) // 4 + 1
-            cache = PagedKVCache(
-                cfg.num_hidden_layers, blocks, 4, cfg.num_key_value_heads, cfg.head_dim
-            )
-            batch = PackedBatch.from_sequences([ids], [0], [np.arange(blocks)])
-            with paddle.no_grad():
-                out.append(smol32.model.forward(batch, cache).logits.numpy().argmax(-1))
-        return np.concatenate(out)
-
-    float_top = argmax_rows()
-    counts = serve_blocks(smol32.model, GGUFFile(smollm2_gguf))
-    assert counts == {"Q4_1": 4 * cfg.num_hidden_layers, "Q8_0": 1}
-    block_top = argmax_rows()
-    assert (float_top == block_top).mean() >= 0.93, (float_top == block_top).mean()
+def teacher_forced_top(model: SpectrioForCausalLM) -> np.ndarray:
+    """The serving forward's argmax at every position of each golden prompt followed by
+    its golden answer, concatenated."""
+    cfg = model.config
+    out = []
+    for p, a in zip(GOLDEN["prompt_ids"], GOLDEN["token_ids"], strict=True):
+        ids = p + a
+        blocks = len(ids) // 4 + 1
+        cache = PagedKVCache(
+            cfg.num_hidden_layers, blocks, 4, cfg.num_key_value_heads, cfg.head_dim
+        )
+        batch = PackedBatch.from_sequences([ids], [0], [np.arange(blocks)])
+        with paddle.no_grad():
+            out.append(model.forward(batch, cache).logits.numpy().argmax(-1))
+    return np.concatenate(out)
 
 
-def test_a_serving_load_takes_the_blocks_when_asked(
+def test_the_q4_1_blocks_predict_as_the_float_weights_they_hold(
     smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``SPECTRIO_GGUF_BLOCKS=1``: a runtime's own load (``serving=True``) of a GGUF file
-    serves from its blocks; without it, from float32 panels."""
+    """The shipped file's Q4_1 (and Q8_0 head) blocks, multiplied as stored with int8
+    activations (a serving load, ``models/block_serving.py``), predict the golden
+    answers' next tokens as the float32 weights they dequantize to do, teacher-forced
+    over prompt and answer: the same argmax at nearly every position (activations
+    rounded to 8 bits tip near ties: the first answer token of prompt 0 is 0.08 of a
+    logit ahead of the next)."""
     if not native_ops.native_ops_available():
         pytest.skip("the block kernels do not build here")
     from spectrio.models.loader import BLOCKS_ENV
 
-    monkeypatch.setenv(BLOCKS_ENV, "1")
-    layer = load(smollm2_gguf, dtype="float32", mtp_head=False, serving=True).model.model.layers[0]
-    assert layer.self_attn._qkv_weight.blocks and layer.mlp._down_weight.blocks
+    argmax_rows = teacher_forced_top
+    monkeypatch.setenv(BLOCKS_ENV, "0")
+    float_top = argmax_rows(load(smollm2_gguf, mtp_head=False, serving=True).model)
     monkeypatch.delenv(BLOCKS_ENV)
-    layer = load(smollm2_gguf, dtype="float32", mtp_head=False, serving=True).model.model.layers[0]
+    served = load(smollm2_gguf, mtp_head=False, serving=True).model
+    layer = served.model.layers[0]
+    assert layer.self_attn._qkv_weight.blocks and layer.mlp._down_weight.blocks
+    assert not served.model.embed_tokens.weight._is_initialized()  # never widened
+    block_top = argmax_rows(served)
+    assert (float_top == block_top).mean() >= 0.93, (float_top == block_top).mean()
+
+
+def test_only_a_serving_load_takes_the_blocks(
+    smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A runtime's own load (``serving=True``) of a GGUF file serves from its blocks by
+    default; ``SPECTRIO_GGUF_BLOCKS=0`` and a load for training or the dense forward
+    widen the weights to float32 parameters."""
+    if not native_ops.native_ops_available():
+        pytest.skip("the block kernels do not build here")
+    from spectrio.models.loader import BLOCKS_ENV
+
+    monkeypatch.setenv(BLOCKS_ENV, "0")
+    layer = load(smollm2_gguf, mtp_head=False, serving=True).model.model.layers[0]
     assert not layer.self_attn._qkv_weight.blocks
+    monkeypatch.delenv(BLOCKS_ENV)
+    model = load(smollm2_gguf, mtp_head=False).model
+    assert model.model.layers[0].self_attn.q_proj.weight._is_initialized()

@@ -49,14 +49,16 @@ def test_the_shipped_head_attaches_by_path_and_to_the_converted_folder(
     assert load(smollm2_gguf, mtp_head=False).head_path is None
 
 
-async def _run(smol: LoadedModel, spec: SpeculativeConfig) -> tuple[list[list[int]], int, int]:
+async def _run(
+    smol: LoadedModel, spec: SpeculativeConfig, params: SamplingParams | None = None
+) -> tuple[list[list[int]], int, int]:
     config = RuntimeConfig(model="smollm2", speculative=spec, max_model_len=256)
     out: list[list[int]] = [[] for _ in PROMPTS]
+    params = params or SamplingParams(max_tokens=32, ignore_eos=True)
     with trio.fail_after(300):
         async with open_runtime(config, loaded=smol, warmup=False) as rt:
 
             async def one(i: int) -> None:
-                params = SamplingParams(max_tokens=32, ignore_eos=True)
                 async for delta in rt.generate(PROMPTS[i], params):
                     out[i] += delta.token_ids
 
@@ -74,6 +76,26 @@ def test_the_head_speculates_losslessly_and_is_accepted(smol: LoadedModel) -> No
     # the share accepted depends on the head (its held-out figures: docs/performance.md);
     # here: it is drafting and being accepted, not noise
     assert proposed > 0 and accepted / proposed > 0.05, (accepted, proposed)
+
+
+def test_speculation_on_the_quantized_blocks_is_lossless(smollm2_gguf: Path) -> None:
+    """Served from the file's Q4_1 blocks (a runtime's own load), greedy and seeded
+    output with MTP drafts equal the output without: the block products are batch
+    invariant, so verifying k+1 rows computes each row as decoding it alone does."""
+    from spectrio.models import native_ops
+
+    if not native_ops.native_ops_available():
+        pytest.skip("the block kernels do not build here")
+    served = load("smollm2", serving=True)
+    assert served.model.model.layers[0].self_attn._qkv_weight.blocks
+    spec = SpeculativeConfig(method="mtp", num_speculative_tokens=3, adaptive=False)
+    greedy = SamplingParams(max_tokens=32, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.8, seed=7)
+    for params in (greedy, seeded):
+        plain, _, _ = trio.run(_run, served, SpeculativeConfig(method=None), params)
+        got, proposed, accepted = trio.run(_run, served, spec, params)
+        assert got == plain, params
+        assert proposed > 0 and accepted > 0
 
 
 def test_the_head_records_how_it_was_trained() -> None:

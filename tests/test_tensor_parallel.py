@@ -205,6 +205,26 @@ def test_tp2_greedy_output_equals_tp1(k: str) -> None:
     assert not _alive(pids[0])
 
 
+def test_tp2_serves_a_quantized_file_from_its_blocks_as_tp1_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bundled model quantized to Q8_0: each rank multiplies by its share of the
+    file's blocks (rows of q/k/v, gate/up and the vocabulary; whole blocks of every row of
+    o and down) and greedy output is TP=1's, with and without n-gram drafts."""
+    from spectrio.models import native_ops
+    from spectrio.models.gguf_write import write_gguf
+
+    if not native_ops.native_ops_available():
+        pytest.skip("the block kernels do not build here")
+    path = tmp_path / "bundled-q8_0.gguf"
+    write_gguf(BUNDLED_DIR, path, "Q8_0")
+    monkeypatch.setenv("TP_DRIVER_MODEL", str(path))
+    for k in ("0", "ngram:2"):
+        one = _drive("generate", "1", k, "12")
+        two = _drive("generate", "2", k, "12")
+        assert two["outputs"] == one["outputs"], k
+
+
 @pytest.mark.parametrize("k", ["1", "3", "ngram:3"])
 def test_tp2_equals_tp1_under_pressure(k: str) -> None:
     """Overlap, chunked prefill, preemption and seeded sampling: TP=2 still computes

@@ -21,6 +21,9 @@ import trio
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
 from spectrio.errors import ConfigError, EngineDead
 
+#: a model file to run instead of the bundled model in float64
+MODEL_ENV = "TP_DRIVER_MODEL"
+
 PROMPTS = [
     "Once upon a time",
     "The little robot",
@@ -45,6 +48,9 @@ def config(tp: int, k: int, method: str = "mtp", **kw: object) -> RuntimeConfig:
             )
         ),
     }
+    model = os.environ.get(MODEL_ENV)
+    if model:  # a GGUF file, served from its quantized blocks in float32
+        fields.update(model=model, dtype="float32")
     fields.update(kw)
     return RuntimeConfig(**fields)  # type: ignore[arg-type]
 

@@ -798,6 +798,23 @@ class _Floor(msgspec.Struct, frozen=True):
     floor_us_1row: float
 
 
+def _block_bytes(model: str, dtype: str) -> int | None:
+    """The weight bytes a forward reads when the runtime serves ``model`` (a GGUF file)
+    from its quantized blocks; None when it serves float weights."""
+    from spectrio.models.loader import blocks_enabled, resolve_path
+
+    if dtype != "float32" or not blocks_enabled() or model.startswith("synthetic"):
+        return None
+    path = resolve_path(model)
+    if not path.is_file():
+        return None
+    from spectrio.models.block_serving import served_weight_bytes
+    from spectrio.models.gguf_file import GGUFFile
+
+    gguf = GGUFFile(path)
+    return served_weight_bytes(gguf, gguf.config)
+
+
 def _memory_floor(model: str, dtype: str) -> _Floor:
     """The memory floor of ``model``'s forward, its bandwidth probed now."""
     from spectrio.core.config import RuntimeConfig
@@ -806,7 +823,9 @@ def _memory_floor(model: str, dtype: str) -> _Floor:
 
     cfg = model_config(model)
     width = np.dtype(dtype).itemsize
-    weights = forward_bytes(cfg, [], weight_bytes=width, kv_bytes=width)
+    weights = forward_bytes(
+        cfg, [], weight_bytes=width, kv_bytes=width, weights_total=_block_bytes(model, dtype)
+    )
     probe = read_bandwidth(threads=RuntimeConfig().resolve_num_threads())
     return _Floor(
         read_gb_s=probe.best_gb_s,

@@ -1,13 +1,16 @@
 // Products with GGUF's quantized block weights, as the file stores them (issue 58):
 // out[m, n] = x[m, :] . W[n, :] for a weight of N rows of K elements, each row a run of
-// blocks of one ggml type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: 32 elements a block), read in
-// place (models/gguf_blocks.py holds the layouts and a NumPy reference of this product).
+// blocks of one ggml type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: 32 elements a block; the
+// K-quants Q4_K, Q5_K, Q6_K: super-blocks of 256, eight groups of 32 with their own
+// scales), read in place (models/gguf_blocks.py holds the layouts and a NumPy reference
+// of this product).
 //
 // The activations are quantized first, row by row, in groups of 32: a scale
 // dx = max|x| / 127 and q = round(x * 127 / max|x|) in int8, with dx times the group's
 // sum of q's. Every weight group of 32 decodes to 32 unsigned bytes u, a scale per half-group
 // (elements 0-15 and 16-31) and an offset per half-group, w = d * u + m (Q8_0: signed
-// bytes, no offset), so one group's share of the dot product is
+// bytes, no offset; Q6_K: signed values q - 32 with a scale per half, no offset), so one
+// group's share of the dot product is
 //   dx * (d * sum(u * q) + m * sum(q)),
 // the integer sum taken 32 products at a time by the CPU's byte multiply-add.
 //
@@ -30,11 +33,14 @@
 namespace spectrio {
 
 // ggml's type ids (gguf.GGMLQuantizationType).
-enum BlockType : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8 };
+enum BlockType : int {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+};
 
 constexpr int64_t kGroup = 32;  // elements of an activation group and of a weight group
+constexpr int64_t kSuper = 256;  // elements of a K-quant super-block (8 groups)
 
-// Bytes of one block of `type` (32 elements), or 0 for a type the kernels lack.
+// Bytes of one block of `type`, or 0 for a type the kernels lack.
 constexpr int64_t block_bytes(int type) {
   switch (type) {
     case kQ4_0: return 18;
@@ -42,9 +48,26 @@ constexpr int64_t block_bytes(int type) {
     case kQ5_0: return 22;
     case kQ5_1: return 24;
     case kQ8_0: return 34;
+    case kQ4_K: return 144;
+    case kQ5_K: return 176;
+    case kQ6_K: return 210;
     default: return 0;
   }
 }
+
+constexpr bool is_k_quant(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
+
+// Elements of one block of `type`: K is a multiple of it.
+constexpr int64_t block_elements(int type) { return is_k_quant(type) ? kSuper : kGroup; }
+
+// Bytes of a weight row of `k_dim` elements (a multiple of block_elements(type)).
+constexpr int64_t row_bytes_of(int type, int64_t k_dim) {
+  return k_dim / block_elements(type) * block_bytes(type);
+}
+
+// Whether a type's decoded values are signed (no offset): the products then take the
+// sign trick of the byte multiply-add.
+constexpr bool signed_values(int type) { return type == kQ8_0 || type == kQ6_K; }
 
 inline float f16_at(const uint8_t* p) {
   uint16_t h;
@@ -104,23 +127,49 @@ struct QuantizedRows {
         q(static_cast<size_t>(rows * k)) {}
 };
 
-// The block type whose blocks take `bytes` bytes (each type's differ), or 0.
-inline int type_of_block_bytes(int64_t bytes) {
-  for (int t : {kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0})
-    if (block_bytes(t) == bytes) return t;
-  return 0;
-}
-
-// One weight group decoded: u[32] (unsigned, or signed for Q8_0), the scale and offset of
-// each half.
+// One weight group decoded: u[32] (unsigned, or signed for Q8_0 and Q6_K), the scale and
+// offset of each half (the offsets of a group's halves are always equal).
 struct Group {
   alignas(32) uint8_t u[kGroup];
   float d[2];
   float m[2];
 };
 
-// The plain decoder (the reference of the SIMD one, and the path without AVX2).
-inline void decode_group(int type, const uint8_t* b, Group& g) {
+// A K-quant's 6-bit scale and minimum of group j (0-7) from the 12 packed bytes: groups
+// 0-3 keep them in the low 6 bits of bytes j and j + 4, groups 4-7 in the nibbles of byte
+// j + 4 with their top 2 bits in the spare high bits of bytes j - 4 and j.
+inline void k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Group g of a weight row: its block, and for the K-quants its index in the super-block.
+inline const uint8_t* group_block(int type, const uint8_t* row, int64_t g, int& j) {
+  if (is_k_quant(type)) {
+    j = static_cast<int>(g & 7);
+    return row + (g >> 3) * block_bytes(type);
+  }
+  j = 0;
+  return row + g * block_bytes(type);
+}
+
+// Q4_K / Q5_K group j's scale d * sc and offset -dmin * min (both exact in float32: a
+// float16 times a 6-bit integer).
+inline void k_group_scales(const uint8_t* b, int j, float& d, float& m) {
+  int sc, mn;
+  k_scale_min(b + 4, j, sc, mn);
+  d = f16_at(b) * static_cast<float>(sc);
+  m = -(f16_at(b + 2) * static_cast<float>(mn));
+}
+
+// Group j of block b decoded in plain C++ (the reference of the SIMD decoder, and the path
+// without AVX2); j is 0 but for the K-quants.
+inline void decode_block_group(int type, const uint8_t* b, int j, Group& g) {
   switch (type) {
     case kQ8_0:
       g.d[0] = g.d[1] = f16_at(b);
@@ -155,9 +204,51 @@ inline void decode_group(int type, const uint8_t* b, Group& g) {
       }
       return;
     }
+    case kQ4_K:
+    case kQ5_K: {
+      // d, dmin, 12 bytes of scales; Q5_K: 32 bytes of fifth bits (bit j of byte i: element
+      // i of group j); 128 bytes of nibbles, groups 2c and 2c + 1 the low and high nibbles
+      // of bytes 32c .. 32c + 31
+      k_group_scales(b, j, g.d[0], g.m[0]);
+      g.d[1] = g.d[0];
+      g.m[1] = g.m[0];
+      const bool five = type == kQ5_K;
+      const uint8_t* qs = b + (five ? 48 : 16) + 32 * (j >> 1);
+      const int shift = 4 * (j & 1);
+      for (int i = 0; i < 32; ++i) {
+        const int high = five ? ((b[16 + i] >> j) & 1) << 4 : 0;
+        g.u[i] = static_cast<uint8_t>(((qs[i] >> shift) & 0x0f) | high);
+      }
+      return;
+    }
+    case kQ6_K: {
+      // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16), d. Group
+      // j = 4h + t: low nibbles of bytes 64h + 32(t & 1) + i shifted by 4(t >> 1), high
+      // bits of byte 32h + i shifted by 2t; the value is q - 32.
+      const int h = j >> 2, t = j & 3;
+      const uint8_t* ql = b + 64 * h + 32 * (t & 1);
+      const uint8_t* qh = b + 128 + 32 * h;
+      const float d = f16_at(b + 208);
+      const auto* sc = reinterpret_cast<const int8_t*>(b + 192);
+      g.d[0] = d * static_cast<float>(sc[2 * j]);
+      g.d[1] = d * static_cast<float>(sc[2 * j + 1]);
+      g.m[0] = g.m[1] = 0.0f;
+      for (int i = 0; i < 32; ++i) {
+        const int q = ((ql[i] >> (4 * (t >> 1))) & 0x0f) | (((qh[i] >> (2 * t)) & 3) << 4);
+        g.u[i] = static_cast<uint8_t>(static_cast<int8_t>(q - 32));
+      }
+      return;
+    }
     default:
       return;
   }
+}
+
+// Group g of a weight row, decoded (decode_block_group).
+inline void decode_group(int type, const uint8_t* row, int64_t g, Group& out) {
+  int j;
+  const uint8_t* b = group_block(type, row, g, j);
+  decode_block_group(type, b, j, out);
 }
 
 // The 8 lanes' sum, in the fixed tree both paths use.
@@ -186,34 +277,77 @@ inline __m256i nibbles(const uint8_t* qs) {
   return _mm256_set_m128i(hi, lo);
 }
 
-// A group decoded in registers: its bytes, its scale, and the offset of each half.
+// 32 bytes at p.
+inline __m256i load32(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// Each byte's bits [lo, lo + width) moved to bits [to, to + width), the rest cleared (the
+// 16-bit shifts carry bits across bytes only where the mask clears them).
+inline __m256i bits_to(__m256i v, int lo, int to, int width) {
+  const __m256i mask = _mm256_set1_epi8(static_cast<char>(((1 << width) - 1) << to));
+  const __m256i moved = lo >= to ? _mm256_srl_epi16(v, _mm_cvtsi32_si128(lo - to))
+                                 : _mm256_sll_epi16(v, _mm_cvtsi32_si128(to - lo));
+  return _mm256_and_si256(moved, mask);
+}
+
+// Group g of a weight row decoded in registers: its 32 values (decode_block_group's u),
+// the scale of each half and their offset.
 template <int T>
-inline __m256i decode_simd(const uint8_t* b, float& d, float m[2]) {
-  d = f16_at(b);
-  if constexpr (T == kQ8_0) {
-    m[0] = m[1] = 0.0f;
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
-  } else if constexpr (T == kQ4_0) {
-    m[0] = m[1] = -8.0f * d;
-    return nibbles(b + 2);
-  } else if constexpr (T == kQ4_1) {
-    m[0] = m[1] = f16_at(b + 2);
-    return nibbles(b + 4);
-  } else if constexpr (T == kQ5_0) {
-    m[0] = m[1] = -16.0f * d;
-    uint32_t qh;
-    std::memcpy(&qh, b + 2, 4);
-    return _mm256_or_si256(nibbles(b + 6), high_bits(qh));
+inline __m256i decode_simd(const uint8_t* row, int64_t g, float d[2], float& m) {
+  int j;
+  const uint8_t* b = group_block(T, row, g, j);
+  if constexpr (T == kQ4_K || T == kQ5_K) {
+    k_group_scales(b, j, d[0], m);
+    d[1] = d[0];
+    const bool five = T == kQ5_K;
+    const __m256i lo = bits_to(load32(b + (five ? 48 : 16) + 32 * (j >> 1)), 4 * (j & 1), 0, 4);
+    if constexpr (T == kQ4_K) return lo;
+    else return _mm256_or_si256(lo, bits_to(load32(b + 16), j, 4, 1));
+  } else if constexpr (T == kQ6_K) {
+    const int h = j >> 2, t = j & 3;
+    const float dd = f16_at(b + 208);
+    const auto* sc = reinterpret_cast<const int8_t*>(b + 192);
+    d[0] = dd * static_cast<float>(sc[2 * j]);
+    d[1] = dd * static_cast<float>(sc[2 * j + 1]);
+    m = 0.0f;
+    const __m256i lo = bits_to(load32(b + 64 * h + 32 * (t & 1)), 4 * (t >> 1), 0, 4);
+    const __m256i hi = bits_to(load32(b + 128 + 32 * h), 2 * t, 4, 2);
+    return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
   } else {
-    static_assert(T == kQ5_1, "a block type without a decoder");
-    m[0] = m[1] = f16_at(b + 2);
-    uint32_t qh;
-    std::memcpy(&qh, b + 4, 4);
-    return _mm256_or_si256(nibbles(b + 8), high_bits(qh));
+    d[0] = d[1] = f16_at(b);
+    if constexpr (T == kQ8_0) {
+      m = 0.0f;
+      return load32(b + 2);
+    } else if constexpr (T == kQ4_0) {
+      m = -8.0f * d[0];
+      return nibbles(b + 2);
+    } else if constexpr (T == kQ4_1) {
+      m = f16_at(b + 2);
+      return nibbles(b + 4);
+    } else if constexpr (T == kQ5_0) {
+      m = -16.0f * d[0];
+      uint32_t qh;
+      std::memcpy(&qh, b + 2, 4);
+      return _mm256_or_si256(nibbles(b + 6), high_bits(qh));
+    } else {
+      static_assert(T == kQ5_1, "a block type without a decoder");
+      m = f16_at(b + 2);
+      uint32_t qh;
+      std::memcpy(&qh, b + 4, 4);
+      return _mm256_or_si256(nibbles(b + 8), high_bits(qh));
+    }
   }
 }
 
-// sum over each 32-bit lane's 4 elements of w * q (w unsigned, or signed for Q8_0)
+// The scales of a group's halves in the lanes of its dots (lanes 0-3: elements 0-15).
+template <int T>
+inline __m256 half_scales(const float d[2]) {
+  if constexpr (T == kQ6_K) return _mm256_set_m128(_mm_set1_ps(d[1]), _mm_set1_ps(d[0]));
+  else return _mm256_set1_ps(d[0]);
+}
+
+// sum over each 32-bit lane's 4 elements of w * q (w unsigned, or signed for Q8_0, Q6_K)
 inline __m256i lane_dots(__m256i w, __m256i q, bool is_signed) {
   if (is_signed) {
     q = _mm256_sign_epi8(q, w);
@@ -232,9 +366,8 @@ template <int T, int NC, int MR>
 void block_tile(const uint8_t* w, int64_t row_bytes, int64_t groups, const float* dx,
                 const float* sdx, int64_t rows, const int8_t* q, int64_t k_dim, float* out,
                 int64_t out_stride) {
-  constexpr bool kSigned = T == kQ8_0;
-  constexpr bool kOffset = T != kQ8_0;  // every offset type's halves share their offset
-  constexpr int64_t bb = block_bytes(T);
+  constexpr bool kSigned = signed_values(T);
+  constexpr bool kOffset = !kSigned;  // every offset type's halves share their offset
   alignas(16) float offs[NC][4] = {};
   alignas(32) float lanes[NC][MR][8];
 #ifdef SPECTRIO_AVX2
@@ -248,12 +381,12 @@ void block_tile(const uint8_t* w, int64_t row_bytes, int64_t groups, const float
   }
   for (int64_t g = 0; g < groups; ++g) {
     __m256i wv[NC];
-    float d[NC], m[NC][2];
+    float d[NC][2], m[NC];
 #pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) wv[c] = decode_simd<T>(w + c * row_bytes + g * bb, d[c], m[c]);
+    for (int c = 0; c < NC; ++c) wv[c] = decode_simd<T>(w + c * row_bytes, g, d[c], m[c]);
     __m256 dv[NC];
 #pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) dv[c] = _mm256_set1_ps(d[c]);
+    for (int c = 0; c < NC; ++c) dv[c] = half_scales<T>(d[c]);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const __m256i qv =
@@ -270,13 +403,13 @@ void block_tile(const uint8_t* w, int64_t row_bytes, int64_t groups, const float
       if constexpr (MR == 4) {
         const __m128 f = _mm_loadu_ps(sdx + g * rows);
 #pragma GCC unroll 8
-        for (int c = 0; c < NC; ++c) offv[c] = _mm_fmadd_ps(_mm_set1_ps(m[c][0]), f, offv[c]);
+        for (int c = 0; c < NC; ++c) offv[c] = _mm_fmadd_ps(_mm_set1_ps(m[c]), f, offv[c]);
       } else {
 #pragma GCC unroll 8
         for (int c = 0; c < NC; ++c)
 #pragma GCC unroll 8
           for (int r = 0; r < MR; ++r)
-            offs[c][r] = std::fma(m[c][0], sdx[g * rows + r], offs[c][r]);
+            offs[c][r] = std::fma(m[c], sdx[g * rows + r], offs[c][r]);
       }
     }
   }
@@ -293,7 +426,7 @@ void block_tile(const uint8_t* w, int64_t row_bytes, int64_t groups, const float
   Group wg;
   for (int64_t g = 0; g < groups; ++g) {
     for (int c = 0; c < NC; ++c) {
-      decode_group(T, w + c * row_bytes + g * bb, wg);
+      decode_group(T, w + c * row_bytes, g, wg);
       for (int r = 0; r < MR; ++r) {
         const int8_t* qs = q + r * k_dim + g * kGroup;
         const float dxr = dx[r * groups + g];
@@ -339,7 +472,7 @@ template <int T>
 void block_matmul_typed(const uint8_t* w, int64_t n, int64_t k_dim, const float* dx,
                         const float* sdx, const int8_t* q, int64_t rows, float* out) {
   const int64_t groups = k_dim / kGroup;
-  const int64_t row_bytes = groups * block_bytes(T);
+  const int64_t row_bytes = row_bytes_of(T, k_dim);
   const int64_t tiles = (n + kTileCols - 1) / kTileCols;
 #pragma omp for schedule(static)
   for (int64_t t = 0; t < tiles; ++t) {
@@ -366,6 +499,9 @@ inline void block_matmul_team(int type, const uint8_t* w, int64_t n, int64_t k_d
     case kQ4_1: return block_matmul_typed<kQ4_1>(w, n, k_dim, dx, sdx, q, rows, out);
     case kQ5_0: return block_matmul_typed<kQ5_0>(w, n, k_dim, dx, sdx, q, rows, out);
     case kQ5_1: return block_matmul_typed<kQ5_1>(w, n, k_dim, dx, sdx, q, rows, out);
+    case kQ4_K: return block_matmul_typed<kQ4_K>(w, n, k_dim, dx, sdx, q, rows, out);
+    case kQ5_K: return block_matmul_typed<kQ5_K>(w, n, k_dim, dx, sdx, q, rows, out);
+    case kQ6_K: return block_matmul_typed<kQ6_K>(w, n, k_dim, dx, sdx, q, rows, out);
     default: return;
   }
 }

@@ -47,8 +47,10 @@ using spectrio::check_f32_cpu;
 using spectrio::kPanel;
 
 // A weight as the ops read it: float32 or float16 panels [ceil(n / 16), k, 16] (kind 0,
-// 1), or n rows of GGUF blocks, [n, k / 32 * block bytes] uint8 (kind: the ggml type,
-// block_kernels.h; the block size tells the types apart).
+// 1: ggml's ids of F32 and F16), or n rows of GGUF blocks, [n, k / block elements * block
+// bytes] uint8 (kind: the ggml type, block_kernels.h). A block weight's type comes from
+// the caller: sizes cannot tell the types apart (Q4_K's 144 bytes per 256 are Q4_0's 18
+// per 32).
 struct Weight {
   const void* data;
   int kind;
@@ -57,15 +59,18 @@ struct Weight {
 };
 constexpr int kF32Panels = 0, kF16Panels = 1;
 
-Weight weight_of(const paddle::Tensor& t, int64_t k, int64_t n, const char* what) {
+Weight weight_of(const paddle::Tensor& t, int type, int64_t k, int64_t n, const char* what) {
   PD_CHECK(t.is_cpu(), what, ": a CPU tensor is expected");
   const auto& s = t.shape();
   if (t.dtype() == paddle::DataType::UINT8) {
-    PD_CHECK(k % spectrio::kGroup == 0 && s.size() == 2 && s[0] == n, what,
-             ": blocks [N, K / 32 * block bytes] are expected for K=", k, ", N=", n);
-    const int64_t groups = k / spectrio::kGroup;
-    const int type = s[1] % groups == 0 ? spectrio::type_of_block_bytes(s[1] / groups) : 0;
-    PD_CHECK(type != 0, what, ": rows of ", s[1], " bytes are no block type's for K=", k);
+    PD_CHECK(spectrio::block_bytes(type) > 0, what, ": uint8 blocks of ggml type ", type,
+             ", which has no kernel (the caller passes the blocks' type)");
+    const int64_t elements = spectrio::block_elements(type);
+    PD_CHECK(k % elements == 0, what, ": K=", k, " is no multiple of ", elements,
+             " for ggml type ", type);
+    PD_CHECK(s.size() == 2 && s[0] == n && s[1] == spectrio::row_bytes_of(type, k), what,
+             ": blocks [N, ", spectrio::row_bytes_of(type, k), "] of ggml type ", type,
+             " are expected for K=", k, ", N=", n);
     return {t.data<uint8_t>(), type, n, k, n};
   }
   const bool half = t.dtype() == paddle::DataType::FLOAT16;
@@ -79,8 +84,6 @@ Weight weight_of(const paddle::Tensor& t, int64_t k, int64_t n, const char* what
   return {data, half ? kF16Panels : kF32Panels, count, k, n};
 }
 
-// The quantized activations a block weight's product needs, sized before the team starts
-// for the op's largest input.
 // The rows' quantized activations, sized for the op's largest block-weight input (none
 // where every weight is panels).
 int64_t block_k(std::initializer_list<Weight> weights) {
@@ -396,7 +399,8 @@ std::vector<paddle::Tensor> AttentionBlock(
     const paddle::Tensor& qk_norm, const paddle::Tensor& rope_cos, const paddle::Tensor& rope_sin,
     const paddle::Tensor& k_pool, const paddle::Tensor& v_pool, const paddle::Tensor& o_panels,
     const paddle::Tensor& positions, const paddle::Tensor& row_seq, const paddle::Tensor& tables,
-    int num_heads, int num_kv_heads, int head_dim, int block_size, float eps, int num_threads) {
+    int num_heads, int num_kv_heads, int head_dim, int block_size, float eps, int num_threads,
+    int qkv_type, int o_type) {
   check_f32_cpu(x, "attention_block x");
   PD_CHECK(x.shape().size() == 2, "attention_block: x is [N, d]");
   const int64_t n = x.shape()[0], d = x.shape()[1];
@@ -406,8 +410,8 @@ std::vector<paddle::Tensor> AttentionBlock(
   const int64_t g = h / kvh, nq = h * hd, nqkv = (h + 2 * kvh) * hd;
   const float* dp = optional_f32(delta, n * d, "attention_block delta");
   const float* bp = optional_f32(delta_bias, d, "attention_block delta_bias");
-  const Weight w_qkv = weight_of(qkv_panels, d, nqkv, "attention_block qkv");
-  const Weight w_o = weight_of(o_panels, nq, d, "attention_block o");
+  const Weight w_qkv = weight_of(qkv_panels, qkv_type, d, nqkv, "attention_block qkv");
+  const Weight w_o = weight_of(o_panels, o_type, nq, d, "attention_block o");
   const float* norm_w = optional_f32(norm_weight, d, "attention_block norm_weight");
   PD_CHECK(!w_qkv.blocks() || norm_w != nullptr,
            "attention_block: block weights need the norm weight (it is not folded into them)");
@@ -544,7 +548,7 @@ PD_BUILD_OP(spectrio_attention_block)
              "RopeSin", "KPool", "VPool", "OPanels", "Positions", "RowSeq", "Tables"})
     .Outputs({"Out", "Summed"})
     .Attrs({"num_heads: int", "num_kv_heads: int", "head_dim: int", "block_size: int",
-            "eps: float", "num_threads: int"})
+            "eps: float", "num_threads: int", "qkv_type: int", "o_type: int"})
     .SetKernelFn(PD_KERNEL(AttentionBlock))
     .SetInferShapeFn(PD_INFER_SHAPE(AttentionBlockShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(AttentionBlockDtype));
@@ -555,15 +559,16 @@ std::vector<paddle::Tensor> MlpBlock(const paddle::Tensor& x, const paddle::Tens
                                      const paddle::Tensor& gate_up_panels,
                                      const paddle::Tensor& gate_up_bias,
                                      const paddle::Tensor& down_panels, int64_t intermediate,
-                                     float eps, int num_threads) {
+                                     float eps, int num_threads, int gate_up_type,
+                                     int down_type) {
   check_f32_cpu(x, "mlp_block x");
   PD_CHECK(x.shape().size() == 2, "mlp_block: x is [N, d]");
   const int64_t n = x.shape()[0], d = x.shape()[1], f = intermediate;
   PD_CHECK(f > 0, "mlp_block: the intermediate size is positive");
   const float* dp = optional_f32(delta, n * d, "mlp_block delta");
   const float* bp = optional_f32(delta_bias, d, "mlp_block delta_bias");
-  const Weight w_gu = weight_of(gate_up_panels, d, 2 * f, "mlp_block gate_up");
-  const Weight w_down = weight_of(down_panels, f, d, "mlp_block down");
+  const Weight w_gu = weight_of(gate_up_panels, gate_up_type, d, 2 * f, "mlp_block gate_up");
+  const Weight w_down = weight_of(down_panels, down_type, f, d, "mlp_block down");
   const float* norm_w = optional_f32(norm_weight, d, "mlp_block norm_weight");
   PD_CHECK(!w_gu.blocks() || norm_w != nullptr,
            "mlp_block: block weights need the norm weight (it is not folded into them)");
@@ -609,7 +614,8 @@ std::vector<paddle::DataType> MlpBlockDtype(const paddle::DataType& x, const pad
 PD_BUILD_OP(spectrio_mlp_block)
     .Inputs({"X", "Delta", "DeltaBias", "NormWeight", "GateUpPanels", "GateUpBias", "DownPanels"})
     .Outputs({"Out", "Summed"})
-    .Attrs({"intermediate: int64_t", "eps: float", "num_threads: int"})
+    .Attrs({"intermediate: int64_t", "eps: float", "num_threads: int", "gate_up_type: int",
+            "down_type: int"})
     .SetKernelFn(PD_KERNEL(MlpBlock))
     .SetInferShapeFn(PD_INFER_SHAPE(MlpBlockShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(MlpBlockDtype));

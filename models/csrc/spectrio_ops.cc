@@ -263,8 +263,10 @@ std::vector<paddle::Tensor> BlockMatmul(const paddle::Tensor& x, const paddle::T
   PD_CHECK(bb > 0, "block_matmul: no kernel for ggml type ", type);
   PD_CHECK(x.shape().size() == 2, "block_matmul: x is 2-D");
   const int64_t rows = x.shape()[0], k_dim = x.shape()[1];
-  PD_CHECK(k_dim % spectrio::kGroup == 0, "block_matmul: K must be a multiple of 32, got ", k_dim);
-  const int64_t row_bytes = k_dim / spectrio::kGroup * bb;
+  const int64_t elements = spectrio::block_elements(type);
+  PD_CHECK(k_dim % elements == 0, "block_matmul: K must be a multiple of ", elements,
+           " for ggml type ", type, ", got ", k_dim);
+  const int64_t row_bytes = spectrio::row_bytes_of(type, k_dim);
   PD_CHECK(n >= 0 && w.numel() == n * row_bytes, "block_matmul: w holds ", w.numel(),
            " bytes, not ", n, " rows of ", row_bytes);
   auto out = paddle::empty({rows, n}, paddle::DataType::FLOAT32, paddle::CPUPlace());
