@@ -116,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
 
     threads = configure_paddle(RuntimeConfig(num_threads=args.threads).resolve_num_threads())
     t0 = time.perf_counter()
-    loaded = load(args.model)
+    # A runtime's own load (a GGUF file served from its blocks), unless the op-by-op
+    # Paddle path is timed too, which needs the float weights.
+    loaded = load(args.model, serving=not args.paddle_layers)
     load_seconds = time.perf_counter() - t0
     model = loaded.model
     cfg = model.config
@@ -180,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             cases[f"paddle_target_rows{rows}"] = op_by_op
         if model.mtp is not None:
             cases[f"mtp_rows{rows}"] = mtp
-            if model.draft_half:
+            if model.draft_half and not model.serving_only:  # repacking needs the weights
                 cases[f"mtp_f32_rows{rows}"] = mtp  # run with float32 draft weights
     half = model.draft_half
 
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": threads,
         "model": args.model,
         "layers": cfg.num_hidden_layers,
-        "params": sum(int(p.numel()) for p in model.parameters()),
+        "params": sum(int(np.prod(p.shape)) for p in model.parameters()),
         "load_seconds": round(load_seconds, 3),
         "read_gb_s": [b.best_gb_s for b in probes],
         "read_method": bandwidth.method,
@@ -225,9 +227,15 @@ def main(argv: list[str] | None = None) -> int:
         result[f"{name}_us"] = round(statistics.median(times[name]), 1)
         result[f"{name}_ops"] = _count_ops(fn)
     weight_bytes = np.dtype(model.dtype).itemsize
+    served = _served_block_bytes(loaded)
+    result["weights_read_bytes"] = served or forward_bytes(cfg, [], weight_bytes=weight_bytes)
     for rows in args.rows:
         read = forward_bytes(
-            cfg, [CONTEXT + 1] * rows, weight_bytes=weight_bytes, kv_bytes=weight_bytes
+            cfg,
+            [CONTEXT + 1] * rows,
+            weight_bytes=weight_bytes,
+            kv_bytes=weight_bytes,
+            weights_total=served,
         )
         floor = floor_us(read, bandwidth)
         result[f"target_rows{rows}_bytes"] = read
@@ -244,6 +252,20 @@ def main(argv: list[str] | None = None) -> int:
         result.update(_reference_speed(args.model, args.max_tokens))
     print(json.dumps(result, indent=1))
     return 0
+
+
+def _served_block_bytes(loaded: object) -> int | None:
+    """Weight bytes a forward reads when ``loaded`` serves a GGUF file's blocks."""
+    from spectrio.models.block_serving import served_weight_bytes
+    from spectrio.models.gguf_file import GGUFFile
+
+    model = loaded.model  # type: ignore[attr-defined]
+    path = loaded.path  # type: ignore[attr-defined]
+    if not model.serving_only or not path.is_file():
+        return None
+    if not model.model.layers[0].mlp._down_weight.blocks:
+        return None
+    return served_weight_bytes(GGUFFile(path), loaded.config)  # type: ignore[attr-defined]
 
 
 def _reference_speed(model_name: str, max_tokens: int) -> dict[str, float]:

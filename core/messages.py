@@ -45,6 +45,13 @@ class SeqWork(msgspec.Struct, kw_only=True, frozen=True):
     #                             draft KV came from the prefix cache (the proposer's history
     #                             and MTP catch-up start at start_pos; TP followers read it
     #                             here, never from a lookup of their own)
+    # prompt_logprobs: the rows at positions score_start, score_start + 1, ... of this
+    # work (all within token_ids, all before the prompt's last token) are scored against
+    # score_ids[i], the prompt token at score_start + i + 1. Each prompt position is
+    # scored in exactly one planned work over the request's life (the scheduler's
+    # watermark), so recompute after preemption never scores it twice.
+    score_start: int = 0
+    score_ids: list[int] = []
 
 
 class Ended(msgspec.Struct, array_like=True, frozen=True):
@@ -126,6 +133,9 @@ class SeqResult(msgspec.Struct, kw_only=True):
     # Set when the request ends: prompt tokens whose KV came from the prefix cache (at the
     # request's first admission)
     cached_tokens: int | None = None
+    # prompt_logprobs: one entry per prompt token this step scored (SeqWork.score_ids),
+    # in prompt order; None when the step scored none.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class StepResult(msgspec.Struct, kw_only=True):
@@ -177,6 +187,10 @@ class PublishedStep(msgspec.Struct, kw_only=True):
     # Requests that finished in this step: request id -> prompt tokens whose KV came from
     # the prefix cache.
     cached_tokens: dict[str, int] = {}
+    # Requests that asked for prompt_logprobs and had prompt tokens scored in this step:
+    # request id -> those tokens' logprobs, in prompt order (a request's chunks come in
+    # step order, so concatenating them gives prompt tokens 1 .. P-1).
+    prompt_logprobs: dict[str, list[TokenLogprob]] = {}
 
 
 class RuntimeStats(msgspec.Struct, kw_only=True):

@@ -136,6 +136,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     logprobs_mode: Literal["raw", "processed"] = "raw"
     speculative: bool | None = None  # None: follow the runtime's configuration
+    # top alternatives per prompt token after the first (its own logprob always comes)
+    prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @property
     def is_greedy(self) -> bool:

@@ -48,6 +48,7 @@ from spectrio.http_api.mapping import (
     check_chat,
     check_completion,
     decode,
+    echo_only,
     error_body,
     invalid,
     per_choice,
@@ -60,6 +61,7 @@ from spectrio.http_api.responses import (
     chat_response,
     completion_chunk,
     completion_response,
+    echo_chunk,
     usage,
 )
 from spectrio.http_api.schema import (
@@ -361,6 +363,7 @@ class _Endpoints:
         created = int(time.time())
         choices = per_choice(params, n)
         salt = req.cache_salt or ""
+        only_prompt = echo_only(req)
         states: list[ChoiceState] = []
         for p, prompt_ids in enumerate(ids):
             prefix = ""
@@ -371,7 +374,15 @@ class _Endpoints:
                 index = p * n + i
                 stream = front.start(prompt_ids, choices[i], f"{rid}-{index}", salt)
                 exchange.start([stream])
-                states.append(ChoiceState(index, prefix=prefix, offset=len(prefix)))
+                states.append(
+                    ChoiceState(
+                        index,
+                        prefix=prefix,
+                        offset=len(prefix),
+                        prompt_ids=prompt_ids if req.echo else [],
+                        echo_only=only_prompt,
+                    )
+                )
         prompt_tokens = sum(len(x) for x in ids)
         log.info("completion", id=rid, choices=len(states), prompt_tokens=prompt_tokens,
                  stream=bool(req.stream), user=req.user)  # fmt: skip
@@ -384,11 +395,13 @@ class _Endpoints:
                 completion_response(rid, created, model, states, prompt_tokens, strings, n)
             )
 
-        opening = [  # echo: the prompt first
-            _sse(completion_chunk(rid, created, model, s, s.prefix, [], strings, None))
-            for s in states
-            if s.prefix
-        ]
+        # echo: the prompt first. Its logprobs come with the request's first delta, so
+        # with logprobs each choice's prompt chunk waits for that delta; without, it opens
+        # the stream at once.
+        waits = bool(req.echo) and strings is not None
+        echoed = [False] * len(states)
+        opening = [] if waits else [_sse(echo_chunk(rid, created, model, s, None))
+                                    for s in states if s.prefix]  # fmt: skip
         for s in states:
             s.offset = len(s.prefix)
 
@@ -397,11 +410,15 @@ class _Endpoints:
         ) -> None:
             state = states[index]
             state.add(delta)
-            if delta.text or delta.token_ids or delta.finished:
-                reason = delta.finish_reason if delta.finished else None
-                chunk = completion_chunk(
-                    rid, created, model, state, delta.text, delta.logprobs, strings, reason
-                )
+            if waits and not echoed[index]:
+                echoed[index] = True
+                await event(_sse(echo_chunk(rid, created, model, state, strings)))
+            text, entries = delta.text, delta.logprobs
+            if only_prompt:  # the generated token is not part of the answer
+                text, entries = "", None
+            if text or (delta.token_ids and not only_prompt) or delta.finished:
+                reason = state.finish_reason if delta.finished else None
+                chunk = completion_chunk(rid, created, model, state, text, entries, strings, reason)
                 await event(_sse(chunk))
 
         def closing() -> list[bytes]:

@@ -3,7 +3,8 @@
 * ``/v1/completions`` (the legacy format): parallel lists ``tokens``,
   ``token_logprobs``, ``top_logprobs`` (a dict per token: the requested top
   alternatives and the sampled token, so up to ``logprobs + 1`` entries, as OpenAI
-  documents) and ``text_offset``;
+  documents) and ``text_offset``; with ``echo`` they start with the prompt's tokens
+  (:func:`echo_logprobs`), the first one's logprob and alternatives ``null``;
 * ``/v1/chat/completions``: ``content``, one object per token with ``token``,
   ``logprob``, ``bytes`` and exactly ``top_logprobs`` alternatives.
 
@@ -29,7 +30,14 @@ from spectrio.http_api.schema import (
 )
 from spectrio.models.tokenizer import TextTokenizer
 
-__all__ = ["MIN_LOGPROB", "TokenStrings", "chat_logprobs", "completion_logprobs"]
+__all__ = [
+    "MIN_LOGPROB",
+    "TokenStrings",
+    "chat_logprobs",
+    "completion_logprobs",
+    "echo_logprobs",
+    "join_logprobs",
+]
 
 MIN_LOGPROB: Final = -9999.0
 
@@ -105,6 +113,33 @@ def completion_logprobs(
         out.text_offset.append(offset)
         offset += len(text)
     return out, offset
+
+
+def echo_logprobs(
+    prompt_ids: Sequence[int], entries: Sequence[TokenLogprob], strings: TokenStrings
+) -> tuple[CompletionLogprobs, int]:
+    """The legacy logprobs object of an echoed prompt (``echo`` with ``logprobs``): one
+    entry per prompt token, the first with ``null`` logprob and alternatives (no context
+    scores it), then ``entries`` (the prompt logprobs of tokens 1 .. P-1). Text offsets
+    run over the tokens' own texts from 0; returns the object and the offset after it."""
+    if len(entries) != len(prompt_ids) - 1:
+        raise ValueError(f"{len(entries)} prompt logprobs for a prompt of {len(prompt_ids)}")
+    first = strings.text(prompt_ids[0])
+    head = CompletionLogprobs(
+        tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[0]
+    )
+    rest, end = completion_logprobs(entries, strings, len(first))
+    return join_logprobs(head, rest), end
+
+
+def join_logprobs(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    """``a``'s tokens followed by ``b``'s (offsets as each has them)."""
+    return CompletionLogprobs(
+        tokens=a.tokens + b.tokens,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+        text_offset=a.text_offset + b.text_offset,
+    )
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob], strings: TokenStrings) -> ChatLogprobs:

@@ -50,6 +50,7 @@ __all__ = [
     "check_completion",
     "chat_messages",
     "decode",
+    "echo_only",
     "error_body",
     "invalid",
     "per_choice",
@@ -220,10 +221,27 @@ def check_completion(req: CompletionRequest) -> None:
             "best_of", f"must equal n ({n}) or be null: choices are never ranked", req.best_of
         )
     _neutral("suffix", req.suffix, [""], "insertion (suffix) is not supported")
-    if req.echo and req.logprobs is not None:
-        raise _refuse(
-            "echo", "cannot be combined with logprobs: prompt logprobs are not computed", True
-        )
+    if req.max_tokens == 0:
+        if not req.echo:
+            raise InvalidRequest(
+                "max_tokens",
+                "must be an int >= 1 (0 only with echo: the prompt scored, nothing generated)",
+                got=0,
+                code="invalid_params",
+            )
+        if req.min_tokens:
+            raise InvalidRequest(
+                "min_tokens", "must be 0 when max_tokens is 0", got=req.min_tokens,
+                code="invalid_params",
+            )  # fmt: skip
+
+
+def echo_only(req: CompletionRequest) -> bool:
+    """``echo`` with ``max_tokens`` 0: the answer is the prompt alone, scored when
+    ``logprobs`` is given (how evaluation tools score a text). The runtime always emits
+    at least one token, so it runs with ``max_tokens`` 1 and the response drops that
+    token (vLLM does the same)."""
+    return bool(req.echo) and req.max_tokens == 0
 
 
 _TOOLS = "tool and function calling are not supported"
@@ -364,6 +382,12 @@ def sampling_params(
     max_tokens = req.max_tokens
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
+    prompt_logprobs = None
+    if isinstance(req, CompletionRequest):
+        if echo_only(req):
+            max_tokens = 1  # one token the response drops (echo_only)
+        if req.echo:  # the echoed prompt's tokens come with logprobs too
+            prompt_logprobs = logprobs
     given: dict[str, Any] = {
         "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
         "min_tokens": req.min_tokens,
@@ -379,10 +403,15 @@ def sampling_params(
         "frequency_penalty": req.frequency_penalty,
         "presence_penalty": req.presence_penalty,
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
     }
     # None means "not given": the runtime's default, except where OpenAI's differs (above)
     params = SamplingParams(
-        **{k: v for k, v in given.items() if v is not None or k in ("seed", "logprobs")}
+        **{
+            k: v
+            for k, v in given.items()
+            if v is not None or k in ("seed", "logprobs", "prompt_logprobs")
+        }
     )
     try:
         return check_params(params, vocab_size)

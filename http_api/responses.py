@@ -13,7 +13,13 @@ import dataclasses
 from collections.abc import Sequence
 
 from spectrio.core.messages import TokenLogprob
-from spectrio.http_api.logprobs import TokenStrings, chat_logprobs, completion_logprobs
+from spectrio.http_api.logprobs import (
+    TokenStrings,
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    join_logprobs,
+)
 from spectrio.http_api.schema import (
     ChatChoice,
     ChatChunk,
@@ -36,6 +42,7 @@ __all__ = [
     "chat_chunk",
     "chat_response",
     "completion_chunk",
+    "echo_chunk",
     "completion_response",
     "usage",
 ]
@@ -47,6 +54,13 @@ class ChoiceState:
 
     index: int
     prefix: str = ""  # text before the output (completions' echo)
+    # completions' echo with logprobs: the prompt's ids, and its tokens' logprobs (from the
+    # request's first delta; None until then)
+    prompt_ids: list[int] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
+    # echo with max_tokens 0: the answer is the scored prompt alone; the one token the
+    # runtime generates (it always emits one) is dropped, and the choice ends "length"
+    echo_only: bool = False
     pieces: list[str] = dataclasses.field(default_factory=list)
     num_tokens: int = 0
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
@@ -57,13 +71,18 @@ class ChoiceState:
     offset: int = 0  # completions' text_offset of the next token (streaming)
 
     def add(self, delta: Delta) -> None:
-        self.pieces.append(delta.text)
-        self.num_tokens += len(delta.token_ids)
-        self.logprobs += delta.logprobs or ()
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        if not self.echo_only:
+            self.pieces.append(delta.text)
+            self.num_tokens += len(delta.token_ids)
+            self.logprobs += delta.logprobs or ()
         self.drafts_proposed += delta.num_drafts
         self.drafts_accepted += delta.num_accepted
         if delta.finished:
             self.finish_reason = delta.finish_reason
+            if self.echo_only and delta.finish_reason != "abort":
+                self.finish_reason = "length"  # max_tokens 0 reached at once
             self.cached_tokens = delta.cached_tokens or 0
             # the scheduler's own count over the request's life wins over the sum of steps
             if delta.total_drafts is not None and delta.total_accepted is not None:
@@ -111,6 +130,8 @@ def completion_response(
         lp: CompletionLogprobs | None = None
         if strings is not None:
             lp, _ = completion_logprobs(c.logprobs, strings, len(c.prefix))
+            if c.prompt_logprobs is not None:  # echo: the prompt's tokens first
+                lp = join_logprobs(echo_logprobs(c.prompt_ids, c.prompt_logprobs, strings)[0], lp)
         out.append(
             CompletionChoice(index=c.index, text=c.text, logprobs=lp, finish_reason=c.finish_reason)
         )
@@ -137,6 +158,21 @@ def completion_chunk(
     choice = CompletionChoice(
         index=state.index, text=text, logprobs=lp, finish_reason=finish_reason
     )
+    return Completion(id=rid, created=created, model=model, choices=[choice])
+
+
+def echo_chunk(
+    rid: str, created: int, model: str, state: ChoiceState, strings: TokenStrings | None
+) -> Completion:
+    """The stream chunk that echoes one choice's prompt: its text and, when logprobs were
+    asked for, its tokens' logprobs (:func:`~.logprobs.echo_logprobs`; the prompt's
+    logprobs come with the request's first delta, so this chunk waits for it). The
+    output's text offsets then continue from the prompt's text."""
+    lp: CompletionLogprobs | None = None
+    if strings is not None and state.prompt_logprobs is not None:
+        lp, _ = echo_logprobs(state.prompt_ids, state.prompt_logprobs, strings)
+    state.offset = len(state.prefix)
+    choice = CompletionChoice(index=state.index, text=state.prefix, logprobs=lp, finish_reason=None)
     return Completion(id=rid, created=created, model=model, choices=[choice])
 
 

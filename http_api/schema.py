@@ -201,8 +201,9 @@ class CompletionLogprobs(msgspec.Struct, kw_only=True):
     """The legacy completions format: parallel lists, one entry per token."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]  # the top alternatives and the sampled token
+    # null for the first prompt token with echo (it has no context, so no logprob)
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]  # the top alternatives and the token itself
     text_offset: list[int]  # character offset of each token in the choice's text
 
 

@@ -444,11 +444,12 @@ class GGUFFile:
         """:meth:`block_view`'s rows in a new array filled by reading the file, so the
         mapping's pages are not made resident for a copy."""
         raw, row_bytes = self._matrix_rows(name)
-        out = np.empty((self._tensors[name].shape[0], row_bytes), dtype=np.uint8)
+        flat = np.empty(self._tensors[name].shape[0] * row_bytes, dtype=np.uint8)
         with open(self.path, "rb") as f:
             f.seek(self._header.offset_of(raw))
-            if f.readinto(memoryview(out).cast("B")) != out.nbytes:
+            if f.readinto(flat.data) != flat.nbytes:
                 raise CheckpointError(f"{self.path}: tensor {raw.name!r} is truncated")
+        out = flat.reshape(-1, row_bytes)
         if self.arch in _INTERLEAVED_ROPE and is_qk_rows(name):
             out = interleaved_to_half(out, self.config.head_dim)
         return out

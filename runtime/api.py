@@ -112,6 +112,10 @@ class Delta(msgspec.Struct, kw_only=True):
     # On the final delta of a finished request: prompt tokens whose KV came from the
     # prefix cache (0 with the cache off).
     cached_tokens: int | None = None
+    # On the request's first delta, when params.prompt_logprobs is set: one entry per
+    # prompt token after the first (prompt tokens 1 .. P-1, in order; the first has no
+    # context, so no logprob), each with that many top alternatives. None on later deltas.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class Runtime:
@@ -393,7 +397,7 @@ class Runtime:
             if r.finish_reason is not None:
                 self._open_seqs.discard(r.seq_id)
             stream = self._streams.get(r.request_id)
-            if stream is not None and (r.token_ids or r.finish_reason):
+            if stream is not None and (r.token_ids or r.finish_reason or r.prompt_logprobs):
                 stream.send_nowait(r)
         self._notify()  # pause() waits for the last step in flight to be delivered
 
@@ -877,6 +881,9 @@ class RequestStream:
         self._token = trio.lowlevel.current_trio_token()
         self._seq_id = -1
         self._text: RequestText | None = None  # the request's text, once started
+        # prompt_logprobs gathered chunk by chunk until the first delta carries them; None
+        # when not asked for, or once handed out
+        self._prompt_lps: list[TokenLogprob] | None = None
         self._start()  # checked and submitted now: errors reach the caller of generate()
 
     @property
@@ -898,6 +905,8 @@ class RequestStream:
         self._seq_id, self._receive = self._rt._submit(ids, params, rid, self._cache_salt)
         self._params, self._prompt = params, None
         self._text = RequestText(self._rt.tokenizer, params.stop)
+        if params.prompt_logprobs is not None:
+            self._prompt_lps = []
 
     async def __aenter__(self) -> RequestStream:
         try:
@@ -918,14 +927,24 @@ class RequestStream:
         if self._done:
             raise StopAsyncIteration
         assert self._receive is not None
-        try:
-            item = await self._receive.receive()
-        except BaseException:  # cancelled while waiting: the consumer is gone
-            self.close()
-            raise
-        return self._on_item(item)
+        while True:
+            try:
+                item = await self._receive.receive()
+            except BaseException:  # cancelled while waiting: the consumer is gone
+                self.close()
+                raise
+            delta = self._on_item(item)
+            if delta is not None:
+                return delta
 
-    def _on_item(self, item: Delta | SeqResult | EngineDead) -> Delta:
+    def _take_prompt_logprobs(self) -> list[TokenLogprob] | None:
+        """The prompt logprobs gathered so far, once: for the first delta handed out."""
+        out, self._prompt_lps = self._prompt_lps, None
+        return out
+
+    def _on_item(self, item: Delta | SeqResult | EngineDead) -> Delta | None:
+        """The delta for one item of the request's channel; None for a step that only
+        scored prompt tokens (a prefill chunk): its logprobs wait for the first delta."""
         rid = self._request_id
         if isinstance(item, EngineDead):
             self._done = True
@@ -933,7 +952,12 @@ class RequestStream:
         if isinstance(item, Delta):  # aborted or shut down; the abort is already sent
             self._done = True
             self._rt._release(rid, self._seq_id, None)
-            return item
+            lps = self._take_prompt_logprobs()
+            return item if lps is None else msgspec.structs.replace(item, prompt_logprobs=lps)
+        if item.prompt_logprobs and self._prompt_lps is not None:
+            self._prompt_lps += item.prompt_logprobs
+        if not item.token_ids and item.finish_reason is None:
+            return None
         done = item.finish_reason is not None
         if done:
             self._done = True
@@ -953,6 +977,7 @@ class RequestStream:
             total_accepted=item.total_accepted,
             acceptance=item.acceptance,
             cached_tokens=item.cached_tokens,
+            prompt_logprobs=self._take_prompt_logprobs(),
         )
 
     def close(self, reason: str = "consumer went away") -> None:

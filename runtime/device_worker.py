@@ -140,10 +140,10 @@ class DeviceWorker:
                     plan = self.draft(ws, plan)
                     timing.draft_end = time.perf_counter()
                     stage = "verify"
-                    logits = self.verify(ws, plan)
+                    verified = self.verify(ws, plan)
                     timing.verify_end = time.perf_counter()
                     stage = "sampler"
-                    result = self.sample(self.sampler, ws, plan, logits)
+                    result = self.sample(self.sampler, ws, plan, verified)
                     timing.device_end = end = time.perf_counter()
                 timing.model_seconds = ws.forward_seconds - fwd0
                 timing.num_seqs = len(plan.seqs)

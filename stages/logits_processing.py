@@ -25,6 +25,11 @@ Steps, in order (everything in float64):
 
 Logprobs (:func:`token_logprobs`) are computed only for the rows of emitted tokens; the
 top alternatives are ordered by logprob, ties (``-inf`` included) by lower token id.
+Prompt logprobs (:func:`prompt_logprobs`) are the same reduction (:func:`log_softmax` in
+float64, then :func:`token_logprobs`) over the rows that score prompt tokens, taken a
+block of rows at a time so a long prefill chunk never needs a float64 copy of all its
+rows at once; :func:`logprob_entries` turns either into
+:class:`~spectrio.core.messages.TokenLogprob` s.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from spectrio.core.messages import TokenLogprob
 from spectrio.core.params import SamplingParams
 
 __all__ = [
@@ -41,8 +47,10 @@ __all__ = [
     "LogprobRows",
     "apply_penalties",
     "log_softmax",
+    "logprob_entries",
     "mask_stop_tokens",
     "process_rows",
+    "prompt_logprobs",
     "sampling_probs",
     "token_logprobs",
     "top_logprobs",
@@ -236,3 +244,46 @@ def token_logprobs(logprobs: np.ndarray, token_ids: Sequence[int], top: int) -> 
     ranks = (lp > chosen[:, None]).sum(axis=1) + 1
     top_ids = top_logprobs(lp, top)
     return LogprobRows(chosen, ranks, top_ids, np.take_along_axis(lp, top_ids, axis=1))
+
+
+def logprob_entries(
+    rows: LogprobRows, token_ids: Sequence[int], wants: Sequence[int]
+) -> list[TokenLogprob]:
+    """One :class:`TokenLogprob` per row of ``rows`` (computed for ``token_ids``), row
+    ``i`` keeping the first ``wants[i]`` of its top columns (a request's alternatives do
+    not depend on what its batch neighbours asked for: :func:`top_logprobs`)."""
+    values, ranks = rows.token_logprobs.tolist(), rows.ranks.tolist()
+    top_ids, top_lps = rows.top_ids.tolist(), rows.top_logprobs.tolist()
+    return [
+        TokenLogprob(
+            token_id=int(tok),
+            logprob=values[i],
+            rank=ranks[i],
+            top=list(zip(top_ids[i][:want], top_lps[i][:want], strict=True)),
+        )
+        for i, (tok, want) in enumerate(zip(token_ids, wants, strict=True))
+    ]
+
+
+PROMPT_BLOCK_ROWS = 64
+"""Rows reduced at once by :func:`prompt_logprobs`: float64 temporaries of this many
+rows times the vocabulary (about 25 MB each for a 49,152-token vocabulary)."""
+
+
+def prompt_logprobs(
+    logits: np.ndarray, token_ids: Sequence[int], top: int, *, block_rows: int = PROMPT_BLOCK_ROWS
+) -> list[TokenLogprob]:
+    """The logprobs of prompt tokens: row ``i`` of ``logits`` [n, V] (the raw target
+    logits at the position before ``token_ids[i]``) scores ``token_ids[i]``, with the
+    ``top`` most likely alternatives. The same float64 log-softmax as the sampled tokens'
+    ``raw`` logprobs, block by block of ``block_rows`` rows."""
+    n = len(token_ids)
+    if logits.shape[0] != n:
+        raise ValueError(f"{logits.shape[0]} logit rows for {n} prompt tokens")
+    out: list[TokenLogprob] = []
+    for lo in range(0, n, block_rows):
+        hi = min(n, lo + block_rows)
+        ids = token_ids[lo:hi]
+        rows = token_logprobs(log_softmax(logits[lo:hi]), ids, top)
+        out += logprob_entries(rows, ids, [top] * (hi - lo))
+    return out

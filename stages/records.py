@@ -189,4 +189,5 @@ def publish_step(result: StepResult) -> PublishedStep:
             for r in results
             if r.finish_reason is not None and r.cached_tokens is not None
         },
+        prompt_logprobs={r.request_id: r.prompt_logprobs for r in results if r.prompt_logprobs},
     )

@@ -6,18 +6,15 @@ the result leaves: no later step can need it."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from spectrio.core.messages import StepPlan, StepResult
 from spectrio.stages.sampling import Sampler
+from spectrio.stages.verify import Verified
 from spectrio.stages.workspace import Workspace
 
 __all__ = ["sample"]
 
 
-def sample(
-    sampler: Sampler, ws: Workspace, plan: StepPlan, logits: dict[int, np.ndarray]
-) -> StepResult:
-    result = sampler.step(plan, logits)
+def sample(sampler: Sampler, ws: Workspace, plan: StepPlan, verified: Verified) -> StepResult:
+    result = sampler.step(plan, verified.logits, verified.prompt_logits)
     ws.release([r.seq_id for r in result.results if r.finish_reason is not None])
     return result

@@ -30,10 +30,17 @@ import dataclasses
 
 import numpy as np
 
-from spectrio.core.messages import SeqResult, SeqWork, StepPlan, StepResult, TokenLogprob
+from spectrio.core.messages import SeqResult, SeqWork, StepPlan, StepResult
 from spectrio.core.params import SamplingParams
 from spectrio.models import TextTokenizer
-from spectrio.stages.logits_processing import History, log_softmax, process_rows, token_logprobs
+from spectrio.stages.logits_processing import (
+    History,
+    log_softmax,
+    logprob_entries,
+    process_rows,
+    prompt_logprobs,
+    token_logprobs,
+)
 from spectrio.stages.rejection import greedy_run, rejection_sample
 from spectrio.stages.stops import StopStringMatcher, truncate_run
 
@@ -115,8 +122,16 @@ class Sampler:
         processed, probs = process_rows(raw, state.params, state.history, w.drafts, w.eos_token_ids)
         return _Prepared(w, state, raw, processed, probs)
 
-    def step(self, plan: StepPlan, logits: dict[int, np.ndarray]) -> StepResult:
-        """Decide every sampling slot of ``plan`` from its logits (``Workspace.take_logits``)."""
+    def step(
+        self,
+        plan: StepPlan,
+        logits: dict[int, np.ndarray],
+        prompt_logits: dict[int, np.ndarray] | None = None,
+    ) -> StepResult:
+        """Decide every sampling slot of ``plan`` from its logits (rows ``[last token,
+        d1..dm]`` per slot, from verify), and reduce ``prompt_logits`` (the raw logits of
+        the rows that score prompt tokens, ``SeqWork.score_ids``, per slot) to each
+        result's ``prompt_logprobs``."""
         self.drop(plan.retired)
         prepared = [self._prepare(w, logits[w.slot]) for w in plan.seqs if w.sample]
         emitted = self._accept(prepared)
@@ -125,6 +140,12 @@ class Sampler:
         _attach_logprobs([(p, r) for p, r in pairs if r.num_logprobs is not None and r.token_ids])
         by_slot = {r.slot: r for r in finished}
         results = [by_slot.get(w.slot) or _silent(w) for w in plan.seqs]
+        for w, r in zip(plan.seqs, results, strict=True):
+            if w.score_ids:
+                if prompt_logits is None or w.slot not in prompt_logits:
+                    raise ValueError(f"slot {w.slot} scores prompt tokens but has no logits")
+                top = w.params.prompt_logprobs or 0
+                r.prompt_logprobs = prompt_logprobs(prompt_logits[w.slot], w.score_ids, top)
         return StepResult(
             step=plan.step,
             results=results,
@@ -215,19 +236,12 @@ def _attach_logprobs(items: list[tuple[_Prepared, SeqResult]]) -> None:
     tokens = [t for _, r in items for t in r.token_ids]
     top = max(p.state.params.logprobs or 0 for p, _ in items)
     rows = token_logprobs(np.concatenate(blocks), tokens, top)
-    values, ranks = rows.token_logprobs.tolist(), rows.ranks.tolist()
-    top_ids, top_lps = rows.top_ids.tolist(), rows.top_logprobs.tolist()
-    row = 0
-    for prep, result in items:
-        want = prep.state.params.logprobs or 0
-        entries = []
-        for tok in result.token_ids:
-            pairs = list(zip(top_ids[row][:want], top_lps[row][:want], strict=True))
-            entries.append(
-                TokenLogprob(token_id=tok, logprob=values[row], rank=ranks[row], top=pairs)
-            )
-            row += 1
-        result.logprobs = entries
+    wants = [p.state.params.logprobs or 0 for p, r in items for _ in r.token_ids]
+    entries = logprob_entries(rows, tokens, wants)
+    at = 0
+    for _, result in items:
+        n = len(result.token_ids)
+        result.logprobs, at = entries[at : at + n], at + n
 
 
 def _silent(w: SeqWork) -> SeqResult:

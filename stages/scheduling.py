@@ -43,7 +43,9 @@ keep it exact and safe with steps in flight:
   at most ``length - 1`` positions, so the last context token is always computed and the
   first draft has its hidden state. It starts at ``num_computed = hit``; its first work
   carries the hit's tokens (``SeqWork.cached_ids``), so the proposer's history and MTP
-  catch-up start there on every rank.
+  catch-up start there on every rank. A request with ``prompt_logprobs`` whose prompt
+  rows are not all scored yet takes no hit beyond the rows already scored (cached
+  positions are never computed, so they could not be scored), as vLLM does.
 * **Registration.** A prompt block is registered only when a step's result is folded in
   and that step has written its KV: the target's for every position the step or an
   earlier one computed, and, for a sequence whose MTP KV is cached, the MTP layer's for
@@ -103,6 +105,9 @@ class Sequence:
     acceptance: Acceptance = dataclasses.field(default_factory=Acceptance)  # over its life
     cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     prefix_hit: int = 0  # positions this admission took from the cache, until its first work
+    # prompt_logprobs: rows at positions 0 .. prompt_scored - 1 have been planned for
+    # scoring (their results always reach the publisher: see _score)
+    prompt_scored: int = 0
 
     @property
     def drafts_proposed(self) -> int:
@@ -119,6 +124,15 @@ class Sequence:
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def scoring_left(self) -> bool:
+        """prompt_logprobs asked for and some prompt row not planned for scoring yet
+        (rows at positions 0 .. P - 2 score prompt tokens 1 .. P - 1)."""
+        return (
+            self.params.prompt_logprobs is not None
+            and self.prompt_scored < len(self.prompt_ids) - 1
+        )
 
     @property
     def remaining_tokens(self) -> int:
@@ -362,7 +376,10 @@ class Scheduler:
         requests are computing now (module docstring, *Waiting for a prefix*)."""
         if not self.blocks.caching:
             return [], 0
-        return self.blocks.lookup(seq.tokens, self._key(seq), seq.length - 1)
+        limit = seq.length - 1
+        if seq.scoring_left:  # cached positions are not computed, so they cannot be scored
+            limit = min(limit, seq.prompt_scored)
+        return self.blocks.lookup(seq.tokens, self._key(seq), limit)
 
     def _admitted_with(self, seq: Sequence, hit: int) -> None:
         if self.blocks.caching:
@@ -479,6 +496,7 @@ class Scheduler:
                 else []
             ),
             cached_ids=tokens[: seq.prefix_hit],
+            **self._score(seq, start, rows),  # type: ignore[arg-type]
         )
         seq.prefix_hit = 0
         if sample:
@@ -486,6 +504,25 @@ class Scheduler:
         else:
             seq.num_computed = start + rows  # a chunk always completes
         return work
+
+    @staticmethod
+    def _score(seq: Sequence, start: int, rows: int) -> dict[str, object]:
+        """The prompt rows this context chunk (positions ``start .. start + rows - 1``)
+        scores for prompt_logprobs: those not planned for scoring before, up to the
+        prompt's second-to-last position, whose row predicts its last token. The
+        watermark moves when the chunk is planned: a planned step's result is always
+        published (a sequence preempted since still gets it; only an abort drops it, and
+        then nothing more is owed), so a position is scored once, never twice or not at
+        all, through chunking, overlap and recompute (whose prefix hit stops at the
+        watermark: :meth:`_match`)."""
+        if not seq.scoring_left:
+            return {}
+        lo = max(start, seq.prompt_scored)
+        hi = min(start + rows, len(seq.prompt_ids) - 1)
+        if hi <= lo:
+            return {}
+        seq.prompt_scored = hi
+        return {"score_start": lo, "score_ids": seq.prompt_ids[lo + 1 : hi + 1]}
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and requeue it first; it recomputes later."""

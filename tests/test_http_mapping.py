@@ -123,7 +123,8 @@ def test_a_neutral_value_is_accepted(field: str, value: Any) -> None:
     [
         ({"suffix": "tail"}, "suffix"),
         ({"best_of": 3}, "best_of"),
-        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"max_tokens": 0}, "max_tokens"),  # 0 only with echo
+        ({"echo": True, "max_tokens": 0, "min_tokens": 1}, "min_tokens"),
         ({"logit_bias": {"1": -100}}, "logit_bias"),
         ({"n": 0}, "n"),
         ({"n": 129}, "n"),

@@ -235,6 +235,21 @@ def test_tp2_equals_tp1_under_pressure(k: str) -> None:
     assert int(two["preemptions"]) > 0 and two["blocks_back"]  # type: ignore[call-overload]
 
 
+def test_tp2_prompt_logprobs_equal_tp1_and_are_published_once() -> None:
+    """prompt_logprobs in a group, under overlap, chunked prefill and preemption: rank 0
+    publishes each prompt token's logprob once, and they are TP=1's (float64)."""
+    one = _drive("prompt", "1", "2")
+    two = _drive("prompt", "2", "2")
+    assert two["outputs"] == one["outputs"]
+    assert two["published"] == two["expected"] == one["published"]
+    scores_one, scores_two = one["scores"], two["scores"]
+    assert isinstance(scores_one, list) and isinstance(scores_two, list)
+    for a, b in zip(scores_one, scores_two, strict=True):
+        assert [e[0] for e in a] == [e[0] for e in b] and len(a) > 0
+        np.testing.assert_allclose([e[1] for e in a], [e[1] for e in b], rtol=0, atol=1e-9)
+        assert [[t for t, _ in e[3]] for e in a] == [[t for t, _ in e[3]] for e in b]
+
+
 @pytest.mark.parametrize("k", ["2", "ngram:2"])
 def test_tp2_prefix_cache_equals_tp1_without_it(k: str) -> None:
     """Prefix-cache hits decided on rank 0 and carried by the plan: TP=2 with the cache

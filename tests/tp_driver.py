@@ -4,6 +4,7 @@ one JSON line with what the test checks.
 
     python tests/tp_driver.py generate TP K
     python tests/tp_driver.py prefix TP K on|off
+    python tests/tp_driver.py prompt TP K
     python tests/tp_driver.py kill
     python tests/tp_driver.py twice
 """
@@ -126,6 +127,48 @@ async def pressure(tp: int, k: int, method: str = "mtp") -> dict[str, object]:
     return {"outputs": outputs, "preemptions": preemptions, "blocks_back": free}
 
 
+async def prompt(tp: int, k: int, method: str = "mtp") -> dict[str, object]:
+    """prompt_logprobs under overlap, chunked prefill (16-token budget) and a pool small
+    enough to preempt: every rank computes the scored rows' logits (the same
+    logits_indices, so the vocabulary-parallel head's collective matches), rank 0 alone
+    reduces and publishes them. Returns each request's tokens and prompt logprobs, and
+    how many prompt logprob entries the records carried in all."""
+    prompts = [list(range(300 + 11 * i, 300 + 11 * i + 20 + 7 * i)) for i in range(4)]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    scores: list[list[object]] = [[] for _ in prompts]
+    published: list[int] = []
+    cfg = config(
+        tp, k, method, max_model_len=80, max_num_batched_tokens=16, num_kv_blocks=24,
+        block_size=4, enable_overlap=True,
+    )  # fmt: skip
+    with trio.fail_after(240):
+        async with open_runtime(cfg) as rt:
+            rt.add_record_observer(
+                lambda p: published.append(sum(len(v) for v in p.prompt_logprobs.values()))
+            )
+
+            async def one(i: int) -> None:
+                params = SamplingParams(max_tokens=20, ignore_eos=True, prompt_logprobs=2)
+                async with rt.generate(prompts[i], params) as stream:
+                    async for delta in stream:
+                        outputs[i] += delta.token_ids
+                        for e in delta.prompt_logprobs or []:
+                            scores[i].append([e.token_id, e.logprob, e.rank, e.top])
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(one, i)
+            await rt.wait_idle()
+            preemptions = rt.scheduler.num_preemptions
+    return {
+        "outputs": outputs,
+        "scores": scores,
+        "published": sum(published),
+        "expected": sum(len(p) - 1 for p in prompts),
+        "preemptions": preemptions,
+    }
+
+
 async def prefix(tp: int, k: int, method: str, caching: bool) -> dict[str, object]:
     """Prefix caching: a second wave of requests shares the first wave's 41-token prefix
     (overlap on, chunked prefill, greedy and seeded). Rank 0 decides every hit; a follower
@@ -227,6 +270,8 @@ def main() -> None:
         out = trio.run(generate, int(sys.argv[2]), int(k), int(sys.argv[4]), method)
     elif what == "pressure":
         out = trio.run(pressure, int(sys.argv[2]), int(k), method)
+    elif what == "prompt":
+        out = trio.run(prompt, int(sys.argv[2]), int(k), method)
     elif what == "prefix":
         out = trio.run(prefix, int(sys.argv[2]), int(k), method, sys.argv[4] == "on")
     elif what == "twice":

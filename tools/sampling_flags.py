@@ -43,6 +43,9 @@ NOT_FLAGS: Final = {
     # Per-request speculation is an API and wire knob; on the command line the whole
     # runtime's speculation is set with --spec/--no-spec.
     "speculative": "set for the runtime with --spec/--no-spec",
+    # Prompt scoring is for evaluation clients (the HTTP API's echo + logprobs, the wire,
+    # the embedding API); the CLI's commands print generated tokens only.
+    "prompt_logprobs": "an API, wire and HTTP (echo + logprobs) knob",
 }
 
 

@@ -150,6 +150,10 @@ class Chunk(msgspec.Struct, frozen=True, kw_only=True):
     cached_tokens: int | None = None
     # One entry per token when the request asked for logprobs (``params.logprobs``).
     logprobs: list[TokenLogprob] | None = None
+    # On a request's first chunk, when it asked for ``params.prompt_logprobs`` (server
+    # schema 1.8): prompt tokens 1 .. P-1's logprobs, gathered from the steps that
+    # scored them (the embedding API's ``Delta.prompt_logprobs``).
+    prompt_logprobs: list[TokenLogprob] | None = None
     # The step envelope's error for this request, as ``"code: reason"`` (a request that
     # failed: ``"unavailable: engine_dead: ..."`` when the engine died).
     error: str | None = None
@@ -224,6 +228,8 @@ class StreamAssembler:
         self._followed: set[str] = set(track or ())
         self._received: dict[str, int] = {}
         self._texts: dict[str, RequestText] = {}
+        # prompt logprobs of followed requests, gathered until their first chunk
+        self._prompt_lps: dict[str, list[TokenLogprob]] = {}
 
     @property
     def tokenizer(self) -> TextTokenizer:
@@ -263,8 +269,12 @@ class StreamAssembler:
                 raise SequenceGap(rid, expected, seqno, env.step)
             ids = tokens.get(rid)
             token_ids = [] if ids is None else [int(t) for t in ids]
+            scored = env.prompt_logprobs.get(rid)
+            if scored:
+                self._prompt_lps.setdefault(rid, []).extend(scored)
             if not token_ids and reason is None:
                 continue  # a slot still in prefill, or preempted: no chunk
+            prompt_lps = self._prompt_lps.pop(rid, None)
             # The output processor's text; the wire does not carry the request's stop
             # strings or its stop cut, so nothing is held back here.
             texts = self._texts.get(rid)
@@ -290,6 +300,7 @@ class StreamAssembler:
                     total_accepted=None if totals is None else totals[1],
                     cached_tokens=env.cached_tokens.get(rid) if reason is not None else None,
                     logprobs=logprobs.get(rid) if token_ids else None,
+                    prompt_logprobs=prompt_lps,
                     error=errors.get(rid),
                 )
             )
@@ -316,17 +327,22 @@ def _submit_frame(
             m if isinstance(m, ChatMessage) else ChatMessage(role=m["role"], content=m["content"])
             for m in messages
         ]
-    return encode(
-        Submit(
-            v=SCHEMA_VERSION,
-            request_id=request_id,
-            prompt=body,
-            params=params or SamplingParams(),
-            messages=chat,
-            cache_salt=cache_salt,
-            stream=stream,
-        )
+    submit = Submit(
+        v=SCHEMA_VERSION,
+        request_id=request_id,
+        prompt=body,
+        params=params or SamplingParams(),
+        messages=chat,
+        cache_salt=cache_salt,
+        stream=stream,
     )
+    if submit.params.prompt_logprobs is not None:
+        return encode(submit)
+    # Schema 1.8 added params.prompt_logprobs; sent only when set, so a server older than
+    # 1.8 (which refuses the key as unknown_field) reads every other request as before.
+    body_map = msgspec.to_builtins(submit)
+    del body_map["params"]["prompt_logprobs"]
+    return msgspec.msgpack.encode(body_map)
 
 
 def _expect_reply(reply: Ack | Error | ModelInfo, kind: type[_R], what: str) -> _R:

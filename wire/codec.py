@@ -423,6 +423,7 @@ def slice_step(
         record=select_slots(published.record if record is None else record, list(slots)),
         drafts={r: d for r, d in published.drafts.items() if r in keep},
         cached_tokens={r: n for r, n in published.cached_tokens.items() if r in keep},
+        prompt_logprobs={r: v for r, v in published.prompt_logprobs.items() if r in keep},
     )
 
 
@@ -450,6 +451,7 @@ def encode_step(
         errors=list(errors),
         drafts={rid: (int(d[0]), int(d[1])) for rid, d in published.drafts.items()},
         cached_tokens={rid: int(n) for rid, n in published.cached_tokens.items()},
+        prompt_logprobs=dict(published.prompt_logprobs),
     )
     return [_encoder.encode(envelope), bytes(published.record)]
 

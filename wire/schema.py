@@ -29,6 +29,7 @@ from typing import Any, Final, Literal
 
 import msgspec
 
+from spectrio.core.messages import TokenLogprob
 from spectrio.core.params import (
     MAX_REQUEST_ID_LEN,
     CacheSalt,
@@ -68,7 +69,7 @@ SCHEMA_VERSION: Final = 1
 of another major version (``schema_version``). Bump it for a change an old peer would
 misread: a removed or renamed key, a changed type or meaning."""
 
-SCHEMA_MINOR: Final = 7
+SCHEMA_MINOR: Final = 8
 """Minor version within :data:`SCHEMA_VERSION`: bumped for additions an old peer can
 ignore (an optional key a reader skips, a new request type an old client never sends).
 It is not on every message (an old peer's ``"v"`` stays valid); a client learns the
@@ -83,7 +84,8 @@ with ``unknown_field``); 1.6 ``Submit.cache_salt`` (prefix-cache isolation; sent
 when not empty) and ``StepEnvelope.cached_tokens``; 1.7 ``Submit.stream`` (the
 request's step messages come back on the connection that submitted it, so any number
 of clients each read their own), the error code ``output_stalled``, and
-``ModelInfo.healthy`` / ``health`` / ``output_stall_s``.
+``ModelInfo.healthy`` / ``health`` / ``output_stall_s``; 1.8 ``SamplingParams.prompt_logprobs``
+(sent only when set) and ``StepEnvelope.prompt_logprobs``.
 
 Every change to a message below changes the pin in ``tests/test_wire_schema.py``, which
 fails until one of the two versions is bumped."""
@@ -300,6 +302,11 @@ class StepEnvelope(_Message, tag="step", frozen=True, kw_only=True):
     # Since 1.6: request id -> prompt tokens whose KV came from the prefix cache, for each
     # request that finished normally in this step (0 when none did, or the cache is off).
     cached_tokens: dict[str, int] = {}
+    # Since 1.8: request id -> the logprobs of the prompt tokens this step scored, for
+    # each request that asked for params.prompt_logprobs and had some scored here (a
+    # prefill chunk, so possibly over several steps, in order): each entry is the array
+    # [token id, logprob, rank, [[alternative id, logprob], ...]] (TokenLogprob).
+    prompt_logprobs: dict[str, list[TokenLogprob]] = {}
 
 
 # ---- schema pin ---------------------------------------------------------------------------
