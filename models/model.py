@@ -325,8 +325,11 @@ class SpectrioForCausalLM(nn.Layer):
             return self.compute_logits(hidden), None
         if self._draft_head.empty:
             ids = paddle.to_tensor(self.draft_vocab)
-            if self._head_rows is not None:
-                self._draft_head.set_rows(paddle.to_tensor(self._head_rows(self.draft_vocab)))
+            if self._head_rows is not None:  # packed at once: the float rows are not kept
+                rows = self._head_rows(self.draft_vocab)
+                self._draft_head.set_matrix(ServingMatrix(rows, rows=True, half=self.draft_half))
+                del rows
+                trim_freed_memory()
             elif self.lm_head is None:
                 self._draft_head.set_rows(paddle.gather(self.model.embed_tokens.weight, ids))
             else:
