@@ -1,7 +1,10 @@
 """GGUF block products (``models/csrc/block_kernels.h``) against the float32 panel product.
 
 For each block type and row count, ``spectrio_block_matmul`` over a weight kept as GGUF
-blocks and ``spectrio_panel_matmul`` over the same shape in float32 panels, cycling over
+blocks the way the serving matrices keep them (``ServingMatrix.from_blocks``: the tiled
+layout of 8 columns for the 32-element types), over the same blocks as stored (the
+kernel the K-quants run, ``stored``), and ``spectrio_panel_matmul`` over the same shape
+in float32 panels, cycling over
 enough copies of each weight (``--copies-mb``) that they come from memory, not the cache,
 as in a forward over every layer. The cases alternate within each round; medians over
 ``--rounds`` are printed, one JSON object per case, after the read bandwidth probed in the
@@ -13,7 +16,8 @@ same run (``models/memory_floor.py``), which is the memory floor at one row:
   clock ``/proc/cpuinfo`` reports (a nominal figure: boost clocks make it a ratio, not an
   absolute);
 * ``block_over_panel``: the panel product's time over the block product's (above 1: the
-  blocks are faster).
+  blocks are faster); ``block_over_stored``: the stored blocks' time over the serving
+  layout's (1.0 for the K-quants, which are served as stored).
 
 Run: ``python benchmarks/bench_block_kernels.py [--types Q4_0 Q4_K ...] [--rows 1 4 16]
 [--shapes 576x960 576x3072 576x49152 1536x576] [--threads 2]``. The shapes (``KxN``) are
@@ -54,6 +58,21 @@ def _ms_per_call(matrices: Sequence[Any], x: Any, calls: int) -> float:
     for i in range(calls):
         matrices[i % len(matrices)].matmul(x)
     return (time.perf_counter() - t0) / calls * 1e3
+
+
+class _Stored:
+    """Blocks as the file stores them, multiplied by the same op (its stored-layout
+    kernel)."""
+
+    def __init__(self, raw: np.ndarray, ggml_id: int) -> None:
+        from spectrio.models.paddle_setup import paddle
+
+        self._w, self._type, self._n = paddle.to_tensor(raw), ggml_id, raw.shape[0]
+
+    def matmul(self, x: Any) -> Any:
+        from spectrio.models.native_ops import block_matmul
+
+        return block_matmul(x, self._w, self._type, self._n)
 
 
 def _copies(nbytes: int, budget_mb: int) -> int:
@@ -102,30 +121,39 @@ def main() -> int:
                         for _ in range(_copies(4 * k * n, args.copies_mb))
                     ]
                 nbytes = n * t.row_bytes(k)
-                blocks = [
-                    ServingMatrix.from_blocks(gb.synthetic_blocks(name, n, k, rng), name, k)
+                raws = [
+                    gb.synthetic_blocks(name, n, k, rng)
                     for _ in range(_copies(nbytes, args.copies_mb))
                 ]
+                blocks = [ServingMatrix.from_blocks(raw, name, k) for raw in raws]
+                stored = [_Stored(raw, t.ggml_id) for raw in raws]
                 for rows in args.rows:
                     x = paddle.to_tensor(rng.standard_normal((rows, k), dtype=np.float32))
-                    times: dict[str, list[float]] = {"block": [], "panel": []}
+                    cases: dict[str, Sequence[Any]] = {
+                        "block": blocks,
+                        "stored": stored,
+                        "panel": panels[k],
+                    }
+                    times: dict[str, list[float]] = {c: [] for c in cases}
                     for _ in range(args.rounds):
-                        times["block"].append(_ms_per_call(blocks, x, args.calls))
-                        times["panel"].append(_ms_per_call(panels[k], x, args.calls))
-                    b_ms, p_ms = (statistics.median(times[c]) for c in ("block", "panel"))
+                        for c, matrices in cases.items():
+                            times[c].append(_ms_per_call(matrices, x, args.calls))
+                    b_ms, s_ms, p_ms = (statistics.median(times[c]) for c in cases)
                     macs = rows * k * n
                     b_gb, p_gb = nbytes / b_ms / 1e6, 4 * k * n / p_ms / 1e6
                     print(json.dumps({
                         "type": name, "k": k, "n": n, "rows": rows, "k_asked": k0,
-                        "block_ms": round(b_ms, 4), "panel_ms": round(p_ms, 4),
+                        "block_ms": round(b_ms, 4), "stored_ms": round(s_ms, 4),
+                        "panel_ms": round(p_ms, 4),
                         "block_gb_s": round(b_gb, 2), "panel_gb_s": round(p_gb, 2),
                         "block_of_bw": round(b_gb / bw.best_gb_s, 2),
                         "panel_of_bw": round(p_gb / bw.best_gb_s, 2),
                         "block_mac_cycle": round(macs / (b_ms * 1e-3) / hz, 2),
                         "panel_mac_cycle": round(macs / (p_ms * 1e-3) / hz, 2),
                         "block_over_panel": round(p_ms / b_ms, 2),
+                        "block_over_stored": round(s_ms / b_ms, 2),
                     }), flush=True)  # fmt: skip
-                del blocks
+                del blocks, stored, raws
     return 0
 
 

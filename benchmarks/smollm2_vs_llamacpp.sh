@@ -4,8 +4,10 @@
 # alternated round by round. Each round also runs one short completion of each under
 # /usr/bin/time for its peak RSS.
 #
-#   LLAMA_BIN=<llama.cpp build/bin> FILE=<smollm2 .gguf> OUT=<folder> \
+#   LLAMA_BIN=<llama.cpp build/bin> FILE=<smollm2 .gguf> OUT=<folder> [K="0 auto"] \
 #     sh benchmarks/smollm2_vs_llamacpp.sh [ROUNDS]
+#
+# K: spectrio's cases (default: no speculation, the head at k = 1 and 3, adaptive, n-gram).
 #
 # FILE is any SmolLM2 GGUF file: the shipped Q4_1 one, or one llama.cpp made from it:
 #   llama-quantize --allow-requantize SmolLM2-135M-Instruct.Q4_1.gguf smollm2-q8_0.gguf Q8_0
@@ -16,6 +18,7 @@
 set -eu
 ROUNDS=${1:-2}
 THREADS=${THREADS:-2}
+K=${K:-0 1 3 auto ngram:3}
 : "${LLAMA_BIN:?set LLAMA_BIN}" "${FILE:?set FILE}" "${OUT:?set OUT}"
 mkdir -p "$OUT"
 PROMPT="Why is the sky blue?"
@@ -26,7 +29,8 @@ while [ "$i" -le "$ROUNDS" ]; do
   "$LLAMA_BIN/llama-batched-bench" -m "$FILE" -t "$THREADS" -c 4096 -b 2048 -ub 512 \
     -npp 48 -ntg 128 -npl 1,16 --output-format jsonl \
     > "$OUT/llama_batched_$i.jsonl" 2> "$OUT/llama_batched_$i.err"
-  spectrio bench --model "$FILE" --batch 1 16 --k 0 1 3 auto ngram:3 \
+  # shellcheck disable=SC2086
+  spectrio bench --model "$FILE" --batch 1 16 --k $K \
     --max-tokens 128 --prompt-tokens 48 --min-requests 3 --interleave 2 --progress off \
     --json "$OUT/spectrio_$i.json" > "$OUT/spectrio_$i.txt" 2> "$OUT/spectrio_$i.err"
   /usr/bin/time -v "$LLAMA_BIN/llama-cli" -m "$FILE" -t "$THREADS" -p "$PROMPT" -n 32 \

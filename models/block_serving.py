@@ -12,9 +12,11 @@ from blocks: their parameters never get storage. What it does instead:
 * **The embedding and the output head** stay in the file: a step's embedding rows are
   dequantized for its tokens only, the head is a block matrix (a tied head is the
   embedding's blocks), and the draft vocabulary's head rows are dequantized once.
-* **Fused groups are copies, read with file reads**: the rest are views of the mapped
-  file, so resident memory is about the file's size, and the mapped pages the copies
-  were made from are dropped again (``madvise``).
+* **Matrices are read with file reads, not through the mapping**: the 32-element types
+  are repacked once into 8-column tiles (:meth:`ServingMatrix.from_blocks`, the same
+  bytes a group), K-quants are kept as stored; fused groups are concatenated first.
+  Resident memory is about the file's size, and mapped pages touched while loading are
+  dropped again (``madvise``).
 
 Where a group's type has no kernel (or mixes types no lossless re-storing unifies), its
 tensors are widened to float32 and served as float panels, with a warning naming each
@@ -265,7 +267,7 @@ def load_blocks(
     head = plan.groups.get("head")
     if head is not None:
         (name,) = head.names
-        matrix = ServingMatrix.from_blocks(shard.rows(gguf.block_view(name)), head.kind, d)
+        matrix = ServingMatrix.from_blocks(shard.rows(gguf.read_blocks(name)), head.kind, d)
         embed = _embedding_rows(gguf, "model.embed_tokens.weight")
         model.serve_rows_from(embed, _embedding_rows(gguf, name), matrix)
     if isinstance(source, WithHead):

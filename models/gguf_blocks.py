@@ -12,7 +12,10 @@ them where they lie. This module holds what the kernels assume, in NumPy:
 * :func:`quantize_activations`: a row of activations quantized per 32, to int8 with a
   scale, in the same float32 steps as the kernel.
 * :func:`reference_matmul`: the product the kernel computes, from those two, in float64:
-  the kernel's result differs from it by float32 rounding only.
+  the kernel's result differs from it by float32 rounding only (its docstring gives the
+  kernel's float32 order of operations).
+* :func:`tile_blocks`: the tiled layout the serving matrices regroup the 32-element types
+  into at load (8 output columns side by side), which the kernels read fastest.
 """
 
 from __future__ import annotations
@@ -35,10 +38,17 @@ __all__ = [
     "reference_matmul",
     "scaled_blocks",
     "synthetic_blocks",
+    "tile_blocks",
 ]
 
 GROUP = 32
 """Elements of an activation group and of a decoded weight group."""
+
+TILE = 8
+"""Output columns of a tile of the tiled layout (:func:`tile_blocks`)."""
+
+TILED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+"""The types the kernels read in the tiled layout (the K-quants keep their blocks)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +210,48 @@ def dequantize(raw: np.ndarray, name: str) -> np.ndarray:
     return w.reshape(*w.shape[:-2], -1)
 
 
+def tile_blocks(raw: np.ndarray, name: str) -> np.ndarray:
+    """Blocks of ``name`` (one of :data:`TILED`; uint8 ``[N, row bytes]`` or ``[N, blocks,
+    bytes]``) → the tiled layout ``[ceil(N / 8), K / 32, 8 * bytes]``: for each 8 rows
+    (output columns) and group, the 8 columns' fields side by side, the last tile padded
+    with zero columns. The layout's definition (``models/csrc/block_kernels.h`` reads it;
+    the runtime regroups with :func:`spectrio.models.native_ops.repack_tiles`, which the
+    tests check against this). Per group:
+
+    * the 8 float16 scales ``d``; Q4_1/Q5_1: then the 8 float16 offsets ``m``;
+    * Q5_0/Q5_1: 32 bytes of fifth bits, bit ``s`` of byte ``4c + e`` that of element
+      ``4s + e`` of column ``c``;
+    * Q8_0: 8 chunks of 32 bytes, byte ``4c + e`` of chunk ``s`` element ``4s + e`` of
+      column ``c``; 4-bit types: 4 words of 32 bytes, byte ``4c + e`` of word ``r`` the
+      stored byte ``4r + e`` of column ``c`` (low nibble: element ``4r + e``, high nibble:
+      element ``16 + 4r + e``).
+    """
+    t = BLOCK_TYPES[name]
+    if name not in TILED:
+        raise ValueError(f"no tiled layout for {name}")
+    rows = np.ascontiguousarray(raw, dtype=np.uint8).reshape(raw.shape[0], -1)
+    n, groups = rows.shape[0], rows.shape[1] // t.bytes
+    tiles = -(-n // TILE)
+    padded = np.zeros((tiles * TILE, groups, t.bytes), np.uint8)
+    padded[:n] = rows.reshape(n, groups, t.bytes)
+    b = padded.reshape(tiles, TILE, groups, t.bytes).transpose(0, 2, 1, 3)  # [T, G, 8, bytes]
+    fields = [b[..., 0:2]]
+    at = 2
+    if name in ("Q4_1", "Q5_1"):
+        fields.append(b[..., 2:4])
+        at = 4
+    if name in ("Q5_0", "Q5_1"):
+        bits = np.unpackbits(b[..., at : at + 4], axis=-1, bitorder="little")  # element i
+        bits = bits.reshape(*bits.shape[:-1], 8, 4).astype(np.uint8)  # [.., s, e]
+        shifts = np.arange(8, dtype=np.uint8).reshape(8, 1)
+        fields.append((bits << shifts).sum(axis=-2, dtype=np.uint8))  # [T, G, 8, 4]
+        at += 4
+    words = 8 if name == "Q8_0" else 4
+    qs = b[..., at:].reshape(tiles, groups, TILE, words, 4).transpose(0, 1, 3, 2, 4)
+    flat = [f.reshape(tiles, groups, -1) for f in (*fields, qs)]
+    return np.ascontiguousarray(np.concatenate(flat, axis=-1))
+
+
 def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Float32 rows ``[M, K]`` → ``q`` int8 ``[M, K]``, ``dx`` ``[M, K / 32]`` and the
     sums of each 16 q's ``[M, K / 32, 2]``: the kernel's steps, in float32."""
@@ -216,7 +268,21 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 def reference_matmul(x: np.ndarray, raw: np.ndarray, name: str) -> np.ndarray:
     """``x @ W.T`` as the block kernel computes it, in float64: ``x`` float32 ``[M, K]``,
-    ``raw`` uint8 ``[N, K / block elements, bytes]`` blocks of ``name``."""
+    ``raw`` uint8 ``[N, K / block elements, bytes]`` blocks of ``name``.
+
+    The kernel's float32 steps, which this sums exactly instead: per output, for each
+    group ``g`` in order, with ``dot`` the exact integer sum of the group's products
+    ``u * q`` (per half-group where the halves' scales differ: Q6_K) and ``sdx = dx *
+    sum(q)`` rounded to float32,
+
+    * the tiled types (:data:`TILED`, the layout the serving matrices hold):
+      ``acc = fma(float(dot), d * dx, acc)``, ``off = fma(m, sdx, off)``, then
+      ``out = acc + off`` (Q8_0: ``acc``);
+    * stored blocks (every type; the K-quants' only form): the dots of each 4 elements
+      summed into 8 lanes by ``fma(float(dot4), d * dx, lane)``, the lanes added in a
+      fixed tree, plus ``off`` as above.
+
+    Either way a row's result depends on that row alone."""
     q, dx, sums = quantize_activations(x)
     u, d, m = decode_groups(raw, name)
     rows, k = q.shape

@@ -431,18 +431,10 @@ class GGUFFile:
         check_tensor_bytes(t.raw.name, t.raw.ggml_type, tuple(reversed(t.shape)), t.raw.data.nbytes)
         return t.raw, t.raw.data.nbytes // t.shape[0]
 
-    def block_view(self, name: str) -> np.ndarray:
-        """A matrix's blocks as stored: uint8 ``[out, row bytes]``, a view of the mapped
-        file (q/k rows of an interleaved-RoPE family come reordered, in a copy)."""
-        raw, row_bytes = self._matrix_rows(name)
-        rows = raw.data.view(np.uint8).reshape(self._tensors[name].shape[0], row_bytes)
-        if self.arch in _INTERLEAVED_ROPE and is_qk_rows(name):
-            rows = interleaved_to_half(rows, self.config.head_dim)
-        return rows
-
     def read_blocks(self, name: str) -> np.ndarray:
-        """:meth:`block_view`'s rows in a new array filled by reading the file, so the
-        mapping's pages are not made resident for a copy."""
+        """A matrix's blocks as stored, uint8 ``[out, row bytes]`` (q/k rows of an
+        interleaved-RoPE family reordered as :meth:`read` reorders them), in a new array
+        filled by reading the file, so the mapping's pages are not made resident."""
         raw, row_bytes = self._matrix_rows(name)
         flat = np.empty(self._tensors[name].shape[0] * row_bytes, dtype=np.uint8)
         with open(self.path, "rb") as f:

@@ -58,6 +58,7 @@ __all__ = [
     "pack_panels",
     "panel_matmul",
     "read_sum",
+    "repack_tiles",
 ]
 
 NATIVE_ENV = "SPECTRIO_NATIVE_OPS"
@@ -208,9 +209,21 @@ def block_matmul(x: paddle.Tensor, w: paddle.Tensor, ggml_type: int, n: int) -> 
     """``x @ W.T`` for float32 ``x`` ``[M, K]`` and ``W``, ``n`` rows of GGUF blocks of
     ``ggml_type`` held as a uint8 tensor (``models/csrc/block_kernels.h``: the
     activations are quantized per 32 to int8 first; K a multiple of the type's block,
-    256 for the K-quants). Only where the kernels run."""
+    256 for the K-quants): the blocks as stored (1- or 2-D), or regrouped by
+    :func:`repack_tiles` (3-D), which is read faster. Only where the kernels run."""
     threads = configured_threads() or 1
     return _C_OPS._run_custom_op("spectrio_block_matmul", x, w, int(ggml_type), int(n), threads)[0]
+
+
+def repack_tiles(w: paddle.Tensor, ggml_type: int, n: int, k: int) -> paddle.Tensor:
+    """``n`` rows of ``k`` elements of GGUF blocks of ``ggml_type`` (uint8, one of
+    :data:`spectrio.models.gguf_blocks.TILED`) regrouped into the tiled layout
+    ``[ceil(n / 8), k / 32, 8 * block bytes]`` that :func:`block_matmul` and the layer
+    ops read fastest (:func:`spectrio.models.gguf_blocks.tile_blocks` defines it). Only
+    where the kernels run."""
+    threads = configured_threads() or 1
+    args = (w, int(ggml_type), int(n), int(k), threads)
+    return _C_OPS._run_custom_op("spectrio_repack_tiles", *args)[0]
 
 
 def pack_panels(w: paddle.Tensor, rows: bool = False) -> paddle.Tensor:

@@ -11,11 +11,16 @@ so serving memory does not grow.
 Invariant: both layouts give ``x @ w`` up to float rounding; the panel kernel sums each
 output over K in order on one thread, so its result does not depend on the thread count.
 
-A matrix made by :meth:`ServingMatrix.from_blocks` keeps a GGUF file's quantized blocks as
-they are stored (``[N, K / block elements * block bytes]`` uint8, ``models/gguf_blocks.py``),
-and ``spectrio_block_matmul`` multiplies by them with int8 activations; the layer ops read
-them too, given their ggml type (:attr:`ServingMatrix.ggml_type`: block sizes cannot tell
-every type apart) and the preceding RMSNorm's weight, since it cannot be folded in.
+A matrix made by :meth:`ServingMatrix.from_blocks` keeps a GGUF file's quantized blocks:
+the 32-element types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) regrouped once, at load, into tiles
+of 8 output columns (``[ceil(N / 8), K / 32, 8 * block bytes]`` uint8, the same bytes per
+block: :func:`~spectrio.models.gguf_blocks.tile_blocks`), whose product holds 8 columns in
+the lanes of one vector; the K-quants as they are stored (``[N, K / 256 * block bytes]``,
+``models/gguf_blocks.py``), without a copy. ``spectrio_block_matmul`` multiplies by either
+with int8 activations; the layer ops read them too, given their ggml type
+(:attr:`ServingMatrix.ggml_type`: block sizes cannot tell every type apart; the layout is
+told by the tensor's shape) and the preceding RMSNorm's weight, since it cannot be folded
+in.
 
 A matrix made with ``half=True`` keeps float16 panels: the product reads half the bytes
 and sums in float32, but each weight is rounded to float16 first. Only products whose
@@ -102,8 +107,10 @@ class ServingMatrix:
     @classmethod
     def from_blocks(cls, raw: np.ndarray, type_name: str, k: int) -> ServingMatrix:
         """A ``[k, N]`` weight from ``N`` rows of GGUF blocks of ``type_name`` (uint8
-        ``[N, row bytes]``, taken without a copy: a memory-mapped file's stays mapped)."""
-        from spectrio.models.gguf_blocks import BLOCK_TYPES
+        ``[N, row bytes]``): regrouped into tiles where the type has that layout (a copy
+        of the same size; the rows are not kept), else taken without a copy (a
+        memory-mapped file's stays mapped)."""
+        from spectrio.models.gguf_blocks import BLOCK_TYPES, TILED, tile_blocks
 
         t = BLOCK_TYPES[type_name]
         if not t.native:
@@ -118,7 +125,13 @@ class ServingMatrix:
         self = cls.__new__(cls)
         self.shape, self._n = (int(k), int(rows.shape[0])), int(rows.shape[0])
         self._panels = self._plain = None
-        self._blocks = (paddle.utils.dlpack.from_dlpack(rows), t.ggml_id)
+        tensor = paddle.utils.dlpack.from_dlpack(rows)
+        if type_name in TILED:
+            if native_ops.native_ops_available():
+                tensor = native_ops.repack_tiles(tensor, t.ggml_id, self._n, k)
+            else:
+                tensor = paddle.to_tensor(tile_blocks(rows, type_name))
+        self._blocks = (tensor, t.ggml_id)
         return self
 
     @property

@@ -1,6 +1,7 @@
 """Products with GGUF's quantized blocks (``models/csrc/block_kernels.h``): every type
-the kernels run, against NumPy references of the layouts and of the int8 product, bit
-for bit across row counts, threads and CPU paths."""
+the kernels run, as stored and (the 32-element types) in the tiled layout the serving
+matrices hold, against NumPy references of the layouts and of the int8 product, bit for
+bit across row counts, threads and CPU paths."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize, quantize  # noqa: E402
 
 NATIVE = [t.name for t in gb.BLOCK_TYPES.values() if t.native]
+TILED = list(gb.TILED)
 needs_kernels = pytest.mark.skipif(
     not native_ops.native_ops_available(), reason="spectrio's native kernels do not build here"
 )
@@ -51,13 +53,19 @@ def _blocks(name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     return raw.reshape(n, k // 32, t.bytes)
 
 
-def _matmul(x: np.ndarray, blocks: np.ndarray, name: str) -> np.ndarray:
+def _matmul(x: np.ndarray, blocks: np.ndarray, name: str, tiled: bool = False) -> np.ndarray:
+    """The op's product with ``blocks`` as stored, or (``tiled``) regrouped into tiles."""
     t = gb.BLOCK_TYPES[name]
+    w = gb.tile_blocks(blocks, name) if tiled else blocks.reshape(-1)
     with paddle.no_grad():
         out = native_ops.block_matmul(
-            paddle.to_tensor(x), paddle.to_tensor(blocks.reshape(-1)), t.ggml_id, blocks.shape[0]
+            paddle.to_tensor(x), paddle.to_tensor(w), t.ggml_id, blocks.shape[0]
         )
     return out.numpy()
+
+
+_LAYOUTS = [(name, False) for name in NATIVE] + [(name, True) for name in TILED]
+_IDS = [f"{name}-{'tiled' if tiled else 'stored'}" for name, tiled in _LAYOUTS]
 
 
 @pytest.mark.parametrize("name", NATIVE)
@@ -93,16 +101,60 @@ def test_activations_are_quantized_per_32_with_their_half_sums() -> None:
     assert err <= dx[0, 0] / 2 + 1e-7
 
 
+def test_the_tiled_layout_holds_each_blocks_fields_and_values() -> None:
+    """Per tile of 8 columns and group: the scales (and offsets) side by side, then each
+    4 consecutive elements of the 8 columns in one 32-byte run; 4-bit types keep each
+    stored byte whole, the fifth bits are regrouped per element. The same bytes per block,
+    the missing columns of the last tile zero."""
+    for name in TILED:
+        t = gb.BLOCK_TYPES[name]
+        blocks = _blocks(name, 11, 64, seed=2)
+        tiles = gb.tile_blocks(blocks, name)
+        assert tiles.shape == (2, 2, 8 * t.bytes)
+        assert not tiles[1, :, 2 * 3 : 16].any()  # columns 11-15 have zero scales
+        u, d, m = gb.decode_groups(blocks, name)
+        for c in (0, 5, 10):
+            o = tiles[c // 8, 1]
+            col = c % 8
+            assert o[2 * col : 2 * col + 2].view(np.float16)[0] == d[c, 1, 0]
+            if name in ("Q4_1", "Q5_1"):
+                assert o[16 + 2 * col : 18 + 2 * col].view(np.float16)[0] == m[c, 1, 0]
+            quants = o[16 + 16 * (name in ("Q4_1", "Q5_1")) + 32 * name.startswith("Q5") :]
+            high = o[16 + 16 * (name == "Q5_1") : 48 + 16 * (name == "Q5_1")]
+            for i in (0, 7, 16, 31):
+                s_, e = divmod(i, 4)
+                if name == "Q8_0":
+                    value = int(quants[32 * s_ + 4 * col + e].view(np.int8))
+                else:
+                    byte = int(quants[32 * (s_ & 3) + 4 * col + e])
+                    value = byte & 15 if s_ < 4 else byte >> 4
+                    if name.startswith("Q5"):
+                        value |= ((int(high[4 * col + e]) >> s_) & 1) << 4
+                assert value == int(u[c, 1, i]), (name, c, i)
+
+
 @needs_kernels
-@pytest.mark.parametrize("name", NATIVE)
-@pytest.mark.parametrize("rows", [1, 3, 5, 16])
-def test_the_kernel_computes_the_int8_product_of_the_reference(name: str, rows: int) -> None:
+@pytest.mark.parametrize("name", TILED)
+def test_the_native_repack_is_the_layouts_definition(name: str) -> None:
+    t = gb.BLOCK_TYPES[name]
+    for n, k in ((37, 576), (8, 32), (3, 1536)):
+        raw = gb.synthetic_blocks(name, n, k, np.random.default_rng(n))
+        got = native_ops.repack_tiles(paddle.to_tensor(raw), t.ggml_id, n, k).numpy()
+        np.testing.assert_array_equal(got, gb.tile_blocks(raw, name))
+
+
+@needs_kernels
+@pytest.mark.parametrize(("name", "tiled"), _LAYOUTS, ids=_IDS)
+@pytest.mark.parametrize("rows", [1, 3, 5, 16, 19])
+def test_the_kernel_computes_the_int8_product_of_the_reference(
+    name: str, tiled: bool, rows: int
+) -> None:
     """K = 576 (18 groups, SmolLM2's width; 768 for the K-quants' super-blocks), 37
     outputs (no multiple of anything)."""
     k = _k(name)
     blocks = _blocks(name, 37, k, seed=rows)
     x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
-    got = _matmul(x, blocks, name)
+    got = _matmul(x, blocks, name, tiled)
     want = gb.reference_matmul(x, blocks, name)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
     # and close to the float product of the dequantized weights: the int8 activations
@@ -112,18 +164,29 @@ def test_the_kernel_computes_the_int8_product_of_the_reference(name: str, rows: 
 
 
 @needs_kernels
-@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", *K_QUANTS])
-def test_a_rows_product_does_not_depend_on_its_batch_or_the_threads(name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "tiled"),
+    [
+        ("Q4_1", False),
+        ("Q8_0", False),
+        *[(n, False) for n in K_QUANTS],
+        *[(n, True) for n in TILED],
+    ],
+)
+def test_a_rows_product_does_not_depend_on_its_batch_or_the_threads(name: str, tiled: bool) -> None:
+    """Tiled: 1-4 rows keep their sums in registers, more rows in blocks of 16 in memory
+    (row 16 of 17 is a block of its own); every row takes the same chain."""
     blocks = _blocks(name, 53, 1536)
     x = np.random.default_rng(5).standard_normal((17, 1536)).astype(np.float32)
-    together = _matmul(x, blocks, name)
+    together = _matmul(x, blocks, name, tiled)
     for i in (0, 6, 16):
-        np.testing.assert_array_equal(_matmul(x[i : i + 1], blocks, name)[0], together[i])
-    np.testing.assert_array_equal(_matmul(x[3:8], blocks, name), together[3:8])
+        np.testing.assert_array_equal(_matmul(x[i : i + 1], blocks, name, tiled)[0], together[i])
+    for lo, hi in ((3, 8), (2, 4), (9, 13), (1, 17)):
+        np.testing.assert_array_equal(_matmul(x[lo:hi], blocks, name, tiled), together[lo:hi])
     before = configured_threads()
     try:
         configure_paddle(1)
-        np.testing.assert_array_equal(_matmul(x, blocks, name), together)
+        np.testing.assert_array_equal(_matmul(x, blocks, name, tiled), together)
     finally:
         configure_paddle(before or 1)
 
@@ -142,6 +205,13 @@ def test_bad_shapes_are_refused_by_the_op() -> None:
             native_ops.block_matmul(paddle.to_tensor(np.ones((1, 40), np.float32)), w, 8, 4)
         with pytest.raises(OSError, match="multiple of 256 for ggml type 12"):
             native_ops.block_matmul(paddle.to_tensor(np.ones((1, 576), np.float32)), w, 12, 4)
+        tiles = paddle.to_tensor(gb.tile_blocks(blocks, "Q8_0"))  # [1, 2, 272]
+        with pytest.raises(OSError, match="nor their tiles"):
+            native_ops.block_matmul(x, tiles, 8, 9)  # two tiles' worth of columns
+        with pytest.raises(OSError, match="nor their tiles"):
+            native_ops.block_matmul(x, tiles, 2, 4)  # Q4_0 tiles are [1, 2, 144]
+        with pytest.raises(OSError, match="no tiled layout for ggml type 12"):
+            native_ops.repack_tiles(w, 12, 4, 64)
 
 
 def test_a_tensor_whose_bytes_do_not_fit_its_type_and_shape_is_named() -> None:
@@ -168,6 +238,11 @@ with paddle.no_grad():
         w = paddle.to_tensor(np.ascontiguousarray(data[name]).reshape(-1))
         y = native_ops.block_matmul(paddle.to_tensor(data["x"]), w, t.ggml_id, data[name].shape[0])
         out[name] = y.numpy().view(np.uint32).tolist()
+        if name in gb.TILED:
+            w = paddle.to_tensor(gb.tile_blocks(data[name], name))
+            n = data[name].shape[0]
+            y = native_ops.block_matmul(paddle.to_tensor(data["x"]), w, t.ggml_id, n)
+            out[name + "-tiled"] = y.numpy().view(np.uint32).tolist()
 print(json.dumps({"path": native_ops.cpu_path(), "out": out}))
 """.replace("NAMES", repr(NATIVE))
 
@@ -178,8 +253,8 @@ def test_the_generic_and_avx2_paths_give_the_same_bits(tmp_path) -> None:  # noq
     paths = [p for p in ("generic", "avx2") if p in available_paths(flags)]
     if len(paths) < 2:
         pytest.skip("this CPU runs only the generic path")
-    x = np.random.default_rng(9).standard_normal((3, 512)).astype(np.float32)
-    arrays = {name: _blocks(name, 11, 512) for name in NATIVE}
+    x = np.random.default_rng(9).standard_normal((18, 512)).astype(np.float32)
+    arrays = {name: _blocks(name, 11, 512) for name in NATIVE}  # a partial tile too
     np.savez(tmp_path / "in.npz", x=x, **arrays)
     seen = {}
     for path in paths:
@@ -195,6 +270,7 @@ def test_the_generic_and_avx2_paths_give_the_same_bits(tmp_path) -> None:  # noq
         assert got["path"] == path
         seen[path] = got["out"]
     assert seen["generic"] == seen["avx2"]
+    assert len(seen["avx2"]) == len(NATIVE) + len(TILED)
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
@@ -202,12 +278,19 @@ def _silu(x: np.ndarray) -> np.ndarray:
 
 
 @needs_kernels
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q4_0", "Q4_K", "Q6_K"])
-def test_the_mlp_op_runs_block_weights_with_the_norm_weight_it_is_given(name: str) -> None:
-    """The layer op's MLP half with GGUF blocks for gate|up and down: the RMSNorm weight
-    is applied in the op (it cannot be folded into quantized values), then the same int8
-    products as the reference. Against NumPy: the norm, the reference products, SwiGLU.
-    Q4_0 and Q4_K rows are the same size: the op computes with the type it is given."""
+@pytest.mark.parametrize(
+    ("name", "tiled"),
+    [("Q8_0", False), ("Q4_1", False), ("Q4_0", False), ("Q4_K", False), ("Q6_K", False),
+     ("Q8_0", True), ("Q4_1", True), ("Q5_0", True)],
+)  # fmt: skip
+def test_the_mlp_op_runs_block_weights_with_the_norm_weight_it_is_given(
+    name: str, tiled: bool
+) -> None:
+    """The layer op's MLP half with GGUF blocks for gate|up and down (as stored, or
+    tiled): the RMSNorm weight is applied in the op (it cannot be folded into quantized
+    values), then the same int8 products as the reference. Against NumPy: the norm, the
+    reference products, SwiGLU. Q4_0 and Q4_K rows are the same size: the op computes
+    with the type it is given."""
     rng = np.random.default_rng(3)
     n, d, f = 5, _k(name, 96), _k(name, 160)
     t = gb.BLOCK_TYPES[name]
@@ -215,11 +298,12 @@ def test_the_mlp_op_runs_block_weights_with_the_norm_weight_it_is_given(name: st
     delta = rng.standard_normal((n, d)).astype(np.float32)
     norm_w = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
     gate_up, down = _blocks(name, 2 * f, d, seed=1), _blocks(name, d, f, seed=2)
+    layout = (lambda b: gb.tile_blocks(b, name)) if tiled else (lambda b: b.reshape(len(b), -1))
     with paddle.no_grad():
         out, summed = native_ops.mlp_block(
             paddle.to_tensor(x), paddle.to_tensor(delta), None,
-            paddle.to_tensor(gate_up.reshape(2 * f, -1)), None,
-            paddle.to_tensor(down.reshape(d, -1)), f, 1e-5, norm_weight=paddle.to_tensor(norm_w),
+            paddle.to_tensor(layout(gate_up)), None,
+            paddle.to_tensor(layout(down)), f, 1e-5, norm_weight=paddle.to_tensor(norm_w),
             types=(t.ggml_id, t.ggml_id),
         )  # fmt: skip
     s = x + delta
@@ -243,18 +327,20 @@ def test_the_mlp_op_runs_block_weights_with_the_norm_weight_it_is_given(name: st
 
 
 @needs_kernels
-def test_a_serving_matrix_keeps_blocks_without_a_copy_and_multiplies_by_them() -> None:
+def test_a_serving_matrix_keeps_blocks_and_multiplies_by_them() -> None:
+    """The 32-element types regrouped into tiles once (the same bytes per block); the
+    K-quants kept as stored, without a copy."""
     from spectrio.models.serving_matrix import ServingMatrix
 
-    blocks = _blocks("Q5_0", 24, 64)
-    raw = blocks.reshape(24, -1)
+    blocks = _blocks("Q5_0", 21, 64)
+    raw = blocks.reshape(21, -1)
     m = ServingMatrix.from_blocks(raw, "Q5_0", 64)
-    assert m.shape == (64, 24) and m.packed and m.blocks and m.panels.dtype == paddle.uint8
-    assert m.panels.data_ptr() == raw.ctypes.data  # the file's bytes, not a copy
+    assert m.shape == (64, 21) and m.packed and m.blocks and m.panels.dtype == paddle.uint8
+    np.testing.assert_array_equal(m.panels.numpy(), gb.tile_blocks(raw, "Q5_0"))
     x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
     with paddle.no_grad():
         got = m.matmul(paddle.to_tensor(x)).numpy()
-    np.testing.assert_array_equal(got, _matmul(x, blocks, "Q5_0"))
+    np.testing.assert_array_equal(got, _matmul(x, blocks, "Q5_0", tiled=True))
     assert m.ggml_type == gb.BLOCK_TYPES["Q5_0"].ggml_id
     with pytest.raises(ValueError, match="no block kernel for BF16"):
         ServingMatrix.from_blocks(raw, "BF16", 64)
@@ -264,4 +350,5 @@ def test_a_serving_matrix_keeps_blocks_without_a_copy_and_multiplies_by_them() -
     with pytest.raises(ValueError, match="Q4_K needs rows of a multiple of 256 elements, not 576"):
         ServingMatrix.from_blocks(k_rows[:, : 576 // 32 * 18], "Q4_K", 576)
     q4k = ServingMatrix.from_blocks(k_rows, "Q4_K", 1536)
+    assert q4k.panels.data_ptr() == k_rows.ctypes.data  # the file's bytes, not a copy
     assert q4k.ggml_type == 12 and ServingMatrix(np.ones((4, 16), np.float32)).ggml_type == 0

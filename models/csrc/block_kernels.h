@@ -14,11 +14,17 @@
 //   dx * (d * sum(u * q) + m * sum(q)),
 // the integer sum taken 32 products at a time by the CPU's byte multiply-add.
 //
+// Two layouts of the weight: the blocks as stored (every type; block_tile below), and,
+// for the 32-element types, the tiled layout the serving matrices hold (repack_tiles,
+// further below: 8 output columns side by side, so a vector holds 8 outputs and no
+// horizontal sums are needed; every weight group is unpacked once for all rows of a call).
+//
 // Invariant (batch invariance): a row's outputs are computed by one thread each, from
-// that row's own quantized activations, summing the groups in order into 8 float lanes
-// that are added in a fixed tree at the end; the AVX2 path and the plain C++ one give the
-// same bits. A row's product does not depend on the other rows, the row count or the
-// thread count.
+// that row's own quantized activations, summing the groups in order (stored blocks: into
+// 8 float lanes that are added in a fixed tree at the end; tiles: into one float per
+// output, the chain written out above tile_rows); the AVX2 path and the plain C++ one
+// give the same bits. A row's product does not depend on the other rows, the row count or
+// the thread count.
 #pragma once
 
 #include <algorithm>
@@ -504,6 +510,308 @@ inline void block_matmul_team(int type, const uint8_t* w, int64_t n, int64_t k_d
     case kQ6_K: return block_matmul_typed<kQ6_K>(w, n, k_dim, dx, sdx, q, rows, out);
     default: return;
   }
+}
+
+
+// ---------------------------------------------------------------------------------------
+// The tiled layout (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): the weight rows regrouped at load
+// (repack_tiles; models/gguf_blocks.py's tile_blocks is its definition) into tiles of
+// kTile = 8 output columns, [ceil(N / 8), K / 32, 8 * block bytes] uint8, the last tile's
+// missing columns zero (a zero scale: their outputs are 0 and dropped). Per tile and group,
+// the 8 columns' fields lie side by side, so that one vector holds a field of all 8:
+//   d[8] (float16)  [m[8] (float16): Q4_1, Q5_1]  [h[32]: Q5_0, Q5_1]  quants
+// * quants, 8 bits (Q8_0): 8 chunks of 32 bytes; byte 4c + e of chunk s is element
+//   4s + e of column c (one 256-bit load: 4 consecutive elements of each column);
+// * quants, 4 bits: 4 words of 32 bytes; byte 4c + e of word r is the stored byte
+//   4r + e of column c's block, whose low nibble is element 4r + e (chunk r) and high
+//   nibble element 16 + 4r + e (chunk r + 4): chunk s is word s & 3 masked or shifted;
+// * h (5-bit types): byte 4c + e has bit s set where element 4s + e of column c has its
+//   fifth bit.
+// The stored bytes per group are the blocks' own (the memory floor counts them).
+//
+// The product over it, per output (row x, column c): for each group g in order (the
+// chain referred to above),
+//   acc = fma(float(dot_g), d_g * dx_g, acc), off = fma(m_g, sdx_g, off)
+// with dot_g the exact integer sum of the group's 32 products u * q, then out = acc + off
+// (Q8_0: no offset, out = acc). Q4_0 / Q5_0's offset is m = -8 d / -16 d. The AVX2 path
+// holds the 8 columns of a tile in the lanes of one vector per row (no horizontal sums);
+// the plain C++ path makes the same chain per output. Whatever the row count, the rows'
+// grouping into register chunks or the thread count, every output takes this chain: a
+// row's product does not depend on the other rows of the call.
+
+constexpr int64_t kTile = 8;  // output columns of a tile
+
+// Whether `type` has the tiled layout (the K-quants keep their blocks as stored).
+constexpr bool tiled_type(int type) {
+  return type == kQ8_0 || type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1;
+}
+
+// Bytes of one group of a tile: 8 blocks' worth.
+constexpr int64_t tile_group_bytes(int type) { return kTile * block_bytes(type); }
+
+constexpr bool has_offset_field(int type) { return type == kQ4_1 || type == kQ5_1; }
+constexpr bool has_high_bits(int type) { return type == kQ5_0 || type == kQ5_1; }
+
+// Byte offsets, within a tile's group, of the high bits and of the quants.
+constexpr int64_t tile_high_at(int type) { return has_offset_field(type) ? 32 : 16; }
+constexpr int64_t tile_quants_at(int type) {
+  return tile_high_at(type) + (has_high_bits(type) ? 32 : 0);
+}
+
+// Byte offsets within a stored block: its offset field, its fifth bits, its quants.
+constexpr int64_t block_high_at(int type) { return has_offset_field(type) ? 4 : 2; }
+constexpr int64_t block_quants_at(int type) {
+  return block_high_at(type) + (has_high_bits(type) ? 4 : 0);
+}
+
+// Tile t of the tiled layout from `n` stored rows of `row_bytes` (groups = K / 32):
+// `dst` receives groups * tile_group_bytes(type) bytes.
+inline void repack_tile(int type, const uint8_t* rows, int64_t row_bytes, int64_t n,
+                        int64_t groups, int64_t t, uint8_t* dst) {
+  const int64_t bb = block_bytes(type), tb = tile_group_bytes(type);
+  std::memset(dst, 0, static_cast<size_t>(groups * tb));
+  const int64_t cols = std::min(kTile, n - t * kTile);
+  for (int64_t c = 0; c < cols; ++c) {
+    const uint8_t* row = rows + (t * kTile + c) * row_bytes;
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* b = row + g * bb;
+      uint8_t* o = dst + g * tb;
+      std::memcpy(o + 2 * c, b, 2);
+      if (has_offset_field(type)) std::memcpy(o + 16 + 2 * c, b + 2, 2);
+      uint8_t* quants = o + tile_quants_at(type);
+      const uint8_t* qs = b + block_quants_at(type);
+      if (type == kQ8_0) {
+        for (int s = 0; s < 8; ++s) std::memcpy(quants + 32 * s + 4 * c, qs + 4 * s, 4);
+      } else {
+        for (int r = 0; r < 4; ++r) std::memcpy(quants + 32 * r + 4 * c, qs + 4 * r, 4);
+      }
+      if (has_high_bits(type)) {
+        uint32_t qh;
+        std::memcpy(&qh, b + block_high_at(type), 4);
+        uint8_t* h = o + tile_high_at(type) + 4 * c;
+        for (int e = 0; e < 4; ++e) {
+          uint8_t v = 0;
+          for (int s = 0; s < 8; ++s) v |= static_cast<uint8_t>(((qh >> (4 * s + e)) & 1u) << s);
+          h[e] = v;
+        }
+      }
+    }
+  }
+}
+
+// Element i (0-31) of column c in a tile's group `o`, as the product takes it: unsigned
+// (or signed for Q8_0).
+inline int32_t tile_value(int type, const uint8_t* o, int c, int i) {
+  const int s = i / 4, e = i % 4;
+  const uint8_t* quants = o + tile_quants_at(type);
+  if (type == kQ8_0) return static_cast<int8_t>(quants[32 * s + 4 * c + e]);
+  const uint8_t byte = quants[32 * (s & 3) + 4 * c + e];
+  int32_t u = s < 4 ? (byte & 0x0f) : (byte >> 4);
+  if (has_high_bits(type)) u |= ((o[tile_high_at(type) + 4 * c + e] >> s) & 1) << 4;
+  return u;
+}
+
+// The scale of column c in a tile's group, and its offset.
+inline float tile_scale(const uint8_t* o, int c) { return f16_at(o + 2 * c); }
+inline float tile_offset(int type, const uint8_t* o, int c) {
+  if (has_offset_field(type)) return f16_at(o + 16 + 2 * c);
+  if (type == kQ4_0) return -8.0f * tile_scale(o, c);
+  if (type == kQ5_0) return -16.0f * tile_scale(o, c);
+  return 0.0f;
+}
+
+constexpr int64_t kTileRowBlock = 16;  // rows whose accumulators a tile keeps at once
+
+#ifdef SPECTRIO_AVX2
+// Chunk s (0-7) of a tile's group: 4 consecutive elements of each of the 8 columns.
+template <int T>
+inline __m256i tile_chunk(const uint8_t* o, int s) {
+  const uint8_t* quants = o + tile_quants_at(T);
+  if constexpr (T == kQ8_0) {
+    return load32(quants + 32 * s);
+  } else {
+    const __m256i word = load32(quants + 32 * (s & 3));
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    __m256i u = s < 4 ? _mm256_and_si256(word, low4)
+                      : _mm256_and_si256(_mm256_srli_epi16(word, 4), low4);
+    if constexpr (has_high_bits(T)) u = _mm256_or_si256(u, bits_to(load32(o + tile_high_at(T)), s, 4, 1));
+    return u;
+  }
+}
+
+// One group of a tile for `rows` rows (MR of them where MR > 0: the accumulators can then
+// stay in registers), its weights unpacked once into registers: each row's 8 columns'
+// dots, exact in int32, then acc[r] = fma(dots, d * dx, acc[r]) and off[r] = fma(m, sdx,
+// off[r]). `q` and `dx` are row 0's at this group (rows at strides of k_dim and groups),
+// `sdx` row 0's factor (the rows' at a stride of 1).
+template <int T, int MR>
+inline void tile_group(const uint8_t* o, const int8_t* q, int64_t k_dim, const float* dx,
+                       int64_t groups, const float* sdx, int64_t rows, __m256* acc,
+                       __m256* off) {
+  if constexpr (MR > 0) rows = MR;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i wv[8];
+#pragma GCC unroll 8
+  for (int s = 0; s < 8; ++s) {
+    wv[s] = tile_chunk<T>(o, s);
+    if constexpr (T == kQ8_0) wv[s] = _mm256_sign_epi8(wv[s], wv[s]);  // |w|
+  }
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
+  __m256 m = _mm256_setzero_ps();
+  if constexpr (has_offset_field(T))
+    m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16)));
+  else if constexpr (T != kQ8_0)
+    m = _mm256_mul_ps(_mm256_set1_ps(T == kQ4_0 ? -8.0f : -16.0f), d);
+  const uint8_t* signs = o + tile_quants_at(T);  // Q8_0: w, whose signs q takes
+#pragma GCC unroll 4
+  for (int64_t r = 0; r < rows; ++r) {
+    const int8_t* qr = q + r * k_dim;
+    auto bcast = [&](int s) {
+      int32_t word;
+      std::memcpy(&word, qr + 4 * s, 4);
+      return _mm256_set1_epi32(word);
+    };
+    __m256i dots;
+    if constexpr (T == kQ8_0) {
+      // the sign trick: |w| * (q with w's sign); |w| <= 128 and |q| <= 127 keep each pair
+      // of products within int16, so every chunk is widened to int32 before the next
+      dots = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int s = 0; s < 8; ++s) {
+        const __m256i qs = _mm256_sign_epi8(bcast(s), load32(signs + 32 * s));
+        dots = _mm256_add_epi32(dots, _mm256_madd_epi16(_mm256_maddubs_epi16(wv[s], qs), ones));
+      }
+    } else {
+      // unsigned values u <= 15 (31): a pair of products is at most 3810 (7874), so the
+      // int16 sums of 8 (4) chunks stay exact before they are widened
+      constexpr int kPerWiden = has_high_bits(T) ? 4 : 8;
+      __m256i pairs = _mm256_maddubs_epi16(wv[0], bcast(0));
+#pragma GCC unroll 8
+      for (int s = 1; s < kPerWiden; ++s)
+        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(wv[s], bcast(s)));
+      dots = _mm256_madd_epi16(pairs, ones);
+      if constexpr (kPerWiden == 4) {
+        pairs = _mm256_maddubs_epi16(wv[4], bcast(4));
+#pragma GCC unroll 8
+        for (int s = 5; s < 8; ++s)
+          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(wv[s], bcast(s)));
+        dots = _mm256_add_epi32(dots, _mm256_madd_epi16(pairs, ones));
+      }
+    }
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots),
+                             _mm256_mul_ps(d, _mm256_set1_ps(dx[r * groups])), acc[r]);
+    if constexpr (T != kQ8_0) off[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sdx[r]), off[r]);
+  }
+}
+#endif
+
+#ifdef SPECTRIO_AVX2
+// The accumulators' sums into out[r * n + c] for the tile's `cols` real columns.
+template <int T>
+inline void store_tile_row(__m256 acc, __m256 off, float* dst, int64_t cols) {
+  const __m256 v = T == kQ8_0 ? acc : _mm256_add_ps(acc, off);
+  if (cols == kTile) {
+    _mm256_storeu_ps(dst, v);
+  } else {
+    alignas(32) float lanes[kTile];
+    _mm256_store_ps(lanes, v);
+    std::copy_n(lanes, cols, dst);
+  }
+}
+
+// MR rows (1-4, a decode step's) with their accumulators in registers.
+template <int T, int MR>
+void tile_few_rows(const uint8_t* tile, int64_t groups, const float* dx, const float* sdx,
+                   const int8_t* q, int64_t k_dim, int64_t rows, float* out, int64_t n,
+                   int64_t cols) {
+  constexpr int64_t tb = tile_group_bytes(T);
+  __m256 acc[MR], off[MR];
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) acc[r] = off[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g)
+    tile_group<T, MR>(tile + g * tb, q + g * kGroup, k_dim, dx + g, groups, sdx + g * rows, MR,
+                      acc, off);
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) store_tile_row<T>(acc[r], off[r], out + r * n, cols);
+}
+#endif
+
+// One tile (8 columns, `cols` of them real) times `rows` rows: out[r * n + c].
+template <int T>
+void tile_rows(const uint8_t* tile, int64_t groups, const float* dx, const float* sdx,
+               const int8_t* q, int64_t k_dim, int64_t rows, float* out, int64_t n,
+               int64_t cols) {
+  constexpr int64_t tb = tile_group_bytes(T);
+#ifdef SPECTRIO_AVX2
+  switch (rows) {
+    case 1: return tile_few_rows<T, 1>(tile, groups, dx, sdx, q, k_dim, rows, out, n, cols);
+    case 2: return tile_few_rows<T, 2>(tile, groups, dx, sdx, q, k_dim, rows, out, n, cols);
+    case 3: return tile_few_rows<T, 3>(tile, groups, dx, sdx, q, k_dim, rows, out, n, cols);
+    case 4: return tile_few_rows<T, 4>(tile, groups, dx, sdx, q, k_dim, rows, out, n, cols);
+    default: break;
+  }
+  // more rows: blocks of them whose accumulators live in memory, every group's weights
+  // unpacked once for the whole block
+  for (int64_t m0 = 0; m0 < rows; m0 += kTileRowBlock) {
+    const int64_t mb = std::min(kTileRowBlock, rows - m0);
+    __m256 acc[kTileRowBlock], off[kTileRowBlock];
+    for (int64_t r = 0; r < mb; ++r) acc[r] = off[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g)
+      tile_group<T, 0>(tile + g * tb, q + m0 * k_dim + g * kGroup, k_dim, dx + m0 * groups + g,
+                       groups, sdx + g * rows + m0, mb, acc, off);
+    for (int64_t r = 0; r < mb; ++r) store_tile_row<T>(acc[r], off[r], out + (m0 + r) * n, cols);
+  }
+#else
+  for (int64_t m = 0; m < rows; ++m) {
+    const int8_t* qm = q + m * k_dim;
+    for (int c = 0; c < cols; ++c) {
+      float acc = 0.0f, off = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* o = tile + g * tb;
+        int32_t dot = 0;
+        for (int i = 0; i < kGroup; ++i) dot += tile_value(T, o, c, i) * qm[g * kGroup + i];
+        const float scale = tile_scale(o, c) * dx[m * groups + g];
+        acc = std::fma(static_cast<float>(dot), scale, acc);
+        if (T != kQ8_0) off = std::fma(tile_offset(T, o, c), sdx[g * rows + m], off);
+      }
+      out[m * n + c] = T == kQ8_0 ? acc : acc + off;
+    }
+  }
+#endif
+}
+
+template <int T>
+void tiled_matmul_typed(const uint8_t* w, int64_t n, int64_t k_dim, const float* dx,
+                        const float* sdx, const int8_t* q, int64_t rows, float* out) {
+  const int64_t groups = k_dim / kGroup;
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  const int64_t tile_bytes = groups * tile_group_bytes(T);
+#pragma omp for schedule(static)
+  for (int64_t t = 0; t < tiles; ++t)
+    tile_rows<T>(w + t * tile_bytes, groups, dx, sdx, q, k_dim, rows, out + t * kTile, n,
+                 std::min(kTile, n - t * kTile));
+}
+
+// The product over the tiled layout inside an OpenMP parallel region (an orphaned `omp
+// for`: the team shares the tiles), as block_matmul_team.
+inline void tiled_matmul_team(int type, const uint8_t* w, int64_t n, int64_t k_dim,
+                              const float* dx, const float* sdx, const int8_t* q, int64_t rows,
+                              float* out) {
+  switch (type) {
+    case kQ8_0: return tiled_matmul_typed<kQ8_0>(w, n, k_dim, dx, sdx, q, rows, out);
+    case kQ4_0: return tiled_matmul_typed<kQ4_0>(w, n, k_dim, dx, sdx, q, rows, out);
+    case kQ4_1: return tiled_matmul_typed<kQ4_1>(w, n, k_dim, dx, sdx, q, rows, out);
+    case kQ5_0: return tiled_matmul_typed<kQ5_0>(w, n, k_dim, dx, sdx, q, rows, out);
+    case kQ5_1: return tiled_matmul_typed<kQ5_1>(w, n, k_dim, dx, sdx, q, rows, out);
+    default: return;
+  }
+}
+
+// Whether a uint8 tensor of `shape` holds the tiled layout of an [n, k_dim] weight of
+// `type` ([ceil(n / 8), k_dim / 32, 8 * block bytes]); stored blocks are 1- or 2-D.
+inline bool tiled_shape(const std::vector<int64_t>& shape, int type, int64_t n, int64_t k_dim) {
+  return tiled_type(type) && shape.size() == 3 && shape[0] == (n + kTile - 1) / kTile &&
+         shape[1] == k_dim / kGroup && shape[2] == tile_group_bytes(type);
 }
 
 }  // namespace spectrio

@@ -48,13 +48,15 @@ using spectrio::kPanel;
 
 // A weight as the ops read it: float32 or float16 panels [ceil(n / 16), k, 16] (kind 0,
 // 1: ggml's ids of F32 and F16), or n rows of GGUF blocks, [n, k / block elements * block
-// bytes] uint8 (kind: the ggml type, block_kernels.h). A block weight's type comes from
+// bytes] uint8 (kind: the ggml type, block_kernels.h), or those blocks in the tiled
+// layout, [ceil(n / 8), k / 32, 8 * block bytes] (block_kernels.h; told apart by shape). A block weight's type comes from
 // the caller: sizes cannot tell the types apart (Q4_K's 144 bytes per 256 are Q4_0's 18
 // per 32).
 struct Weight {
   const void* data;
   int kind;
   int64_t count, k, n;
+  bool tiled;  // blocks regrouped into tiles of 8 columns (block_kernels.h)
   bool blocks() const { return kind > 1; }
 };
 constexpr int kF32Panels = 0, kF16Panels = 1;
@@ -68,10 +70,11 @@ Weight weight_of(const paddle::Tensor& t, int type, int64_t k, int64_t n, const 
     const int64_t elements = spectrio::block_elements(type);
     PD_CHECK(k % elements == 0, what, ": K=", k, " is no multiple of ", elements,
              " for ggml type ", type);
+    if (spectrio::tiled_shape(s, type, n, k)) return {t.data<uint8_t>(), type, n, k, n, true};
     PD_CHECK(s.size() == 2 && s[0] == n && s[1] == spectrio::row_bytes_of(type, k), what,
              ": blocks [N, ", spectrio::row_bytes_of(type, k), "] of ggml type ", type,
-             " are expected for K=", k, ", N=", n);
-    return {t.data<uint8_t>(), type, n, k, n};
+             " (or their tiles) are expected for K=", k, ", N=", n);
+    return {t.data<uint8_t>(), type, n, k, n, false};
   }
   const bool half = t.dtype() == paddle::DataType::FLOAT16;
   PD_CHECK(half || t.dtype() == paddle::DataType::FLOAT32, what,
@@ -81,7 +84,7 @@ Weight weight_of(const paddle::Tensor& t, int type, int64_t k, int64_t n, const 
            ": panels [ceil(N / 16), K, 16] are expected for K=", k, ", N=", n);
   const void* data = half ? static_cast<const void*>(t.data<paddle::float16>())
                           : static_cast<const void*>(t.data<float>());
-  return {data, half ? kF16Panels : kF32Panels, count, k, n};
+  return {data, half ? kF16Panels : kF32Panels, count, k, n, false};
 }
 
 // The rows' quantized activations, sized for the op's largest block-weight input (none
@@ -99,8 +102,13 @@ void product(const Weight& w, const float* x, int64_t rows, float* out,
              spectrio::QuantizedRows& s) {
   if (w.blocks()) {
     spectrio::quantize_rows_team(x, rows, w.k, s.dx.data(), s.sdx.data(), s.q.data());
-    spectrio::block_matmul_team(w.kind, static_cast<const uint8_t*>(w.data), w.n, w.k,
-                                s.dx.data(), s.sdx.data(), s.q.data(), rows, out);
+    const auto* data = static_cast<const uint8_t*>(w.data);
+    if (w.tiled)
+      spectrio::tiled_matmul_team(w.kind, data, w.n, w.k, s.dx.data(), s.sdx.data(), s.q.data(),
+                                  rows, out);
+    else
+      spectrio::block_matmul_team(w.kind, data, w.n, w.k, s.dx.data(), s.sdx.data(), s.q.data(),
+                                  rows, out);
   } else if (w.kind == kF16Panels) {
     spectrio::panel_matmul_team(x, rows, w.k, static_cast<const uint16_t*>(w.data), w.count,
                                 out, w.n);

@@ -15,7 +15,10 @@
 //   draft head's, whose products only pick drafts): each weight is widened to float32 in
 //   registers, so the product reads half the bytes and sums in float32 as before.
 // * spectrio_block_matmul: out = x @ W.T for a weight kept in one of GGUF's quantized
-//   block types (block_kernels.h), read where it lies (a memory-mapped file).
+//   block types (block_kernels.h), read where it lies (a memory-mapped file), or regrouped
+//   once into the tiled layout of 8 output columns (spectrio_repack_tiles), which the
+//   kernels read at the memory's rate.
+// * spectrio_repack_tiles: stored blocks into that tiled layout (at load).
 // * spectrio_read_sum: the sum of a float32 tensor, each byte read once with wide loads by
 //   `num_threads` threads. It is the read-bandwidth probe of models/memory_floor.py: a
 //   forward at few rows is bound by the bytes it reads, and the bandwidth this measures,
@@ -267,15 +270,25 @@ std::vector<paddle::Tensor> BlockMatmul(const paddle::Tensor& x, const paddle::T
   PD_CHECK(k_dim % elements == 0, "block_matmul: K must be a multiple of ", elements,
            " for ggml type ", type, ", got ", k_dim);
   const int64_t row_bytes = spectrio::row_bytes_of(type, k_dim);
-  PD_CHECK(n >= 0 && w.numel() == n * row_bytes, "block_matmul: w holds ", w.numel(),
-           " bytes, not ", n, " rows of ", row_bytes);
+  // the tiled layout (repack_tiles) is 3-D, with its own sizes; stored blocks are not
+  const bool tiled = spectrio::tiled_shape(w.shape(), type, n, k_dim);
+  PD_CHECK(n >= 0 && (tiled || (w.shape().size() < 3 && w.numel() == n * row_bytes)),
+           "block_matmul: w holds ", w.numel(), " bytes, not ", n, " rows of ", row_bytes,
+           " nor their tiles");
   auto out = paddle::empty({rows, n}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   spectrio::QuantizedRows a(rows, k_dim);
   spectrio::quantize_rows(x.data<float>(), rows, k_dim, a.dx.data(), a.sdx.data(), a.q.data());
   const uint8_t* wp = w.data<uint8_t>();
   float* op = out.data<float>();
 #pragma omp parallel num_threads(std::max(1, num_threads))
-  spectrio::block_matmul_team(type, wp, n, k_dim, a.dx.data(), a.sdx.data(), a.q.data(), rows, op);
+  {
+    if (tiled)
+      spectrio::tiled_matmul_team(type, wp, n, k_dim, a.dx.data(), a.sdx.data(), a.q.data(), rows,
+                                  op);
+    else
+      spectrio::block_matmul_team(type, wp, n, k_dim, a.dx.data(), a.sdx.data(), a.q.data(), rows,
+                                  op);
+  }
   return {out};
 }
 
@@ -295,3 +308,43 @@ PD_BUILD_OP(spectrio_block_matmul)
     .SetKernelFn(PD_KERNEL(BlockMatmul))
     .SetInferShapeFn(PD_INFER_SHAPE(BlockMatmulShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(BlockMatmulDtype));
+
+// Stored blocks, `n` rows of K elements of `type` (uint8, n * row bytes), regrouped into
+// the tiled layout block_kernels.h describes: [ceil(n / 8), K / 32, 8 * block bytes].
+std::vector<paddle::Tensor> RepackTiles(const paddle::Tensor& w, int type, int64_t n,
+                                        int64_t k_dim, int num_threads) {
+  PD_CHECK(w.is_cpu() && w.dtype() == paddle::DataType::UINT8,
+           "repack_tiles w: a CPU uint8 tensor of blocks is expected");
+  PD_CHECK(spectrio::tiled_type(type), "repack_tiles: no tiled layout for ggml type ", type);
+  PD_CHECK(n > 0 && k_dim > 0 && k_dim % spectrio::kGroup == 0,
+           "repack_tiles: N > 0 and K a positive multiple of 32 are expected");
+  const int64_t row_bytes = spectrio::row_bytes_of(type, k_dim);
+  PD_CHECK(w.numel() == n * row_bytes, "repack_tiles: w holds ", w.numel(), " bytes, not ", n,
+           " rows of ", row_bytes);
+  const int64_t groups = k_dim / spectrio::kGroup, tiles = (n + spectrio::kTile - 1) / spectrio::kTile;
+  const int64_t tb = spectrio::tile_group_bytes(type);
+  auto out = paddle::empty({tiles, groups, tb}, paddle::DataType::UINT8, paddle::CPUPlace());
+  const uint8_t* src = w.data<uint8_t>();
+  uint8_t* dst = out.data<uint8_t>();
+  prefer_huge_pages(dst, static_cast<size_t>(tiles * groups * tb));
+#pragma omp parallel for schedule(static) num_threads(std::max(1, num_threads))
+  for (int64_t t = 0; t < tiles; ++t)
+    spectrio::repack_tile(type, src, row_bytes, n, groups, t, dst + t * groups * tb);
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> RepackTilesShape(const std::vector<int64_t>&, int type,
+                                                   int64_t n, int64_t k_dim) {
+  return {{(n + spectrio::kTile - 1) / spectrio::kTile, k_dim / spectrio::kGroup,
+           spectrio::tile_group_bytes(type)}};
+}
+
+std::vector<paddle::DataType> RepackTilesDtype(const paddle::DataType& w) { return {w}; }
+
+PD_BUILD_OP(spectrio_repack_tiles)
+    .Inputs({"W"})
+    .Outputs({"Tiles"})
+    .Attrs({"type: int", "n: int64_t", "k: int64_t", "num_threads: int"})
+    .SetKernelFn(PD_KERNEL(RepackTiles))
+    .SetInferShapeFn(PD_INFER_SHAPE(RepackTilesShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(RepackTilesDtype));
