@@ -233,6 +233,18 @@ class SpectrioForCausalLM(nn.Layer):
                 trim_freed_memory()
         self.serving_only = self.serving_only or release
 
+    def reads_only_written_kv(self) -> bool:
+        """Whether every serving pass reads only KV positions some pass has written: its
+        layers run as the native ops (float32, kernels loaded), whose attention walks each
+        row's own context and nothing past it. A cache for such a model may start
+        unwritten (:class:`PagedKVCache`'s ``fill=None``)."""
+        return (
+            self.dtype == "float32"
+            and self.native_layers
+            and native_ops.native_ops_available()
+            and all(layer.native_ready() for layer in self._decoder_layers())
+        )
+
     def require_weights(self, what: str) -> None:
         """Raise ``RuntimeError`` when :meth:`prepare_serving` released weights ``what``
         needs."""

@@ -226,7 +226,8 @@ class MTPProposer:
         self.model = model
         self.k_max = k_max
         kvh = cfg.num_key_value_heads if num_kv_heads is None else num_kv_heads
-        self.cache = PagedKVCache(1, num_blocks, block_size, kvh, cfg.head_dim, model.dtype)
+        fill = None if model.reads_only_written_kv() else 0.0
+        self.cache = PagedKVCache(1, num_blocks, block_size, kvh, cfg.head_dim, model.dtype, fill)
         self.hidden = HiddenStore(model)
         self.catch_up = CatchUp()
 
