@@ -319,8 +319,10 @@ class LayerRows:
         _blocks_read(batch, block_size)
         cu = batch.cu_seqlens_q
         b = batch.num_seqs
-        row_seq = np.zeros(batch.num_tokens, np.int64) if b == 1 else np.repeat(
-            np.arange(b, dtype=np.int64), np.diff(cu)
+        row_seq = (
+            np.zeros(batch.num_tokens, np.int64)
+            if b == 1
+            else np.repeat(np.arange(b, dtype=np.int64), np.diff(cu))
         )
         return cls(
             positions=stage(batch.positions),

@@ -38,7 +38,6 @@ from spectrio.errors import CheckpointError
 from spectrio.models.checkpoint import TensorSource, fill_parameters, hf_name
 from spectrio.models.gguf_blocks import BLOCK_TYPES, decode_groups, scaled_blocks
 from spectrio.models.gguf_file import GGUFFile
-from spectrio.models.mtp_head import WithHead
 from spectrio.models.serving_matrix import ServingMatrix
 from spectrio.process_memory import trim_freed_memory
 
@@ -193,7 +192,7 @@ def _rows(gguf: GGUFFile, names: tuple[str, ...], kind: str, shard: Shard) -> np
     parts = []
     for name in names:
         stored = gguf.type_name(name)
-        part = shard.rows(gguf.read_blocks(name)) if shard.size > 1 else gguf.read_blocks(name)
+        part = shard.rows(gguf.read_blocks(name))
         parts.append(part if stored == kind else as_q8_0(part, stored))
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
@@ -223,7 +222,8 @@ def load_blocks(
     shard: Shard = Shard(),
 ) -> BlockPlan:
     """Fill ``model`` for serving from ``gguf``'s blocks where kernels run them and from
-    ``source`` (``gguf``, with a trained head attached or not) for everything else.
+    ``source`` (``gguf``, with a trained head attached or not) for everything else, and
+    make it ready to serve (a draft vocabulary is the caller's to set).
     ``shard``: ``model`` is a tensor-parallel rank's (:mod:`spectrio.models.parallel`),
     so it takes that rank's rows of the column-parallel and vocab-parallel matrices and
     its whole blocks of every row of the row-parallel ones. Returns the plan it
@@ -270,11 +270,9 @@ def load_blocks(
         matrix = ServingMatrix.from_blocks(shard.rows(gguf.read_blocks(name)), head.kind, d)
         embed = _embedding_rows(gguf, "model.embed_tokens.weight")
         model.serve_rows_from(embed, _embedding_rows(gguf, name), matrix)
-    if isinstance(source, WithHead):
-        model.set_draft_vocab(source.head.draft_vocab)
     model.eval()
     model.prepare_serving(release=True)
-    gguf.drop_mapped_pages()  # the copies' sources; views are paged in again when read
+    gguf.drop_mapped_pages()  # pages the load touched (the header, rows read for checks)
     trim_freed_memory()
     log.info("serving from GGUF blocks", path=gguf.where, matrices=dict(plan.counts()))
     return plan

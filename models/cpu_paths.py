@@ -34,8 +34,16 @@ PATHS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     "avx2": (frozenset({"avx2", "fma", "f16c"}), ("-march=x86-64", "-mavx2", "-mfma", "-mf16c")),
     "avx512": (
         frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}),
-        ("-march=x86-64", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2",
-         "-mfma", "-mf16c"),
+        (
+            "-march=x86-64",
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512dq",
+            "-mavx2",
+            "-mfma",
+            "-mf16c",
+        ),
     ),  # fmt: skip
 }
 
@@ -61,9 +69,7 @@ def choose_path(
     if not wanted or wanted == "auto":
         return paths[-1]
     if wanted not in PATHS:
-        raise ConfigError(
-            f"{CPU_PATH_ENV}={wanted!r}: the paths are {', '.join(PATHS)} (or auto)"
-        )
+        raise ConfigError(f"{CPU_PATH_ENV}={wanted!r}: the paths are {', '.join(PATHS)} (or auto)")
     if wanted not in paths:
         missing = sorted(PATHS[wanted][0] - set(flags)) or [f"an x86-64 CPU, not {machine}"]
         raise ConfigError(

@@ -59,6 +59,7 @@ __all__ = [
     "LoadedModel",
     "blocks_enabled",
     "blocks_run",
+    "fill_model",
     "hf_name",
     "is_linear",
     "load",
@@ -88,6 +89,33 @@ def blocks_enabled() -> bool:
     multiplies by blocks)."""
     off = os.environ.get(BLOCKS_ENV, "1").strip().lower() in ("0", "false", "no", "off")
     return not off and native_ops.native_layers_enabled()
+
+
+def fill_model(
+    model: SpectrioForCausalLM,
+    cfg: ModelConfig,
+    source: TensorSource,
+    dtype: DType,
+    *,
+    serving: bool,
+    blocks: bool,
+    rank: int = 0,
+    size: int = 1,
+) -> None:
+    """Set ``model``'s weights (rank ``rank`` of ``size``'s share) from ``source`` and
+    make it ready: from a GGUF file's blocks where ``blocks`` (a serving model,
+    :func:`spectrio.models.block_serving.load_blocks`), else as parameters, with the
+    serving weights built and the projections they replace freed when ``serving``."""
+    target = source.target if isinstance(source, WithHead) else source
+    if blocks and isinstance(target, GGUFFile):
+        from spectrio.models.block_serving import Shard, load_blocks
+
+        load_blocks(cfg, source, target, model, Shard(rank, size))
+        return
+    fill_parameters(model, cfg, source, dtype, rank, size)
+    model.eval()
+    if serving:
+        model.prepare_serving(release=True)
 
 
 def blocks_run() -> bool:
@@ -408,18 +436,9 @@ def load(
     blocks = serving and dtype == "float32" and path.is_file() and blocks_run()
     cfg, source, tokenizer, template = open_checkpoint(path, str(path_or_name), mtp_head, blocks)
     model = build_model(cfg, dtype, init=False)
-    target = source._target if isinstance(source, WithHead) else source
-    if blocks and isinstance(target, GGUFFile):
-        from spectrio.models.block_serving import load_blocks
-
-        load_blocks(cfg, source, target, model)
-    else:
-        fill_parameters(model, cfg, source, dtype)
-        if isinstance(source, WithHead):
-            model.set_draft_vocab(source.head.draft_vocab)
-        model.eval()
-        if serving:
-            model.prepare_serving(release=True)
+    if isinstance(source, WithHead):
+        model.set_draft_vocab(source.head.draft_vocab)
+    fill_model(model, cfg, source, dtype, serving=serving, blocks=blocks)
     seconds = time.perf_counter() - t0
     log.info("model loaded", path=str(path), dtype=dtype, seconds=round(seconds, 3))
     return LoadedModel(

@@ -238,12 +238,7 @@ class SpectrioForCausalLM(nn.Layer):
         layers run as the native ops (float32, kernels loaded), whose attention walks each
         row's own context and nothing past it. A cache for such a model may start
         unwritten (:class:`PagedKVCache`'s ``fill=None``)."""
-        return (
-            self.dtype == "float32"
-            and self.native_layers
-            and native_ops.native_ops_available()
-            and all(layer.native_ready() for layer in self._decoder_layers())
-        )
+        return self._layers_native(self._decoder_layers(), self.dtype)
 
     def require_weights(self, what: str) -> None:
         """Raise ``RuntimeError`` when :meth:`prepare_serving` released weights ``what``
@@ -335,14 +330,15 @@ class SpectrioForCausalLM(nn.Layer):
         (None: the whole vocabulary, column j is token j)."""
         if self.draft_vocab is None or paddle.is_grad_enabled():
             return self.compute_logits(hidden), None
-        if self._draft_head.empty:
+        if self._draft_head.empty and self._head_rows is not None:
+            # packed at once: the float rows are not kept
+            rows = self._head_rows(self.draft_vocab)
+            self._draft_head.set_matrix(ServingMatrix(rows, rows=True, half=self.draft_half))
+            del rows
+            trim_freed_memory()
+        elif self._draft_head.empty:
             ids = paddle.to_tensor(self.draft_vocab)
-            if self._head_rows is not None:  # packed at once: the float rows are not kept
-                rows = self._head_rows(self.draft_vocab)
-                self._draft_head.set_matrix(ServingMatrix(rows, rows=True, half=self.draft_half))
-                del rows
-                trim_freed_memory()
-            elif self.lm_head is None:
+            if self.lm_head is None:
                 self._draft_head.set_rows(paddle.gather(self.model.embed_tokens.weight, ids))
             else:
                 self._draft_head.set_columns(
@@ -424,14 +420,17 @@ class SpectrioForCausalLM(nn.Layer):
             )
         return self._rope_halves
 
-    def _native(self, layers: list[DecoderLayer], cache: PagedKVCache) -> bool:
-        """Whether ``layers`` run as native ops in this pass."""
+    def _layers_native(self, layers: list[DecoderLayer], dtype: str) -> bool:
+        """Whether ``layers`` run as native ops over a ``dtype`` cache without autograd."""
         return (
             self.native_layers
-            and cache.dtype == "float32"
-            and not paddle.is_grad_enabled()
+            and dtype == "float32"
             and all(layer.native_ready() for layer in layers)
         )
+
+    def _native(self, layers: list[DecoderLayer], cache: PagedKVCache) -> bool:
+        """Whether ``layers`` run as native ops in this pass."""
+        return not paddle.is_grad_enabled() and self._layers_native(layers, cache.dtype)
 
     def _run_layers(
         self, layers: list[DecoderLayer], x: paddle.Tensor, batch: PackedBatch, cache: PagedKVCache

@@ -182,6 +182,11 @@ class WithHead:
         self._head_names = head.names()
         self.where = target.where
 
+    @property
+    def target(self) -> TensorSource:
+        """The target checkpoint's own tensors, without the head."""
+        return self._target
+
     def names(self) -> set[str]:
         return self._target.names() | self._head_names
 

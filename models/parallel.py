@@ -37,19 +37,18 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from spectrio.errors import ConfigError
-from spectrio.models.checkpoint import fill_parameters
 from spectrio.models.config import DType, ModelConfig
-from spectrio.models.gguf_file import GGUFFile
 from spectrio.models.layers import MLP, Attention, DecoderLayer, RMSNorm
 from spectrio.models.loader import (
     LoadedModel,
     blocks_run,
+    fill_model,
     open_checkpoint,
     read_config,
     resolve_path,
 )
 from spectrio.models.model import MTPLayer, SharedHead, SpectrioForCausalLM
-from spectrio.models.mtp_head import WithHead, attached_head
+from spectrio.models.mtp_head import attached_head
 
 log = structlog.get_logger("spectrio.models.parallel")
 
@@ -256,16 +255,9 @@ def load_sharded(
     blocks = serving and dtype == "float32" and path.is_file() and blocks_run()
     cfg, source, tokenizer, template = open_checkpoint(path, str(path_or_name), blocks=blocks)
     model = build_sharded(cfg, tp, dtype)
-    target = source._target if isinstance(source, WithHead) else source
-    if blocks and isinstance(target, GGUFFile):  # this rank's share of the file's blocks
-        from spectrio.models.block_serving import Shard, load_blocks
-
-        load_blocks(cfg, source, target, model, Shard(tp.rank, tp.size))
-    else:
-        fill_parameters(model, cfg, source, dtype, tp.rank, tp.size)
-        model.eval()
-        if serving:
-            model.prepare_serving(release=True)
+    fill_model(
+        model, cfg, source, dtype, serving=serving, blocks=blocks, rank=tp.rank, size=tp.size
+    )
     seconds = time.perf_counter() - t0
     log.info("model shard loaded", path=str(path), rank=tp.rank, size=tp.size, seconds=seconds)
     return LoadedModel(
