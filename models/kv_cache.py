@@ -19,13 +19,6 @@ class PagedKVCache:
     step's new keys and values are written in place with one scatter per pool, each row
     ``(token, head)`` at :meth:`write_rows`; :meth:`gather` reads the blocks listed by
     :meth:`block_rows`.
-
-    ``fill``: the pools' first value, or None to leave them unwritten, so their pages
-    become resident only as steps write them. None is only for a model whose attention
-    reads nothing but positions already written (the native layer ops:
-    :meth:`SpectrioForCausalLM.reads_only_written_kv`); the op-by-op path pads each
-    sequence's context and masks the padding, and a masked NaN would still reach its
-    output, so it keeps zeros.
     """
 
     def __init__(
@@ -36,7 +29,6 @@ class PagedKVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: DType = "float32",
-        fill: float | None = 0.0,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
@@ -47,14 +39,8 @@ class PagedKVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         shape = [num_kv_heads * num_blocks * block_size, head_dim]
-
-        def pool() -> paddle.Tensor:
-            if fill is None:
-                return paddle.empty(shape, dtype=dtype)
-            return paddle.full(shape, fill, dtype=dtype)
-
-        self._k = [pool() for _ in range(num_layers)]
-        self._v = [pool() for _ in range(num_layers)]
+        self._k = [paddle.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self._v = [paddle.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         # Views of the same memory, one row per block and head (Paddle's reshape shares
         # storage), made once: a reshape is an op like any other.
         blocked = [num_kv_heads * num_blocks, block_size * head_dim]

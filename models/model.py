@@ -233,13 +233,6 @@ class SpectrioForCausalLM(nn.Layer):
                 trim_freed_memory()
         self.serving_only = self.serving_only or release
 
-    def reads_only_written_kv(self) -> bool:
-        """Whether every serving pass reads only KV positions some pass has written: its
-        layers run as the native ops (float32, kernels loaded), whose attention walks each
-        row's own context and nothing past it. A cache for such a model may start
-        unwritten (:class:`PagedKVCache`'s ``fill=None``)."""
-        return self._layers_native(self._decoder_layers(), self.dtype)
-
     def require_weights(self, what: str) -> None:
         """Raise ``RuntimeError`` when :meth:`prepare_serving` released weights ``what``
         needs."""
@@ -420,17 +413,14 @@ class SpectrioForCausalLM(nn.Layer):
             )
         return self._rope_halves
 
-    def _layers_native(self, layers: list[DecoderLayer], dtype: str) -> bool:
-        """Whether ``layers`` run as native ops over a ``dtype`` cache without autograd."""
-        return (
-            self.native_layers
-            and dtype == "float32"
-            and all(layer.native_ready() for layer in layers)
-        )
-
     def _native(self, layers: list[DecoderLayer], cache: PagedKVCache) -> bool:
         """Whether ``layers`` run as native ops in this pass."""
-        return not paddle.is_grad_enabled() and self._layers_native(layers, cache.dtype)
+        return (
+            self.native_layers
+            and cache.dtype == "float32"
+            and not paddle.is_grad_enabled()
+            and all(layer.native_ready() for layer in layers)
+        )
 
     def _run_layers(
         self, layers: list[DecoderLayer], x: paddle.Tensor, batch: PackedBatch, cache: PagedKVCache

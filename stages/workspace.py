@@ -33,9 +33,8 @@ class Workspace:
         kvh = cfg.num_key_value_heads if num_kv_heads is None else num_kv_heads
         self.model = model
         self.block_size = block_size
-        fill = None if model.reads_only_written_kv() else 0.0  # unwritten pages stay out of RSS
         self.target_cache = PagedKVCache(
-            cfg.num_hidden_layers, num_blocks, block_size, kvh, cfg.head_dim, model.dtype, fill
+            cfg.num_hidden_layers, num_blocks, block_size, kvh, cfg.head_dim, model.dtype
         )
         self.proposer: Proposer | None = (
             None

@@ -31,22 +31,19 @@ def threads() -> Iterator[None]:
     configure_paddle(before or 1)
 
 
-def _cache(
-    loaded: LoadedModel, blocks: int = 32, block: int = 4, fill: float | None = 0.0
-) -> PagedKVCache:
+def _cache(loaded: LoadedModel, blocks: int = 32, block: int = 4) -> PagedKVCache:
     cfg = loaded.config
     return PagedKVCache(
-        cfg.num_hidden_layers, blocks, block, cfg.num_key_value_heads, cfg.head_dim, "float32",
-        fill,
-    )  # fmt: skip
+        cfg.num_hidden_layers, blocks, block, cfg.num_key_value_heads, cfg.head_dim, "float32"
+    )
 
 
-def _steps(loaded: LoadedModel, native: bool, fill: float = 0.0) -> list[np.ndarray]:
+def _steps(loaded: LoadedModel, native: bool) -> list[np.ndarray]:
     """Logits of a mixed prefill, a decode step of two sequences, and a step mixing a
     verification (4 rows), a decode row and a new prefill chunk."""
     model = loaded.model
     model.native_layers = native
-    cache = _cache(loaded, fill=fill)
+    cache = _cache(loaded)
     vocab = loaded.config.vocab_size
     rng = np.random.default_rng(7)
     a, b, c = (rng.integers(0, vocab, n).tolist() for n in (13, 6, 11))
@@ -129,40 +126,6 @@ def test_a_rows_logits_do_not_depend_on_its_step(bundled: LoadedModel, threads: 
     crowd = [rng.integers(0, 4000, n).tolist() for n in [1, 40, 3, *range(2, 16)]]
     for others, n in (([[5, 6]], 2), (crowd, 2), (crowd, 1), ([], 2)):
         np.testing.assert_array_equal(_rows_of_a(bundled, others, n), alone)
-
-
-def test_the_native_passes_read_only_kv_they_wrote(bundled: LoadedModel) -> None:
-    """Pools poisoned with NaN give the same logits, bit for bit, as zeroed ones: the
-    native attention reads no position no pass has written, so a runtime may leave its
-    pools unwritten (``PagedKVCache(fill=None)``, ``reads_only_written_kv``). The
-    op-by-op path, which masks padded positions, does not qualify."""
-    model = bundled.model
-    assert model.reads_only_written_kv()
-    zeroed = _steps(bundled, native=True)
-    poisoned = _steps(bundled, native=True, fill=float("nan"))
-    for z, p in zip(zeroed, poisoned, strict=True):
-        assert np.isfinite(p).all()
-        np.testing.assert_array_equal(p, z)
-    cfg = bundled.config
-    hidden = paddle.randn([9, cfg.hidden_size])
-    ids = list(range(40, 49))
-    outs = []
-    for fill in (0.0, float("nan")):
-        cache = PagedKVCache(1, 8, 4, cfg.num_key_value_heads, cfg.head_dim, "float32", fill)
-        with paddle.no_grad():
-            first = model.mtp_forward(
-                PackedBatch.from_sequences([ids], [0], [np.arange(4)]), hidden, cache
-            )
-            nxt = model.mtp_forward(
-                PackedBatch.from_sequences([[7]], [9], [np.arange(4)]), first.hidden[-1:], cache
-            )
-        outs.append(nxt.logits.numpy())
-    np.testing.assert_array_equal(outs[1], outs[0])
-    model.native_layers = False
-    try:
-        assert not model.reads_only_written_kv()
-    finally:
-        model.native_layers = True
 
 
 def test_a_block_table_too_short_is_refused_naming_the_position(bundled: LoadedModel) -> None:

@@ -226,8 +226,7 @@ class MTPProposer:
         self.model = model
         self.k_max = k_max
         kvh = cfg.num_key_value_heads if num_kv_heads is None else num_kv_heads
-        fill = None if model.reads_only_written_kv() else 0.0
-        self.cache = PagedKVCache(1, num_blocks, block_size, kvh, cfg.head_dim, model.dtype, fill)
+        self.cache = PagedKVCache(1, num_blocks, block_size, kvh, cfg.head_dim, model.dtype)
         self.hidden = HiddenStore(model)
         self.catch_up = CatchUp()
 
