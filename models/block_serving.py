@@ -35,9 +35,11 @@ import numpy as np
 import structlog
 
 from spectrio.errors import CheckpointError
+from spectrio.models import native_ops
 from spectrio.models.checkpoint import TensorSource, fill_parameters, hf_name
 from spectrio.models.gguf_blocks import BLOCK_TYPES, decode_groups, scaled_blocks
 from spectrio.models.gguf_file import GGUFFile
+from spectrio.models.paddle_setup import paddle
 from spectrio.models.serving_matrix import ServingMatrix
 from spectrio.process_memory import trim_freed_memory
 
@@ -209,6 +211,27 @@ def _embedding_rows(gguf: GGUFFile, name: str) -> Callable[[np.ndarray], np.ndar
     return rows
 
 
+def _embedding(
+    gguf: GGUFFile, name: str, tied: ServingMatrix | None
+) -> Callable[[paddle.Tensor], paddle.Tensor]:
+    """``embed(ids)``: float32 rows ``ids`` (int64) of the embedding ``name``, computed by
+    the native kernel from its blocks, which this rank's tied head holds whole (``tied``)
+    or which are read once into memory; rows of a type without a kernel are dequantized
+    from the file per call."""
+    kind = gguf.type_name(name)
+    if BLOCK_TYPES[kind].native and native_ops.native_ops_available():
+        if tied is not None and tied.panels is not None:
+            table, (k, n) = tied.panels, tied.shape
+        else:
+            blocks = gguf.read_blocks(name)
+            table = paddle.utils.dlpack.from_dlpack(blocks)
+            n, k = blocks.shape[0], gguf.shape(name)[1]
+        ggml_id = BLOCK_TYPES[kind].ggml_id
+        return lambda ids: native_ops.embed_rows(table, ids, ggml_id, n, k)
+    rows = _embedding_rows(gguf, name)
+    return lambda ids: paddle.to_tensor(rows(ids.numpy()))
+
+
 def _inputs(cfg: ModelConfig, what: str) -> int:
     """Inputs of every row of a row-parallel matrix (o or down) of the whole model."""
     return cfg.num_attention_heads * cfg.head_dim if what == "o" else cfg.intermediate_size
@@ -268,7 +291,8 @@ def load_blocks(
     if head is not None:
         (name,) = head.names
         matrix = ServingMatrix.from_blocks(shard.rows(gguf.read_blocks(name)), head.kind, d)
-        embed = _embedding_rows(gguf, "model.embed_tokens.weight")
+        tied = matrix if cfg.tie_word_embeddings and shard.size == 1 else None
+        embed = _embedding(gguf, "model.embed_tokens.weight", tied)
         model.serve_rows_from(embed, _embedding_rows(gguf, name), matrix)
     model.eval()
     model.prepare_serving(release=True)

@@ -376,6 +376,11 @@ class DecoderLayer(nn.Layer):
     #: prepare_serving built the serving weights (a class default: a tensor-parallel
     #: layer builds its parts without this __init__)
     _fused = False
+    #: its halves' outputs are one rank's partial sums, summed across the ranks between
+    #: the halves (a tensor-parallel shard's layer): it runs op by op, never in a run of
+    #: layers in one op
+    partial_sums = False
+    _native_inputs: native_ops.LayerInputs | None = None  # native_inputs(), kept
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -417,11 +422,38 @@ class DecoderLayer(nn.Layer):
     def native_ready(self) -> bool:
         """Whether :meth:`forward_native` runs: the serving weights are packed panels
         (float32 weights where the native kernels run; the MTP layer's may be float16)."""
+        return self.native_inputs() is not None
+
+    def native_inputs(self) -> native_ops.LayerInputs | None:
+        """The layer's inputs to the native ops (:class:`native_ops.LayerInputs`), or
+        None where they cannot run: a serving weight is not packed. Kept until
+        :meth:`drop_fused`, since the packed weights live as long."""
+        if self._native_inputs is not None:
+            return self._native_inputs
         if not self._fused:
             self.prepare_serving()
         attn, mlp = self.self_attn, self.mlp
-        matrices = (attn._qkv_weight, attn._o_weight, mlp._gate_up_weight, mlp._down_weight)
-        return all(m is not None and m.packed for m in matrices)
+        qkv_m, o_m = attn._qkv_weight, attn._o_weight
+        gate_up_m, down_m = mlp._gate_up_weight, mlp._down_weight
+        if qkv_m is None or o_m is None or gate_up_m is None or down_m is None:
+            return None
+        qkv, o, gate_up, down = qkv_m.panels, o_m.panels, gate_up_m.panels, down_m.panels
+        if qkv is None or o is None or gate_up is None or down is None:  # not packed
+            return None
+        # panels carry the norm weights folded in; blocks cannot, so the ops apply them
+        self._native_inputs = native_ops.LayerInputs(
+            input_norm=self.input_layernorm.weight if qkv_m.blocks else None,
+            qkv=qkv, qkv_bias=attn._qkv_bias, qk_norm=attn._qk_norm_weight, o=o,
+            o_bias=attn.o_proj.bias,
+            post_norm=self.post_attention_layernorm.weight if gate_up_m.blocks else None,
+            gate_up=gate_up, gate_up_bias=mlp._gate_up_bias, down=down,
+            down_bias=mlp.down_proj.bias,
+            types=(qkv_m.ggml_type, o_m.ggml_type, gate_up_m.ggml_type, down_m.ggml_type),
+            heads=(attn.num_heads, attn.num_kv_heads, attn.head_dim),
+            intermediate=down_m.shape[0],
+            eps=self.input_layernorm.eps,
+        )  # fmt: skip
+        return self._native_inputs
 
     def forward_native(
         self,
@@ -438,32 +470,18 @@ class DecoderLayer(nn.Layer):
         the block's output: the down bias is left for the next op to add, as each op
         adds the previous half's bias (o's, here) after the ranks' sum. Only where
         :meth:`native_ready`, without autograd."""
-        attn, mlp = self.self_attn, self.mlp
-        assert attn._qkv_weight is not None and attn._o_weight is not None
-        assert mlp._gate_up_weight is not None and mlp._down_weight is not None
-        qkv, o = attn._qkv_weight.panels, attn._o_weight.panels
-        gate_up, down = mlp._gate_up_weight.panels, mlp._down_weight.panels
-        assert qkv is not None and o is not None and gate_up is not None and down is not None
-        eps = self.input_layernorm.eps
-        # panels carry the norm weights folded in; blocks cannot, so the ops apply them
-        norms = (
-            self.input_layernorm.weight if attn._qkv_weight.blocks else None,
-            self.post_attention_layernorm.weight if mlp._gate_up_weight.blocks else None,
-        )
+        i = self.native_inputs()
+        assert i is not None
         out, x = native_ops.attention_block(
-            x, delta, bias, qkv, attn._qkv_bias, attn._qk_norm_weight, rows.rope,
-            cache.pools(layer), o, rows.as_tuple,
-            (attn.num_heads, attn.num_kv_heads, attn.head_dim, cache.block_size), eps,
-            norm_weight=norms[0], types=(attn._qkv_weight.ggml_type, attn._o_weight.ggml_type),
+            x, delta, bias, i.qkv, i.qkv_bias, i.qk_norm, rows.rope, cache.pools(layer), i.o,
+            rows.as_tuple, (*i.heads, cache.block_size), i.eps, norm_weight=i.input_norm,
+            types=(i.types[0], i.types[1]),
         )  # fmt: skip
-        out = attn._reduce(out)
-        f = mlp._down_weight.shape[0]
         out, x = native_ops.mlp_block(
-            x, out, attn.o_proj.bias, gate_up, mlp._gate_up_bias, down, f,
-            self.post_attention_layernorm.eps, norm_weight=norms[1],
-            types=(mlp._gate_up_weight.ggml_type, mlp._down_weight.ggml_type),
+            x, self.self_attn._reduce(out), i.o_bias, i.gate_up, i.gate_up_bias, i.down,
+            i.intermediate, i.eps, norm_weight=i.post_norm, types=(i.types[2], i.types[3]),
         )  # fmt: skip
-        return x, mlp._reduce(out), mlp.down_proj.bias
+        return x, self.mlp._reduce(out), i.down_bias
 
     def prepare_serving(self, release: bool = False) -> None:
         """Build the fused serving weights (once). With ``release``, free the separate
@@ -489,4 +507,5 @@ class DecoderLayer(nn.Layer):
         attn, mlp = self.self_attn, self.mlp
         attn._qkv_weight = attn._qkv_bias = attn._qk_norm_weight = attn._o_weight = None
         mlp._gate_up_weight = mlp._gate_up_bias = mlp._down_weight = None
+        self._native_inputs = None
         self._fused = False

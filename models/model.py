@@ -210,7 +210,7 @@ class SpectrioForCausalLM(nn.Layer):
         #: ``rows(ids)``: float32 ``[len(ids), d]`` rows of the embedding / the output head
         #: computed from elsewhere (a GGUF file's blocks, dequantized row by row) when the
         #: parameters hold no storage (:meth:`serve_rows_from`); None: the parameters
-        self._embed_rows: Callable[[np.ndarray], np.ndarray] | None = None
+        self._embed_rows: Callable[[paddle.Tensor], paddle.Tensor] | None = None
         self._head_rows: Callable[[np.ndarray], np.ndarray] | None = None
         # Held for a serving pass: runtimes sharing this model (open_runtime's ``loaded``)
         # take turns, since a pass stages its inputs in ``staging``.
@@ -341,14 +341,15 @@ class SpectrioForCausalLM(nn.Layer):
 
     def serve_rows_from(
         self,
-        embed: Callable[[np.ndarray], np.ndarray],
+        embed: Callable[[paddle.Tensor], paddle.Tensor],
         head: Callable[[np.ndarray], np.ndarray],
         head_matrix: ServingMatrix,
     ) -> None:
         """Serve the embedding and the head from outside the parameters (a GGUF file's
-        blocks): ``embed(ids)`` and ``head(ids)`` give float32 rows, ``head_matrix`` the
-        whole head's product. The parameters they replace stay without storage, so only
-        the serving forward runs."""
+        blocks): ``embed(ids)`` (int64, staged) and ``head(ids)`` give float32 rows of
+        the embedding and of the head, ``head_matrix`` the whole head's product. The
+        parameters they replace stay without storage, so only the serving forward
+        runs."""
         self._embed_rows, self._head_rows = embed, head
         self._head.set_matrix(head_matrix)
         self._draft_head = HeadLayouts(self.draft_half)
@@ -358,7 +359,7 @@ class SpectrioForCausalLM(nn.Layer):
         """Embedding rows of ``ids`` (a row gather: ``nn.Embedding`` without its Python
         wrapper)."""
         if self._embed_rows is not None:
-            return paddle.to_tensor(self._embed_rows(ids))
+            return self._embed_rows(self.staging.put(np.asarray(ids, dtype=np.int64)))
         return fo.gather(self.model.embed_tokens.weight, self.staging.put(ids))
 
     def _inv_freq(self) -> np.ndarray:
@@ -413,14 +414,15 @@ class SpectrioForCausalLM(nn.Layer):
             )
         return self._rope_halves
 
-    def _native(self, layers: list[DecoderLayer], cache: PagedKVCache) -> bool:
-        """Whether ``layers`` run as native ops in this pass."""
-        return (
-            self.native_layers
-            and cache.dtype == "float32"
-            and not paddle.is_grad_enabled()
-            and all(layer.native_ready() for layer in layers)
-        )
+    def _native(
+        self, layers: list[DecoderLayer], cache: PagedKVCache
+    ) -> list[native_ops.LayerInputs] | None:
+        """The layers' inputs to the native ops where ``layers`` run as native ops in this
+        pass, else None."""
+        if not self.native_layers or cache.dtype != "float32" or paddle.is_grad_enabled():
+            return None
+        inputs = [layer.native_inputs() for layer in layers]
+        return None if None in inputs else inputs  # type: ignore[return-value]
 
     def _run_layers(
         self, layers: list[DecoderLayer], x: paddle.Tensor, batch: PackedBatch, cache: PagedKVCache
@@ -429,10 +431,18 @@ class SpectrioForCausalLM(nn.Layer):
         as native ops where they run, else op by op. Returns ``(x', delta)`` whose sum is
         the last layer's output, each layer's biases already added."""
         delta: paddle.Tensor | None = None
-        if self._native(layers, cache):
+        inputs = self._native(layers, cache)
+        if inputs is not None:
             rows = LayerRows.build(
                 batch, cache.block_size, self._rope_tables(batch.positions), self.staging.put
             )
+            if not any(layer.partial_sums for layer in layers):  # one op for the whole run
+                pools = [cache.pools(i) for i in range(len(layers))]
+                x, delta = native_ops.decoder_layers(
+                    x, inputs, pools, rows.rope, rows.as_tuple, cache.block_size
+                )
+                bias = inputs[-1].down_bias
+                return x, delta if bias is None else fo.add(delta, bias)
             bias = None
             for i, layer in enumerate(layers):
                 x, delta, bias = layer.forward_native(x, delta, bias, rows, cache, i)

@@ -34,7 +34,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 
@@ -50,7 +50,10 @@ __all__ = [
     "add_rms_norm",
     "attention_block",
     "block_matmul",
+    "LayerInputs",
     "cpu_path",
+    "decoder_layers",
+    "embed_rows",
     "kernels_identity",
     "mlp_block",
     "native_layers_enabled",
@@ -226,6 +229,16 @@ def repack_tiles(w: paddle.Tensor, ggml_type: int, n: int, k: int) -> paddle.Ten
     return _C_OPS._run_custom_op("spectrio_repack_tiles", *args)[0]
 
 
+def embed_rows(
+    w: paddle.Tensor, ids: paddle.Tensor, ggml_type: int, n: int, k: int
+) -> paddle.Tensor:
+    """Rows ``ids`` (int64) of ``w``, ``n`` rows of ``k`` elements of GGUF blocks of
+    ``ggml_type`` (uint8, as stored ``[n, row bytes]`` or tiled by :func:`repack_tiles`),
+    in float32 ``[len(ids), k]``, equal bit for bit to gguf-py's NumPy dequantization.
+    Only where the kernels run."""
+    return _C_OPS._run_custom_op("spectrio_embed_rows", w, ids, int(ggml_type), int(n), int(k))[0]
+
+
 def pack_panels(w: paddle.Tensor, rows: bool = False) -> paddle.Tensor:
     """``w`` ``[K, N]`` (``rows``: its transpose ``[N, K]``) packed for
     :func:`panel_matmul`, the layout of
@@ -312,3 +325,58 @@ def mlp_block(
         int(types[0]), int(types[1]),
     )  # fmt: skip
     return out, summed
+
+
+class LayerInputs(NamedTuple):
+    """A decoder layer's inputs to the layer ops (:meth:`DecoderLayer.native_inputs
+    <spectrio.models.layers.DecoderLayer.native_inputs>`): its packed weights (panels,
+    or uint8 GGUF blocks), biases and norms (None: absent), the ggml types of qkv, o,
+    gate|up and down, (heads, KV heads, head dim), the intermediate size of this rank and
+    the RMSNorm epsilon. ``input_norm`` / ``post_norm``: the norm weights where the
+    weights after them are blocks (panels have them folded in)."""
+
+    input_norm: paddle.Tensor | None
+    qkv: paddle.Tensor
+    qkv_bias: paddle.Tensor | None
+    qk_norm: paddle.Tensor | None
+    o: paddle.Tensor
+    o_bias: paddle.Tensor | None
+    post_norm: paddle.Tensor | None
+    gate_up: paddle.Tensor
+    gate_up_bias: paddle.Tensor | None
+    down: paddle.Tensor
+    down_bias: paddle.Tensor | None
+    types: tuple[int, int, int, int]
+    heads: tuple[int, int, int]
+    intermediate: int
+    eps: float
+
+
+def decoder_layers(
+    x: paddle.Tensor,
+    layers: list[LayerInputs],
+    pools: list[tuple[paddle.Tensor, paddle.Tensor]],
+    rope: tuple[paddle.Tensor, paddle.Tensor],
+    rows: tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor],
+    block_size: int,
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """A run of whole layers of one rank (no tensor parallelism) from input ``x``, in one
+    op (``spectrio_decoder_layers``): bit for bit :func:`attention_block` and
+    :func:`mlp_block` chained, without a dispatch per half. Layer l writes ``pools[l]``.
+    Returns ``(summed, delta)`` whose sum plus the last layer's down bias is the last
+    layer's output. Every layer has the first one's heads, intermediate size and epsilon
+    (one model's layers); only where the kernels run, without autograd."""
+    first = layers[0]
+    lists = [
+        [_given(t) for t in column]
+        for column in zip(*(layer[:11] for layer in layers), strict=True)
+    ]
+    summed, out = _C_OPS._run_custom_op(
+        "spectrio_decoder_layers",
+        x, _absent(), _absent(), lists[0], lists[1], lists[2], lists[3],
+        [p[0] for p in pools], [p[1] for p in pools], *lists[4:],
+        rope[0], rope[1], *rows, *first.heads, int(block_size), int(first.intermediate),
+        float(first.eps), configured_threads() or 1,
+        [int(t) for layer in layers for t in layer.types],
+    )  # fmt: skip
+    return summed, out

@@ -139,12 +139,16 @@ def _init_block(layer: DecoderLayer, cfg: ModelConfig, tp: TPShard) -> None:
 
 
 class ParallelDecoderLayer(DecoderLayer):
+    partial_sums = True
+
     def __init__(self, cfg: ModelConfig, tp: TPShard) -> None:
         nn.Layer.__init__(self)
         _init_block(self, cfg, tp)
 
 
 class ParallelMTPLayer(MTPLayer):
+    partial_sums = True
+
     def __init__(self, cfg: ModelConfig, tp: TPShard) -> None:
         nn.Layer.__init__(self)
         _init_block(self, cfg, tp)
@@ -223,7 +227,7 @@ class ParallelCausalLM(SpectrioForCausalLM):
 
     def _embed(self, ids: np.ndarray) -> paddle.Tensor:
         if self._embed_rows is not None:  # every rank reads whole rows from the file
-            return paddle.to_tensor(self._embed_rows(ids))
+            return self._embed_rows(self.staging.put(np.asarray(ids, dtype=np.int64)))
         return self.model.embed_tokens(self.staging.put(ids))  # masked lookup, all-reduce
 
 

@@ -352,3 +352,29 @@ def test_a_serving_matrix_keeps_blocks_and_multiplies_by_them() -> None:
     q4k = ServingMatrix.from_blocks(k_rows, "Q4_K", 1536)
     assert q4k.panels.data_ptr() == k_rows.ctypes.data  # the file's bytes, not a copy
     assert q4k.ggml_type == 12 and ServingMatrix(np.ones((4, 16), np.float32)).ggml_type == 0
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", sorted(n for n, t in gb.BLOCK_TYPES.items() if t.native))
+def test_embedded_rows_are_gguf_py_s_bit_for_bit(name: str) -> None:
+    """``spectrio_embed_rows`` (a step's embedding rows of a quantized file) gives exactly
+    gguf-py's float32 values for every block type, from the blocks as stored and from
+    their tiles (a tied head's layout), so a served model embeds the rows of the same file
+    widened to float32. An id outside the rows is refused."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    t = gb.BLOCK_TYPES[name]
+    n, k = 13, _k(name, 512)
+    rows = gb.synthetic_blocks(name, n, k, np.random.default_rng(11))
+    want = np.asarray(dequantize(rows, GGMLQuantizationType(t.ggml_id)), np.float32)
+    want = want.reshape(n, k)
+    ids = np.array([12, 0, 7, 7, 3], np.int64)
+    layouts = [paddle.to_tensor(rows.reshape(n, -1))]
+    if name in gb.TILED:
+        layouts.append(native_ops.repack_tiles(layouts[0], t.ggml_id, n, k))
+    for w in layouts:
+        got = native_ops.embed_rows(w, paddle.to_tensor(ids), t.ggml_id, n, k).numpy()
+        np.testing.assert_array_equal(got.view(np.uint32), want[ids].view(np.uint32))
+        with pytest.raises(OSError, match="id 13 is outside 0..12"):
+            native_ops.embed_rows(w, paddle.to_tensor(np.array([13])), t.ggml_id, n, k)

@@ -68,6 +68,50 @@ def test_every_architecture_runs_the_layer_op_as_the_paddle_path(name: str) -> N
         np.testing.assert_allclose(g, w, rtol=0, atol=2e-5 * max(scale, 1.0), err_msg=name)
 
 
+@pytest.mark.parametrize("name", CASES)
+def test_a_run_of_layers_in_one_op_is_the_layers_op_by_op_bit_for_bit(name: str) -> None:
+    """``spectrio_decoder_layers`` (every layer of a pass in one op) against the two ops
+    per layer that a tensor-parallel shard runs, with its layers told so: the same bits,
+    as the same team functions run in the same order."""
+    loaded = load(ARCHS / name, dtype="float32")
+    layers = list(loaded.model.model.layers)
+    one_op = _steps(loaded, native=True)
+    try:
+        for layer in layers:
+            layer.partial_sums = True  # as a shard's layers: two ops per layer
+        by_layer = _steps(loaded, native=True)
+    finally:
+        for layer in layers:
+            del layer.partial_sums
+    for w, g in zip(by_layer, one_op, strict=True):
+        np.testing.assert_array_equal(g, w, err_msg=name)
+
+
+def test_the_run_op_checks_its_lists(bundled: LoadedModel) -> None:
+    """Lists of different lengths are refused, naming the rule, before any pool is
+    written."""
+    model, cfg = bundled.model, bundled.config
+    cache = _cache(bundled, blocks=4)
+    layers = model._decoder_layers()[: cfg.num_hidden_layers]
+    inputs = [layer.native_inputs() for layer in layers]
+    rows = (
+        paddle.to_tensor(np.array([0], np.int64)),
+        paddle.to_tensor(np.array([0], np.int64)),
+        paddle.to_tensor(np.array([[1]], np.int64)),
+    )
+    rope = model._rope_tables(np.arange(1))
+    x = paddle.randn([1, cfg.hidden_size])
+    with paddle.no_grad():
+        before = cache.pools(0)[0].numpy().copy()
+        short = [cache.pools(i) for i in range(len(layers) - 1)]
+        with pytest.raises(Exception, match="every list has one entry per layer"):
+            native_ops.decoder_layers(x, inputs, short, rope, rows, cache.block_size)  # type: ignore[arg-type]
+        np.testing.assert_array_equal(cache.pools(0)[0].numpy(), before)
+        pools = [cache.pools(i) for i in range(len(layers))]
+        native_ops.decoder_layers(x, inputs, pools, rope, rows, cache.block_size)  # type: ignore[arg-type]
+        assert not np.array_equal(cache.pools(0)[0].numpy(), before)
+
+
 def test_the_mtp_pass_runs_the_layer_op_as_the_paddle_path(bundled: LoadedModel) -> None:
     model = bundled.model
     assert model.mtp is not None and model.mtp.native_ready()

@@ -814,4 +814,49 @@ inline bool tiled_shape(const std::vector<int64_t>& shape, int type, int64_t n, 
          shape[1] == k_dim / kGroup && shape[2] == tile_group_bytes(type);
 }
 
+// Weight rows dequantized to float32, each value rounded as gguf-py's NumPy
+// dequantization rounds it (gguf.quants), so a row equals the float32 copy of the file bit
+// for bit: d * (u - 8) and d * (u - 16) for Q4_0 / Q5_0 (the integer first), d * u + m
+// with two roundings for the types with an offset (never one fused multiply-add:
+// contraction is off for these functions), d * q for the signed types.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+inline float dequantized(int type, int32_t u, float d, float m) {
+  if (signed_values(type)) return d * static_cast<float>(u);
+  if (type == kQ4_0) return d * static_cast<float>(u - 8);
+  if (type == kQ5_0) return d * static_cast<float>(u - 16);
+  const float p = d * static_cast<float>(u);
+  return p + m;
+}
+
+// Row `row` (K elements) of blocks as stored.
+inline void dequantize_row(int type, const uint8_t* row, int64_t k_dim, float* out) {
+  Group grp;
+  for (int64_t g = 0; g < k_dim / kGroup; ++g) {
+    decode_group(type, row, g, grp);
+    for (int i = 0; i < kGroup; ++i) {
+      const int32_t u = signed_values(type) ? static_cast<int8_t>(grp.u[i]) : grp.u[i];
+      out[g * kGroup + i] = dequantized(type, u, grp.d[i / 16], grp.m[i / 16]);
+    }
+  }
+}
+#pragma GCC pop_options
+
+// Row `row` of a tiled weight (K elements; the tiled layout above), as dequantize_row.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+inline void dequantize_tiled_row(int type, const uint8_t* tiles, int64_t k_dim, int64_t row,
+                                 float* out) {
+  const int64_t groups = k_dim / kGroup, tb = tile_group_bytes(type);
+  const int c = static_cast<int>(row % kTile);
+  const uint8_t* tile = tiles + (row / kTile) * groups * tb;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* o = tile + g * tb;
+    const float d = tile_scale(o, c);
+    const float m = has_offset_field(type) ? f16_at(o + 16 + 2 * c) : 0.0f;
+    for (int i = 0; i < kGroup; ++i) out[g * kGroup + i] = dequantized(type, tile_value(type, o, c, i), d, m);
+  }
+}
+#pragma GCC pop_options
+
 }  // namespace spectrio

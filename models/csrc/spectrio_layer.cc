@@ -398,6 +398,225 @@ inline void rope_head(float* x, const float* cos, const float* sin, int64_t d) {
   }
 }
 
+// A layer's sizes.
+struct Dims {
+  int64_t d, h, kvh, hd, bs;
+  int64_t g() const { return h / kvh; }
+  int64_t nq() const { return h * hd; }
+  int64_t nqkv() const { return (h + 2 * kvh) * hd; }
+};
+
+Dims dims_of(int64_t d, int num_heads, int num_kv_heads, int head_dim, int block_size,
+             const char* what) {
+  const Dims s{d, num_heads, num_kv_heads, head_dim, block_size};
+  PD_CHECK(s.h > 0 && s.kvh > 0 && s.h % s.kvh == 0 && s.hd > 0 && s.hd % 2 == 0 && s.bs > 0,
+           what, ": heads, head_dim and block_size do not fit");
+  return s;
+}
+
+// A step's rows as every layer reads them, checked against the RoPE tables.
+struct StepRows {
+  int64_t n = 0, num_seqs = 0, width = 0, max_ctx = 0, half = 0;
+  const int64_t *pos = nullptr, *seq = nullptr, *tab = nullptr;
+  const float *cos = nullptr, *sin = nullptr;
+  std::vector<int64_t> seq_last;  // each sequence's last position this step (-1: none)
+};
+
+StepRows step_rows(int64_t n, const Dims& s, const paddle::Tensor& rope_cos,
+                   const paddle::Tensor& rope_sin, const paddle::Tensor& positions,
+                   const paddle::Tensor& row_seq, const paddle::Tensor& tables,
+                   const char* what) {
+  StepRows r;
+  r.n = n;
+  r.half = s.hd / 2;
+  check_f32_cpu(rope_cos, what);
+  check_f32_cpu(rope_sin, what);
+  PD_CHECK(rope_cos.shape().size() == 2 && rope_cos.shape()[1] == r.half &&
+               rope_sin.shape() == rope_cos.shape(),
+           what, ": rope tables are [P, head_dim / 2]");
+  const int64_t rope_len = rope_cos.shape()[0];
+  r.pos = int64_input(positions, n, "positions");
+  r.seq = int64_input(row_seq, n, "row_seq");
+  PD_CHECK(tables.shape().size() == 2, what, ": tables are [B, W]");
+  r.num_seqs = tables.shape()[0];
+  r.width = tables.shape()[1];
+  r.tab = int64_input(tables, r.num_seqs * r.width, "tables");
+  r.cos = rope_cos.data<float>();
+  r.sin = rope_sin.data<float>();
+  r.seq_last.assign(r.num_seqs, -1);
+  for (int64_t i = 0; i < n; ++i) {
+    PD_CHECK(r.seq[i] >= 0 && r.seq[i] < r.num_seqs, what, ": row ", i, " names sequence ",
+             r.seq[i], " of ", r.num_seqs);
+    PD_CHECK(r.pos[i] >= 0 && r.pos[i] < rope_len, what, ": row ", i, " is at position ",
+             r.pos[i], ", outside the RoPE table's ", rope_len);
+    r.seq_last[r.seq[i]] = std::max(r.seq_last[r.seq[i]], r.pos[i]);
+    r.max_ctx = std::max(r.max_ctx, r.pos[i] + 1);
+  }
+  for (int64_t b = 0; b < r.num_seqs; ++b) {
+    const int64_t blocks = r.seq_last[b] < 0 ? 0 : r.seq_last[b] / s.bs + 1;
+    PD_CHECK(blocks <= r.width, what, ": sequence ", b, " reaches position ", r.seq_last[b],
+             " beyond its ", r.width, " blocks");
+  }
+  return r;
+}
+
+// A layer's attention half: its weights, and the K/V pools it writes in place (the op owns
+// no state, the cache does; no autograd).
+struct AttentionLayer {
+  Weight qkv, o;
+  const float *norm_w, *qkv_b, *qk_w;
+  float *kp, *vp;
+  int64_t slots;  // pool rows per KV head
+};
+
+AttentionLayer attention_layer(const Dims& s, const StepRows& rows,
+                               const paddle::Tensor& norm_weight, const paddle::Tensor& qkv,
+                               const paddle::Tensor& qkv_bias, const paddle::Tensor& qk_norm,
+                               const paddle::Tensor& k_pool, const paddle::Tensor& v_pool,
+                               const paddle::Tensor& o, int qkv_type, int o_type) {
+  AttentionLayer a{};
+  a.qkv = weight_of(qkv, qkv_type, s.d, s.nqkv(), "attention qkv");
+  a.o = weight_of(o, o_type, s.nq(), s.d, "attention o");
+  a.norm_w = optional_f32(norm_weight, s.d, "attention norm_weight");
+  PD_CHECK(!a.qkv.blocks() || a.norm_w != nullptr,
+           "attention: block weights need the norm weight (it is not folded into them)");
+  a.qkv_b = optional_f32(qkv_bias, s.nqkv(), "attention qkv_bias");
+  a.qk_w = optional_f32(qk_norm, (s.h + s.kvh) * s.hd, "attention qk_norm");
+  check_f32_cpu(k_pool, "attention k_pool");
+  check_f32_cpu(v_pool, "attention v_pool");
+  PD_CHECK(k_pool.shape().size() == 2 && k_pool.shape()[1] == s.hd &&
+               v_pool.shape() == k_pool.shape() && k_pool.shape()[0] % (s.kvh * s.bs) == 0,
+           "attention: pools are [kv_heads * blocks * block_size, head_dim]");
+  a.slots = k_pool.shape()[0] / s.kvh;
+  const int64_t num_blocks = a.slots / s.bs;
+  // every block a row reads or writes, checked before the parallel region
+  for (int64_t b = 0; b < rows.num_seqs; ++b) {
+    const int64_t blocks = rows.seq_last[b] < 0 ? 0 : rows.seq_last[b] / s.bs + 1;
+    for (int64_t j = 0; j < blocks; ++j) {
+      const int64_t block = rows.tab[b * rows.width + j];
+      PD_CHECK(block >= 0 && block < num_blocks, "attention: sequence ", b, " names block ",
+               block, " of ", num_blocks);
+    }
+  }
+  a.kp = const_cast<float*>(k_pool.data<float>());
+  a.vp = const_cast<float*>(v_pool.data<float>());
+  return a;
+}
+
+// A layer's MLP half.
+struct MlpLayer {
+  Weight gate_up, down;
+  const float *norm_w, *gate_up_b;
+  int64_t f;
+};
+
+MlpLayer mlp_layer(int64_t d, int64_t f, const paddle::Tensor& norm_weight,
+                   const paddle::Tensor& gate_up, const paddle::Tensor& gate_up_bias,
+                   const paddle::Tensor& down, int gate_up_type, int down_type) {
+  PD_CHECK(f > 0, "mlp: the intermediate size is positive");
+  MlpLayer m{};
+  m.f = f;
+  m.gate_up = weight_of(gate_up, gate_up_type, d, 2 * f, "mlp gate_up");
+  m.down = weight_of(down, down_type, f, d, "mlp down");
+  m.norm_w = optional_f32(norm_weight, d, "mlp norm_weight");
+  PD_CHECK(!m.gate_up.blocks() || m.norm_w != nullptr,
+           "mlp: block weights need the norm weight (it is not folded into them)");
+  m.gate_up_b = optional_f32(gate_up_bias, 2 * f, "mlp gate_up_bias");
+  return m;
+}
+
+// The team's buffers for `n` rows, sized for the largest layer they serve.
+struct Work {
+  std::vector<float> normed, qkv, attn, gate_up, act;
+  spectrio::QuantizedRows scratch;
+  Work(int64_t n, const Dims& s, int64_t f, int64_t block_k)
+      : normed(n * s.d), qkv(n * s.nqkv()), attn(n * s.nq()), gate_up(n * 2 * f), act(n * f),
+        scratch(n, block_k) {}
+};
+
+// The attention half, by the calling team (inside a parallel region): summed = x + delta
+// (+ bias), and out = this rank's o projection of the attention over it.
+void attention_team(const Dims& s, const StepRows& rows, const AttentionLayer& a,
+                    const float* x, const float* delta, const float* bias, float eps,
+                    float* summed, float* out, Work& w) {
+  const int64_t n = rows.n, h = s.h, kvh = s.kvh, hd = s.hd, bs = s.bs, g = s.g();
+  const int64_t nq = s.nq(), nqkv = s.nqkv(), half = rows.half, width = rows.width;
+  const int64_t* pos = rows.pos;
+  const int64_t* seq = rows.seq;
+  const int64_t* tab = rows.tab;
+  float* qkv = w.qkv.data();
+  add_normalize_rows(x, delta, bias, a.norm_w, n, s.d, eps, summed, w.normed.data());
+  product(a.qkv, w.normed.data(), n, qkv, w.scratch);
+
+  // bias, q/k norms, RoPE, and this step's K/V into the pools
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < n; ++r) {
+    float* row = qkv + r * nqkv;
+    if (a.qkv_b != nullptr)
+      for (int64_t i = 0; i < nqkv; ++i) row[i] += a.qkv_b[i];
+    const float* cos = rows.cos + pos[r] * half;
+    const float* sin = rows.sin + pos[r] * half;
+    for (int64_t head = 0; head < h + kvh; ++head) {
+      if (a.qk_w != nullptr) rms_norm_head(row + head * hd, a.qk_w + head * hd, hd, eps);
+      rope_head(row + head * hd, cos, sin, hd);
+    }
+    const int64_t p = pos[r];
+    const int64_t slot = tab[seq[r] * width + p / bs] * bs + p % bs;
+    for (int64_t kv = 0; kv < kvh; ++kv) {
+      std::copy_n(row + nq + kv * hd, hd, a.kp + (kv * a.slots + slot) * hd);
+      std::copy_n(row + nq + (kvh + kv) * hd, hd, a.vp + (kv * a.slots + slot) * hd);
+    }
+  }
+
+  // attention: one task per (row, KV head), its g query heads together
+  std::vector<float> scores(g * rows.max_ctx);
+  std::vector<int64_t> rows_of(rows.max_ctx);
+#pragma omp for schedule(static, 1)
+  for (int64_t task = 0; task < n * kvh; ++task) {
+    const int64_t r = task / kvh, kv = task % kvh;
+    const int64_t ctx = pos[r] + 1;
+    const int64_t* table = tab + seq[r] * width;
+    for (int64_t j = 0; j < ctx; ++j)
+      rows_of[j] = (kv * a.slots + table[j / bs] * bs + j % bs) * hd;
+    const float* q = qkv + r * nqkv + kv * g * hd;
+    for (int64_t i = 0; i < g; ++i)
+      score_row(q + i * hd, a.kp, rows_of.data(), ctx, hd, scores.data() + i * ctx);
+    for (int64_t i = 0; i < g; ++i) {
+      float* sc = scores.data() + i * ctx;
+      float top = sc[0];
+      for (int64_t j = 1; j < ctx; ++j) top = std::max(top, sc[j]);
+      const float inv = 1.0f / exp_shifted(sc, ctx, top);
+      for (int64_t j = 0; j < ctx; ++j) sc[j] *= inv;
+    }
+    float* o = w.attn.data() + r * nq + kv * g * hd;
+    for (int64_t i = 0; i < g; ++i)
+      weighted_sum(scores.data() + i * ctx, rows_of.data(), ctx, a.vp, hd, o + i * hd);
+  }
+
+  product(a.o, w.attn.data(), n, out, w.scratch);
+}
+
+// The MLP half, by the calling team: summed = x + delta (+ bias), and out = this rank's
+// down projection of SwiGLU over it.
+void mlp_team(int64_t n, int64_t d, const MlpLayer& m, const float* x, const float* delta,
+              const float* bias, float eps, float* summed, float* out, Work& w) {
+  const int64_t f = m.f;
+  add_normalize_rows(x, delta, bias, m.norm_w, n, d, eps, summed, w.normed.data());
+  product(m.gate_up, w.normed.data(), n, w.gate_up.data(), w.scratch);
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < n; ++r) {
+    const float* gate = w.gate_up.data() + r * 2 * f;
+    swiglu_row(gate, gate + f, m.gate_up_b, f, w.act.data() + r * f);
+  }
+  product(m.down, w.act.data(), n, out, w.scratch);
+}
+
+int64_t rows_of_x(const paddle::Tensor& x, const char* what) {
+  check_f32_cpu(x, what);
+  PD_CHECK(x.shape().size() == 2, what, ": x is [N, d]");
+  return x.shape()[0];
+}
+
 }  // namespace
 
 std::vector<paddle::Tensor> AttentionBlock(
@@ -409,127 +628,22 @@ std::vector<paddle::Tensor> AttentionBlock(
     const paddle::Tensor& positions, const paddle::Tensor& row_seq, const paddle::Tensor& tables,
     int num_heads, int num_kv_heads, int head_dim, int block_size, float eps, int num_threads,
     int qkv_type, int o_type) {
-  check_f32_cpu(x, "attention_block x");
-  PD_CHECK(x.shape().size() == 2, "attention_block: x is [N, d]");
-  const int64_t n = x.shape()[0], d = x.shape()[1];
-  const int64_t h = num_heads, kvh = num_kv_heads, hd = head_dim, bs = block_size;
-  PD_CHECK(h > 0 && kvh > 0 && h % kvh == 0 && hd > 0 && hd % 2 == 0 && bs > 0,
-           "attention_block: heads, head_dim and block_size do not fit");
-  const int64_t g = h / kvh, nq = h * hd, nqkv = (h + 2 * kvh) * hd;
+  const int64_t n = rows_of_x(x, "attention_block x"), d = x.shape()[1];
+  const Dims s = dims_of(d, num_heads, num_kv_heads, head_dim, block_size, "attention_block");
   const float* dp = optional_f32(delta, n * d, "attention_block delta");
   const float* bp = optional_f32(delta_bias, d, "attention_block delta_bias");
-  const Weight w_qkv = weight_of(qkv_panels, qkv_type, d, nqkv, "attention_block qkv");
-  const Weight w_o = weight_of(o_panels, o_type, nq, d, "attention_block o");
-  const float* norm_w = optional_f32(norm_weight, d, "attention_block norm_weight");
-  PD_CHECK(!w_qkv.blocks() || norm_w != nullptr,
-           "attention_block: block weights need the norm weight (it is not folded into them)");
-  const float* qkv_b = optional_f32(qkv_bias, nqkv, "attention_block qkv_bias");
-  const float* qk_w = optional_f32(qk_norm, (h + kvh) * hd, "attention_block qk_norm");
-  check_f32_cpu(rope_cos, "attention_block rope_cos");
-  check_f32_cpu(rope_sin, "attention_block rope_sin");
-  const int64_t half = hd / 2;
-  PD_CHECK(rope_cos.shape().size() == 2 && rope_cos.shape()[1] == half &&
-               rope_sin.shape() == rope_cos.shape(),
-           "attention_block: rope tables are [P, head_dim / 2]");
-  const int64_t rope_len = rope_cos.shape()[0];
-  check_f32_cpu(k_pool, "attention_block k_pool");
-  check_f32_cpu(v_pool, "attention_block v_pool");
-  PD_CHECK(k_pool.shape().size() == 2 && k_pool.shape()[1] == hd &&
-               v_pool.shape() == k_pool.shape() && k_pool.shape()[0] % (kvh * bs) == 0,
-           "attention_block: pools are [kv_heads * blocks * block_size, head_dim]");
-  const int64_t slots = k_pool.shape()[0] / kvh, num_blocks = slots / bs;
-  const int64_t* pos = int64_input(positions, n, "attention_block positions");
-  const int64_t* seq = int64_input(row_seq, n, "attention_block row_seq");
-  PD_CHECK(tables.shape().size() == 2, "attention_block: tables are [B, W]");
-  const int64_t num_seqs = tables.shape()[0], width = tables.shape()[1];
-  const int64_t* tab = int64_input(tables, num_seqs * width, "attention_block tables");
-
-  // Every address the team will use is checked here, before the parallel region.
-  int64_t max_ctx = 0;
-  std::vector<int64_t> seq_last(num_seqs, -1);
-  for (int64_t r = 0; r < n; ++r) {
-    PD_CHECK(seq[r] >= 0 && seq[r] < num_seqs, "attention_block: row ", r, " names sequence ",
-             seq[r], " of ", num_seqs);
-    PD_CHECK(pos[r] >= 0 && pos[r] < rope_len, "attention_block: row ", r, " is at position ",
-             pos[r], ", outside the RoPE table's ", rope_len);
-    seq_last[seq[r]] = std::max(seq_last[seq[r]], pos[r]);
-    max_ctx = std::max(max_ctx, pos[r] + 1);
-  }
-  for (int64_t b = 0; b < num_seqs; ++b) {
-    const int64_t blocks = seq_last[b] < 0 ? 0 : seq_last[b] / bs + 1;
-    PD_CHECK(blocks <= width, "attention_block: sequence ", b, " reaches position ", seq_last[b],
-             " beyond its ", width, " blocks");
-    for (int64_t j = 0; j < blocks; ++j)
-      PD_CHECK(tab[b * width + j] >= 0 && tab[b * width + j] < num_blocks,
-               "attention_block: sequence ", b, " names block ", tab[b * width + j], " of ",
-               num_blocks);
-  }
-
+  const StepRows rows =
+      step_rows(n, s, rope_cos, rope_sin, positions, row_seq, tables, "attention_block");
+  const AttentionLayer a = attention_layer(s, rows, norm_weight, qkv_panels, qkv_bias, qk_norm,
+                                           k_pool, v_pool, o_panels, qkv_type, o_type);
   auto out = paddle::empty({n, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   auto summed = paddle::empty({n, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  std::vector<float> normed(n * d), qkv(n * nqkv), attn(n * nq);
-  spectrio::QuantizedRows scratch(n, block_k({w_qkv, w_o}));
+  Work w(n, s, 0, block_k({a.qkv, a.o}));
   const float* xp = x.data<float>();
   float* sp = summed.data<float>();
   float* op = out.data<float>();
-  // The pools are written in place: the op owns no state, the cache does (no autograd).
-  float* kp = const_cast<float*>(k_pool.data<float>());
-  float* vp = const_cast<float*>(v_pool.data<float>());
-  const float* cos_t = rope_cos.data<float>();
-  const float* sin_t = rope_sin.data<float>();
-
 #pragma omp parallel num_threads(std::max(1, num_threads))
-  {
-    add_normalize_rows(xp, dp, bp, norm_w, n, d, eps, sp, normed.data());
-    product(w_qkv, normed.data(), n, qkv.data(), scratch);
-
-    // bias, q/k norms, RoPE, and this step's K/V into the pools
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < n; ++r) {
-      float* row = qkv.data() + r * nqkv;
-      if (qkv_b != nullptr)
-        for (int64_t i = 0; i < nqkv; ++i) row[i] += qkv_b[i];
-      const float* cos = cos_t + pos[r] * half;
-      const float* sin = sin_t + pos[r] * half;
-      for (int64_t head = 0; head < h + kvh; ++head) {
-        if (qk_w != nullptr) rms_norm_head(row + head * hd, qk_w + head * hd, hd, eps);
-        rope_head(row + head * hd, cos, sin, hd);
-      }
-      const int64_t p = pos[r];
-      const int64_t slot = tab[seq[r] * width + p / bs] * bs + p % bs;
-      for (int64_t kv = 0; kv < kvh; ++kv) {
-        std::copy_n(row + nq + kv * hd, hd, kp + (kv * slots + slot) * hd);
-        std::copy_n(row + nq + (kvh + kv) * hd, hd, vp + (kv * slots + slot) * hd);
-      }
-    }
-
-    // attention: one task per (row, KV head), its g query heads together
-    std::vector<float> scores(g * max_ctx);
-    std::vector<int64_t> rows_of(max_ctx);
-#pragma omp for schedule(static, 1)
-    for (int64_t task = 0; task < n * kvh; ++task) {
-      const int64_t r = task / kvh, kv = task % kvh;
-      const int64_t ctx = pos[r] + 1;
-      const int64_t* table = tab + seq[r] * width;
-      for (int64_t j = 0; j < ctx; ++j)
-        rows_of[j] = (kv * slots + table[j / bs] * bs + j % bs) * hd;
-      const float* q = qkv.data() + r * nqkv + kv * g * hd;
-      for (int64_t i = 0; i < g; ++i)
-        score_row(q + i * hd, kp, rows_of.data(), ctx, hd, scores.data() + i * ctx);
-      for (int64_t i = 0; i < g; ++i) {
-        float* s = scores.data() + i * ctx;
-        float top = s[0];
-        for (int64_t j = 1; j < ctx; ++j) top = std::max(top, s[j]);
-        const float inv = 1.0f / exp_shifted(s, ctx, top);
-        for (int64_t j = 0; j < ctx; ++j) s[j] *= inv;
-      }
-      float* o = attn.data() + r * nq + kv * g * hd;
-      for (int64_t i = 0; i < g; ++i)
-        weighted_sum(scores.data() + i * ctx, rows_of.data(), ctx, vp, hd, o + i * hd);
-    }
-
-    product(w_o, attn.data(), n, op, scratch);
-  }
+  attention_team(s, rows, a, xp, dp, bp, eps, sp, op, w);
   return {out, summed};
 }
 
@@ -569,36 +683,19 @@ std::vector<paddle::Tensor> MlpBlock(const paddle::Tensor& x, const paddle::Tens
                                      const paddle::Tensor& down_panels, int64_t intermediate,
                                      float eps, int num_threads, int gate_up_type,
                                      int down_type) {
-  check_f32_cpu(x, "mlp_block x");
-  PD_CHECK(x.shape().size() == 2, "mlp_block: x is [N, d]");
-  const int64_t n = x.shape()[0], d = x.shape()[1], f = intermediate;
-  PD_CHECK(f > 0, "mlp_block: the intermediate size is positive");
+  const int64_t n = rows_of_x(x, "mlp_block x"), d = x.shape()[1];
   const float* dp = optional_f32(delta, n * d, "mlp_block delta");
   const float* bp = optional_f32(delta_bias, d, "mlp_block delta_bias");
-  const Weight w_gu = weight_of(gate_up_panels, gate_up_type, d, 2 * f, "mlp_block gate_up");
-  const Weight w_down = weight_of(down_panels, down_type, f, d, "mlp_block down");
-  const float* norm_w = optional_f32(norm_weight, d, "mlp_block norm_weight");
-  PD_CHECK(!w_gu.blocks() || norm_w != nullptr,
-           "mlp_block: block weights need the norm weight (it is not folded into them)");
-  const float* gu_b = optional_f32(gate_up_bias, 2 * f, "mlp_block gate_up_bias");
-
+  const MlpLayer m = mlp_layer(d, intermediate, norm_weight, gate_up_panels, gate_up_bias,
+                               down_panels, gate_up_type, down_type);
   auto out = paddle::empty({n, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   auto summed = paddle::empty({n, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  std::vector<float> normed(n * d), gate_up(n * 2 * f), act(n * f);
-  spectrio::QuantizedRows scratch(n, block_k({w_gu, w_down}));
+  Work w(n, Dims{d, 0, 1, 0, 1}, m.f, block_k({m.gate_up, m.down}));
+  const float* xp = x.data<float>();
   float* sp = summed.data<float>();
-
+  float* op = out.data<float>();
 #pragma omp parallel num_threads(std::max(1, num_threads))
-  {
-    add_normalize_rows(x.data<float>(), dp, bp, norm_w, n, d, eps, sp, normed.data());
-    product(w_gu, normed.data(), n, gate_up.data(), scratch);
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < n; ++r) {
-      const float* gate = gate_up.data() + r * 2 * f;
-      swiglu_row(gate, gate + f, gu_b, f, act.data() + r * f);
-    }
-    product(w_down, act.data(), n, out.data<float>(), scratch);
-  }
+  mlp_team(n, d, m, xp, dp, bp, eps, sp, op, w);
   return {out, summed};
 }
 
@@ -627,3 +724,107 @@ PD_BUILD_OP(spectrio_mlp_block)
     .SetKernelFn(PD_KERNEL(MlpBlock))
     .SetInferShapeFn(PD_INFER_SHAPE(MlpBlockShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(MlpBlockDtype));
+
+// spectrio_decoder_layers: a run of whole layers of one rank (no tensor parallelism: no
+// sum across ranks between halves) in one op and one parallel region, layer l reading
+// the l-th entry of each list; an absent input is an empty tensor, as above. Each half
+// is the same team function as the two ops above, in the same order, so the result is
+// bit for bit theirs chained: returns (summed, delta) whose sum plus the last layer's
+// down bias (left to the caller, as there) is the last layer's output.
+std::vector<paddle::Tensor> DecoderLayers(
+    const paddle::Tensor& x, const paddle::Tensor& delta, const paddle::Tensor& delta_bias,
+    const std::vector<paddle::Tensor>& input_norms, const std::vector<paddle::Tensor>& qkvs,
+    const std::vector<paddle::Tensor>& qkv_biases, const std::vector<paddle::Tensor>& qk_norms,
+    const std::vector<paddle::Tensor>& k_pools, const std::vector<paddle::Tensor>& v_pools,
+    const std::vector<paddle::Tensor>& os, const std::vector<paddle::Tensor>& o_biases,
+    const std::vector<paddle::Tensor>& post_norms, const std::vector<paddle::Tensor>& gate_ups,
+    const std::vector<paddle::Tensor>& gate_up_biases, const std::vector<paddle::Tensor>& downs,
+    const std::vector<paddle::Tensor>& down_biases, const paddle::Tensor& rope_cos,
+    const paddle::Tensor& rope_sin, const paddle::Tensor& positions,
+    const paddle::Tensor& row_seq, const paddle::Tensor& tables, int num_heads,
+    int num_kv_heads, int head_dim, int block_size, int64_t intermediate, float eps,
+    int num_threads, const std::vector<int>& types) {
+  const int64_t n = rows_of_x(x, "decoder_layers x"), d = x.shape()[1];
+  const size_t layers = qkvs.size();
+  PD_CHECK(layers > 0, "decoder_layers: at least one layer");
+  for (const auto* list : {&input_norms, &qkv_biases, &qk_norms, &k_pools, &v_pools, &os,
+                           &o_biases, &post_norms, &gate_ups, &gate_up_biases, &downs,
+                           &down_biases})
+    PD_CHECK(list->size() == layers, "decoder_layers: every list has one entry per layer (",
+             layers, "), not ", list->size());
+  PD_CHECK(types.size() == 4 * layers,
+           "decoder_layers: four ggml types per layer (qkv, o, gate_up, down)");
+  const Dims s = dims_of(d, num_heads, num_kv_heads, head_dim, block_size, "decoder_layers");
+  const float* dp = optional_f32(delta, n * d, "decoder_layers delta");
+  const float* bp = optional_f32(delta_bias, d, "decoder_layers delta_bias");
+  const StepRows rows =
+      step_rows(n, s, rope_cos, rope_sin, positions, row_seq, tables, "decoder_layers");
+  std::vector<AttentionLayer> attn;
+  std::vector<MlpLayer> mlp;
+  std::vector<const float*> o_b, down_b;
+  int64_t k_max = 0;
+  for (size_t l = 0; l < layers; ++l) {
+    attn.push_back(attention_layer(s, rows, input_norms[l], qkvs[l], qkv_biases[l], qk_norms[l],
+                                   k_pools[l], v_pools[l], os[l], types[4 * l],
+                                   types[4 * l + 1]));
+    mlp.push_back(mlp_layer(d, intermediate, post_norms[l], gate_ups[l], gate_up_biases[l],
+                            downs[l], types[4 * l + 2], types[4 * l + 3]));
+    o_b.push_back(optional_f32(o_biases[l], d, "decoder_layers o_bias"));
+    down_b.push_back(optional_f32(down_biases[l], d, "decoder_layers down_bias"));
+    k_max = std::max(k_max, block_k({attn[l].qkv, attn[l].o, mlp[l].gate_up, mlp[l].down}));
+  }
+  auto summed = paddle::empty({n, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto out = paddle::empty({n, d}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  Work w(n, s, intermediate, k_max);
+  std::vector<float> attn_out(n * d);
+  float* sp = summed.data<float>();
+  float* op = out.data<float>();
+  const float* xp = x.data<float>();
+#pragma omp parallel num_threads(std::max(1, num_threads))
+  {
+    // summed is updated in place from the second half on: add_normalize_rows reads a row's
+    // element before it writes it, and each row is one thread's
+    for (size_t l = 0; l < layers; ++l) {
+      attention_team(s, rows, attn[l], l == 0 ? xp : sp, l == 0 ? dp : op,
+                     l == 0 ? bp : down_b[l - 1], eps, sp, attn_out.data(), w);
+      mlp_team(n, d, mlp[l], sp, attn_out.data(), o_b[l], eps, sp, op, w);
+    }
+  }
+  return {summed, out};
+}
+
+using Shape = std::vector<int64_t>;
+using Shapes = std::vector<Shape>;
+std::vector<Shape> DecoderLayersShape(const Shape& x, const Shape&, const Shape&, const Shapes&,
+                                      const Shapes&, const Shapes&, const Shapes&, const Shapes&,
+                                      const Shapes&, const Shapes&, const Shapes&, const Shapes&,
+                                      const Shapes&, const Shapes&, const Shapes&, const Shapes&,
+                                      const Shape&, const Shape&, const Shape&, const Shape&,
+                                      const Shape&) {
+  return {x, x};
+}
+
+using Dtype = paddle::DataType;
+using Dtypes = std::vector<paddle::DataType>;
+std::vector<Dtype> DecoderLayersDtype(const Dtype& x, const Dtype&, const Dtype&, const Dtypes&,
+                                      const Dtypes&, const Dtypes&, const Dtypes&, const Dtypes&,
+                                      const Dtypes&, const Dtypes&, const Dtypes&, const Dtypes&,
+                                      const Dtypes&, const Dtypes&, const Dtypes&, const Dtypes&,
+                                      const Dtype&, const Dtype&, const Dtype&, const Dtype&,
+                                      const Dtype&) {
+  return {x, x};
+}
+
+PD_BUILD_OP(spectrio_decoder_layers)
+    .Inputs({"X", "Delta", "DeltaBias", paddle::Vec("InputNorms"), paddle::Vec("Qkv"),
+             paddle::Vec("QkvBias"), paddle::Vec("QkNorm"), paddle::Vec("KPool"),
+             paddle::Vec("VPool"), paddle::Vec("O"), paddle::Vec("OBias"),
+             paddle::Vec("PostNorms"), paddle::Vec("GateUp"), paddle::Vec("GateUpBias"),
+             paddle::Vec("Down"), paddle::Vec("DownBias"), "RopeCos", "RopeSin", "Positions",
+             "RowSeq", "Tables"})
+    .Outputs({"Summed", "Out"})
+    .Attrs({"num_heads: int", "num_kv_heads: int", "head_dim: int", "block_size: int",
+            "intermediate: int64_t", "eps: float", "num_threads: int", "types: std::vector<int>"})
+    .SetKernelFn(PD_KERNEL(DecoderLayers))
+    .SetInferShapeFn(PD_INFER_SHAPE(DecoderLayersShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(DecoderLayersDtype));

@@ -19,6 +19,9 @@
 //   once into the tiled layout of 8 output columns (spectrio_repack_tiles), which the
 //   kernels read at the memory's rate.
 // * spectrio_repack_tiles: stored blocks into that tiled layout (at load).
+// * spectrio_embed_rows: rows of a block weight (stored or tiled) in float32, as gguf-py
+//   dequantizes them: a step's embedding rows, from a quantized file's embedding (or the
+//   tied head's tiles, which hold the same blocks).
 // * spectrio_read_sum: the sum of a float32 tensor, each byte read once with wide loads by
 //   `num_threads` threads. It is the read-bandwidth probe of models/memory_floor.py: a
 //   forward at few rows is bound by the bytes it reads, and the bandwidth this measures,
@@ -348,3 +351,54 @@ PD_BUILD_OP(spectrio_repack_tiles)
     .SetKernelFn(PD_KERNEL(RepackTiles))
     .SetInferShapeFn(PD_INFER_SHAPE(RepackTilesShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(RepackTilesDtype));
+
+// Rows `ids` of a weight of `n` rows of K elements of GGUF blocks of `type`, held as stored
+// ([n, row bytes] uint8) or tiled (spectrio_repack_tiles), in float32 [R, K], equal bit for
+// bit to gguf-py's dequantization (block_kernels.h).
+std::vector<paddle::Tensor> EmbedRows(const paddle::Tensor& w, const paddle::Tensor& ids,
+                                      int type, int64_t n, int64_t k_dim) {
+  PD_CHECK(w.is_cpu() && w.dtype() == paddle::DataType::UINT8,
+           "embed_rows w: a CPU uint8 tensor of blocks is expected");
+  PD_CHECK(spectrio::block_bytes(type) > 0, "embed_rows: no kernel for ggml type ", type);
+  PD_CHECK(k_dim > 0 && k_dim % spectrio::block_elements(type) == 0,
+           "embed_rows: K must be a positive multiple of ", spectrio::block_elements(type),
+           " for ggml type ", type, ", got ", k_dim);
+  PD_CHECK(ids.is_cpu() && ids.dtype() == paddle::DataType::INT64 && ids.shape().size() == 1,
+           "embed_rows ids: a 1-D CPU int64 tensor is expected");
+  const int64_t row_bytes = spectrio::row_bytes_of(type, k_dim);
+  const bool tiled = spectrio::tiled_shape(w.shape(), type, n, k_dim);
+  PD_CHECK(tiled || (w.shape().size() == 2 && w.shape()[0] == n && w.shape()[1] == row_bytes),
+           "embed_rows: w is neither [", n, ", ", row_bytes, "] blocks nor their tiles");
+  const int64_t rows = ids.shape()[0];
+  const int64_t* id = ids.data<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    PD_CHECK(id[r] >= 0 && id[r] < n, "embed_rows: id ", id[r], " is outside 0..", n - 1);
+  auto out = paddle::empty({rows, k_dim}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const uint8_t* src = w.data<uint8_t>();
+  float* dst = out.data<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    if (tiled)
+      spectrio::dequantize_tiled_row(type, src, k_dim, id[r], dst + r * k_dim);
+    else
+      spectrio::dequantize_row(type, src + id[r] * row_bytes, k_dim, dst + r * k_dim);
+  }
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> EmbedRowsShape(const std::vector<int64_t>&,
+                                                 const std::vector<int64_t>& ids, int, int64_t,
+                                                 int64_t k_dim) {
+  return {{ids[0], k_dim}};
+}
+
+std::vector<paddle::DataType> EmbedRowsDtype(const paddle::DataType&, const paddle::DataType&) {
+  return {paddle::DataType::FLOAT32};
+}
+
+PD_BUILD_OP(spectrio_embed_rows)
+    .Inputs({"W", "Ids"})
+    .Outputs({"Out"})
+    .Attrs({"type: int", "n: int64_t", "k: int64_t"})
+    .SetKernelFn(PD_KERNEL(EmbedRows))
+    .SetInferShapeFn(PD_INFER_SHAPE(EmbedRowsShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(EmbedRowsDtype));
