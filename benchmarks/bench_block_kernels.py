@@ -2,8 +2,8 @@
 
 For each block type and row count, ``spectrio_block_matmul`` over a weight kept as GGUF
 blocks the way the serving matrices keep them (``ServingMatrix.from_blocks``: the tiled
-layout of 8 columns for the 32-element types), over the same blocks as stored (the
-kernel the K-quants run, ``stored``), and ``spectrio_panel_matmul`` over the same shape
+layout of 8 columns for all but Q5_K), over the same blocks as stored (the kernel
+Q5_K runs, ``stored``), and ``spectrio_panel_matmul`` over the same shape
 in float32 panels, cycling over
 enough copies of each weight (``--copies-mb``) that they come from memory, not the cache,
 as in a forward over every layer. The cases alternate within each round; medians over
@@ -17,7 +17,7 @@ same run (``models/memory_floor.py``), which is the memory floor at one row:
   absolute);
 * ``block_over_panel``: the panel product's time over the block product's (above 1: the
   blocks are faster); ``block_over_stored``: the stored blocks' time over the serving
-  layout's (1.0 for the K-quants, which are served as stored).
+  layout's (1.0 for Q5_K, which is served as stored).
 
 Run: ``python benchmarks/bench_block_kernels.py [--types Q4_0 Q4_K ...] [--rows 1 4 16]
 [--shapes 576x960 576x3072 576x49152 1536x576] [--threads 2]``. The shapes (``KxN``) are

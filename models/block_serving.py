@@ -12,9 +12,9 @@ from blocks: their parameters never get storage. What it does instead:
 * **The embedding and the output head** stay in the file: a step's embedding rows are
   dequantized for its tokens only, the head is a block matrix (a tied head is the
   embedding's blocks), and the draft vocabulary's head rows are dequantized once.
-* **Matrices are read with file reads, not through the mapping**: the 32-element types
-  are repacked once into 8-column tiles (:meth:`ServingMatrix.from_blocks`, the same
-  bytes a group), K-quants are kept as stored; fused groups are concatenated first.
+* **Matrices are read with file reads, not through the mapping**: the tiled types are
+  repacked once into 8-column tiles (:meth:`ServingMatrix.from_blocks`, the blocks'
+  bytes), Q5_K is kept as stored; fused groups are concatenated first.
   Resident memory is about the file's size, and mapped pages touched while loading are
   dropped again (``madvise``).
 

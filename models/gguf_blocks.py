@@ -14,8 +14,9 @@ them where they lie. This module holds what the kernels assume, in NumPy:
 * :func:`reference_matmul`: the product the kernel computes, from those two, in float64:
   the kernel's result differs from it by float32 rounding only (its docstring gives the
   kernel's float32 order of operations).
-* :func:`tile_blocks`: the tiled layout the serving matrices regroup the 32-element types
-  into at load (8 output columns side by side), which the kernels read fastest.
+* :func:`tile_blocks`: the tiled layout the serving matrices regroup the tiled types
+  (:data:`TILED`) into at load (8 output columns side by side), which the kernels read
+  fastest.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ __all__ = [
     "BLOCK_TYPES",
     "BlockType",
     "GROUP",
+    "K_TILE_BYTES",
+    "TILED",
     "block_type",
     "check_tensor_bytes",
     "decode_groups",
@@ -47,8 +50,12 @@ GROUP = 32
 TILE = 8
 """Output columns of a tile of the tiled layout (:func:`tile_blocks`)."""
 
-TILED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
-"""The types the kernels read in the tiled layout (the K-quants keep their blocks)."""
+TILED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
+"""The types the kernels read in the tiled layout (Q5_K keeps its blocks as stored)."""
+
+K_TILE_BYTES = {"Q4_K": 1184, "Q6_K": 1680}
+"""Bytes of a K-quant tile's super-block (8 columns): Q4_K's 6-bit scales and minimums
+take a byte each (128 bytes for the 96 packed ones), Q6_K's 8 blocks' bytes as stored."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,6 +242,8 @@ def tile_blocks(raw: np.ndarray, name: str) -> np.ndarray:
     padded = np.zeros((tiles * TILE, groups, t.bytes), np.uint8)
     padded[:n] = rows.reshape(n, groups, t.bytes)
     b = padded.reshape(tiles, TILE, groups, t.bytes).transpose(0, 2, 1, 3)  # [T, G, 8, bytes]
+    if name in K_TILE_BYTES:
+        return _k_tiles(b, name)
     fields = [b[..., 0:2]]
     at = 2
     if name in ("Q4_1", "Q5_1"):
@@ -249,6 +258,48 @@ def tile_blocks(raw: np.ndarray, name: str) -> np.ndarray:
     words = 8 if name == "Q8_0" else 4
     qs = b[..., at:].reshape(tiles, groups, TILE, words, 4).transpose(0, 1, 3, 2, 4)
     flat = [f.reshape(tiles, groups, -1) for f in (*fields, qs)]
+    return np.ascontiguousarray(np.concatenate(flat, axis=-1))
+
+
+def _k_tiles(b: np.ndarray, name: str) -> np.ndarray:
+    """K-quant super-blocks ``[T, S, 8 columns, bytes]`` → the tiled layout ``[T, S,
+    K_TILE_BYTES]``, per super-block (``models/csrc/block_kernels.h``, ``repack_ktile``):
+
+    * Q4_K: ``d[8]``, ``dmin[8]`` (float16); ``sc[8 groups][8 columns]`` and ``mn[8][8]``,
+      the 6-bit scale and minimum a byte each; 4 runs of 8 words of 32 bytes, byte ``4c +
+      e`` of word ``r`` of run ``p`` the stored byte ``32p + 4r + e`` of column ``c`` (low
+      nibble: element ``4r + e`` of group ``2p``; high: of group ``2p + 1``);
+    * Q6_K: ``d[8]`` (float16); ``sc[16 half-groups][8 columns]`` (int8); the 128 bytes of
+      low nibbles as Q4_K's runs; per group ``j``, 2 words of 32 bytes of high bits: bits
+      ``2s, 2s + 1`` of byte ``4c + e`` of word ``w`` the two high bits of element ``4(4w
+      + s) + e`` of column ``c``.
+    """
+    tiles, supers = b.shape[:2]
+
+    def side_by_side(field: np.ndarray) -> np.ndarray:  # [T, S, 8 c, F] → [T, S, F * 8]
+        return field.swapaxes(-1, -2).reshape(tiles, supers, -1)
+
+    def runs(qs: np.ndarray) -> np.ndarray:  # [T, S, 8 c, 128] → 4 runs x 8 words x (c, e)
+        return qs.reshape(tiles, supers, TILE, 4, 8, 4).transpose(0, 1, 3, 4, 2, 5)
+
+    if name == "Q4_K":
+        sc, mn = _k_scales(b)
+        fields = [b[..., 0:2], b[..., 2:4]]
+        flat = [f.reshape(tiles, supers, -1) for f in fields]
+        flat += [side_by_side(sc.astype(np.uint8)), side_by_side(mn.astype(np.uint8))]
+        flat.append(runs(b[..., 16:144]).reshape(tiles, supers, -1))
+        return np.ascontiguousarray(np.concatenate(flat, axis=-1))
+    qh = b[..., 128:192].reshape(tiles, supers, TILE, 2, 2, 4, 4)  # [.., c, h, w, s, e]
+    shifts = np.array([0, 2, 4, 6], np.uint8)
+    two = (qh[..., :, None, :, :, :] >> shifts.reshape(4, 1, 1, 1)) & 3  # [.., c, h, t, w, s, e]
+    packed = (two << shifts.reshape(4, 1)).sum(axis=-2, dtype=np.uint8)  # [.., c, h, t, w, e]
+    high = packed.transpose(0, 1, 3, 4, 5, 2, 6)  # [T, S, h, t, w, c, e]: group 4h + t
+    flat = [
+        b[..., 208:210].reshape(tiles, supers, -1),
+        side_by_side(b[..., 192:208]),
+        runs(b[..., 0:128]).reshape(tiles, supers, -1),
+        high.reshape(tiles, supers, -1),
+    ]
     return np.ascontiguousarray(np.concatenate(flat, axis=-1))
 
 
@@ -277,8 +328,10 @@ def reference_matmul(x: np.ndarray, raw: np.ndarray, name: str) -> np.ndarray:
 
     * the tiled types (:data:`TILED`, the layout the serving matrices hold):
       ``acc = fma(float(dot), d * dx, acc)``, ``off = fma(m, sdx, off)``, then
-      ``out = acc + off`` (Q8_0: ``acc``);
-    * stored blocks (every type; the K-quants' only form): the dots of each 4 elements
+      ``out = acc + off`` (Q8_0: ``acc``; Q6_K, whose halves have their own scales:
+      ``acc = fma(float(dot_half), d_half * dx, acc)`` for each half in turn, then
+      ``out = acc``);
+    * stored blocks (every type; Q5_K's only form): the dots of each 4 elements
       summed into 8 lanes by ``fma(float(dot4), d * dx, lane)``, the lanes added in a
       fixed tree, plus ``off`` as above.
 

@@ -12,10 +12,10 @@ Invariant: both layouts give ``x @ w`` up to float rounding; the panel kernel su
 output over K in order on one thread, so its result does not depend on the thread count.
 
 A matrix made by :meth:`ServingMatrix.from_blocks` keeps a GGUF file's quantized blocks:
-the 32-element types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) regrouped once, at load, into tiles
-of 8 output columns (``[ceil(N / 8), K / 32, 8 * block bytes]`` uint8, the same bytes per
-block: :func:`~spectrio.models.gguf_blocks.tile_blocks`), whose product holds 8 columns in
-the lanes of one vector; the K-quants as they are stored (``[N, K / 256 * block bytes]``,
+the tiled types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K) regrouped once, at load, into
+tiles of 8 output columns (``[ceil(N / 8), K / block elements, 8 blocks' bytes]`` uint8:
+:func:`~spectrio.models.gguf_blocks.tile_blocks`), whose product holds 8 columns in the
+lanes of one vector; Q5_K as stored (``[N, K / 256 * block bytes]``,
 ``models/gguf_blocks.py``), without a copy. ``spectrio_block_matmul`` multiplies by either
 with int8 activations; the layer ops read them too, given their ggml type
 (:attr:`ServingMatrix.ggml_type`: block sizes cannot tell every type apart; the layout is

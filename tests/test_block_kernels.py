@@ -1,5 +1,5 @@
 """Products with GGUF's quantized blocks (``models/csrc/block_kernels.h``): every type
-the kernels run, as stored and (the 32-element types) in the tiled layout the serving
+the kernels run, as stored and (all but Q5_K) in the tiled layout the serving
 matrices hold, against NumPy references of the layouts and of the int8 product, bit for
 bit across row counts, threads and CPU paths."""
 
@@ -106,7 +106,7 @@ def test_the_tiled_layout_holds_each_blocks_fields_and_values() -> None:
     4 consecutive elements of the 8 columns in one 32-byte run; 4-bit types keep each
     stored byte whole, the fifth bits are regrouped per element. The same bytes per block,
     the missing columns of the last tile zero."""
-    for name in TILED:
+    for name in (n for n in TILED if n not in K_QUANTS):
         t = gb.BLOCK_TYPES[name]
         blocks = _blocks(name, 11, 64, seed=2)
         tiles = gb.tile_blocks(blocks, name)
@@ -133,11 +133,56 @@ def test_the_tiled_layout_holds_each_blocks_fields_and_values() -> None:
                 assert value == int(u[c, 1, i]), (name, c, i)
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_a_k_quant_tile_holds_each_super_blocks_scales_and_values(name: str) -> None:
+    """Per tile of 8 columns and super-block: the float16 scales side by side, then each
+    group's scales (Q4_K: and minimums) a byte per column (Q6_K: per half-group, int8),
+    then the quants, each stored byte of 4-bit nibbles kept whole (Q6_K's 2 high bits
+    regrouped per element). Decoded back, every value and scale is the block's own; the
+    missing columns of the last tile are zero."""
+    t = gb.BLOCK_TYPES[name]
+    blocks = _blocks(name, 11, 512, seed=4)
+    tiles = gb.tile_blocks(blocks, name)
+    assert tiles.shape == (2, 2, gb.K_TILE_BYTES[name])
+    assert not tiles[1, :, 2 * 3 : 16].any()  # columns 11-15 have zero scales
+    u, d, m = gb.decode_groups(blocks, name)  # [N, groups, ...]
+    for c in (0, 5, 10):
+        col = c % 8
+        for sb in (0, 1):
+            o = tiles[c // 8, sb]
+            d16 = float(o[2 * col : 2 * col + 2].view(np.float16)[0])
+            for j in (0, 3, 6, 7):
+                g = 8 * sb + j
+                if name == "Q4_K":
+                    assert d16 * float(o[32 + 8 * j + col]) == d[c, g, 0]
+                    dmin = float(o[16 + 2 * col : 18 + 2 * col].view(np.float16)[0])
+                    assert -(dmin * float(o[96 + 8 * j + col])) == m[c, g, 0]
+                else:
+                    for half in (0, 1):
+                        at = 16 + 8 * (2 * j + half) + col
+                        assert d16 * float(o[at : at + 1].view(np.int8)[0]) == d[c, g, half]
+                for i in (0, 5, 17, 31):
+                    s_, e = divmod(i, 4)
+                    if name == "Q4_K":
+                        byte = int(o[160 + 256 * (j >> 1) + 32 * s_ + 4 * col + e])
+                        value = (byte >> (4 * (j & 1))) & 15
+                    else:
+                        h, tt = divmod(j, 4)
+                        byte = int(o[144 + 256 * (2 * h + (tt & 1)) + 32 * s_ + 4 * col + e])
+                        high = int(o[1168 + 64 * j + 32 * (s_ >> 2) + 4 * col + e])
+                        low = (byte >> (4 * (tt >> 1))) & 15
+                        value = (low | ((high >> (2 * (s_ & 3))) & 3) << 4) - 32
+                    want = int(np.int8(u[c, g, i])) if name == "Q6_K" else int(u[c, g, i])
+                    assert value == want, (name, c, g, i)
+    assert t.ggml_id in (12, 14)
+
+
 @needs_kernels
 @pytest.mark.parametrize("name", TILED)
 def test_the_native_repack_is_the_layouts_definition(name: str) -> None:
     t = gb.BLOCK_TYPES[name]
     for n, k in ((37, 576), (8, 32), (3, 1536)):
+        k = _k(name, k)
         raw = gb.synthetic_blocks(name, n, k, np.random.default_rng(n))
         got = native_ops.repack_tiles(paddle.to_tensor(raw), t.ggml_id, n, k).numpy()
         np.testing.assert_array_equal(got, gb.tile_blocks(raw, name))
@@ -210,8 +255,8 @@ def test_bad_shapes_are_refused_by_the_op() -> None:
             native_ops.block_matmul(x, tiles, 8, 9)  # two tiles' worth of columns
         with pytest.raises(OSError, match="nor their tiles"):
             native_ops.block_matmul(x, tiles, 2, 4)  # Q4_0 tiles are [1, 2, 144]
-        with pytest.raises(OSError, match="no tiled layout for ggml type 12"):
-            native_ops.repack_tiles(w, 12, 4, 64)
+        with pytest.raises(OSError, match="no tiled layout for ggml type 13"):
+            native_ops.repack_tiles(w, 13, 4, 64)  # Q5_K is multiplied as stored
 
 
 def test_a_tensor_whose_bytes_do_not_fit_its_type_and_shape_is_named() -> None:
@@ -328,8 +373,8 @@ def test_the_mlp_op_runs_block_weights_with_the_norm_weight_it_is_given(
 
 @needs_kernels
 def test_a_serving_matrix_keeps_blocks_and_multiplies_by_them() -> None:
-    """The 32-element types regrouped into tiles once (the same bytes per block); the
-    K-quants kept as stored, without a copy."""
+    """The tiled types regrouped into tiles once (the same bytes per block, Q4_K's
+    unpacked scales aside); Q5_K kept as stored, without a copy."""
     from spectrio.models.serving_matrix import ServingMatrix
 
     blocks = _blocks("Q5_0", 21, 64)
@@ -350,7 +395,10 @@ def test_a_serving_matrix_keeps_blocks_and_multiplies_by_them() -> None:
     with pytest.raises(ValueError, match="Q4_K needs rows of a multiple of 256 elements, not 576"):
         ServingMatrix.from_blocks(k_rows[:, : 576 // 32 * 18], "Q4_K", 576)
     q4k = ServingMatrix.from_blocks(k_rows, "Q4_K", 1536)
-    assert q4k.panels.data_ptr() == k_rows.ctypes.data  # the file's bytes, not a copy
+    np.testing.assert_array_equal(q4k.panels.numpy(), gb.tile_blocks(k_rows, "Q4_K"))
+    q5k_rows = _blocks("Q5_K", 3, 1536).reshape(3, -1)
+    q5k = ServingMatrix.from_blocks(q5k_rows, "Q5_K", 1536)
+    assert q5k.panels.data_ptr() == q5k_rows.ctypes.data  # the file's bytes, not a copy
     assert q4k.ggml_type == 12 and ServingMatrix(np.ones((4, 16), np.float32)).ggml_type == 0
 
 

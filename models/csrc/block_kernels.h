@@ -15,9 +15,10 @@
 // the integer sum taken 32 products at a time by the CPU's byte multiply-add.
 //
 // Two layouts of the weight: the blocks as stored (every type; block_tile below), and,
-// for the 32-element types, the tiled layout the serving matrices hold (repack_tiles,
-// further below: 8 output columns side by side, so a vector holds 8 outputs and no
-// horizontal sums are needed; every weight group is unpacked once for all rows of a call).
+// for the tiled types (all but Q5_K), the tiled layout the serving matrices hold
+// (repack_tiles, further below: 8 output columns side by side, so a vector holds 8 outputs
+// and no horizontal sums are needed; every weight group is unpacked once for all rows of a
+// call).
 //
 // Invariant (batch invariance): a row's outputs are computed by one thread each, from
 // that row's own quantized activations, summing the groups in order (stored blocks: into
@@ -541,13 +542,26 @@ inline void block_matmul_team(int type, const uint8_t* w, int64_t n, int64_t k_d
 
 constexpr int64_t kTile = 8;  // output columns of a tile
 
-// Whether `type` has the tiled layout (the K-quants keep their blocks as stored).
+// Whether `type` has the tiled layout (Q5_K keeps its blocks as stored).
 constexpr bool tiled_type(int type) {
-  return type == kQ8_0 || type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1;
+  return type == kQ8_0 || type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 ||
+         type == kQ4_K || type == kQ6_K;
 }
 
-// Bytes of one group of a tile: 8 blocks' worth.
+// Bytes of one group of a tile: 8 blocks' worth (the 32-element types).
 constexpr int64_t tile_group_bytes(int type) { return kTile * block_bytes(type); }
+
+// The K-quants' tiles (Q4_K, Q6_K) hold whole super-blocks of 8 columns, their fields
+// side by side (ktile_* below): Q4_K keeps its 6-bit scales and minimums one per byte
+// (64 + 64 bytes for the 96 packed ones, so 1,184 bytes for 8 blocks of 144), Q6_K the
+// same 1,680 bytes as its 8 blocks.
+constexpr int64_t kK4Dmin = 16, kK4Sc = 32, kK4Mn = 96, kK4Qs = 160, kK4Bytes = 1184;
+constexpr int64_t kK6Sc = 16, kK6Ql = 144, kK6Qh = 1168, kK6Bytes = 1680;
+
+// Bytes of one unit of a tile: a group (the 32-element types) or a super-block.
+constexpr int64_t tile_unit_bytes(int type) {
+  return type == kQ4_K ? kK4Bytes : type == kQ6_K ? kK6Bytes : tile_group_bytes(type);
+}
 
 constexpr bool has_offset_field(int type) { return type == kQ4_1 || type == kQ5_1; }
 constexpr bool has_high_bits(int type) { return type == kQ5_0 || type == kQ5_1; }
@@ -597,6 +611,85 @@ inline void repack_tile(int type, const uint8_t* rows, int64_t row_bytes, int64_
       }
     }
   }
+}
+
+// Tile t of a K-quant's tiled layout from `n` stored rows of `row_bytes` (supers = K /
+// 256): `dst` receives supers * tile_unit_bytes(type) bytes. Per super-block:
+// * Q4_K: d[8], dmin[8] (float16); sc[8 groups][8 columns] and mn[8][8], the 6-bit scale
+//   and minimum of each group one per byte; then 4 runs of 8 words of 32 bytes: byte
+//   4c + e of word r of run p is the stored byte 32p + 4r + e of column c, whose low
+//   nibble is element 4r + e of group 2p and high nibble that of group 2p + 1.
+// * Q6_K: d[8] (float16); sc[16 half-groups][8 columns] (int8); 4 runs of 8 words of 32
+//   bytes of low nibbles, as Q4_K's from the stored ql (run p: ql bytes 32p ..; its low
+//   nibbles are group 4(p >> 1) + (p & 1), its high ones that group + 2); then per group
+//   2 words of 32 bytes of high bits: bits 2s, 2s + 1 of byte 4c + e of word w are the 2
+//   high bits of element 4(4w + s) + e of column c.
+inline void repack_ktile(int type, const uint8_t* rows, int64_t row_bytes, int64_t n,
+                         int64_t supers, int64_t t, uint8_t* dst) {
+  const int64_t bb = block_bytes(type), ub = tile_unit_bytes(type);
+  std::memset(dst, 0, static_cast<size_t>(supers * ub));
+  const int64_t cols = std::min(kTile, n - t * kTile);
+  for (int64_t c = 0; c < cols; ++c) {
+    const uint8_t* row = rows + (t * kTile + c) * row_bytes;
+    for (int64_t sb = 0; sb < supers; ++sb) {
+      const uint8_t* b = row + sb * bb;
+      uint8_t* o = dst + sb * ub;
+      if (type == kQ4_K) {
+        std::memcpy(o + 2 * c, b, 2);
+        std::memcpy(o + kK4Dmin + 2 * c, b + 2, 2);
+        for (int j = 0; j < 8; ++j) {
+          int sc, mn;
+          k_scale_min(b + 4, j, sc, mn);
+          o[kK4Sc + 8 * j + c] = static_cast<uint8_t>(sc);
+          o[kK4Mn + 8 * j + c] = static_cast<uint8_t>(mn);
+        }
+        for (int p = 0; p < 4; ++p)
+          for (int r = 0; r < 8; ++r)
+            std::memcpy(o + kK4Qs + 256 * p + 32 * r + 4 * c, b + 16 + 32 * p + 4 * r, 4);
+      } else {  // Q6_K: ql[128], qh[64], sc[16], d
+        std::memcpy(o + 2 * c, b + 208, 2);
+        for (int h = 0; h < 16; ++h) o[kK6Sc + 8 * h + c] = b[192 + h];
+        for (int p = 0; p < 4; ++p)
+          for (int r = 0; r < 8; ++r)
+            std::memcpy(o + kK6Ql + 256 * p + 32 * r + 4 * c, b + 32 * p + 4 * r, 4);
+        for (int j = 0; j < 8; ++j) {
+          const int h = j >> 2, tt = j & 3;  // group j = 4h + tt: bits 2tt of qh[32h + i]
+          for (int w = 0; w < 2; ++w)
+            for (int e = 0; e < 4; ++e) {
+              uint8_t v = 0;
+              for (int s4 = 0; s4 < 4; ++s4) {
+                const int i = 4 * (4 * w + s4) + e;
+                v |= static_cast<uint8_t>(((b[128 + 32 * h + i] >> (2 * tt)) & 3) << (2 * s4));
+              }
+              o[kK6Qh + 64 * j + 32 * w + 4 * c + e] = v;
+            }
+        }
+      }
+    }
+  }
+}
+
+// Element i (0-31) of group j of column c in a K-quant tile's super-block `o`: Q4_K's
+// unsigned value, Q6_K's signed q - 32.
+inline int32_t ktile_value(int type, const uint8_t* o, int c, int j, int i) {
+  const int s = i / 4, e = i % 4;
+  if (type == kQ4_K) return (o[kK4Qs + 256 * (j >> 1) + 32 * s + 4 * c + e] >> (4 * (j & 1))) & 15;
+  const int h = j >> 2, t = j & 3, p = 2 * h + (t & 1);
+  const int low = (o[kK6Ql + 256 * p + 32 * s + 4 * c + e] >> (4 * (t >> 1))) & 15;
+  const int high = (o[kK6Qh + 64 * j + 32 * (s >> 2) + 4 * c + e] >> (2 * (s & 3))) & 3;
+  return (low | (high << 4)) - 32;
+}
+
+// Group j's scale of column c (Q6_K: of half `half`) and its offset (Q4_K; 0 for Q6_K),
+// both exact in float32.
+inline float ktile_scale(int type, const uint8_t* o, int c, int j, int half) {
+  if (type == kQ4_K) return f16_at(o + 2 * c) * static_cast<float>(o[kK4Sc + 8 * j + c]);
+  return f16_at(o + 2 * c) *
+         static_cast<float>(static_cast<int8_t>(o[kK6Sc + 8 * (2 * j + half) + c]));
+}
+inline float ktile_offset(int type, const uint8_t* o, int c, int j) {
+  if (type != kQ4_K) return 0.0f;
+  return -(f16_at(o + kK4Dmin + 2 * c) * static_cast<float>(o[kK4Mn + 8 * j + c]));
 }
 
 // Element i (0-31) of column c in a tile's group `o`, as the product takes it: unsigned
@@ -706,10 +799,103 @@ inline void tile_group(const uint8_t* o, const int8_t* q, int64_t k_dim, const f
 #endif
 
 #ifdef SPECTRIO_AVX2
+// One super-block of a K-quant tile for `rows` rows (MR of them where MR > 0), group by
+// group in order, each group's weights unpacked once into registers. Q4_K as the tiles
+// above: acc = fma(float(dot), d_j * dx, acc), off = fma(m_j, sdx, off). Q6_K, signed
+// values with a scale per half-group: acc = fma(float(dot_lo), d_lo * dx, acc), then the
+// same with the high half. `q`, `dx` and `sdx` are row 0's at the super-block's first
+// group (rows at strides of k_dim, groups and 1; sdx's groups at a stride of `stride`,
+// the call's row count).
+template <int T, int MR>
+inline void ktile_super(const uint8_t* o, const int8_t* q, int64_t k_dim, const float* dx,
+                        int64_t groups, const float* sdx, int64_t stride, int64_t rows,
+                        __m256* acc, __m256* off) {
+  if constexpr (MR > 0) rows = MR;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
+  auto bytes8 = [&](int64_t at) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(o + at)); };
+  for (int j = 0; j < 8; ++j) {
+    const int8_t* qj = q + j * kGroup;
+    auto bcast = [&](int64_t r, int s) {
+      int32_t word;
+      std::memcpy(&word, qj + r * k_dim + 4 * s, 4);
+      return _mm256_set1_epi32(word);
+    };
+    __m256i wv[8];
+    if constexpr (T == kQ4_K) {
+      const __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(kK4Sc + 8 * j))));
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + kK4Dmin)));
+      const __m256 m = _mm256_xor_ps(  // -(dmin * mn), exact
+          _mm256_set1_ps(-0.0f),
+          _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(kK4Mn + 8 * j)))));
+      const uint8_t* run = o + kK4Qs + 256 * (j >> 1);
+#pragma GCC unroll 8
+      for (int s = 0; s < 8; ++s) wv[s] = bits_to(load32(run + 32 * s), 4 * (j & 1), 0, 4);
+#pragma GCC unroll 4
+      for (int64_t r = 0; r < rows; ++r) {
+        // u <= 15: a pair of products is at most 3810, so 8 chunks stay exact in int16
+        __m256i pairs = _mm256_maddubs_epi16(wv[0], bcast(r, 0));
+#pragma GCC unroll 8
+        for (int s = 1; s < 8; ++s) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(wv[s], bcast(r, s)));
+        const __m256i dots = _mm256_madd_epi16(pairs, ones);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots),
+                                 _mm256_mul_ps(scale, _mm256_set1_ps(dx[r * groups + j])), acc[r]);
+        off[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sdx[j * stride + r]), off[r]);
+      }
+    } else {  // Q6_K
+      const int h = j >> 2, t = j & 3;
+      const __m256 d_lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes8(kK6Sc + 8 * (2 * j)))));
+      const __m256 d_hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes8(kK6Sc + 8 * (2 * j + 1)))));
+      const uint8_t* run = o + kK6Ql + 256 * (2 * h + (t & 1));
+      const uint8_t* high = o + kK6Qh + 64 * j;
+      __m256i av[8];
+#pragma GCC unroll 8
+      for (int s = 0; s < 8; ++s) {
+        const __m256i u = _mm256_or_si256(bits_to(load32(run + 32 * s), 4 * (t >> 1), 0, 4),
+                                          bits_to(load32(high + 32 * (s >> 2)), 2 * (s & 3), 4, 2));
+        wv[s] = _mm256_sub_epi8(u, _mm256_set1_epi8(32));  // signed, |v| <= 32
+        av[s] = _mm256_sign_epi8(wv[s], wv[s]);
+      }
+#pragma GCC unroll 4
+      for (int64_t r = 0; r < rows; ++r) {
+        // the sign trick; |v| <= 32 and |q| <= 127: 4 chunks' pairs stay exact in int16
+        __m256i lo = _mm256_maddubs_epi16(av[0], _mm256_sign_epi8(bcast(r, 0), wv[0]));
+        __m256i hi = _mm256_maddubs_epi16(av[4], _mm256_sign_epi8(bcast(r, 4), wv[4]));
+#pragma GCC unroll 3
+        for (int s = 1; s < 4; ++s) {
+          lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(av[s], _mm256_sign_epi8(bcast(r, s), wv[s])));
+          hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(av[s + 4], _mm256_sign_epi8(bcast(r, s + 4), wv[s + 4])));
+        }
+        const __m256 x = _mm256_set1_ps(dx[r * groups + j]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(lo, ones)), _mm256_mul_ps(d_lo, x), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(hi, ones)), _mm256_mul_ps(d_hi, x), acc[r]);
+      }
+    }
+  }
+}
+
+// One unit of a tile (a group; a K-quant's super-block) for `rows` rows: `u` indexes the
+// units, `q`, `dx`, `sdx` are row 0's at the tile's first group, sdx's groups at a stride
+// of `stride` (the call's row count).
+template <int T, int MR>
+inline void tile_unit(const uint8_t* tile, int64_t u, const int8_t* q, int64_t k_dim,
+                      const float* dx, int64_t groups, const float* sdx, int64_t stride,
+                      int64_t rows, __m256* acc, __m256* off) {
+  if constexpr (is_k_quant(T)) {
+    ktile_super<T, MR>(tile + u * tile_unit_bytes(T), q + u * kSuper, k_dim, dx + 8 * u, groups,
+                       sdx + 8 * u * stride, stride, rows, acc, off);
+  } else {
+    tile_group<T, MR>(tile + u * tile_group_bytes(T), q + u * kGroup, k_dim, dx + u, groups,
+                      sdx + u * stride, rows, acc, off);
+  }
+}
+#endif
+
+#ifdef SPECTRIO_AVX2
 // The accumulators' sums into out[r * n + c] for the tile's `cols` real columns.
 template <int T>
 inline void store_tile_row(__m256 acc, __m256 off, float* dst, int64_t cols) {
-  const __m256 v = T == kQ8_0 ? acc : _mm256_add_ps(acc, off);
+  const __m256 v = T == kQ8_0 || T == kQ6_K ? acc : _mm256_add_ps(acc, off);
   if (cols == kTile) {
     _mm256_storeu_ps(dst, v);
   } else {
@@ -724,24 +910,51 @@ template <int T, int MR>
 void tile_few_rows(const uint8_t* tile, int64_t groups, const float* dx, const float* sdx,
                    const int8_t* q, int64_t k_dim, int64_t rows, float* out, int64_t n,
                    int64_t cols) {
-  constexpr int64_t tb = tile_group_bytes(T);
   __m256 acc[MR], off[MR];
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) acc[r] = off[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g)
-    tile_group<T, MR>(tile + g * tb, q + g * kGroup, k_dim, dx + g, groups, sdx + g * rows, MR,
-                      acc, off);
+  const int64_t units = groups * kGroup / block_elements(T);
+  for (int64_t u = 0; u < units; ++u)
+    tile_unit<T, MR>(tile, u, q, k_dim, dx, groups, sdx, rows, MR, acc, off);
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) store_tile_row<T>(acc[r], off[r], out + r * n, cols);
 }
 #endif
+
+// A K-quant tile times `rows` rows in plain C++: the chain of ktile_super per output.
+inline void ktile_rows_plain(int type, const uint8_t* tile, int64_t groups, const float* dx,
+                             const float* sdx, const int8_t* q, int64_t k_dim, int64_t rows,
+                             float* out, int64_t n, int64_t cols) {
+  const int64_t ub = tile_unit_bytes(type);
+  for (int64_t m = 0; m < rows; ++m) {
+    const int8_t* qm = q + m * k_dim;
+    for (int c = 0; c < cols; ++c) {
+      float acc = 0.0f, off = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* o = tile + (g / 8) * ub;
+        const int j = static_cast<int>(g % 8);
+        int32_t dot[2] = {0, 0};
+        for (int i = 0; i < kGroup; ++i)
+          dot[i / 16] += ktile_value(type, o, c, j, i) * qm[g * kGroup + i];
+        const float x = dx[m * groups + g];
+        if (type == kQ6_K) {
+          acc = std::fma(static_cast<float>(dot[0]), ktile_scale(type, o, c, j, 0) * x, acc);
+          acc = std::fma(static_cast<float>(dot[1]), ktile_scale(type, o, c, j, 1) * x, acc);
+        } else {
+          acc = std::fma(static_cast<float>(dot[0] + dot[1]), ktile_scale(type, o, c, j, 0) * x, acc);
+          off = std::fma(ktile_offset(type, o, c, j), sdx[g * rows + m], off);
+        }
+      }
+      out[m * n + c] = type == kQ6_K ? acc : acc + off;
+    }
+  }
+}
 
 // One tile (8 columns, `cols` of them real) times `rows` rows: out[r * n + c].
 template <int T>
 void tile_rows(const uint8_t* tile, int64_t groups, const float* dx, const float* sdx,
                const int8_t* q, int64_t k_dim, int64_t rows, float* out, int64_t n,
                int64_t cols) {
-  constexpr int64_t tb = tile_group_bytes(T);
 #ifdef SPECTRIO_AVX2
   switch (rows) {
     case 1: return tile_few_rows<T, 1>(tile, groups, dx, sdx, q, k_dim, rows, out, n, cols);
@@ -756,12 +969,18 @@ void tile_rows(const uint8_t* tile, int64_t groups, const float* dx, const float
     const int64_t mb = std::min(kTileRowBlock, rows - m0);
     __m256 acc[kTileRowBlock], off[kTileRowBlock];
     for (int64_t r = 0; r < mb; ++r) acc[r] = off[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g)
-      tile_group<T, 0>(tile + g * tb, q + m0 * k_dim + g * kGroup, k_dim, dx + m0 * groups + g,
-                       groups, sdx + g * rows + m0, mb, acc, off);
+    const int64_t units = groups * kGroup / block_elements(T);
+    for (int64_t u = 0; u < units; ++u)
+      tile_unit<T, 0>(tile, u, q + m0 * k_dim, k_dim, dx + m0 * groups, groups, sdx + m0, rows,
+                      mb, acc, off);
     for (int64_t r = 0; r < mb; ++r) store_tile_row<T>(acc[r], off[r], out + (m0 + r) * n, cols);
   }
 #else
+  if constexpr (is_k_quant(T)) {
+    ktile_rows_plain(T, tile, groups, dx, sdx, q, k_dim, rows, out, n, cols);
+    return;
+  }
+  constexpr int64_t tb = tile_group_bytes(T);
   for (int64_t m = 0; m < rows; ++m) {
     const int8_t* qm = q + m * k_dim;
     for (int c = 0; c < cols; ++c) {
@@ -785,7 +1004,7 @@ void tiled_matmul_typed(const uint8_t* w, int64_t n, int64_t k_dim, const float*
                         const float* sdx, const int8_t* q, int64_t rows, float* out) {
   const int64_t groups = k_dim / kGroup;
   const int64_t tiles = (n + kTile - 1) / kTile;
-  const int64_t tile_bytes = groups * tile_group_bytes(T);
+  const int64_t tile_bytes = k_dim / block_elements(T) * tile_unit_bytes(T);
 #pragma omp for schedule(static)
   for (int64_t t = 0; t < tiles; ++t)
     tile_rows<T>(w + t * tile_bytes, groups, dx, sdx, q, k_dim, rows, out + t * kTile, n,
@@ -803,15 +1022,18 @@ inline void tiled_matmul_team(int type, const uint8_t* w, int64_t n, int64_t k_d
     case kQ4_1: return tiled_matmul_typed<kQ4_1>(w, n, k_dim, dx, sdx, q, rows, out);
     case kQ5_0: return tiled_matmul_typed<kQ5_0>(w, n, k_dim, dx, sdx, q, rows, out);
     case kQ5_1: return tiled_matmul_typed<kQ5_1>(w, n, k_dim, dx, sdx, q, rows, out);
+    case kQ4_K: return tiled_matmul_typed<kQ4_K>(w, n, k_dim, dx, sdx, q, rows, out);
+    case kQ6_K: return tiled_matmul_typed<kQ6_K>(w, n, k_dim, dx, sdx, q, rows, out);
     default: return;
   }
 }
 
 // Whether a uint8 tensor of `shape` holds the tiled layout of an [n, k_dim] weight of
-// `type` ([ceil(n / 8), k_dim / 32, 8 * block bytes]); stored blocks are 1- or 2-D.
+// `type` ([ceil(n / 8), k_dim / block elements, tile_unit_bytes]); stored blocks are 1- or
+// 2-D.
 inline bool tiled_shape(const std::vector<int64_t>& shape, int type, int64_t n, int64_t k_dim) {
   return tiled_type(type) && shape.size() == 3 && shape[0] == (n + kTile - 1) / kTile &&
-         shape[1] == k_dim / kGroup && shape[2] == tile_group_bytes(type);
+         shape[1] == k_dim / block_elements(type) && shape[2] == tile_unit_bytes(type);
 }
 
 // Weight rows dequantized to float32, each value rounded as gguf-py's NumPy
@@ -849,6 +1071,19 @@ inline void dequantize_tiled_row(int type, const uint8_t* tiles, int64_t k_dim, 
                                  float* out) {
   const int64_t groups = k_dim / kGroup, tb = tile_group_bytes(type);
   const int c = static_cast<int>(row % kTile);
+  if (is_k_quant(type)) {
+    const int64_t ub = tile_unit_bytes(type);
+    const uint8_t* tile = tiles + (row / kTile) * (groups / 8) * ub;
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* o = tile + (g / 8) * ub;
+      const int j = static_cast<int>(g % 8);
+      const float m = ktile_offset(type, o, c, j);
+      for (int i = 0; i < kGroup; ++i)
+        out[g * kGroup + i] =
+            dequantized(type, ktile_value(type, o, c, j, i), ktile_scale(type, o, c, j, i / 16), m);
+    }
+    return;
+  }
   const uint8_t* tile = tiles + (row / kTile) * groups * tb;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* o = tile + g * tb;

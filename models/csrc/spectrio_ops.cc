@@ -319,27 +319,32 @@ std::vector<paddle::Tensor> RepackTiles(const paddle::Tensor& w, int type, int64
   PD_CHECK(w.is_cpu() && w.dtype() == paddle::DataType::UINT8,
            "repack_tiles w: a CPU uint8 tensor of blocks is expected");
   PD_CHECK(spectrio::tiled_type(type), "repack_tiles: no tiled layout for ggml type ", type);
-  PD_CHECK(n > 0 && k_dim > 0 && k_dim % spectrio::kGroup == 0,
-           "repack_tiles: N > 0 and K a positive multiple of 32 are expected");
+  const int64_t elements = spectrio::block_elements(type);
+  PD_CHECK(n > 0 && k_dim > 0 && k_dim % elements == 0, "repack_tiles: N > 0 and K a positive ",
+           "multiple of ", elements, " are expected for ggml type ", type);
   const int64_t row_bytes = spectrio::row_bytes_of(type, k_dim);
   PD_CHECK(w.numel() == n * row_bytes, "repack_tiles: w holds ", w.numel(), " bytes, not ", n,
            " rows of ", row_bytes);
-  const int64_t groups = k_dim / spectrio::kGroup, tiles = (n + spectrio::kTile - 1) / spectrio::kTile;
-  const int64_t tb = spectrio::tile_group_bytes(type);
+  const int64_t groups = k_dim / elements, tiles = (n + spectrio::kTile - 1) / spectrio::kTile;
+  const int64_t tb = spectrio::tile_unit_bytes(type);  // groups: a K-quant's super-blocks
   auto out = paddle::empty({tiles, groups, tb}, paddle::DataType::UINT8, paddle::CPUPlace());
   const uint8_t* src = w.data<uint8_t>();
   uint8_t* dst = out.data<uint8_t>();
   prefer_huge_pages(dst, static_cast<size_t>(tiles * groups * tb));
 #pragma omp parallel for schedule(static) num_threads(std::max(1, num_threads))
-  for (int64_t t = 0; t < tiles; ++t)
-    spectrio::repack_tile(type, src, row_bytes, n, groups, t, dst + t * groups * tb);
+  for (int64_t t = 0; t < tiles; ++t) {
+    if (spectrio::is_k_quant(type))
+      spectrio::repack_ktile(type, src, row_bytes, n, groups, t, dst + t * groups * tb);
+    else
+      spectrio::repack_tile(type, src, row_bytes, n, groups, t, dst + t * groups * tb);
+  }
   return {out};
 }
 
 std::vector<std::vector<int64_t>> RepackTilesShape(const std::vector<int64_t>&, int type,
                                                    int64_t n, int64_t k_dim) {
-  return {{(n + spectrio::kTile - 1) / spectrio::kTile, k_dim / spectrio::kGroup,
-           spectrio::tile_group_bytes(type)}};
+  return {{(n + spectrio::kTile - 1) / spectrio::kTile, k_dim / spectrio::block_elements(type),
+           spectrio::tile_unit_bytes(type)}};
 }
 
 std::vector<paddle::DataType> RepackTilesDtype(const paddle::DataType& w) { return {w}; }
