@@ -54,10 +54,6 @@ log = structlog.get_logger("spectrio.models.block_serving")
 #: types whose every value a Q8_0 block with the same scale holds: ``d * (u - offset)``
 _WIDENS_TO_Q8_0 = {"Q4_0": 8, "Q5_0": 16}
 
-#: reading this many rows at once (the draft vocabulary's head rows) touches most of the
-#: mapped matrix; its pages are dropped again so they do not stay resident
-_DROP_AFTER_ROWS = 1024
-
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
 
@@ -203,10 +199,7 @@ def _embedding_rows(gguf: GGUFFile, name: str) -> Callable[[np.ndarray], np.ndar
     """``rows(ids)``: float32 rows ``ids`` of the matrix ``name``, dequantized from the file."""
 
     def rows(ids: np.ndarray) -> np.ndarray:
-        out = gguf.read_rows(name, np.asarray(ids, dtype=np.int64).reshape(-1))
-        if len(out) >= _DROP_AFTER_ROWS:  # a draft vocabulary's rows, read once
-            gguf.drop_mapped_pages()
-        return out
+        return gguf.read_rows(name, np.asarray(ids, dtype=np.int64).reshape(-1))
 
     return rows
 

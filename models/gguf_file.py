@@ -227,6 +227,10 @@ def llama3_scaling(
     )
 
 
+#: rows read at once past which :meth:`GGUFFile.read_rows` drops the mapping's pages
+_DROP_AFTER_ROWS = 1024
+
+
 def _qtype(t: TensorInfo) -> Any:
     from gguf.constants import GGMLQuantizationType
 
@@ -448,14 +452,17 @@ class GGUFFile:
 
     def read_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
         """Rows ``ids`` of matrix ``name`` (not a q/k matrix), dequantized to float32
-        ``[len(ids), in]``: an embedding's rows for a step's tokens."""
+        ``[len(ids), in]``: an embedding's rows for a step's tokens, or a draft
+        vocabulary's head rows. Reading many rows at once touches most of the mapped
+        matrix, so its pages are dropped again afterwards and do not stay resident."""
         from gguf.quants import dequantize
 
         t = self._tensors[name]
         picked = t.raw.data.reshape(t.shape[0], -1)[ids]
-        return np.asarray(dequantize(picked, _qtype(t.raw)), dtype=np.float32).reshape(
-            len(ids), t.shape[1]
-        )
+        out = np.asarray(dequantize(picked, _qtype(t.raw)), dtype=np.float32)
+        if len(ids) >= _DROP_AFTER_ROWS:
+            self.drop_mapped_pages()
+        return out.reshape(len(ids), t.shape[1])
 
     def drop_mapped_pages(self) -> None:
         """Let the kernel drop the mapping's resident pages (they are read again on use)."""

@@ -436,7 +436,11 @@ class SpectrioForCausalLM(nn.Layer):
             rows = LayerRows.build(
                 batch, cache.block_size, self._rope_tables(batch.positions), self.staging.put
             )
-            if not any(layer.partial_sums for layer in layers):  # one op for the whole run
+            first = inputs[0]
+            if not any(layer.partial_sums for layer in layers) and all(
+                (i.heads, i.intermediate, i.eps) == (first.heads, first.intermediate, first.eps)
+                for i in inputs
+            ):  # one op for the whole run (its layers share their sizes)
                 pools = [cache.pools(i) for i in range(len(layers))]
                 x, delta = native_ops.decoder_layers(
                     x, inputs, pools, rows.rope, rows.as_tuple, cache.block_size

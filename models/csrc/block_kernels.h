@@ -72,6 +72,23 @@ constexpr int64_t row_bytes_of(int type, int64_t k_dim) {
   return k_dim / block_elements(type) * block_bytes(type);
 }
 
+// f(std::integral_constant<int, type>{}) for a type with a kernel (nothing for another):
+// the one switch from a runtime type to the kernels' template parameter.
+template <typename F>
+inline void dispatch_type(int type, F&& f) {
+  switch (type) {
+    case kQ8_0: return f(std::integral_constant<int, kQ8_0>{});
+    case kQ4_0: return f(std::integral_constant<int, kQ4_0>{});
+    case kQ4_1: return f(std::integral_constant<int, kQ4_1>{});
+    case kQ5_0: return f(std::integral_constant<int, kQ5_0>{});
+    case kQ5_1: return f(std::integral_constant<int, kQ5_1>{});
+    case kQ4_K: return f(std::integral_constant<int, kQ4_K>{});
+    case kQ5_K: return f(std::integral_constant<int, kQ5_K>{});
+    case kQ6_K: return f(std::integral_constant<int, kQ6_K>{});
+    default: return;
+  }
+}
+
 // Whether a type's decoded values are signed (no offset): the products then take the
 // sign trick of the byte multiply-add.
 constexpr bool signed_values(int type) { return type == kQ8_0 || type == kQ6_K; }
@@ -500,17 +517,9 @@ void block_matmul_typed(const uint8_t* w, int64_t n, int64_t k_dim, const float*
 inline void block_matmul_team(int type, const uint8_t* w, int64_t n, int64_t k_dim,
                               const float* dx, const float* sdx, const int8_t* q, int64_t rows,
                               float* out) {
-  switch (type) {
-    case kQ8_0: return block_matmul_typed<kQ8_0>(w, n, k_dim, dx, sdx, q, rows, out);
-    case kQ4_0: return block_matmul_typed<kQ4_0>(w, n, k_dim, dx, sdx, q, rows, out);
-    case kQ4_1: return block_matmul_typed<kQ4_1>(w, n, k_dim, dx, sdx, q, rows, out);
-    case kQ5_0: return block_matmul_typed<kQ5_0>(w, n, k_dim, dx, sdx, q, rows, out);
-    case kQ5_1: return block_matmul_typed<kQ5_1>(w, n, k_dim, dx, sdx, q, rows, out);
-    case kQ4_K: return block_matmul_typed<kQ4_K>(w, n, k_dim, dx, sdx, q, rows, out);
-    case kQ5_K: return block_matmul_typed<kQ5_K>(w, n, k_dim, dx, sdx, q, rows, out);
-    case kQ6_K: return block_matmul_typed<kQ6_K>(w, n, k_dim, dx, sdx, q, rows, out);
-    default: return;
-  }
+  dispatch_type(type, [&](auto t) {
+    block_matmul_typed<decltype(t)::value>(w, n, k_dim, dx, sdx, q, rows, out);
+  });
 }
 
 
@@ -1016,16 +1025,10 @@ void tiled_matmul_typed(const uint8_t* w, int64_t n, int64_t k_dim, const float*
 inline void tiled_matmul_team(int type, const uint8_t* w, int64_t n, int64_t k_dim,
                               const float* dx, const float* sdx, const int8_t* q, int64_t rows,
                               float* out) {
-  switch (type) {
-    case kQ8_0: return tiled_matmul_typed<kQ8_0>(w, n, k_dim, dx, sdx, q, rows, out);
-    case kQ4_0: return tiled_matmul_typed<kQ4_0>(w, n, k_dim, dx, sdx, q, rows, out);
-    case kQ4_1: return tiled_matmul_typed<kQ4_1>(w, n, k_dim, dx, sdx, q, rows, out);
-    case kQ5_0: return tiled_matmul_typed<kQ5_0>(w, n, k_dim, dx, sdx, q, rows, out);
-    case kQ5_1: return tiled_matmul_typed<kQ5_1>(w, n, k_dim, dx, sdx, q, rows, out);
-    case kQ4_K: return tiled_matmul_typed<kQ4_K>(w, n, k_dim, dx, sdx, q, rows, out);
-    case kQ6_K: return tiled_matmul_typed<kQ6_K>(w, n, k_dim, dx, sdx, q, rows, out);
-    default: return;
-  }
+  dispatch_type(type, [&](auto t) {
+    constexpr int T = decltype(t)::value;
+    if constexpr (tiled_type(T)) tiled_matmul_typed<T>(w, n, k_dim, dx, sdx, q, rows, out);
+  });
 }
 
 // Whether a uint8 tensor of `shape` holds the tiled layout of an [n, k_dim] weight of
