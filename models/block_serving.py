@@ -27,6 +27,7 @@ as before. F32 matrices are served as float32 panels, which is what they are.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import structlog
 
-from spectrio.errors import CheckpointError
+from spectrio.errors import CheckpointError, ConfigError
 from spectrio.models import native_ops
 from spectrio.models.checkpoint import TensorSource, fill_parameters, hf_name
 from spectrio.models.gguf_blocks import BLOCK_TYPES, decode_groups, scaled_blocks
@@ -53,6 +54,10 @@ log = structlog.get_logger("spectrio.models.block_serving")
 
 #: types whose every value a Q8_0 block with the same scale holds: ``d * (u - offset)``
 _WIDENS_TO_Q8_0 = {"Q4_0": 8, "Q5_0": 16}
+
+#: ``F16``: a block-served model drafts from float16 panels of its MTP pass's weights, not
+#: from their Q8_0 blocks (the default: half the bytes a draft substep reads)
+DRAFT_ENV = "SPECTRIO_GGUF_DRAFT"
 
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
@@ -225,6 +230,17 @@ def _embedding(
     return lambda ids: paddle.to_tensor(rows(ids.numpy()))
 
 
+def draft_blocks() -> str | None:
+    """The GGUF type a block-served model's MTP pass drafts from (:data:`DRAFT_ENV`;
+    default Q8_0), or None for float16 panels."""
+    value = os.environ.get(DRAFT_ENV, "Q8_0").strip()
+    if value.upper() in ("F16", "0", "OFF", "NO", "FALSE"):
+        return None
+    if value not in ("Q8_0",):
+        raise ConfigError(f"{DRAFT_ENV}={value!r}: Q8_0 (the default) or F16 are supported")
+    return value
+
+
 def _inputs(cfg: ModelConfig, what: str) -> int:
     """Inputs of every row of a row-parallel matrix (o or down) of the whole model."""
     return cfg.num_attention_heads * cfg.head_dim if what == "o" else cfg.intermediate_size
@@ -288,6 +304,9 @@ def load_blocks(
         embed = _embedding(gguf, "model.embed_tokens.weight", tied)
         model.serve_rows_from(embed, _embedding_rows(gguf, name), matrix)
     model.eval()
+    draft = draft_blocks()
+    if draft is not None:
+        model.draft_from_blocks(draft)
     model.prepare_serving(release=True)
     gguf.drop_mapped_pages()  # pages the load touched (the header, rows read for checks)
     trim_freed_memory()

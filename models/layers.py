@@ -483,6 +483,23 @@ class DecoderLayer(nn.Layer):
         )  # fmt: skip
         return x, self.mlp._reduce(out), i.down_bias
 
+    def quantize_serving(self, type_name: str) -> None:
+        """Serve this layer from GGUF blocks of ``type_name`` quantized from its
+        parameters (q pre-scaled as :meth:`Attention.fuse_qkv` scales it), instead of
+        panels: :meth:`prepare_serving` then keeps them and adds the biases and q/k norms;
+        the layer ops apply the norm weights, which blocks cannot hold. Only where the
+        native layers run (they multiply by blocks)."""
+        attn, mlp = self.self_attn, self.mlp
+        q = attn.q_proj.weight.numpy()
+        q_scale = q.dtype.type(1.0 if attn.q_norm is not None else attn.scale)
+        qkv = [q * q_scale, attn.k_proj.weight.numpy(), attn.v_proj.weight.numpy()]
+        gate_up = [mlp.gate_proj.weight.numpy(), mlp.up_proj.weight.numpy()]
+        attn._qkv_weight = ServingMatrix.quantized(np.concatenate(qkv, axis=1).T, type_name)
+        attn._o_weight = ServingMatrix.quantized(attn.o_proj.weight.numpy().T, type_name)
+        mlp._gate_up_weight = ServingMatrix.quantized(np.concatenate(gate_up, axis=1).T, type_name)
+        mlp._down_weight = ServingMatrix.quantized(mlp.down_proj.weight.numpy().T, type_name)
+        self._native_inputs = None
+
     def prepare_serving(self, release: bool = False) -> None:
         """Build the fused serving weights (once). With ``release``, free the separate
         q/k/v and gate/up matrices they were built from: the fused copies hold the same

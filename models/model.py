@@ -203,6 +203,9 @@ class SpectrioForCausalLM(nn.Layer):
         self._head = HeadLayouts()  # the head for serving, in the layout each matmul wants
         self.draft_vocab: np.ndarray | None = None  # token ids the MTP pass drafts from
         self._draft_head = HeadLayouts(self.draft_half)  # its rows of the head
+        #: the GGUF type the MTP pass's weights are quantized to (draft_from_blocks);
+        #: None: float16 (or float32) panels
+        self._draft_blocks: str | None = None
         layout = layout_of(self.config)
         self._mtp_reads_prenorm = layout.reads_prenorm
         self._mtp_norm_in_layer = layout.norm_in_layer
@@ -316,6 +319,19 @@ class SpectrioForCausalLM(nn.Layer):
         self.mtp.drop_fused()
         self._draft_head = HeadLayouts(half)
 
+    def draft_from_blocks(self, type_name: str) -> None:
+        """Draft from GGUF blocks of ``type_name`` quantized from the MTP pass's weights
+        (the MTP layer, ``eh_proj`` and the draft vocabulary's head rows) instead of
+        float16 panels: a draft substep then reads about half the bytes (Q8_0). Only the
+        drafts depend on them; verification is the target's. Before
+        :meth:`prepare_serving` releases the weights, where the native layers run."""
+        if self.mtp is None:
+            return
+        self.mtp.quantize_serving(type_name)
+        self.mtp._eh_weight = ServingMatrix.quantized(self.mtp.eh_proj.weight.numpy().T, type_name)
+        self._draft_blocks = type_name
+        self._draft_head = HeadLayouts(self.draft_half)
+
     def compute_draft_logits(
         self, hidden: paddle.Tensor
     ) -> tuple[paddle.Tensor, np.ndarray | None]:
@@ -326,7 +342,11 @@ class SpectrioForCausalLM(nn.Layer):
         if self._draft_head.empty and self._head_rows is not None:
             # packed at once: the float rows are not kept
             rows = self._head_rows(self.draft_vocab)
-            self._draft_head.set_matrix(ServingMatrix(rows, rows=True, half=self.draft_half))
+            self._draft_head.set_matrix(
+                ServingMatrix(rows, rows=True, half=self.draft_half)
+                if self._draft_blocks is None
+                else ServingMatrix.quantized(rows, self._draft_blocks)
+            )
             del rows
             trim_freed_memory()
         elif self._draft_head.empty:

@@ -105,6 +105,18 @@ class ServingMatrix:
         self._plain = tensor.t().contiguous() if rows else tensor
 
     @classmethod
+    def quantized(cls, rows: np.ndarray, type_name: str) -> ServingMatrix:
+        """A ``[K, N]`` weight given as float rows ``[N, K]``, quantized to GGUF blocks of
+        ``type_name`` (:func:`spectrio.models.gguf_quantize.quantize`) and kept as
+        :meth:`from_blocks` keeps a file's."""
+        from gguf import GGMLQuantizationType
+
+        from spectrio.models.gguf_quantize import quantize
+
+        raw = quantize(np.asarray(rows, dtype=np.float32), GGMLQuantizationType[type_name])
+        return cls.from_blocks(raw, type_name, int(rows.shape[1]))
+
+    @classmethod
     def from_blocks(cls, raw: np.ndarray, type_name: str, k: int) -> ServingMatrix:
         """A ``[k, N]`` weight from ``N`` rows of GGUF blocks of ``type_name`` (uint8
         ``[N, row bytes]``): regrouped into tiles where the type has that layout (a copy

@@ -88,6 +88,10 @@ def test_speculation_on_the_quantized_blocks_is_lossless(smollm2_gguf: Path) -> 
         pytest.skip("the block kernels do not build here")
     served = load("smollm2", serving=True)
     assert served.model.model.layers[0].self_attn._qkv_weight.blocks
+    mtp = served.model.mtp
+    assert mtp is not None  # drafting from Q8_0 blocks of the head (the default)
+    assert mtp.self_attn._qkv_weight.ggml_type == 8 and mtp._eh_weight is not None
+    assert mtp._eh_weight.ggml_type == 8
     spec = SpeculativeConfig(method="mtp", num_speculative_tokens=3, adaptive=False)
     greedy = SamplingParams(max_tokens=32, ignore_eos=True)
     seeded = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.8, seed=7)
@@ -96,6 +100,24 @@ def test_speculation_on_the_quantized_blocks_is_lossless(smollm2_gguf: Path) -> 
         got, proposed, accepted = trio.run(_run, served, spec, params)
         assert got == plain, params
         assert proposed > 0 and accepted > 0
+
+
+def test_a_quantized_file_drafts_from_float16_panels_when_asked(
+    smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``SPECTRIO_GGUF_DRAFT=F16``: the MTP pass keeps float16 panels; a type without a
+    draft format is refused, naming the ones there are."""
+    from spectrio.errors import ConfigError
+    from spectrio.models import native_ops
+
+    if not native_ops.native_ops_available():
+        pytest.skip("the block kernels do not build here")
+    monkeypatch.setenv("SPECTRIO_GGUF_DRAFT", "F16")
+    mtp = load("smollm2", serving=True).model.mtp
+    assert mtp is not None and mtp.self_attn._qkv_weight.half
+    monkeypatch.setenv("SPECTRIO_GGUF_DRAFT", "Q4_0")
+    with pytest.raises(ConfigError, match="Q8_0 \\(the default\\) or F16"):
+        load("smollm2", serving=True)
 
 
 def test_the_head_records_how_it_was_trained() -> None:
