@@ -325,8 +325,18 @@ class SpectrioForCausalLM(nn.Layer):
         float16 panels: a draft substep then reads about half the bytes (Q8_0). Only the
         drafts depend on them; verification is the target's. Before
         :meth:`prepare_serving` releases the weights, where the native layers run."""
+        from spectrio.models.gguf_blocks import BLOCK_TYPES
+
         if self.mtp is None:
             return
+        attn, mlp = self.mtp.self_attn, self.mtp.mlp
+        inputs = (
+            self.config.hidden_size,
+            attn.num_heads * attn.head_dim,
+            mlp.down_proj.weight.shape[0],
+        )
+        if any(k % BLOCK_TYPES[type_name].elements for k in inputs):
+            return  # rows that are not whole blocks (a narrow shard's): panels, as before
         self.mtp.quantize_serving(type_name)
         self.mtp._eh_weight = ServingMatrix.quantized(self.mtp.eh_proj.weight.numpy().T, type_name)
         self._draft_blocks = type_name
