@@ -263,7 +263,7 @@ def tile_blocks(raw: np.ndarray, name: str) -> np.ndarray:
 
 def _k_tiles(b: np.ndarray, name: str) -> np.ndarray:
     """K-quant super-blocks ``[T, S, 8 columns, bytes]`` → the tiled layout ``[T, S,
-    K_TILE_BYTES]``, per super-block (``models/csrc/block_kernels.h``, ``repack_ktile``):
+    K_TILE_BYTES]``, per super-block (``models/csrc/block_kernels.h``, ``repack_super_block``):
 
     * Q4_K: ``d[8]``, ``dmin[8]`` (float16); ``sc[8 groups][8 columns]`` and ``mn[8][8]``,
       the 6-bit scale and minimum a byte each; 4 runs of 8 words of 32 bytes, byte ``4c +

@@ -8,6 +8,7 @@ Attention has two entry points that share every weight and the same core:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -95,7 +96,7 @@ def attend(
 
 
 def _folded(
-    norm_weight: paddle.Tensor, parts: list[paddle.Tensor | np.ndarray], half: bool = False
+    norm_weight: paddle.Tensor, parts: Sequence[paddle.Tensor | np.ndarray], half: bool = False
 ) -> ServingMatrix:
     """``norm_weight[:, None] * concat(parts, axis=1)``, a new matrix. Computed in NumPy:
     the same correctly rounded products Paddle's ops give, without its broadcast kernel,
@@ -184,6 +185,18 @@ class Attention(nn.Layer):
         flat = out.transpose([0, 2, 1, 3]).reshape([b, t, -1])
         return self._out(fo.matmul(flat, self.o_proj.weight)), (k, v)
 
+    @property
+    def _q_scale(self) -> float:
+        """What the fused q weight is scaled by: 1/sqrt(D), or 1 with q/k norms (their
+        output does not scale with their input; the q norm's weight carries it)."""
+        return 1.0 if self.q_norm is not None else self.scale
+
+    def qkv_parts(self) -> list[np.ndarray]:
+        """The fused q|k|v weight's parts ``[d, *]``, q pre-scaled (:attr:`_q_scale`)."""
+        q = self.q_proj.weight.numpy()
+        return [q * q.dtype.type(self._q_scale), self.k_proj.weight.numpy(),
+                self.v_proj.weight.numpy()]  # fmt: skip
+
     def fuse_qkv(self, norm_weight: paddle.Tensor, half: bool = False) -> None:
         """Build ``[d, (H + 2 KVH) * D]``: the preceding RMSNorm's weight folded into the
         rows, then q, k and v side by side, so one matmul of the normalised input does all
@@ -195,14 +208,9 @@ class Attention(nn.Layer):
         :meth:`SpectrioForCausalLM.train` drops the fused copy. ``half``: float16 panels
         (:class:`~spectrio.models.serving_matrix.ServingMatrix`).
         """
-        q_scale = 1.0 if self.q_norm is not None else self.scale
+        q_scale = self._q_scale
         if self._qkv_weight is None:  # else set from elsewhere (GGUF blocks): keep it
-            q = self.q_proj.weight.numpy()
-            self._qkv_weight = _folded(
-                norm_weight,
-                [q * q.dtype.type(q_scale), self.k_proj.weight, self.v_proj.weight],
-                half,
-            )
+            self._qkv_weight = _folded(norm_weight, self.qkv_parts(), half)
         if self.q_proj.bias is not None:
             self._qkv_bias = paddle.concat(
                 [self.q_proj.bias * q_scale, self.k_proj.bias, self.v_proj.bias]
@@ -348,13 +356,15 @@ class MLP(nn.Layer):
         h = F.silu(self.gate_proj(x)) * self.up_proj(x)
         return self._down(fo.matmul(h, self.down_proj.weight))
 
+    def gate_up_parts(self) -> list[np.ndarray]:
+        """The fused gate|up weight's parts ``[d, f]``."""
+        return [self.gate_proj.weight.numpy(), self.up_proj.weight.numpy()]
+
     def fuse(self, norm_weight: paddle.Tensor, half: bool = False) -> None:
         """Build the gate|up matrix with the preceding RMSNorm's weight folded in
         (``half``: float16 panels, as :meth:`Attention.fuse_qkv`)."""
         if self._gate_up_weight is None:  # else set from elsewhere (GGUF blocks): keep it
-            self._gate_up_weight = _folded(
-                norm_weight, [self.gate_proj.weight, self.up_proj.weight], half
-            )
+            self._gate_up_weight = _folded(norm_weight, self.gate_up_parts(), half)
         if self.gate_proj.bias is not None:
             self._gate_up_bias = paddle.concat([self.gate_proj.bias, self.up_proj.bias]).detach()
         if self._down_weight is None:
@@ -490,11 +500,8 @@ class DecoderLayer(nn.Layer):
         the layer ops apply the norm weights, which blocks cannot hold. Only where the
         native layers run (they multiply by blocks)."""
         attn, mlp = self.self_attn, self.mlp
-        q = attn.q_proj.weight.numpy()
-        q_scale = q.dtype.type(1.0 if attn.q_norm is not None else attn.scale)
-        qkv = [q * q_scale, attn.k_proj.weight.numpy(), attn.v_proj.weight.numpy()]
-        gate_up = [mlp.gate_proj.weight.numpy(), mlp.up_proj.weight.numpy()]
-        attn._qkv_weight = ServingMatrix.quantized(np.concatenate(qkv, axis=1).T, type_name)
+        qkv, gate_up = np.concatenate(attn.qkv_parts(), axis=1), mlp.gate_up_parts()
+        attn._qkv_weight = ServingMatrix.quantized(qkv.T, type_name)
         attn._o_weight = ServingMatrix.quantized(attn.o_proj.weight.numpy().T, type_name)
         mlp._gate_up_weight = ServingMatrix.quantized(np.concatenate(gate_up, axis=1).T, type_name)
         mlp._down_weight = ServingMatrix.quantized(mlp.down_proj.weight.numpy().T, type_name)

@@ -587,43 +587,31 @@ constexpr int64_t block_quants_at(int type) {
   return block_high_at(type) + (has_high_bits(type) ? 4 : 0);
 }
 
-// Tile t of the tiled layout from `n` stored rows of `row_bytes` (groups = K / 32):
-// `dst` receives groups * tile_group_bytes(type) bytes.
-inline void repack_tile(int type, const uint8_t* rows, int64_t row_bytes, int64_t n,
-                        int64_t groups, int64_t t, uint8_t* dst) {
-  const int64_t bb = block_bytes(type), tb = tile_group_bytes(type);
-  std::memset(dst, 0, static_cast<size_t>(groups * tb));
-  const int64_t cols = std::min(kTile, n - t * kTile);
-  for (int64_t c = 0; c < cols; ++c) {
-    const uint8_t* row = rows + (t * kTile + c) * row_bytes;
-    for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* b = row + g * bb;
-      uint8_t* o = dst + g * tb;
-      std::memcpy(o + 2 * c, b, 2);
-      if (has_offset_field(type)) std::memcpy(o + 16 + 2 * c, b + 2, 2);
-      uint8_t* quants = o + tile_quants_at(type);
-      const uint8_t* qs = b + block_quants_at(type);
-      if (type == kQ8_0) {
-        for (int s = 0; s < 8; ++s) std::memcpy(quants + 32 * s + 4 * c, qs + 4 * s, 4);
-      } else {
-        for (int r = 0; r < 4; ++r) std::memcpy(quants + 32 * r + 4 * c, qs + 4 * r, 4);
-      }
-      if (has_high_bits(type)) {
-        uint32_t qh;
-        std::memcpy(&qh, b + block_high_at(type), 4);
-        uint8_t* h = o + tile_high_at(type) + 4 * c;
-        for (int e = 0; e < 4; ++e) {
-          uint8_t v = 0;
-          for (int s = 0; s < 8; ++s) v |= static_cast<uint8_t>(((qh >> (4 * s + e)) & 1u) << s);
-          h[e] = v;
-        }
-      }
+// Stored block b of a 32-element type into column c of its tile group `o` (the layout
+// above).
+inline void repack_group_block(int type, const uint8_t* b, int64_t c, uint8_t* o) {
+  std::memcpy(o + 2 * c, b, 2);
+  if (has_offset_field(type)) std::memcpy(o + 16 + 2 * c, b + 2, 2);
+  uint8_t* quants = o + tile_quants_at(type);
+  const uint8_t* qs = b + block_quants_at(type);
+  if (type == kQ8_0) {
+    for (int s = 0; s < 8; ++s) std::memcpy(quants + 32 * s + 4 * c, qs + 4 * s, 4);
+  } else {
+    for (int r = 0; r < 4; ++r) std::memcpy(quants + 32 * r + 4 * c, qs + 4 * r, 4);
+  }
+  if (has_high_bits(type)) {
+    uint32_t qh;
+    std::memcpy(&qh, b + block_high_at(type), 4);
+    uint8_t* h = o + tile_high_at(type) + 4 * c;
+    for (int e = 0; e < 4; ++e) {
+      uint8_t v = 0;
+      for (int s = 0; s < 8; ++s) v |= static_cast<uint8_t>(((qh >> (4 * s + e)) & 1u) << s);
+      h[e] = v;
     }
   }
 }
 
-// Tile t of a K-quant's tiled layout from `n` stored rows of `row_bytes` (supers = K /
-// 256): `dst` receives supers * tile_unit_bytes(type) bytes. Per super-block:
+// Stored super-block b of a K-quant into column c of its tile's super-block `o`:
 // * Q4_K: d[8], dmin[8] (float16); sc[8 groups][8 columns] and mn[8][8], the 6-bit scale
 //   and minimum of each group one per byte; then 4 runs of 8 words of 32 bytes: byte
 //   4c + e of word r of run p is the stored byte 32p + 4r + e of column c, whose low
@@ -633,47 +621,56 @@ inline void repack_tile(int type, const uint8_t* rows, int64_t row_bytes, int64_
 //   nibbles are group 4(p >> 1) + (p & 1), its high ones that group + 2); then per group
 //   2 words of 32 bytes of high bits: bits 2s, 2s + 1 of byte 4c + e of word w are the 2
 //   high bits of element 4(4w + s) + e of column c.
-inline void repack_ktile(int type, const uint8_t* rows, int64_t row_bytes, int64_t n,
-                         int64_t supers, int64_t t, uint8_t* dst) {
+inline void repack_super_block(int type, const uint8_t* b, int64_t c, uint8_t* o) {
+  if (type == kQ4_K) {
+    std::memcpy(o + 2 * c, b, 2);
+    std::memcpy(o + kK4Dmin + 2 * c, b + 2, 2);
+    for (int j = 0; j < 8; ++j) {
+      int sc, mn;
+      k_scale_min(b + 4, j, sc, mn);
+      o[kK4Sc + 8 * j + c] = static_cast<uint8_t>(sc);
+      o[kK4Mn + 8 * j + c] = static_cast<uint8_t>(mn);
+    }
+    for (int p = 0; p < 4; ++p)
+      for (int r = 0; r < 8; ++r)
+        std::memcpy(o + kK4Qs + 256 * p + 32 * r + 4 * c, b + 16 + 32 * p + 4 * r, 4);
+    return;
+  }
+  // Q6_K: ql[128], qh[64], sc[16], d
+  std::memcpy(o + 2 * c, b + 208, 2);
+  for (int h = 0; h < 16; ++h) o[kK6Sc + 8 * h + c] = b[192 + h];
+  for (int p = 0; p < 4; ++p)
+    for (int r = 0; r < 8; ++r)
+      std::memcpy(o + kK6Ql + 256 * p + 32 * r + 4 * c, b + 32 * p + 4 * r, 4);
+  for (int j = 0; j < 8; ++j) {
+    const int h = j >> 2, t = j & 3;  // group j = 4h + t: bits 2t of qh[32h + i]
+    for (int w = 0; w < 2; ++w)
+      for (int e = 0; e < 4; ++e) {
+        uint8_t v = 0;
+        for (int s4 = 0; s4 < 4; ++s4) {
+          const int i = 4 * (4 * w + s4) + e;
+          v |= static_cast<uint8_t>(((b[128 + 32 * h + i] >> (2 * t)) & 3) << (2 * s4));
+        }
+        o[kK6Qh + 64 * j + 32 * w + 4 * c + e] = v;
+      }
+  }
+}
+
+// Tile t of the tiled layout from `n` stored rows of `row_bytes`, each of `units` blocks
+// (groups of 32, or a K-quant's super-blocks): `dst` receives units * tile_unit_bytes(type)
+// bytes, the missing columns of a last tile zero.
+inline void repack_tile(int type, const uint8_t* rows, int64_t row_bytes, int64_t n,
+                        int64_t units, int64_t t, uint8_t* dst) {
   const int64_t bb = block_bytes(type), ub = tile_unit_bytes(type);
-  std::memset(dst, 0, static_cast<size_t>(supers * ub));
+  std::memset(dst, 0, static_cast<size_t>(units * ub));
   const int64_t cols = std::min(kTile, n - t * kTile);
   for (int64_t c = 0; c < cols; ++c) {
     const uint8_t* row = rows + (t * kTile + c) * row_bytes;
-    for (int64_t sb = 0; sb < supers; ++sb) {
-      const uint8_t* b = row + sb * bb;
-      uint8_t* o = dst + sb * ub;
-      if (type == kQ4_K) {
-        std::memcpy(o + 2 * c, b, 2);
-        std::memcpy(o + kK4Dmin + 2 * c, b + 2, 2);
-        for (int j = 0; j < 8; ++j) {
-          int sc, mn;
-          k_scale_min(b + 4, j, sc, mn);
-          o[kK4Sc + 8 * j + c] = static_cast<uint8_t>(sc);
-          o[kK4Mn + 8 * j + c] = static_cast<uint8_t>(mn);
-        }
-        for (int p = 0; p < 4; ++p)
-          for (int r = 0; r < 8; ++r)
-            std::memcpy(o + kK4Qs + 256 * p + 32 * r + 4 * c, b + 16 + 32 * p + 4 * r, 4);
-      } else {  // Q6_K: ql[128], qh[64], sc[16], d
-        std::memcpy(o + 2 * c, b + 208, 2);
-        for (int h = 0; h < 16; ++h) o[kK6Sc + 8 * h + c] = b[192 + h];
-        for (int p = 0; p < 4; ++p)
-          for (int r = 0; r < 8; ++r)
-            std::memcpy(o + kK6Ql + 256 * p + 32 * r + 4 * c, b + 32 * p + 4 * r, 4);
-        for (int j = 0; j < 8; ++j) {
-          const int h = j >> 2, tt = j & 3;  // group j = 4h + tt: bits 2tt of qh[32h + i]
-          for (int w = 0; w < 2; ++w)
-            for (int e = 0; e < 4; ++e) {
-              uint8_t v = 0;
-              for (int s4 = 0; s4 < 4; ++s4) {
-                const int i = 4 * (4 * w + s4) + e;
-                v |= static_cast<uint8_t>(((b[128 + 32 * h + i] >> (2 * tt)) & 3) << (2 * s4));
-              }
-              o[kK6Qh + 64 * j + 32 * w + 4 * c + e] = v;
-            }
-        }
-      }
+    for (int64_t u = 0; u < units; ++u) {
+      if (is_k_quant(type))
+        repack_super_block(type, row + u * bb, c, dst + u * ub);
+      else
+        repack_group_block(type, row + u * bb, c, dst + u * ub);
     }
   }
 }

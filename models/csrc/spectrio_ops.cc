@@ -332,12 +332,8 @@ std::vector<paddle::Tensor> RepackTiles(const paddle::Tensor& w, int type, int64
   uint8_t* dst = out.data<uint8_t>();
   prefer_huge_pages(dst, static_cast<size_t>(tiles * groups * tb));
 #pragma omp parallel for schedule(static) num_threads(std::max(1, num_threads))
-  for (int64_t t = 0; t < tiles; ++t) {
-    if (spectrio::is_k_quant(type))
-      spectrio::repack_ktile(type, src, row_bytes, n, groups, t, dst + t * groups * tb);
-    else
-      spectrio::repack_tile(type, src, row_bytes, n, groups, t, dst + t * groups * tb);
-  }
+  for (int64_t t = 0; t < tiles; ++t)
+    spectrio::repack_tile(type, src, row_bytes, n, groups, t, dst + t * groups * tb);
   return {out};
 }
 
