@@ -5,7 +5,7 @@
 For each batch, k and logprob setting (none, top-20), every slot emitting k + 1 tokens
 (the largest record), it times per step, host clock around the whole call:
 
-* ``numpy``: the CPU path, :func:`spectrio.core.record.pack_step_record` on host arrays;
+* ``numpy``: the CPU path, :func:`spectrio.cuda_kernels.reference.pack_step_record` on host arrays;
 * ``wrapped``: ``speculate_save_any`` + ``pack_topk_any`` on torch tensors handed over
   through DLPack every step (the ad-hoc device path);
 * ``graph`` / ``raw``: :class:`~spectrio.cuda_kernels.RecordWriter`, mapped pinned
@@ -39,7 +39,6 @@ from typing import Any
 import numpy as np
 
 from spectrio.core.config import BASE_CAPTURE_SIZES
-from spectrio.core.record import pack_step_record
 from spectrio.cuda_kernels import (
     KIND_TARGET,
     RecordInputs,
@@ -49,7 +48,12 @@ from spectrio.cuda_kernels import (
     speculate_save_any,
 )
 from spectrio.cuda_kernels.record_layout import compact_rows
-from spectrio.cuda_kernels.reference import HEADER_WORDS, expand_per_token, record_width
+from spectrio.cuda_kernels.reference import (
+    HEADER_WORDS,
+    expand_per_token,
+    pack_step_record,
+    record_width,
+)
 
 TOP = 20
 W_MAX = TOP + 1

@@ -53,6 +53,14 @@ class SeqWork(msgspec.Struct, kw_only=True, frozen=True):
     score_start: int = 0
     score_ids: list[int] = []
 
+    @property
+    def decodes(self) -> bool:
+        """A decode step: one committed token (or one resolved on the device, when planned
+        ahead) whose next tokens the sampler emits, with no prefill rows. Any other work
+        is a prompt chunk (or a recompute after preemption): the next token of each of its
+        rows but the last is known before the step runs."""
+        return self.sample and (self.pending or len(self.token_ids) == 1)
+
 
 class Ended(msgspec.Struct, array_like=True, frozen=True):
     """A sequence that left the batch since the previous plan."""
@@ -146,7 +154,7 @@ class StepResult(msgspec.Struct, kw_only=True):
     device_seconds: float = 0.0  # the device worker's time on this step (draft+verify+sample)
     idle_seconds: float = 0.0  # how long the device worker waited for it after its last step
     aborted_drafts: list[list[int]] = []  # per ``aborted`` entry: [drafts proposed, accepted]
-    draft_rows: int = 0  # the resolved plan's ``draft_rows``
+    draft_rows: int = 0  # the resolved plan's ``draft_rows``, and the proposer's after verify
 
 
 class NewRequest(msgspec.Struct, tag=True, kw_only=True):

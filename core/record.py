@@ -50,10 +50,12 @@ IEEE-754 float32; every field starts on a 4-byte boundary)::
     Rank of each emitted token in its distribution (-1 when its request asked
     for no logprobs).
 
-The kernels in :mod:`spectrio.cuda_kernels` (``speculate_save``,
-``pack_topk``) produce these fields on the GPU; their NumPy references live in
-:mod:`spectrio.cuda_kernels.reference` and :func:`pack_step_record` combines
-them. :func:`unpack` returns zero-copy NumPy views with no per-row loops.
+This module owns the format: its constants, header rules and sizes are defined here
+and nowhere else. The kernels in :mod:`spectrio.cuda_kernels` (``speculate_save``,
+``pack_topk``) produce these fields on the GPU and import the format from here; their
+NumPy references live in :mod:`spectrio.cuda_kernels.reference`, whose
+``pack_step_record`` combines them into a whole record. :func:`unpack` returns zero-copy
+NumPy views with no per-row loops.
 """
 
 from __future__ import annotations
@@ -62,37 +64,75 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spectrio.cuda_kernels.record_layout import record_words
-from spectrio.cuda_kernels.reference import (
-    HEADER_WORDS,
-    KIND_DRAFT,
-    KIND_TARGET,
-    PREEMPTED,
-    RECORD_VERSION,
-    expand_per_token,
-    pack_header,
-    pack_topk_ref,
-    record_width,
-    speculate_save_ref,
-    unpack_header,
-)
-
 __all__ = [
     "HEADER_WORDS",
     "KIND_DRAFT",
     "KIND_TARGET",
+    "MAX_WIDTH",
     "PREEMPTED",
     "RECORD_VERSION",
     "RecordError",
     "StepRecord",
-    "pack_step_record",
+    "pack_header",
     "record_nbytes",
+    "record_width",
+    "record_words",
     "select_slots",
+    "unpack_header",
     "unpack",
 ]
 
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
+
+RECORD_VERSION = 1
+"""Version word of the step record (header[0])."""
+KIND_TARGET = 3
+"""Record kind: verified (target) tokens."""
+KIND_DRAFT = 4
+"""Record kind: draft tokens."""
+PREEMPTED = -9
+"""``accept_num`` value of a slot preempted or aborted this step."""
+HEADER_WORDS = 4
+"""int32 words in the header: version, kind | (width << 8), bsz, num_tokens."""
+MAX_WIDTH = (1 << 23) - 1
+"""Largest width that keeps ``kind | (width << 8)`` a non-negative int32."""
+
+
+def pack_header(kind: int, width: int, bsz: int, num_tokens: int) -> np.ndarray:
+    """The 4-word header as little-endian int32."""
+    if not 0 <= kind <= 0xFF:
+        raise ValueError(f"record kind must fit in 8 bits (0..255), got {kind}")
+    if not 0 <= width <= MAX_WIDTH:
+        raise ValueError(f"record width must be in [0, {MAX_WIDTH}], got {width}")
+    if bsz < 0 or num_tokens < 0:
+        raise ValueError(f"bsz and num_tokens must be >= 0, got {bsz}, {num_tokens}")
+    return np.array([RECORD_VERSION, (kind & 0xFF) | (width << 8), bsz, num_tokens], dtype=_I32)
+
+
+def unpack_header(packed: int) -> tuple[int, int]:
+    """Split header[1] into ``(kind, width)``."""
+    return packed & 0xFF, packed >> 8
+
+
+def record_width(topn_per_slot: np.ndarray | None) -> int:
+    """Logprob block width for a batch: 0 when no slot wants logprobs
+    (every entry < 0, or None), else 1 + the largest top-N any slot asked for.
+    Column 0 always holds the sampled token."""
+    if topn_per_slot is None:
+        return 0
+    topn = np.asarray(topn_per_slot)
+    if topn.size == 0 or int(topn.max()) < 0:
+        return 0
+    return 1 + int(topn.max())
+
+
+def record_words(bsz: int, num_tokens: int, width: int) -> int:
+    """int32 words of a record with these dimensions."""
+    words = HEADER_WORDS + bsz + num_tokens
+    if width:
+        words += 2 * num_tokens * width + num_tokens
+    return words
 
 
 class RecordError(ValueError):
@@ -136,52 +176,6 @@ class StepRecord:
 def record_nbytes(bsz: int, num_tokens: int, width: int) -> int:
     """Size in bytes of a record with these dimensions."""
     return 4 * record_words(bsz, num_tokens, width)
-
-
-def pack_step_record(
-    accepted_tokens: np.ndarray,
-    accept_counts: np.ndarray,
-    preempted: np.ndarray,
-    seq_lens_decoder: np.ndarray,
-    prompt_lens: np.ndarray,
-    *,
-    kind: int = KIND_TARGET,
-    logprobs: np.ndarray | None = None,
-    topk_ids: np.ndarray | None = None,
-    topk_vals: np.ndarray | None = None,
-    ranks: np.ndarray | None = None,
-) -> bytes:
-    """Pack one step into a record (the CPU path of both kernels combined).
-
-    Args:
-        accepted_tokens, accept_counts, preempted, seq_lens_decoder,
-            prompt_lens, kind: as in
-            :func:`spectrio.cuda_kernels.reference.speculate_save_ref`.
-        logprobs: int [bsz], the top-N each slot asked for (-1 or None: none;
-            0: the sampled token only). Sets the record width.
-        topk_ids, topk_vals: [num_tokens, W_max] logprob candidates of the
-            emitted tokens in record order (column 0 the emitted token).
-        ranks: int [num_tokens].
-    """
-    width = record_width(logprobs)
-    head = speculate_save_ref(
-        accepted_tokens, accept_counts, preempted, seq_lens_decoder, prompt_lens, kind, width
-    )
-    if width == 0:
-        return head.tobytes()
-    if topk_ids is None or topk_vals is None or ranks is None:
-        raise ValueError("a slot asked for logprobs: topk_ids, topk_vals and ranks are required")
-    assert logprobs is not None
-    bsz = int(head[2])
-    if np.shape(logprobs) != (bsz,):
-        raise ValueError(f"logprobs must have shape [{bsz}], got {np.shape(logprobs)}")
-    accept_num = head[HEADER_WORDS : HEADER_WORDS + bsz]
-    rows = np.shape(topk_ids)[0]
-    if rows != int(head[3]):
-        raise ValueError(f"logprob arrays have {rows} rows for {int(head[3])} emitted tokens")
-    topn = expand_per_token(np.asarray(logprobs), accept_num)
-    lp_ids, lp_vals, out_ranks = pack_topk_ref(topk_ids, topk_vals, ranks, topn, width)
-    return b"".join((head.tobytes(), lp_ids.tobytes(), lp_vals.tobytes(), out_ranks.tobytes()))
 
 
 def unpack(buf: bytes | bytearray | memoryview | np.ndarray) -> StepRecord:
@@ -267,3 +261,21 @@ def select_slots(
             rec.ranks[rows].tobytes(),
         ]
     return b"".join(parts)
+
+
+def __getattr__(name: str) -> object:
+    """``pack_step_record`` moved to :mod:`spectrio.cuda_kernels.reference` (the kernels'
+    CPU path, above this module): the old name keeps working, with a warning."""
+    if name == "pack_step_record":
+        import importlib
+        import warnings
+
+        warnings.warn(
+            "spectrio.core.record.pack_step_record moved to "
+            "spectrio.cuda_kernels.reference.pack_step_record "
+            "(spectrio.wire.record re-exports it)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return importlib.import_module("spectrio.cuda_kernels.reference").pack_step_record
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,7 +21,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from .reference import HEADER_WORDS, MAX_WIDTH, pack_topk_ref, speculate_save_ref
+from spectrio.core.record import HEADER_WORDS, MAX_WIDTH, record_words
+
+from .reference import pack_topk_ref, speculate_save_ref
 
 __all__ = [
     "RecordRing",
@@ -37,14 +39,6 @@ __all__ = [
 STEP_RECORD_MAX_BSZ = 1024
 """Largest batch the ``step_record`` kernel scans in shared memory; equals
 ``STEP_RECORD_MAX_BSZ`` in ``step_record.cu``."""
-
-
-def record_words(bsz: int, num_tokens: int, width: int) -> int:
-    """int32 words of a record with these dimensions."""
-    words = HEADER_WORDS + bsz + num_tokens
-    if width:
-        words += 2 * num_tokens * width + num_tokens
-    return words
 
 
 def capacity_words(max_bsz: int, max_cols: int, max_width: int) -> int:

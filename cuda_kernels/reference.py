@@ -8,8 +8,9 @@ its output is byte-identical to the kernel's on valid input:
 * :func:`pack_topk_ref` <-> ``pack_topk.cu``: the logprob block, exactly
   ``width`` columns wide.
 
-The record layout they produce is documented field by field in
-:mod:`spectrio.core.record`, which assembles and parses whole records.
+The record layout they produce is defined, field by field, in
+:mod:`spectrio.core.record`, which owns its constants and header rules, and which
+assembles and parses whole records.
 The references validate their input and raise ``ValueError``; the kernels
 trust theirs (the loader checks shapes and dtypes, and the kernels clamp
 counts into range only so a bad input cannot write out of bounds).
@@ -21,6 +22,22 @@ from typing import Any
 
 import numpy as np
 
+from spectrio.core.record import (
+    HEADER_WORDS,
+    KIND_DRAFT,
+    KIND_TARGET,
+    MAX_WIDTH,
+    PREEMPTED,
+    RECORD_VERSION,
+    pack_header,
+    record_width,
+    unpack_header,
+)
+
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+
+# The format's constants and header helpers are core.record's; they stay importable here.
 __all__ = [
     "HEADER_WORDS",
     "KIND_DRAFT",
@@ -30,55 +47,12 @@ __all__ = [
     "RECORD_VERSION",
     "expand_per_token",
     "pack_header",
+    "pack_step_record",
     "pack_topk_ref",
     "record_width",
     "speculate_save_ref",
     "unpack_header",
 ]
-
-RECORD_VERSION = 1
-"""Version word of the step record (header[0])."""
-KIND_TARGET = 3
-"""Record kind: verified (target) tokens."""
-KIND_DRAFT = 4
-"""Record kind: draft tokens."""
-PREEMPTED = -9
-"""``accept_num`` value of a slot preempted or aborted this step."""
-HEADER_WORDS = 4
-"""int32 words in the header: version, kind | (width << 8), bsz, num_tokens."""
-MAX_WIDTH = (1 << 23) - 1
-"""Largest width that keeps ``kind | (width << 8)`` a non-negative int32."""
-
-_I32 = np.dtype("<i4")
-_F32 = np.dtype("<f4")
-
-
-def pack_header(kind: int, width: int, bsz: int, num_tokens: int) -> np.ndarray:
-    """The 4-word header as little-endian int32."""
-    if not 0 <= kind <= 0xFF:
-        raise ValueError(f"record kind must fit in 8 bits (0..255), got {kind}")
-    if not 0 <= width <= MAX_WIDTH:
-        raise ValueError(f"record width must be in [0, {MAX_WIDTH}], got {width}")
-    if bsz < 0 or num_tokens < 0:
-        raise ValueError(f"bsz and num_tokens must be >= 0, got {bsz}, {num_tokens}")
-    return np.array([RECORD_VERSION, (kind & 0xFF) | (width << 8), bsz, num_tokens], dtype=_I32)
-
-
-def unpack_header(packed: int) -> tuple[int, int]:
-    """Split header[1] into ``(kind, width)``."""
-    return packed & 0xFF, packed >> 8
-
-
-def record_width(topn_per_slot: np.ndarray | None) -> int:
-    """Logprob block width for a batch: 0 when no slot wants logprobs
-    (every entry < 0, or None), else 1 + the largest top-N any slot asked for.
-    Column 0 always holds the sampled token."""
-    if topn_per_slot is None:
-        return 0
-    topn = np.asarray(topn_per_slot)
-    if topn.size == 0 or int(topn.max()) < 0:
-        return 0
-    return 1 + int(topn.max())
 
 
 def expand_per_token(per_slot: np.ndarray, accept_num: np.ndarray) -> np.ndarray:
@@ -184,3 +158,49 @@ def pack_topk_ref(
     lp_vals = np.where(want, vals[:, :width].astype(np.float32), np.float32(0.0)).astype(_F32)
     out_ranks = np.where(n >= 0, rk, -1).astype(_I32)
     return lp_ids, lp_vals, out_ranks
+
+
+def pack_step_record(
+    accepted_tokens: np.ndarray,
+    accept_counts: np.ndarray,
+    preempted: np.ndarray,
+    seq_lens_decoder: np.ndarray,
+    prompt_lens: np.ndarray,
+    *,
+    kind: int = KIND_TARGET,
+    logprobs: np.ndarray | None = None,
+    topk_ids: np.ndarray | None = None,
+    topk_vals: np.ndarray | None = None,
+    ranks: np.ndarray | None = None,
+) -> bytes:
+    """Pack one step into a record (the CPU path of both kernels combined).
+
+    Args:
+        accepted_tokens, accept_counts, preempted, seq_lens_decoder,
+            prompt_lens, kind: as in
+            :func:`speculate_save_ref`.
+        logprobs: int [bsz], the top-N each slot asked for (-1 or None: none;
+            0: the sampled token only). Sets the record width.
+        topk_ids, topk_vals: [num_tokens, W_max] logprob candidates of the
+            emitted tokens in record order (column 0 the emitted token).
+        ranks: int [num_tokens].
+    """
+    width = record_width(logprobs)
+    head = speculate_save_ref(
+        accepted_tokens, accept_counts, preempted, seq_lens_decoder, prompt_lens, kind, width
+    )
+    if width == 0:
+        return head.tobytes()
+    if topk_ids is None or topk_vals is None or ranks is None:
+        raise ValueError("a slot asked for logprobs: topk_ids, topk_vals and ranks are required")
+    assert logprobs is not None
+    bsz = int(head[2])
+    if np.shape(logprobs) != (bsz,):
+        raise ValueError(f"logprobs must have shape [{bsz}], got {np.shape(logprobs)}")
+    accept_num = head[HEADER_WORDS : HEADER_WORDS + bsz]
+    rows = np.shape(topk_ids)[0]
+    if rows != int(head[3]):
+        raise ValueError(f"logprob arrays have {rows} rows for {int(head[3])} emitted tokens")
+    topn = expand_per_token(np.asarray(logprobs), accept_num)
+    lp_ids, lp_vals, out_ranks = pack_topk_ref(topk_ids, topk_vals, ranks, topn, width)
+    return b"".join((head.tobytes(), lp_ids.tobytes(), lp_vals.tobytes(), out_ranks.tobytes()))

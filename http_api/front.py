@@ -33,6 +33,7 @@ import structlog
 import trio
 from tokenizers import Tokenizer
 
+from spectrio.core.notifier import Notifier
 from spectrio.core.params import SamplingParams, check_prompt
 from spectrio.errors import EngineDead
 from spectrio.http_api.logprobs import TokenStrings
@@ -93,7 +94,7 @@ class HttpFront:
         self.stopped = trio.Event()  # Hypercorn's shutdown trigger
         self._open: set[str] = set()  # runtime request ids of running HTTP requests
         self._exchanges = 0  # HTTP requests being answered
-        self._changed = trio.Event()
+        self._changed = Notifier()
 
     # ---- admission --------------------------------------------------------------------
 
@@ -202,8 +203,7 @@ class HttpFront:
             self._notify()
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        self._changed.notify()
 
     @property
     def open_requests(self) -> int:

@@ -439,14 +439,28 @@ def load(
     if isinstance(source, WithHead):
         model.set_draft_vocab(source.head.draft_vocab)
     fill_model(model, cfg, source, dtype, serving=serving, blocks=blocks)
-    seconds = time.perf_counter() - t0
-    log.info("model loaded", path=str(path), dtype=dtype, seconds=round(seconds, 3))
+    loaded = loaded_model(model, cfg, source, tokenizer, path, template, t0)
+    log.info("model loaded", path=str(path), dtype=dtype, seconds=round(loaded.load_seconds, 3))
+    return loaded
+
+
+def loaded_model(
+    model: SpectrioForCausalLM,
+    cfg: ModelConfig,
+    source: object,
+    tokenizer: TextTokenizer | None,
+    path: Path,
+    template: str | None,
+    t0: float,
+) -> LoadedModel:
+    """The :class:`LoadedModel` of a model filled from ``source`` (opened by
+    :func:`open_checkpoint`), loaded since ``t0`` (``time.perf_counter``)."""
     return LoadedModel(
         model=model,
         config=cfg,
         tokenizer=tokenizer,
         path=path,
-        load_seconds=seconds,
+        load_seconds=time.perf_counter() - t0,
         chat_template=template,
         head_path=attached_head(source),
     )

@@ -43,12 +43,12 @@ from spectrio.models.loader import (
     LoadedModel,
     blocks_run,
     fill_model,
+    loaded_model,
     open_checkpoint,
     read_config,
     resolve_path,
 )
 from spectrio.models.model import MTPLayer, SharedHead, SpectrioForCausalLM
-from spectrio.models.mtp_head import attached_head
 
 log = structlog.get_logger("spectrio.models.parallel")
 
@@ -262,14 +262,12 @@ def load_sharded(
     fill_model(
         model, cfg, source, dtype, serving=serving, blocks=blocks, rank=tp.rank, size=tp.size
     )
-    seconds = time.perf_counter() - t0
-    log.info("model shard loaded", path=str(path), rank=tp.rank, size=tp.size, seconds=seconds)
-    return LoadedModel(
-        model=model,
-        config=cfg,
-        tokenizer=tokenizer,
-        path=path,
-        load_seconds=seconds,
-        chat_template=template,
-        head_path=attached_head(source),
+    loaded = loaded_model(model, cfg, source, tokenizer, path, template, t0)
+    log.info(
+        "model shard loaded",
+        path=str(path),
+        rank=tp.rank,
+        size=tp.size,
+        seconds=loaded.load_seconds,
     )
+    return loaded

@@ -30,6 +30,7 @@ from spectrio.core.messages import (
     StepResult,
     TokenLogprob,
 )
+from spectrio.core.notifier import Notifier
 from spectrio.core.params import (
     InvalidRequest,
     SamplingParams,
@@ -168,7 +169,7 @@ class Runtime:
         self._closed = False
         self._dead: EngineDead | None = None
         self._died = trio.Event()
-        self._changed = trio.Event()  # set (and replaced) whenever the pipeline may be idle
+        self._changed = Notifier()  # whenever the pipeline may be idle
         self._stopped = trio.Event()  # every stage has ended
         self._paused = False
         self._timings: collections.deque[StepTiming] = collections.deque(maxlen=4096)
@@ -383,8 +384,7 @@ class Runtime:
 
     def _notify(self) -> None:
         """Wake ``wait_idle`` callers to re-check."""
-        self._changed.set()
-        self._changed = trio.Event()
+        self._changed.notify()
 
     def _deliver(self, result: StepResult) -> None:
         timing = self._unpublished.pop(result.step, None)

@@ -157,7 +157,7 @@ class DeviceWorker:
                     result,
                     device_seconds=end - timing.device_start,
                     idle_seconds=idle,
-                    draft_rows=plan.draft_rows,
+                    draft_rows=plan.draft_rows + verified.draft_rows,
                 )
             except BaseException as exc:  # reported to the Trio side, which fails the engine
                 self._fail(stage, exc)

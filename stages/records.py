@@ -3,7 +3,7 @@
 Two steps, kept apart so the device path can skip the first: :func:`step_arrays` lays a
 :class:`StepResult` out as columns (host NumPy), and :func:`pack_record` packs columns
 into the record's bytes. :func:`pack_record` dispatches on where the columns live: all on
-the host, it runs the NumPy reference (:func:`spectrio.core.record.pack_step_record`);
+the host, it runs the NumPy reference (:func:`spectrio.cuda_kernels.reference.pack_step_record`);
 any on a GPU (CuPy, or any ``__dlpack__`` array whose ``__dlpack_device__`` is not the
 CPU), it runs the CuPy kernels of :mod:`spectrio.cuda_kernels`. Both give the same bytes;
 the layout is :mod:`spectrio.core.record`'s.
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from spectrio.core.messages import PublishedStep, StepResult
-from spectrio.core.record import HEADER_WORDS, KIND_TARGET, pack_step_record
+from spectrio.core.record import HEADER_WORDS, KIND_TARGET
 from spectrio.cuda_kernels import (
     expand_per_token,
     is_host_array,
@@ -31,6 +31,7 @@ from spectrio.cuda_kernels import (
     speculate_save_any,
     to_host,
 )
+from spectrio.cuda_kernels.reference import pack_step_record
 
 __all__ = ["StepArrays", "on_device", "pack_record", "publish_step", "step_arrays"]
 
@@ -39,7 +40,7 @@ __all__ = ["StepArrays", "on_device", "pack_record", "publish_step", "step_array
 class StepArrays:
     """One step as the record's input columns. Each may be a host array (NumPy, lists) or
     a device ``__dlpack__`` array; shapes and meanings are those of
-    :func:`spectrio.core.record.pack_step_record`."""
+    :func:`spectrio.cuda_kernels.reference.pack_step_record`."""
 
     accepted_tokens: Any  # int [bsz, k+1], emitted tokens left-aligned
     accept_counts: Any  # int [bsz]

@@ -49,17 +49,21 @@ keep it exact and safe with steps in flight:
 * **Registration.** A prompt block is registered only when a step's result is folded in
   and that step has written its KV: the target's for every position the step or an
   earlier one computed, and, for a sequence whose MTP KV is cached, the MTP layer's for
-  the positions its catch-up covered (below the step's ``start_pos``). A sequence
-  preempted since the step was planned registers nothing from it. Every step in flight
-  writes only at or after positions registered so far, so a registered block is never
-  written again while it stays registered.
+  the positions its catch-up covered: below a decode step's ``start_pos``, and all but
+  the last row of a prompt chunk, which the proposer catches up in the chunk's own step
+  (``stages/draft/mtp.py``). So a request that ends with its first token (``max_tokens``
+  1, a client that closes) has registered its prompt blocks. A request aborted with a
+  step in flight keeps its blocks until that step is folded in, registers what the step
+  wrote, then frees them. A sequence preempted since the step was planned registers
+  nothing from it. Every step in flight writes only at or after positions registered so
+  far, so a registered block is never written again while it stays registered.
 * **Waiting for a prefix.** An admitted request promises the prompt blocks it will
   register (:meth:`~.block_manager.BlockManager.promise`). The head of the queue whose
   prefix a running request is computing right now is not admitted until those blocks
   are registered (or the promise ends with its request): computing the same prefix
   twice at once would cost a whole prefill, waiting costs the steps until the first
-  request's KV is written (its first decode step, with MTP KV). Admission stays first in,
-  first out, so requests behind it wait too.
+  request's prompt chunk returns. Admission stays first in, first out, so requests
+  behind it wait too.
 * **Freeing with steps in flight.** Blocks are released as soon as a request is
   preempted, finished or aborted: a block another table holds stays held, a registered
   one becomes evictable, and only an allocation that finds no free block evicts one and
@@ -170,12 +174,6 @@ class _InFlight:
     epochs: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
-def _decodes(work: SeqWork) -> bool:
-    """The work is a decode step: one committed token (or one resolved on the device,
-    when planned ahead) whose next tokens the sampler emits, with no prefill rows."""
-    return work.sample and (work.pending or len(work.token_ids) == 1)
-
-
 class Scheduler:
     def __init__(
         self, config: RuntimeConfig, blocks: BlockManager, *, max_in_flight: int | None = None
@@ -191,6 +189,10 @@ class Scheduler:
         # aborted seq id -> the last step planned when it was aborted: results of steps up
         # to that one may still carry it, and must not be published (see published()).
         self._aborted_at: dict[int, int] = {}
+        # aborted seq id -> (its sequence, the last step in flight that computes for it):
+        # its blocks stay held until that step is folded in, so the prompt blocks its
+        # steps in flight write are registered (module docstring, *Registration*)
+        self._retiring: dict[int, tuple[Sequence, int]] = {}
         self._step = 0
         self.num_preemptions = 0
         self.finished_by_reason: dict[str, int] = {}
@@ -222,11 +224,14 @@ class Scheduler:
         return None if seq is None else seq.state
 
     def abort(self, seq_id: int) -> Sequence | None:
-        """End a live sequence now: its blocks are freed, results still in flight for it
-        are dropped, and the next plan reports it (record: -9, finish reason "abort")."""
+        """End a live sequence now: its blocks are freed (with prefix caching, once the
+        steps in flight that compute for it are folded in and what they wrote of its
+        prompt is registered), results still in flight for it are dropped, and the next
+        plan reports it (record: -9, finish reason "abort")."""
         seq = self._by_id.pop(seq_id, None)
         if seq is None:
             return None
+        computing = [n for n, step in self._inflight.items() if seq_id in step.works]
         if seq.state.queued:
             self.waiting.remove(seq)
         else:
@@ -236,7 +241,10 @@ class Scheduler:
         seq.pending = None
         self.finished_by_reason["abort"] = self.finished_by_reason.get("abort", 0) + 1
         self._aborted_at[seq_id] = self._step
-        self.blocks.free(seq.seq_id)
+        if computing and self.blocks.caching and seq_id in self.blocks:
+            self._retiring[seq_id] = (seq, computing[-1])
+        else:
+            self.blocks.free(seq.seq_id)
         self._ended.append(
             Ended(seq_id, seq.request_id, "aborted", [seq.drafts_proposed, seq.drafts_accepted])
         )
@@ -357,7 +365,7 @@ class Scheduler:
             bool(self.waiting),
             {seq.seq_id: seq.num_preemptions for seq, _, _ in planned},
         )
-        if any(_decodes(w) for w in works):
+        if any(w.decodes for w in works):
             k = max((w.num_drafts for w in works), default=0)
             self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
         return StepPlan(
@@ -397,8 +405,10 @@ class Scheduler:
         prompt = len(seq.prompt_ids)
         if work.pending:  # planned after a sampling step: the whole prompt is behind it
             ready = prompt
-        elif key.lookahead:  # the MTP catch-up covered positions below start_pos
+        elif key.lookahead and work.decodes:  # MTP caught up below start_pos
             ready = work.start_pos
+        elif key.lookahead:  # a prompt chunk: MTP caught up to its last row, in its step
+            ready = work.start_pos + len(work.token_ids) - 1
         else:
             ready = work.start_pos + len(work.token_ids)
         self.blocks.register(seq.seq_id, seq.prompt_ids, key, min(ready, prompt))
@@ -567,12 +577,12 @@ class Scheduler:
         filed_k = step_k if drafted else 0
         if seconds is not None and works:
             # The same count choose() was given: the step's decoding speculative sequences.
-            speculative = sum(1 for w in works.values() if w.speculative and _decodes(w))
-            prompt_rows = sum(len(w.token_ids) for w in works.values() if not _decodes(w))
+            speculative = sum(1 for w in works.values() if w.speculative and w.decodes)
+            prompt_rows = sum(len(w.token_ids) for w in works.values() if not w.decodes)
             self.policy.observe_step(
                 speculative, filed_k, seconds, self._previous_k, (prompt_rows, result.draft_rows)
             )
-        if any(_decodes(w) for w in works.values()):
+        if any(w.decodes for w in works.values()):
             self._previous_k = filed_k
         for r in result.results:
             if r.num_drafts:
@@ -584,6 +594,12 @@ class Scheduler:
                 raise RuntimeError(f"step {result.step} returned an unplanned sequence {r.seq_id}")
             seq = self._by_id.get(r.seq_id)
             if seq is None:  # aborted since: nothing of it is published any more
+                retiring = self._retiring.get(r.seq_id)
+                if (
+                    retiring is not None
+                    and step.epochs.get(r.seq_id) == retiring[0].num_preemptions
+                ):
+                    self._register(retiring[0], work)
                 continue
             published.append(r)
             if (
@@ -599,6 +615,10 @@ class Scheduler:
             # The device dropped a pending sequence its previous step finished.
             if seq is not None or not work.pending:
                 raise RuntimeError(f"step {result.step} returned no result for sequence {seq_id}")
+        for seq_id, (_, last) in list(self._retiring.items()):
+            if last <= result.step:  # no step in flight computes for it any more
+                del self._retiring[seq_id]
+                self.blocks.free(seq_id)
         return replace(result, results=published)
 
     def _observe_occupancy(
@@ -615,7 +635,7 @@ class Scheduler:
         tokens = sum(len(r.token_ids) for r in result.results)
         overhead = 0.0
         if queued:
-            decoding = sum(1 for w in works.values() if _decodes(w))
+            decoding = sum(1 for w in works.values() if w.decodes)
             overhead = len(works) - decoding
             if still_queued:
                 overhead += max(0, self.config.max_num_seqs - len(works))

@@ -1,7 +1,8 @@
 """The verify stage: one target pass over every sequence's rows of the step.
 
 Runs on the device worker. Rows are the prefill chunk, or ``[last token, drafts...]``;
-a proposer that asks for them (MTP) gets the target hidden states of the step's rows.
+a proposer that asks for them (MTP) gets the target hidden states of the step's rows, in
+the same step (:meth:`~spectrio.stages.draft.base.Proposer.after_verify`).
 
 The model computes logits only for the rows the step needs (``PackedBatch.logits_indices``):
 each sampling slot's ``[last token, drafts...]`` rows, and the rows of a prefill chunk
@@ -34,6 +35,9 @@ class Verified:
     # every slot that scores prompt tokens: the raw logits of those rows as the model
     # computed them (float32 or float64) [len(score_ids), V]; the reduction widens them
     prompt_logits: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    # the proposer's rows after verify (Proposer.after_verify): draft-side rows whose
+    # cost does not depend on k, added to the plan's ``draft_rows``
+    draft_rows: int = 0
 
 
 def verify(ws: Workspace, plan: StepPlan) -> Verified:
@@ -68,12 +72,16 @@ def verify(ws: Workspace, plan: StepPlan) -> Verified:
     with paddle.no_grad():
         out = ws.model.forward(batch, ws.target_cache)
     ws.forward_seconds += time.perf_counter() - t0
+    draft_rows = 0
     if ws.proposer is not None and ws.proposer.wants_hidden:
-        ws.proposer.keep_hidden(plan, out.hidden, batch.cu_seqlens_q)
+        after = ws.proposer.after_verify(plan, out.hidden, batch.cu_seqlens_q, ws.history)
+        ws.forward_seconds += after.forward_seconds
+        draft_rows = after.extra_rows
     if not picks:
-        return Verified()
+        return Verified(draft_rows=draft_rows)
     host = out.logits.numpy()
     return Verified(
+        draft_rows=draft_rows,
         logits={
             slot: host[lo : lo + count].astype(np.float64, copy=False)
             for slot, (lo, count) in offsets.items()

@@ -215,7 +215,8 @@ def test_pack_topk_kernel_matches_reference(
 
 @gpu
 def test_full_record_from_kernels_matches_pack_step_record(cp_stream: tuple[Any, Any]) -> None:
-    from spectrio.core.record import pack_step_record, unpack
+    from spectrio.core.record import unpack
+    from spectrio.cuda_kernels.reference import pack_step_record
 
     cp, stream = cp_stream
     rng = np.random.default_rng(11)

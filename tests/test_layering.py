@@ -17,13 +17,13 @@ LAYERS: dict[str, tuple[str, int]] = {
     "cache_dir": ("spectrio_root/cache_dir.py", 0),
     "process_memory": ("spectrio_root/process_memory.py", 0),
     "models": ("models", 1),
-    "cuda_kernels": ("cuda_kernels", 1),
     "core": ("core", 2),
-    "stages": ("stages", 3),
-    "runtime": ("runtime", 4),
-    "wire": ("wire", 5),
-    "http_api": ("http_api", 6),
-    "tools": ("tools", 7),
+    "cuda_kernels": ("cuda_kernels", 3),
+    "stages": ("stages", 4),
+    "runtime": ("runtime", 5),
+    "wire": ("wire", 6),
+    "http_api": ("http_api", 7),
+    "tools": ("tools", 8),
 }
 
 

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spectrio.core.messages import PublishedStep
-from spectrio.core.record import pack_step_record, select_slots, unpack
+from spectrio.core.record import select_slots, unpack
+from spectrio.cuda_kernels.reference import pack_step_record
 from spectrio.wire.codec import decode_step, encode, encode_step, slice_step
 from spectrio.wire.outbox import DROP_AFTER, RECONNECT_S, Outbox
 from spectrio.wire.schema import Ack, Error, ErrorCode

@@ -191,3 +191,59 @@ async def test_salts_isolate_and_a_bad_salt_is_refused(bundled64: object) -> Non
             assert got["tenant-a"][0][0] == got["tenant-a"][1][0] == got["tenant-b"][0][0]
             with pytest.raises(InvalidRequest, match="cache_salt"):
                 rt.generate(PROMPTS[0], params(0), cache_salt=7)  # type: ignore[arg-type]
+
+
+async def _first_token(rt: Runtime, i: int, max_tokens: int) -> list[int]:
+    """Request ``i``'s first delta's tokens; the stream is closed right after it (the
+    request is aborted unless it ended there), as a classifier or a client that
+    disconnects does."""
+    p = params(i)
+    p = SamplingParams(
+        max_tokens=max_tokens, temperature=p.temperature, seed=p.seed, ignore_eos=True
+    )
+    async with rt.generate(PROMPTS[i], p, request_id=f"f{i}") as stream:
+        async for delta in stream:
+            if delta.token_ids:
+                return list(delta.token_ids)
+    return []
+
+
+async def _warm_then_first_tokens(rt: Runtime) -> dict[int, list[int]]:
+    """Request 0 warms the prefix with ``max_tokens=1``; then requests 1-6 arrive at once
+    and each closes its stream after its first tokens."""
+    await _first_token(rt, 0, 1)
+    await rt.wait_idle()
+    got: dict[int, list[int]] = {}
+
+    async def one_first(i: int) -> None:
+        got[i] = await _first_token(rt, i, 16)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(1, 7):
+            nursery.start_soon(one_first, i)
+    await rt.wait_idle()
+    assert rt.blocks.num_used_blocks == 0
+    assert rt.workspace.num_states == 0
+    rt.blocks.check_invariants()
+    return got
+
+
+@pytest.mark.parametrize("k,overlap", [(2, False), (2, True), (0, False)])
+async def test_a_prefix_warmed_by_a_request_ending_at_its_first_token_is_hit(
+    bundled64: object, k: int, overlap: bool
+) -> None:
+    """Issue 59's case: a request with ``max_tokens=1`` ends in its prefill step, so its
+    prompt blocks (MTP KV included) must be registered when that step returns; the
+    requests after it, closed after their first token, all hit the whole prefix, and
+    their first tokens equal the cache-off run's."""
+    with trio.fail_after(300):
+        async with open_runtime(config(k, caching=False, overlap=overlap)) as rt:
+            off = await _warm_then_first_tokens(rt)
+            assert rt.stats().prefix_cache_hits == 0
+        async with open_runtime(config(k, caching=True, overlap=overlap)) as rt:
+            on = await _warm_then_first_tokens(rt)
+            stats = rt.stats()
+    assert on == off and all(on.values())
+    # 40 of the prefix's 41 tokens are whole blocks, their MTP lookahead inside it
+    assert stats.prefix_cache_hits == 6 * 40
+    assert stats.cached_kv_blocks >= 10

@@ -22,7 +22,7 @@ from msgspec.structs import replace
 from scheduler_helpers import seq_result
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig
-from spectrio.core.messages import SeqResult, StepPlan, StepResult
+from spectrio.core.messages import SeqResult, SeqWork, StepPlan, StepResult
 from spectrio.stages.block_manager import BlockManager, BlockManagerError, PrefixKey
 from spectrio.stages.draft import TokenHistory
 from spectrio.stages.draft.mtp import CatchUp
@@ -209,19 +209,19 @@ class Device:
             acc = _h("acc", w.request_id, w.num_output) % (w.num_drafts + 1) if w.sample else 0
             true = [token_at(w.request_id, w.num_output + i) for i in range(w.num_drafts)]
             drafts = [t if i < acc else 999 for i, t in enumerate(true)]
-            # Steps that draft nothing defer the catch-up as the MTP proposer does (a lag
-            # of 4 at most): registered prompt blocks must carry real MTP KV regardless.
-            if self.mtp and w.speculative and not self.catch_up.may_defer(w, 4):
-                first, nxt = self.catch_up.advance(w.seq_id, w.start_pos, toks, len(w.cached_ids))
-                for p in range(first):  # the MTP layer's attention
-                    assert self.draft.get(slot(p)) == (toks[p], toks[p + 1]), (w.request_id, p)
-                for i, p in enumerate(range(first, w.start_pos)):
-                    self.draft[slot(p)] = (toks[p], nxt[i])
+            # A decode step catches up before verify; one that drafts nothing defers it
+            # as the MTP proposer does (a lag of 4 at most). A prompt chunk is caught up
+            # after its verify, to its last row. Registered prompt blocks must carry real
+            # MTP KV regardless.
+            if self.mtp and w.speculative and w.decodes and not self.catch_up.may_defer(w, 4):
+                self._catch_up(w, w.start_pos, toks, slot)
                 for i in range(len(drafts)):  # substeps: speculative entries
                     self.draft[slot(w.start_pos + i)] = ("spec", i)
             rows = list(w.token_ids) + (drafts if w.sample else [])
             for i, t in enumerate(rows):
                 self.target[slot(w.start_pos + i)] = t
+            if self.mtp and w.speculative and not w.decodes:
+                self._catch_up(w, w.start_pos + len(w.token_ids) - 1, toks, slot)
             drafted.append(replace(w, drafts=drafts if w.sample else []))
             if not w.sample:
                 results.append(seq_result(w, 0, []))
@@ -239,6 +239,14 @@ class Device:
         return StepResult(
             step=plan.step, results=results, preempted=plan.preempted, aborted=plan.aborted
         )
+
+    def _catch_up(self, w: SeqWork, end: int, toks: list[int], slot: Callable[[int], int]) -> None:
+        """Real MTP KV for positions up to ``end``, after checking what it reads."""
+        first, nxt = self.catch_up.advance(w.seq_id, end, toks, len(w.cached_ids))
+        for p in range(first):  # the MTP layer's attention
+            assert self.draft.get(slot(p)) == (toks[p], toks[p + 1]), (w.request_id, p)
+        for i, p in enumerate(range(first, end)):
+            self.draft[slot(p)] = (toks[p], nxt[i])
 
 
 PREFIXES = [[10 + (7 * i + j) % 37 for j in range(9 + 5 * i)] for i in range(3)]
@@ -457,3 +465,147 @@ def test_a_promise_ends_with_its_sequence() -> None:
     bm.free("a")  # finished before its last block's KV was final: the promise goes
     assert bm.lookup(prompt, PrefixKey(), 12) == (hit, 0)
     bm.check_invariants()
+
+
+# ---------------------------- prompts whose requests end at once (issue 59, item 2)
+
+
+def _seq(i: int, prompt: list[int], max_tokens: int, spec: bool) -> Sequence:
+    return Sequence(
+        seq_id=i + 1,
+        request_id=f"r{i}",
+        prompt_ids=prompt,
+        params=SamplingParams(max_tokens=max_tokens),
+        eos_token_ids=[STOP],
+        speculative=spec,
+    )
+
+
+def _drain(s: Scheduler, dev: Device, after_plan: Callable[[StepPlan], None] | None = None) -> int:
+    """Plan and fold until the scheduler is idle (``after_plan`` sees each plan as it is
+    made, before any later fold); returns the steps run."""
+    queue: list[StepPlan] = []
+    prev: tuple[StepPlan, StepResult] | None = None
+    steps = 0
+    while s.has_work() or queue:
+        while s.can_schedule():
+            plan = s.schedule()
+            if plan is None:
+                break
+            queue.append(plan)
+            if after_plan is not None:
+                after_plan(plan)
+            s.blocks.check_invariants()
+        if not queue:
+            break
+        plan = resolve_plan(queue.pop(0), *(prev or (None, None)))
+        result = dev.step(plan)
+        prev = (plan, result)
+        s.update(result)
+        s.blocks.check_invariants()
+        steps += 1
+    return steps
+
+
+def _registered_blocks(prompt: list[int], mtp: bool) -> int:
+    """Full prompt blocks a request registers by its first token: with MTP KV, a block
+    needs the token after its last position, so the prompt's last position's block
+    waits for the sampled token."""
+    return (len(prompt) - 1) // BS if mtp else len(prompt) // BS
+
+
+ENDING_AT_ONCE = [(0, "mtp", 1), (2, "mtp", 1), (2, "mtp", 2), (2, "ngram", 2)]
+
+
+@pytest.mark.parametrize("k,method,in_flight", ENDING_AT_ONCE)
+def test_a_request_ending_at_its_first_token_registers_its_prompt_blocks(
+    k: int, method: str, in_flight: int
+) -> None:
+    """``max_tokens=1``: the request ends in its prefill step. Its prompt blocks, MTP KV
+    included, were written in that step, so they are registered, and the next request
+    over the same prompt hits them."""
+    mtp = method == "mtp" and k > 0
+    s = make(k, method, 200, in_flight, True)
+    dev = Device(200, mtp=mtp)
+    prompt = PREFIXES[2] + [41, 42]  # 21 tokens: 5 full blocks
+    s.add(_seq(0, prompt, 1, k > 0))
+    _drain(s, dev)
+    assert s.blocks.num_cached_blocks == _registered_blocks(prompt, mtp) > 0
+    s.add(_seq(1, prompt, 4, k > 0))
+    _drain(s, dev)  # the simulated device checks every cached position it reads
+    assert s.blocks.stats.hits == _registered_blocks(prompt, mtp) * BS
+    assert s.blocks.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("k,method,in_flight", ENDING_AT_ONCE)
+def test_a_request_aborted_with_its_prefill_in_flight_registers_what_the_step_wrote(
+    k: int, method: str, in_flight: int
+) -> None:
+    """Aborted right after its (one-chunk) prefill is planned: its blocks stay held until
+    that step is folded in, then what the step wrote is registered and the blocks are
+    released to the cache."""
+    mtp = method == "mtp" and k > 0
+    s = make(k, method, 200, in_flight, True)
+    dev = Device(200, mtp=mtp)
+    prompt = PREFIXES[2] + [41, 42]
+    s.add(_seq(0, prompt, 8, k > 0))
+    held: list[int] = []
+
+    def abort_it(plan: StepPlan) -> None:
+        if plan.step == 1:
+            assert s.abort(1) is not None
+            held.append(s.blocks.num_used_blocks)
+
+    _drain(s, dev, abort_it)
+    assert held and held[0] >= -(-len(prompt) // BS)  # held until the step returns
+    assert s.blocks.num_used_blocks == 0
+    assert s.blocks.num_cached_blocks == _registered_blocks(prompt, mtp) > 0
+    assert s.state(1) is None and s.finished_by_reason == {"abort": 1}
+
+
+@pytest.mark.parametrize("k,method,in_flight", ENDING_AT_ONCE)
+def test_requests_closed_after_their_first_token_share_a_prefix_warmed_by_max_tokens_1(
+    k: int, method: str, in_flight: int
+) -> None:
+    """The issue's case in logic: a shared prefix is warmed by a request with
+    ``max_tokens=1``, then 8 requests over it arrive at once, and each is aborted as soon
+    as its first token is folded in (a client that closes its stream). Every one hits the
+    whole warmed prefix, and none waits on another's promise."""
+    mtp = method == "mtp" and k > 0
+    s = make(k, method, 200, in_flight, True)
+    dev = Device(200, mtp=mtp)
+    prefix = PREFIXES[2] + [41]  # 20 tokens: 5 full blocks
+    s.add(_seq(0, prefix + [44], 1, k > 0))
+    _drain(s, dev)
+    warmed = s.blocks.num_cached_blocks
+    assert warmed == len(prefix) // BS
+    for i in range(1, 9):
+        s.add(_seq(i, prefix + [45 + i, 46], 8, k > 0))
+    first_token_at: dict[int, int] = {}
+    queue: list[StepPlan] = []
+    prev: tuple[StepPlan, StepResult] | None = None
+    step = 0
+    while s.has_work() or queue:
+        while s.can_schedule():
+            plan = s.schedule()
+            if plan is None:
+                break
+            queue.append(plan)
+        plan = resolve_plan(queue.pop(0), *(prev or (None, None)))
+        result = dev.step(plan)
+        prev = (plan, result)
+        step += 1
+        for r in s.update(result).results:
+            if r.token_ids and r.seq_id not in first_token_at:
+                first_token_at[r.seq_id] = step
+                if r.finish_reason is None:
+                    s.abort(r.seq_id)  # the client closes after its first token
+        s.blocks.check_invariants()
+    assert sorted(first_token_at) == list(range(2, 10))
+    # every request hit the whole shared prefix (with MTP KV, a block whose last
+    # position's next token is a request's own suffix is not shared)
+    assert s.blocks.stats.hits == 8 * _registered_blocks(prefix, mtp) * BS
+    # max_num_seqs (4) at a time, each a 2-3 token prefill: two rounds of admission,
+    # not one request at a time behind another's promise
+    assert max(first_token_at.values()) <= 4 * in_flight
+    assert s.blocks.num_used_blocks == 0

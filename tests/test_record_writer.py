@@ -1,7 +1,7 @@
 """The persistent GPU record path: its pure rules on the CPU, the writer on a GPU.
 
 CPU: sizes, the capture plan, the pinned-buffer reuse rule, and the per-(slot, position)
-reference against :func:`spectrio.core.record.pack_step_record`. GPU (skipped without
+reference against :func:`spectrio.cuda_kernels.reference.pack_step_record`. GPU (skipped without
 CuPy and a device): a fuzz of random steps through :class:`RecordWriter` in both modes,
 with and without graphs, from CuPy and torch buffers, byte for byte against the
 reference; two records in flight; the ring's refusals; construction errors.
@@ -19,7 +19,7 @@ import pytest
 
 import spectrio.cuda_kernels as ck
 from spectrio.core.config import BASE_CAPTURE_SIZES
-from spectrio.core.record import pack_step_record, record_nbytes, unpack
+from spectrio.core.record import record_nbytes, unpack
 from spectrio.cuda_kernels import record_layout, record_writer
 from spectrio.cuda_kernels.record_layout import (
     RecordRing,
@@ -31,7 +31,7 @@ from spectrio.cuda_kernels.record_layout import (
     record_words,
     step_record_ref,
 )
-from spectrio.cuda_kernels.reference import KIND_DRAFT, KIND_TARGET
+from spectrio.cuda_kernels.reference import KIND_DRAFT, KIND_TARGET, pack_step_record
 
 # ------------------------------------------------------------------ CPU: rules
 

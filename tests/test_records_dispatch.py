@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from spectrio.core.messages import SeqResult, StepResult, TokenLogprob
-from spectrio.core.record import PREEMPTED, pack_step_record, unpack
+from spectrio.core.record import PREEMPTED, unpack
 from spectrio.cuda_kernels import KernelUnavailable, loader, record_width, speculate_save_ref
+from spectrio.cuda_kernels.reference import pack_step_record
 from spectrio.errors import SpectrioError
 from spectrio.stages.records import StepArrays, on_device, pack_record, publish_step, step_arrays
 

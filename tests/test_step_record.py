@@ -14,17 +14,13 @@ from spectrio.core.record import (
     PREEMPTED,
     RECORD_VERSION,
     RecordError,
-    pack_step_record,
-    record_nbytes,
-    unpack,
-)
-from spectrio.cuda_kernels.reference import (
     pack_header,
-    pack_topk_ref,
+    record_nbytes,
     record_width,
-    speculate_save_ref,
+    unpack,
     unpack_header,
 )
+from spectrio.cuda_kernels.reference import pack_step_record, pack_topk_ref, speculate_save_ref
 
 # Five slots, k = 2 (3 columns):
 #   0: decoding, emits 3 tokens
@@ -303,3 +299,12 @@ def test_unpack_rejects_malformed_records() -> None:
     with pytest.raises(RecordError, match="sum"):
         unpack(bytes(bad))
     assert issubclass(RecordError, ValueError)
+
+
+def test_the_moved_packer_keeps_its_old_name_with_a_warning() -> None:
+    from spectrio.core import record
+
+    with pytest.warns(DeprecationWarning, match="spectrio.cuda_kernels.reference"):
+        assert record.pack_step_record is pack_step_record
+    with pytest.raises(AttributeError):
+        record.no_such_name  # noqa: B018 - the attribute access is the test

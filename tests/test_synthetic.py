@@ -21,7 +21,7 @@ from spectrio.models.synthetic import (
     true_chain,
     true_next,
 )
-from spectrio.tools.generation_stats import GenerationStats
+from spectrio.stages.output_processor import RequestStats
 
 VOCAB = SYNTHETIC_CONFIG.vocab_size
 
@@ -173,13 +173,13 @@ async def test_greedy_through_the_runtime_is_the_true_chain_at_the_requested_rat
     lens = rng.integers(4, 40, 64)
     prompts = [[int(t) for t in rng.integers(1, VOCAB, size=int(n))] for n in lens]
     max_tokens = 160
-    total = GenerationStats()
+    total = RequestStats()
     outputs: dict[int, list[int]] = {}
     with trio.fail_after(120):
         async with open_runtime(cfg) as rt:
 
             async def one(i: int) -> None:
-                stats = GenerationStats()
+                stats = RequestStats()
                 toks: list[int] = []
                 params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
                 async for delta in rt.generate(prompts[i], params):

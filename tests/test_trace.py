@@ -175,13 +175,13 @@ def test_result_builder_times_and_acceptance() -> None:
 
 
 def test_percentiles_interpolate() -> None:
-    assert percentiles([0.001, 0.002, 0.003, 0.004, 0.005]) == {
+    assert percentiles([0.001, 0.002, 0.003, 0.004, 0.005], scale=1e3) == {
         "p50": 3.0,
         "p90": 4.6,
         "p99": 4.96,
         "mean": 3.0,
     }
-    assert percentiles([]) == {}
+    assert percentiles([]) == dict.fromkeys(("p50", "p90", "p99", "mean"))
 
 
 def test_first_divergence() -> None:

@@ -28,7 +28,7 @@ import zmq
 from spectrio.core.config import RuntimeConfig
 from spectrio.core.messages import PublishedStep
 from spectrio.core.params import SamplingParams
-from spectrio.core.record import pack_step_record
+from spectrio.cuda_kernels.reference import pack_step_record
 from spectrio.http_api.front import HttpFront
 from spectrio.http_api.server import serve_http
 from spectrio.models import LoadedModel

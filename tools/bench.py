@@ -118,11 +118,12 @@ from spectrio.models.loader import load_text_side, load_tokenizer
 from spectrio.models.synthetic import is_synthetic, parse_spec
 from spectrio.process_memory import peak_rss_bytes
 from spectrio.runtime import timing_cache
+from spectrio.stages.output_processor import RequestStats
 from spectrio.stages.spec_policy import batch_bucket
 from spectrio.tools.bench_speedup import Z_95, format_speedups, pooled_rate, speedups
 from spectrio.tools.chat_prompts import heldout_chat_prompts
 from spectrio.tools.corpus import corpus_files, read_texts
-from spectrio.tools.generation_stats import GenerationStats
+from spectrio.tools.latency import percentiles
 from spectrio.tools.trace import ResultBuilder, TraceWriter, runtime_fields, summarize
 
 SCHEMA = 2
@@ -271,20 +272,6 @@ def poisson_arrivals(count: int, rate: float | None, seed: int = 0) -> list[floa
         raise ValueError(f"request rate must be a positive number, got {rate}")
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=count - 1)
     return [0.0, *np.cumsum(gaps).tolist()]
-
-
-def percentiles(values: Sequence[float]) -> dict[str, float | None]:
-    """p50, p90, p99 and mean of ``values`` (linear interpolation); None when empty."""
-    if not values:
-        return {"p50": None, "p90": None, "p99": None, "mean": None}
-    arr = np.asarray(values, dtype=np.float64)
-    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
-    return {
-        "p50": round(float(p50), 3),
-        "p90": round(float(p90), 3),
-        "p99": round(float(p99), 3),
-        "mean": round(float(arr.mean()), 3),
-    }
 
 
 @dataclasses.dataclass
@@ -458,7 +445,7 @@ class _CaseRun:
             disable=not progress,
         )
         self.builders = [ResultBuilder(f"r{i}", start=0.0) for i in range(count)]
-        self.stats = [GenerationStats() for _ in range(count)]
+        self.stats = [RequestStats() for _ in range(count)]
         self.outputs: list[list[int]] = [[] for _ in range(count)]
         self.traces: list[RequestTrace] = []
         self.unfinished = count
@@ -528,7 +515,7 @@ class _CaseRun:
         count = len(self.arrivals)
         if self.writer is not None:
             self.writer.add_summary(wall, summarize([b.result() for b in self.builders], wall))
-        total = GenerationStats()
+        total = RequestStats()
         for s in self.stats:
             total.merge(s)
         tokens = total.num_tokens

@@ -17,12 +17,11 @@ from spectrio.tools.sampling_flags import add_sampling_flags
 
 async def _generate_async(args: argparse.Namespace) -> dict[str, object]:
     from spectrio import open_runtime
-    from spectrio.stages.output_processor import logprob_json
-    from spectrio.tools.generation_stats import GenerationStats
+    from spectrio.stages.output_processor import RequestStats, logprob_json
     from spectrio.tools.sampling_flags import sampling_params
 
     async with open_runtime(runtime_config(args)) as rt:
-        stats = GenerationStats()
+        stats = RequestStats()
         ids: list[int] = []
         text = ""
         reason = None

@@ -34,6 +34,7 @@ import msgspec
 
 from spectrio.core.params import SamplingParams
 from spectrio.errors import SpectrioError
+from spectrio.tools.latency import percentiles
 
 __all__ = [
     "TRACE_FORMAT",
@@ -460,22 +461,6 @@ class TraceRecorder:
 # ---- summaries (pure) ---------------------------------------------------------------------
 
 
-def percentiles(values: Sequence[float], qs: Sequence[int] = (50, 90, 99)) -> dict[str, float]:
-    """``{"p50": ..., "p90": ..., "p99": ..., "mean": ...}`` in milliseconds of values in
-    seconds (linear interpolation); empty for no values."""
-    if not values:
-        return {}
-    xs = sorted(values)
-    out: dict[str, float] = {}
-    for q in qs:
-        pos = (len(xs) - 1) * q / 100
-        lo = math.floor(pos)
-        hi = min(lo + 1, len(xs) - 1)
-        out[f"p{q}"] = round(1000 * (xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)), 3)
-    out["mean"] = round(1000 * sum(xs) / len(xs), 3)
-    return out
-
-
 def acceptance(results: Iterable[TraceResult]) -> dict[str, Any]:
     """Acceptance per draft position (share of steps that proposed position i in which it
     was accepted) and the mean accepted length (tokens per step), over results that
@@ -524,9 +509,9 @@ def summarize(results: Sequence[TraceResult], wall_s: float | None) -> dict[str,
         "tokens": tokens,
         "wall_s": round(wall_s, 4) if wall_s is not None else None,
         "tokens_per_second": round(tokens / wall_s, 2) if wall_s else None,
-        "ttft_ms": percentiles([r.ttft_s for r in results if r.ttft_s is not None]),
-        "itl_ms": percentiles([x for r in results for x in r.itl_s]),
-        "tpot_ms": percentiles(tpot),
+        "ttft_ms": percentiles([r.ttft_s for r in results if r.ttft_s is not None], scale=1e3),
+        "itl_ms": percentiles([x for r in results for x in r.itl_s], scale=1e3),
+        "tpot_ms": percentiles(tpot, scale=1e3),
         **acceptance(results),
     }
 
@@ -534,8 +519,8 @@ def summarize(results: Sequence[TraceResult], wall_s: float | None) -> dict[str,
 def format_summary(s: dict[str, Any]) -> str:
     """The summary as a few human lines."""
 
-    def pct(d: dict[str, float]) -> str:
-        if not d:
+    def pct(d: dict[str, float | None]) -> str:
+        if not d or d.get("p50") is None:
             return "n/a"
         return " ".join(f"{k}={v:.1f}" for k, v in d.items())
 

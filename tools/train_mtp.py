@@ -41,6 +41,7 @@ import numpy as np
 import structlog
 
 from spectrio.tools.chat_prompts import chat_prompts, usable_messages
+from spectrio.tools.train import lr_at
 
 if TYPE_CHECKING:
     from spectrio import Runtime, RuntimeConfig, SamplingParams
@@ -704,14 +705,6 @@ def _rename_state(
         match = max((n for n in mapping if key.startswith(n + "_")), key=len, default=None)
         out[key if match is None else mapping[match] + key[len(match) :]] = value
     return out
-
-
-def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine to 10% of ``peak`` as
-    ``progress`` reaches 1."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
 
 
 def train(

@@ -79,8 +79,10 @@ import trio
 import zmq
 
 from spectrio.core.messages import PublishedStep
+from spectrio.core.notifier import Notifier
 from spectrio.core.params import InvalidRequest, SamplingParams
-from spectrio.core.record import pack_step_record, unpack
+from spectrio.core.record import unpack
+from spectrio.cuda_kernels.reference import pack_step_record
 from spectrio.errors import EngineDead
 from spectrio.runtime.api import RequestStream, Runtime
 from spectrio.wire.admission import (
@@ -262,7 +264,7 @@ class WireServer:
         self._ended: collections.OrderedDict[str, tuple[bytes, Error]] = (
             collections.OrderedDict()
         )  # request ended for stalled outputs -> (its owner, the error), for Abort replies
-        self._changed = trio.Event()  # set (and replaced) on every queue, send or drop
+        self._changed = Notifier()  # on every queue, send or drop
         self._supervise = trio.Event()  # wakes the supervisor early (a connection closed)
         self._tap_tx, self._tap_rx = trio.open_memory_channel[list[bytes]](tap_buffer)
         self._tap_enabled = tap
@@ -275,7 +277,7 @@ class WireServer:
             chat=runtime.chat_prompt,
         )
         self._running: dict[str, bytes] = {}  # acknowledged request id -> its owner
-        self._finished = trio.Event()  # replaced each time a request task ends
+        self._finished = Notifier()  # each time a request task ends
         self._router_waiter: trio.CancelScope | None = None
         self._closing = False
         self._linger_s = 0.0  # how long the sockets may keep unsent messages on close
@@ -363,8 +365,7 @@ class WireServer:
 
     def _wake(self) -> None:
         """Something was queued, sent or dropped: wake the socket owners and waiters."""
-        self._changed.set()
-        self._changed = trio.Event()
+        self._changed.notify()
         if self._router_waiter is not None:
             self._router_waiter.cancel()
 
@@ -876,8 +877,7 @@ class WireServer:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
             self._running.pop(rid, None)
-            self._finished.set()
-            self._finished = trio.Event()
+            self._finished.notify()
 
     def _abort(
         self, msg: Abort, owner: bytes, envelope: list[bytes], nursery: trio.Nursery

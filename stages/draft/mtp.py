@@ -6,13 +6,20 @@ target hidden rows each speculative sequence's last verify left behind, and each
 sequence's catch-up position.
 
 The MTP layer reads, at position ``p``, the target hidden state of ``p`` and the token at
-``p + 1``. Per sequence, positions below its *catch-up position* hold real MTP KV. Each
-step first catches up: it runs the layer over positions ``catch-up .. start_pos - 1``
-(whose hidden rows the previous step's verify stored, and whose next tokens the history
-holds), then sets the catch-up position to ``start_pos``. The last catch-up row's logits
-give draft 1; substep ``i + 1`` reads substep ``i``'s output hidden state and draft at
-the next position. Substep KV entries past ``start_pos`` are speculative, and the next
-step's catch-up overwrites them.
+``p + 1``. Per sequence, positions below its *catch-up position* hold real MTP KV. A
+decode step first catches up: it runs the layer over positions ``catch-up .. start_pos -
+1`` (whose hidden rows earlier verifies stored, and whose next tokens the history holds),
+then sets the catch-up position to ``start_pos``. The last catch-up row's logits give
+draft 1; substep ``i + 1`` reads substep ``i``'s output hidden state and draft at the
+next position. Substep KV entries past ``start_pos`` are speculative, and the next step's
+catch-up overwrites them.
+
+A prompt chunk (any work that is not a decode step) is caught up after its own verify,
+in the same step (:meth:`MTPProposer.after_verify`): every row's next token but the
+last one's is known before the step runs, so the step that writes a prompt block's target
+KV writes its MTP KV too, and the scheduler registers the block when that step returns,
+whatever becomes of the request afterwards (``stages/scheduling.py``, *Registration*).
+The chunk's last position waits for the next token: the next chunk's, or the sampled one.
 
 A sequence drafting 0 this step may defer its catch-up (:meth:`CatchUp.may_defer`): its
 hidden rows are kept until a step that drafts for it (or the lag limit) catches up on
@@ -21,8 +28,8 @@ layer on every step. Its prompt is always caught up first: a prompt block regist
 the prefix cache carries real MTP KV (``stages/scheduling.py``, *Registration*), and only
 positions past the prompt ever lag. Every rank defers the same way, from the plan alone.
 
-Catch-up rows beyond ``k_max + 1`` a sequence (a request's first decode step reads its
-whole last prompt chunk) are the draft side's extra rows for the adaptive policy.
+A prompt chunk's catch-up rows, and a decode step's beyond ``k_max + 1`` a sequence
+(a deferred catch-up), are the draft side's extra rows for the adaptive policy.
 """
 
 from __future__ import annotations
@@ -247,26 +254,46 @@ class MTPProposer:
         row = self.model.config.hidden_size * np.dtype(self.model.dtype).itemsize
         return int(min(MAX_LAG, max(MIN_LAG, LAG_BYTES // (row * max(1, num_seqs)))))
 
-    def keep_hidden(self, plan: StepPlan, hidden: paddle.Tensor, row_starts: np.ndarray) -> None:
+    def after_verify(
+        self, plan: StepPlan, hidden: paddle.Tensor, row_starts: np.ndarray, history: TokenHistory
+    ) -> Proposal:
+        """Keep each speculative sequence's verified hidden rows for its next catch-up,
+        then catch every prompt chunk of the step up at once: the token after each of its
+        rows but the last is known, so the step that writes a prompt block's target KV
+        writes its MTP KV too (module docstring). Its last row waits for the sampled (or
+        the next chunk's first) token, in the sequence's next step."""
+        work: list[tuple[SeqWork, int, list[int]]] = []
         for i, w in enumerate(plan.seqs):
-            if w.speculative:
-                first = int(row_starts[i])
-                caught_up = self.catch_up.position(w.seq_id)
-                if caught_up is not None:
-                    self.hidden.drop_before(w.seq_id, caught_up)
-                self.hidden.store(
-                    w.seq_id, w.start_pos, hidden, first, int(row_starts[i + 1]) - first
+            if not w.speculative:
+                continue
+            first = int(row_starts[i])
+            caught_up = self.catch_up.position(w.seq_id)
+            if caught_up is not None:
+                self.hidden.drop_before(w.seq_id, caught_up)
+            self.hidden.store(w.seq_id, w.start_pos, hidden, first, int(row_starts[i + 1]) - first)
+            if not w.decodes:
+                end = w.start_pos + len(w.token_ids) - 1
+                start, tokens = self.catch_up.advance(
+                    w.seq_id, end, history.tokens(w.seq_id), len(w.cached_ids)
                 )
+                if tokens:
+                    work.append((w, start, tokens))
+        if not work:
+            return Proposal({})
+        t0 = time.perf_counter()
+        self._run(work)
+        rows = sum(len(tokens) for _, _, tokens in work)
+        return Proposal({}, extra_rows=rows, forward_seconds=time.perf_counter() - t0)
 
     def propose(self, plan: StepPlan, history: TokenHistory) -> Proposal:
-        """Catch every speculative sequence up, then run the substeps for those with
-        draft slots. Writes real MTP cache entries for the catch-up positions."""
+        """Catch every decoding speculative sequence up, then run the substeps for those
+        with draft slots. Writes real MTP cache entries for the catch-up positions."""
         work: list[tuple[SeqWork, int, list[int]]] = []  # (work, first position, tokens)
         speculative = [w for w in plan.seqs if w.speculative]
         max_lag = self.max_lag(len(speculative))
         for w in speculative:
-            if self.catch_up.may_defer(w, max_lag):
-                continue
+            if not w.decodes or self.catch_up.may_defer(w, max_lag):
+                continue  # a prompt chunk is caught up after verify (after_verify)
             first, tokens = self.catch_up.advance(
                 w.seq_id, w.start_pos, history.tokens(w.seq_id), len(w.cached_ids)
             )

@@ -61,8 +61,10 @@ class NgramProposer:
                     drafts[w.slot] = found
         return Proposal(drafts)
 
-    def keep_hidden(self, plan: StepPlan, hidden: Any, row_starts: np.ndarray) -> None:
-        return None
+    def after_verify(
+        self, plan: StepPlan, hidden: Any, row_starts: np.ndarray, history: TokenHistory
+    ) -> Proposal:
+        return Proposal({})
 
     def warmup(self, batch: Any, hidden: Any) -> None:
         return None
