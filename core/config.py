@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast, overload
 
+from spectrio.core.draft_methods import DRAFT_METHODS, DraftNeeds, needs_of
 from spectrio.errors import ConfigError
 from spectrio.models.config import DType
 
@@ -45,8 +46,9 @@ DTYPE_BYTES: dict[str, int] = {"float32": 4, "float64": 8}
 """Accepted compute dtypes and their element sizes."""
 
 ROLES: tuple[str, ...] = ("mixed", "prefill", "decode")
-SPEC_METHODS: tuple[str, ...] = ("mtp", "ngram")
-"""Draft methods (``stages/draft/``): the checkpoint's MTP layer, or prompt lookup."""
+SPEC_METHODS: tuple[str, ...] = tuple(DRAFT_METHODS)
+"""Draft methods (``stages/draft/``): the checkpoint's MTP layer, prompt lookup, or a
+draft model (what each needs: :mod:`spectrio.core.draft_methods`)."""
 
 
 def _base_capture_sizes() -> tuple[int, ...]:
@@ -131,6 +133,13 @@ class SpeculativeConfig:
     proposes the tokens that followed it. It needs no draft weights, so it runs on a
     checkpoint with no MTP layer; ``num_model_steps`` is MTP's only and is ignored.
 
+    ``method="draft_model"`` drafts with a model of its own
+    (:mod:`spectrio.stages.draft.draft_model`): ``draft_model`` names any checkpoint
+    spectrio loads whose vocabulary is the target's (None: the target itself), and
+    ``draft_layers`` runs only its first N decoder layers (None: all of them; the target's
+    first N is self-speculation). Its drafts are sampled, and verification uses their
+    probabilities, so the output keeps the target's distribution whatever the draft is.
+
     ``timing_cache`` is where the adaptive policy keeps what it measured about this
     machine's step times between runs (:mod:`spectrio.runtime.timing_cache`): ``"auto"``
     (``$SPECTRIO_CACHE_DIR``, else ``$XDG_CACHE_HOME/spectrio``, else
@@ -144,6 +153,8 @@ class SpeculativeConfig:
     timing_cache: str = "auto"
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    draft_model: str | None = None
+    draft_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPEC_METHODS:
@@ -169,6 +180,24 @@ class SpeculativeConfig:
                 f"prompt_lookup_min: must be <= prompt_lookup_max ({self.prompt_lookup_max}), "
                 f"got {self.prompt_lookup_min}"
             )
+        own_model = self.needs.draft_model
+        if self.draft_model is not None:
+            if not isinstance(self.draft_model, str) or not self.draft_model:
+                raise ConfigError(
+                    f"draft_model: must be a model name or path, got {self.draft_model!r}"
+                )
+            if not own_model:
+                raise ConfigError(
+                    f"draft_model: only method 'draft_model' runs a draft model, not "
+                    f"{self.method!r}"
+                )
+        if self.draft_layers is not None:
+            _require_positive_int("draft_layers", self.draft_layers)
+            if not own_model:
+                raise ConfigError(
+                    f"draft_layers: only method 'draft_model' runs a draft model, not "
+                    f"{self.method!r}"
+                )
         if self.method is None:
             return
         if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
@@ -186,6 +215,11 @@ class SpeculativeConfig:
         return self.method is not None
 
     @property
+    def needs(self) -> DraftNeeds:
+        """What the method asks of the runtime (:mod:`spectrio.core.draft_methods`)."""
+        return needs_of(self.method)
+
+    @property
     def num_draft_tokens(self) -> int:
         """Drafted tokens per sequence per step: k, or 0 with no speculation."""
         return self.num_speculative_tokens if self.enabled else 0
@@ -201,7 +235,7 @@ class SpeculativeConfig:
         ``num_model_steps`` or k when unset, k for n-gram; 0 with no speculation."""
         if not self.enabled:
             return 0
-        if self.num_model_steps is None or self.method != "mtp":
+        if self.num_model_steps is None or not self.needs.model_steps:
             return self.num_speculative_tokens
         return self.num_model_steps
 
@@ -414,8 +448,9 @@ class RuntimeConfig:
 
     @property
     def num_mtp_layers(self) -> int:
-        """KV layers the draft adds: 1 with MTP speculation, else 0."""
-        return 1 if self.speculative.method == "mtp" else 0
+        """KV layers the checkpoint's MTP layer adds: 1 when the method runs it, else 0
+        (a draft model's are counted from its own config: ``runtime/kv_sizing.py``)."""
+        return 1 if self.speculative.needs.checkpoint_mtp else 0
 
     # ---------------------------------------------------------------- planning
 

@@ -498,11 +498,15 @@ class SpectrioForCausalLM(nn.Layer):
 
     # ---- serving: packed rows over a paged cache -------------------------------------
 
-    def forward(self, batch: PackedBatch, cache: PagedKVCache) -> ForwardOutput:
-        """Target pass: writes K/V of every row, returns logits and final hidden states."""
+    def forward(
+        self, batch: PackedBatch, cache: PagedKVCache, num_layers: int | None = None
+    ) -> ForwardOutput:
+        """Target pass: writes K/V of every row, returns logits and final hidden states.
+        ``num_layers``: only the first N decoder layers, then the final norm and the head
+        (a draft made of the model's first layers; ``cache`` holds N layers)."""
         self.staging.reset()
         x = self._embed(batch.input_ids)
-        layers = self._decoder_layers()[: self.config.num_hidden_layers]
+        layers = self._decoder_layers()[: num_layers or self.config.num_hidden_layers]
         x, delta = self._run_layers(layers, x, batch, cache)
         hidden, summed = self.model.norm.add_normalize(x, delta, weighted=True)
         logits = self.compute_logits(self._select(hidden, batch))

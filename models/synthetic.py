@@ -340,8 +340,11 @@ class SyntheticModel(SpectrioForCausalLM):
             return np.arange(batch.num_tokens)
         return batch.logits_indices
 
-    def forward(self, batch: PackedBatch, cache: PagedKVCache) -> ForwardOutput:
-        """Target pass: logits peak at ``T(x, p)``; hidden rows carry draft depth 0."""
+    def forward(
+        self, batch: PackedBatch, cache: PagedKVCache, num_layers: int | None = None
+    ) -> ForwardOutput:
+        """Target pass: logits peak at ``T(x, p)``; hidden rows carry draft depth 0. It
+        has no layers to cut, so ``num_layers`` changes nothing."""
         t0 = time.perf_counter()
         _check_tables(batch, cache.block_size)
         rows = self._rows(batch)

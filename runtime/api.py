@@ -49,7 +49,12 @@ from spectrio.models.paddle_setup import MKL_CPU_TYPE, configure_paddle
 from spectrio.process_memory import peak_rss_bytes, rss_bytes
 from spectrio.runtime.device_worker import DeviceWorker
 from spectrio.runtime.health import Health, judge_health
-from spectrio.runtime.kv_sizing import check_checkpoint, num_kv_blocks
+from spectrio.runtime.kv_sizing import (
+    check_checkpoint,
+    check_draft,
+    draft_kv_layers,
+    num_kv_blocks,
+)
 from spectrio.runtime.timing_cache import KeptTimings
 from spectrio.runtime.tp import TPGroup, make_workspace
 from spectrio.stages.block_manager import BlockManager
@@ -128,8 +133,11 @@ class Runtime:
         loaded: LoadedModel,
         encoded_channels: bool,
         group: TPGroup | None = None,
+        draft: LoadedModel | None = None,
     ) -> None:
+        """``draft``: the loaded ``speculative.draft_model``, when one is named."""
         self.config = config
+        self.draft = draft
         self._group = group
         self.loaded = loaded
         if loaded.tokenizer is None:
@@ -143,12 +151,17 @@ class Runtime:
         )
         cfg = loaded.config
         check_checkpoint(config, cfg)
-        num_blocks = num_kv_blocks(config, cfg)
+        check_draft(config, cfg, draft, loaded.tokenizer)
+        num_blocks = num_kv_blocks(config, cfg, None if draft is None else draft.config)
         self.blocks = BlockManager(
             num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
         )
         self.workspace: Workspace = make_workspace(
-            loaded.model, num_blocks, config.block_size, config.speculative
+            loaded.model,
+            num_blocks,
+            config.block_size,
+            config.speculative,
+            None if draft is None else draft.model,
         )
         # The scheduler's one owner; the runtime goes through it for everything.
         self._actor = SchedulerActor(Scheduler(config, self.blocks))
@@ -268,8 +281,11 @@ class Runtime:
         if self._group is not None and self._group.spawned:
             nursery.start_soon(self._watch_followers, self._group)
         cfg = self.loaded.config
+        draft_layers = draft_kv_layers(
+            self.config, cfg, None if self.draft is None else self.draft.config
+        )
         kv_bytes = self.blocks.num_blocks * self.config.kv_bytes_per_block(
-            cfg.num_hidden_layers,
+            cfg.num_hidden_layers + draft_layers,
             cfg.num_key_value_heads // self.config.tensor_parallel_size,
             cfg.head_dim,
         )
@@ -1069,8 +1085,19 @@ async def open_runtime(
         loaded = await trio.to_thread.run_sync(
             partial(load, serving=True), config.model, config.model_dtype
         )
+    draft: LoadedModel | None = None
+    draft_name = config.speculative.draft_model
+    if draft_name is not None:
+        if group is not None:
+            raise ConfigError(
+                "draft_model: a draft model of its own runs on one rank only; with tensor "
+                "parallelism the target drafts for itself (draft_model=None, draft_layers)"
+            )
+        draft = await trio.to_thread.run_sync(
+            partial(load, serving=True), draft_name, config.model_dtype
+        )
     try:
-        rt = Runtime(config, loaded, encoded_channels, group)
+        rt = Runtime(config, loaded, encoded_channels, group, draft)
         if warmup:
             seconds = await trio.to_thread.run_sync(
                 rt.workspace.warmup,

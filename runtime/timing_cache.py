@@ -124,8 +124,9 @@ def identity(
         "tensor_parallel_size": config.tensor_parallel_size,
         "overlap": config.enable_overlap,
         "k": spec.effective_num_model_steps,
-        # MTP's files predate the key: it names only the other methods
-        **({} if spec.method == "mtp" else {"method": spec.method}),
+        "method": spec.method,
+        # a draft model's steps cost what the model and its layers cost
+        **({"draft": [spec.draft_model, spec.draft_layers]} if spec.needs.draft_model else {}),
         "cpu": [_cpu_model(), os.cpu_count(), cpu_signature()],
         "kernels": kernels_identity() if config.dtype == "float32" else "off",
         # the file's quantized blocks instead of float weights (models/loader.py)

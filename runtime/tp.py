@@ -233,6 +233,7 @@ def make_workspace(
     num_blocks: int,
     block_size: int,
     speculative: SpeculativeConfig | None = None,
+    draft_model: SpectrioForCausalLM | None = None,
 ) -> Workspace:
     """A :class:`Workspace` whose caches hold this rank's KV heads."""
     return Workspace(
@@ -241,6 +242,7 @@ def make_workspace(
         block_size,
         speculative,
         num_kv_heads=getattr(model, "num_local_kv_heads", None),
+        draft_model=draft_model,
     )
 
 

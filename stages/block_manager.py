@@ -82,22 +82,28 @@ class PrefixKey:
     ``lookahead``: tokens after a block that its KV also depends on. The MTP layer's KV
     at position ``p`` reads the token at ``p + 1``, so a block whose draft KV is cached
     with it depends on the first token of the next block (1); a target-only block on
-    nothing more (0). The two never share a chain: their root hashes differ.
+    nothing more (0).
+    ``draft``: the draft method whose KV the block carries besides the target's ("":
+    none). Keys that differ in any field never share a chain: their root hashes differ.
     """
 
     salt: str = ""
     lookahead: int = 0
+    draft: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.salt, str):
             raise TypeError(f"salt: must be a str, got {type(self.salt).__name__}")
+        if not isinstance(self.draft, str):
+            raise TypeError(f"draft: must be a str, got {type(self.draft).__name__}")
         if self.lookahead not in (0, 1):
             raise ValueError(f"lookahead: must be 0 or 1, got {self.lookahead!r}")
 
     def root(self) -> bytes:
         """The parent hash of a sequence's first block."""
+        draft = f"/draft:{self.draft}" if self.draft else ""
         return hashlib.blake2b(
-            f"spectrio-prefix/{self.lookahead}/{self.salt}".encode(), digest_size=16
+            f"spectrio-prefix/{self.lookahead}/{self.salt}{draft}".encode(), digest_size=16
         ).digest()
 
 

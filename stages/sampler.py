@@ -15,6 +15,6 @@ __all__ = ["sample"]
 
 
 def sample(sampler: Sampler, ws: Workspace, plan: StepPlan, verified: Verified) -> StepResult:
-    result = sampler.step(plan, verified.logits, verified.prompt_logits)
+    result = sampler.step(plan, verified.logits, verified.prompt_logits, ws.draft_probs)
     ws.release([r.seq_id for r in result.results if r.finish_reason is not None])
     return result

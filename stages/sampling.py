@@ -127,14 +127,17 @@ class Sampler:
         plan: StepPlan,
         logits: dict[int, np.ndarray],
         prompt_logits: dict[int, np.ndarray] | None = None,
+        draft_probs: dict[int, np.ndarray] | None = None,
     ) -> StepResult:
         """Decide every sampling slot of ``plan`` from its logits (rows ``[last token,
         d1..dm]`` per slot, from verify), and reduce ``prompt_logits`` (the raw logits of
         the rows that score prompt tokens, ``SeqWork.score_ids``, per slot) to each
-        result's ``prompt_logprobs``."""
+        result's ``prompt_logprobs``. ``draft_probs``: per slot, the distributions its
+        drafts were sampled from (the full rejection rule); a slot without them has
+        one-hot drafts."""
         self.drop(plan.retired)
         prepared = [self._prepare(w, logits[w.slot]) for w in plan.seqs if w.sample]
-        emitted = self._accept(prepared)
+        emitted = self._accept(prepared, draft_probs or {})
         finished = [self._finish(prep, run) for prep, run in zip(prepared, emitted, strict=True)]
         pairs = zip(prepared, finished, strict=True)
         _attach_logprobs([(p, r) for p, r in pairs if r.num_logprobs is not None and r.token_ids])
@@ -154,7 +157,9 @@ class Sampler:
             aborted_drafts=plan.aborted_drafts,
         )
 
-    def _accept(self, prepared: list[_Prepared]) -> list[list[int]]:
+    def _accept(
+        self, prepared: list[_Prepared], draft_probs: dict[int, np.ndarray]
+    ) -> list[list[int]]:
         """Accepted drafts plus the recovered or bonus token, per prepared sequence."""
         if not prepared:
             return []
@@ -172,7 +177,7 @@ class Sampler:
             num_drafts,
             target,
             np.array([p.state.params.is_greedy for p in prepared]),
-            None,
+            _draft_rows(prepared, draft_probs, target.shape[1]),
             keys,
             positions,
         )
@@ -257,3 +262,26 @@ def _silent(w: SeqWork) -> SeqResult:
         num_computed=w.start_pos + len(w.token_ids),
         context_len=w.context_len,
     )
+
+
+def _draft_rows(
+    prepared: list[_Prepared], draft_probs: dict[int, np.ndarray], vocab: int
+) -> np.ndarray | None:
+    """Every draft's distribution [drafts, V] in the order of the drafts, where a slot
+    of the step sampled its drafts: a slot without them gets one-hot rows (a greedy
+    request's, which only its argmax match reads). None when no slot sampled."""
+    if not any(p.work.slot in draft_probs and p.work.drafts for p in prepared):
+        return None
+    rows = []
+    for p in prepared:
+        n = len(p.work.drafts)
+        q = draft_probs.get(p.work.slot)
+        if q is None:
+            q = np.zeros((n, vocab))
+            q[np.arange(n), p.work.drafts] = 1.0
+        elif q.shape[0] < n or q.shape[1] != vocab:
+            raise ValueError(
+                f"slot {p.work.slot}: draft distributions {q.shape} for {n} drafts over {vocab}"
+            )
+        rows.append(q[:n])
+    return np.concatenate(rows)

@@ -206,9 +206,12 @@ class Scheduler:
         self._step_k = self.policy.k_max  # drafts per decoding sequence in the planned step
         self._previous_k: int | None = None  # the k of the last decoding step folded in
         self._untimed = 0  # steps still not timed after an idle device (IDLE_UNTIMED_S)
-        # The MTP layer keeps per-position KV in the target's blocks: a speculative
-        # request's cached blocks carry it (lookahead 1), a target-only one's do not.
-        self._draft_kv = config.speculative.method == "mtp"
+        # A method with KV of its own keeps it in the target's blocks: a speculative
+        # request's cached blocks carry it (under its own key), a target-only one's do not.
+        spec = config.speculative
+        self._draft_key = (
+            (spec.needs.prefix_lookahead, spec.method or "") if spec.needs.draft_kv else None
+        )
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -376,7 +379,10 @@ class Scheduler:
         )
 
     def _key(self, seq: Sequence) -> PrefixKey:
-        return PrefixKey(seq.cache_salt, 1 if self._draft_kv and seq.speculative else 0)
+        if self._draft_key is None or not seq.speculative:
+            return PrefixKey(seq.cache_salt)
+        lookahead, draft = self._draft_key
+        return PrefixKey(seq.cache_salt, lookahead, draft)
 
     def _match(self, seq: Sequence) -> tuple[list[int], int]:
         """Cached blocks the sequence's context starts with (at most ``length - 1``
@@ -405,12 +411,8 @@ class Scheduler:
         prompt = len(seq.prompt_ids)
         if work.pending:  # planned after a sampling step: the whole prompt is behind it
             ready = prompt
-        elif key.lookahead and work.decodes:  # MTP caught up below start_pos
-            ready = work.start_pos
-        elif key.lookahead:  # a prompt chunk: MTP caught up to its last row, in its step
-            ready = work.start_pos + len(work.token_ids) - 1
-        else:
-            ready = work.start_pos + len(work.token_ids)
+        else:  # the step's rows, less those whose draft KV reads a token still to come
+            ready = work.start_pos + len(work.token_ids) - key.lookahead
         self.blocks.register(seq.seq_id, seq.prompt_ids, key, min(ready, prompt))
 
     def _closing(self, drafting: list[Sequence]) -> list[Remaining]:

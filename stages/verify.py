@@ -73,7 +73,7 @@ def verify(ws: Workspace, plan: StepPlan) -> Verified:
         out = ws.model.forward(batch, ws.target_cache)
     ws.forward_seconds += time.perf_counter() - t0
     draft_rows = 0
-    if ws.proposer is not None and ws.proposer.wants_hidden:
+    if ws.proposer is not None:
         after = ws.proposer.after_verify(plan, out.hidden, batch.cu_seqlens_q, ws.history)
         ws.forward_seconds += after.forward_seconds
         draft_rows = after.extra_rows

@@ -27,8 +27,10 @@ class Workspace:
         speculative: SpeculativeConfig | None = None,
         *,
         num_kv_heads: int | None = None,
+        draft_model: SpectrioForCausalLM | None = None,
     ) -> None:
-        """``num_kv_heads``: this rank's share of the KV heads (all of them by default)."""
+        """``num_kv_heads``: this rank's share of the KV heads (all of them by default).
+        ``draft_model``: the loaded ``speculative.draft_model``, when one is named."""
         cfg = model.config
         kvh = cfg.num_key_value_heads if num_kv_heads is None else num_kv_heads
         self.model = model
@@ -39,9 +41,11 @@ class Workspace:
         self.proposer: Proposer | None = (
             None
             if speculative is None
-            else make_proposer(speculative, model, num_blocks, block_size, kvh)
+            else make_proposer(speculative, model, num_blocks, block_size, kvh, draft_model)
         )
         self.history = TokenHistory()
+        # slot -> the distributions the step's drafts were sampled from (Proposal.draft_probs)
+        self.draft_probs: dict[int, np.ndarray] = {}
         self.forward_seconds = 0.0  # wall time inside Paddle forward calls
 
     def warmup(self, num_tokens: int, max_seq_len: int) -> float:

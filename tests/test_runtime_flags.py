@@ -90,6 +90,13 @@ def test_a_field_without_a_flag_is_an_error(monkeypatch: pytest.MonkeyPatch) -> 
         (["--spec-method", "ngram"], "speculative.method", "ngram"),
         (["--prompt-lookup-max", "6"], "speculative.prompt_lookup_max", 6),
         (["--prompt-lookup-min", "1"], "speculative.prompt_lookup_min", 1),
+        # a draft model's fields go with its method (they are refused with any other)
+        (
+            ["--spec-method", "draft_model", "--draft-model", "bundled"],
+            "speculative.draft_model",
+            "bundled",
+        ),
+        (["--spec-method", "draft_model", "--draft-layers", "2"], "speculative.draft_layers", 2),
     ],
 )
 def test_each_flag_sets_its_field(argv: list[str], field: str, value: object) -> None:
@@ -97,10 +104,11 @@ def test_each_flag_sets_its_field(argv: list[str], field: str, value: object) ->
     head, _, name = field.rpartition(".")
     got = getattr(config.speculative if head else config, name)
     assert got == value
+    spec = SpeculativeConfig(method="draft_model") if name.startswith("draft_") else None
     assert config == dataclasses.replace(  # and nothing else changed
         RuntimeConfig(),
         **(
-            {"speculative": dataclasses.replace(SpeculativeConfig(), **{name: value})}
+            {"speculative": dataclasses.replace(spec or SpeculativeConfig(), **{name: value})}
             if head
             else {name: value}
         ),

@@ -187,11 +187,12 @@ def test_two_rank_forward_equals_the_dense_forward(bundled64: LoadedModel, tmp_p
 # ---- the runtime with a group ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("k", ["0", "2", "ngram:2"])
+@pytest.mark.parametrize("k", ["0", "2", "ngram:2", "draft_model:2"])
 def test_tp2_greedy_output_equals_tp1(k: str) -> None:
     """Token for token, with one published record per step, one plan broadcast per step
     (plus the setup), and the follower gone after a clean stop. ``ngram:2``: the n-gram
-    proposer drafts the same on every rank from the plans alone."""
+    proposer drafts the same on every rank from the plans alone; ``draft_model:2``: each
+    rank's shard of the target drafts for itself, its passes in step with the others'."""
     one = _drive("generate", "1", k, "12")
     two = _drive("generate", "2", k, "12")
     assert two["outputs"] == one["outputs"]

@@ -67,6 +67,7 @@ PINNED_FINGERPRINTS = {
     (1, 6): "4ea4fb9c908c7b965e545555ae960b64b3f93d5c08ec6ce06d54ddfd2c686bb3",  # cache_salt
     (1, 7): "becc5e910be5b9c93e5fbe646223fdba17854cbf63d4596678578c42cc969591",  # stream, health
     (1, 8): "dffd50f1750abfd89e2711192401be8ddfd36424e3095e7e101462faa2ff84b4",  # prompt_logprobs
+    (1, 9): "2fb6bf980c76e78c9973d283ad37e36e2b6b42de097e1bb5322ed9c46b167ac8",  # draft_model
 }
 
 

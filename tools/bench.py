@@ -111,6 +111,7 @@ import trio.testing
 from tqdm import tqdm
 
 from spectrio import Runtime, RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
+from spectrio.core.config import SPEC_METHODS
 from spectrio.core.timing import StepTiming, device_summary
 from spectrio.models import LoadedModel, load, reference
 from spectrio.models.chat import build_chat_template
@@ -219,26 +220,37 @@ def _chat_prompts(count: int, model: str) -> list[list[int]]:
 
 def spec_config(k: int | str, k_max: int = 4, method: str = "mtp") -> SpeculativeConfig:
     """0: no speculation; N: a fixed N drafts per step; "auto": adaptive, up to ``k_max``;
-    drafts made by ``method`` (``mtp`` or ``ngram``), unless the case names its own
-    (``"ngram:3"``, ``"mtp:auto"``: one run then compares the methods)."""
+    drafts made by ``method`` (``mtp``, ``ngram`` or ``draft_model``), unless the case
+    names its own (``"ngram:3"``, ``"mtp:auto"``: one run then compares the methods).
+    ``draft_model/N``: the target's first N layers draft (``draft_model``: all of them)."""
     if isinstance(k, str) and ":" in k:
         method, k = k.split(":", 1)
         return spec_config(k if k == "auto" else int(k), k_max, method)
+    method, _, layers = method.partition("/")
+    draft_layers = int(layers) if layers else None
     if k == "auto":
-        return SpeculativeConfig(method=method, num_speculative_tokens=k_max, adaptive=True)
+        return SpeculativeConfig(
+            method=method, num_speculative_tokens=k_max, adaptive=True, draft_layers=draft_layers
+        )
     if k == 0:
         return SpeculativeConfig(method=None)
-    return SpeculativeConfig(method=method, num_speculative_tokens=int(k), adaptive=False)
+    return SpeculativeConfig(
+        method=method, num_speculative_tokens=int(k), adaptive=False, draft_layers=draft_layers
+    )
 
 
 def parse_case_k(value: str) -> int | str:
-    """A ``--k`` value: an int, ``"auto"``, or ``"METHOD:N"``/``"METHOD:auto"``, kept as the
-    case's label; raises ValueError otherwise."""
+    """A ``--k`` value: an int, ``"auto"``, or ``"METHOD:N"``/``"METHOD:auto"`` (METHOD
+    one of :data:`~spectrio.core.config.SPEC_METHODS`, or ``draft_model/L``: the target's
+    first L layers draft), kept as the case's label; raises ValueError otherwise."""
     if value == "auto":
         return value
     if ":" in value:
         method, k = value.split(":", 1)
-        if method not in ("mtp", "ngram") or not (k == "auto" or int(k) > 0):
+        name, _, layers = method.partition("/")
+        if name not in SPEC_METHODS or not (k == "auto" or int(k) > 0):
+            raise ValueError(value)
+        if layers and (name != "draft_model" or int(layers) < 1):
             raise ValueError(value)
         return f"{method}:{k}"
     return int(value)
@@ -846,15 +858,17 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=["0", "1", "2", "3", "auto"],
         help="0 means --no-spec, N a fixed k, 'auto' the adaptive policy up to --k-max; "
-        "METHOD:N or METHOD:auto (mtp, ngram) drafts that case with METHOD instead of "
-        "--spec-method, so one run compares methods",
+        "METHOD:N or METHOD:auto (mtp, ngram, draft_model, or draft_model/L: the target's "
+        "first L layers) drafts that case with METHOD instead of --spec-method, so one run "
+        "compares methods",
     )
     p.add_argument("--k-max", type=int, default=4, help="largest k the adaptive policy may use")
     p.add_argument(
         "--spec-method",
-        choices=("mtp", "ngram"),
+        choices=SPEC_METHODS,
         default="mtp",
-        help="how the speculating cases draft: the MTP layer or n-gram prompt lookup",
+        help="how the speculating cases draft: the MTP layer, n-gram prompt lookup, or the "
+        "target drafting for itself",
     )
     p.add_argument(
         "--prompts",

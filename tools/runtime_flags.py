@@ -173,6 +173,20 @@ RUNTIME_FLAGS: Final[tuple[FlagSpec, ...]] = (
         "N",
     ),
     FlagSpec(
+        "speculative.draft_model",
+        "--draft-model",
+        "--spec-method draft_model: the model that drafts (a name, folder or .gguf file "
+        "whose vocabulary is the target's; 'none': the target itself)",
+        "PATH",
+    ),
+    FlagSpec(
+        "speculative.draft_layers",
+        "--draft-layers",
+        "--spec-method draft_model: draft with the model's first N layers only "
+        "(self-speculation with the target; 'none': all of them)",
+        "N",
+    ),
+    FlagSpec(
         "speculative.timing_cache",
         "--timing-cache",
         "where the adaptive policy keeps its measured step times between runs: "
@@ -214,6 +228,10 @@ def _optional_int(text: str) -> int | None:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an int or 'none', got {text!r}") from None
+
+
+def _optional_str(text: str) -> str | None:
+    return None if text.strip().lower() == "none" else text
 
 
 def _show(value: Any) -> str:
@@ -263,6 +281,8 @@ def _argument(spec: FlagSpec, f: dataclasses.Field[Any], default: Any) -> dict[s
         kw["type"] = float
     elif kind == "int|None":
         kw["type"] = _optional_int
+    elif kind == "str|None":
+        kw["type"] = _optional_str
     elif kind == "_CaptureSizesField":
         kw.update(type=int, nargs="+")
         shown = " (default: planned from max_num_seqs and k)"

@@ -69,7 +69,7 @@ SCHEMA_VERSION: Final = 1
 of another major version (``schema_version``). Bump it for a change an old peer would
 misread: a removed or renamed key, a changed type or meaning."""
 
-SCHEMA_MINOR: Final = 8
+SCHEMA_MINOR: Final = 9
 """Minor version within :data:`SCHEMA_VERSION`: bumped for additions an old peer can
 ignore (an optional key a reader skips, a new request type an old client never sends).
 It is not on every message (an old peer's ``"v"`` stays valid); a client learns the
@@ -240,7 +240,7 @@ class Error(_Message, tag="error", frozen=True, kw_only=True):
 class SpeculativeInfo(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The server's speculative configuration (``SpeculativeConfig``'s fields)."""
 
-    method: str | None  # "mtp", "ngram" (since 1.4), or nil: no speculation
+    method: str | None  # "mtp", "ngram" (since 1.4), "draft_model" (since 1.9), or nil
     num_speculative_tokens: int  # k: the most drafts per sequence per step
     num_model_steps: int | None  # MTP substeps per step; nil: k
     adaptive: bool  # each step drafts 0..k, as the measured acceptance says
@@ -248,6 +248,10 @@ class SpeculativeInfo(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     # older server)
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    # the draft model's name (nil: the target itself) and the layers it drafts with (nil:
+    # all), for "draft_model" (since 1.9; nil otherwise and from an older server)
+    draft_model: str | None = None
+    draft_layers: int | None = None
 
 
 class ModelInfo(_Message, tag="info", frozen=True, kw_only=True):

@@ -186,6 +186,8 @@ def model_info(runtime: Runtime, tokenizer_json: str) -> ModelInfo:
             adaptive=spec.adaptive,
             prompt_lookup_max=spec.prompt_lookup_max,
             prompt_lookup_min=spec.prompt_lookup_min,
+            draft_model=spec.draft_model,
+            draft_layers=spec.draft_layers,
         ),
         tokenizer_sha256=hashlib.sha256(data).hexdigest(),
         tokenizer_bytes=len(data),

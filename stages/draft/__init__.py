@@ -3,8 +3,10 @@
 The scheduler gives each sequence a number of draft slots and knows nothing of how
 drafts are made. On the device worker, each resolved plan goes through :func:`draft`:
 the workspace's :class:`~.base.TokenHistory` folds the plan in, then the configured
-:class:`~.base.Proposer` (:func:`make_proposer`: ``mtp`` or ``ngram``) fills the slots.
-After verify a proposer that asks for them gets the target's hidden rows.
+:class:`~.base.Proposer` (:func:`make_proposer`: ``mtp``, ``ngram`` or ``draft_model``)
+fills the slots. After verify, in the same step, the proposer writes the draft state of
+the step's prompt rows (:meth:`~.base.Proposer.after_verify`), with the target's hidden
+rows when it asks for them.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ def make_proposer(
     num_blocks: int,
     block_size: int,
     num_kv_heads: int | None = None,
+    draft: SpectrioForCausalLM | None = None,
 ) -> Proposer | None:
-    """The proposer ``spec.method`` names; None with no speculation."""
+    """The proposer ``spec.method`` names; None with no speculation. ``draft``: the
+    loaded ``spec.draft_model`` (None: the target drafts for itself)."""
     if spec.method is None:
         return None
     if spec.method == "mtp":
@@ -49,6 +53,16 @@ def make_proposer(
         from spectrio.stages.draft.ngram import NgramProposer
 
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "draft_model":
+        from spectrio.stages.draft.draft_model import DraftModelProposer
+
+        return DraftModelProposer(
+            model if draft is None else draft,
+            num_blocks,
+            block_size,
+            num_layers=spec.draft_layers,
+            num_kv_heads=num_kv_heads if draft is None else None,
+        )
     raise ConfigError(f"method: no proposer for {spec.method!r}")
 
 
@@ -56,12 +70,14 @@ def draft(ws: Workspace, plan: StepPlan) -> StepPlan:
     """``plan`` with ``drafts`` filled in where the proposer found any (a copy; the plan
     is not changed) and ``draft_rows`` set. Drops the state of ``plan.released`` first."""
     ws.release(plan.released)
+    ws.draft_probs = {}
     proposer = ws.proposer
     if proposer is None:
         return plan
     ws.history.fold(plan)
     proposal = proposer.propose(plan, ws.history)
     ws.forward_seconds += proposal.forward_seconds
+    ws.draft_probs = proposal.draft_probs
     if proposal.drafts:
         found = proposal.drafts
         seqs = [

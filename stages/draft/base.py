@@ -8,9 +8,11 @@ fills at most that many and may leave any empty. Rules every proposer keeps:
   broadcasts before drafting) and state it derived from earlier plans, never a step's
   result: a tensor-parallel follower never sees results. So every rank proposes the same
   drafts and verifies the same rows.
-* **Drafts never change the output.** Acceptance is sample-then-match (greedy argmax, or
-  lossless rejection sampling with one-hot drafts), so a proposer only decides how many
-  tokens a step may gain.
+* **Drafts never change the output's distribution.** Acceptance is sample-then-match
+  for one-hot drafts (greedy argmax, or lossless rejection sampling), so such a proposer
+  only decides how many tokens a step may gain; a proposer that samples its drafts
+  hands their distributions over (:attr:`Proposal.draft_probs`) and verification
+  applies the full rule with them.
 * **State ends with the sequence.** :meth:`Proposer.release` gets every sequence that
   finished, was aborted or was preempted; a preempted one comes back from position 0.
 """
@@ -36,6 +38,9 @@ class Proposal:
     extra_rows: int = 0  # draft-side rows whose cost does not depend on k (the adaptive
     #                      policy takes their learnt cost off the step's time)
     forward_seconds: float = 0.0  # wall time inside model forward calls
+    # slot -> float64 [drafts, V]: the distribution each draft was sampled from, for
+    # verification's full rule; a slot without one has deterministic (one-hot) drafts
+    draft_probs: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 class Proposer(Protocol):
