@@ -28,6 +28,8 @@ class DraftNeeds:
     * ``draft_probs``: its drafts are sampled, and verification uses their
       probabilities (the full rejection rule); otherwise drafts are one-hot.
     * ``wants_hidden``: verify hands it the target's hidden rows.
+    * ``fields``: the ``SpeculativeConfig`` fields only this method reads (a trace's
+      header of another method's run leaves them out).
     """
 
     draft_kv: bool = False
@@ -37,6 +39,7 @@ class DraftNeeds:
     draft_model: bool = False
     draft_probs: bool = False
     wants_hidden: bool = False
+    fields: tuple[str, ...] = ()
 
 
 DRAFT_METHODS: dict[str, DraftNeeds] = {
@@ -49,9 +52,14 @@ DRAFT_METHODS: dict[str, DraftNeeds] = {
         wants_hidden=True,
     ),
     # prompt lookup (stages/draft/ngram.py)
-    "ngram": DraftNeeds(),
+    "ngram": DraftNeeds(fields=("prompt_lookup_max", "prompt_lookup_min")),
     # a model of its own, sampled (stages/draft/draft_model.py)
-    "draft_model": DraftNeeds(draft_kv=True, draft_model=True, draft_probs=True),
+    "draft_model": DraftNeeds(
+        draft_kv=True,
+        draft_model=True,
+        draft_probs=True,
+        fields=("draft_model", "draft_layers"),
+    ),
 }
 
 

@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Delta": "spectrio.runtime.api",
-    "PublishedStep": "spectrio.runtime.api",
+    "PublishedStep": "spectrio.core.messages",
     "Runtime": "spectrio.runtime.api",
     "open_runtime": "spectrio.runtime.api",
     "ConfigError": "spectrio.errors",
@@ -47,7 +47,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
     from spectrio.core.config import RuntimeConfig, SpeculativeConfig
-    from spectrio.core.messages import TokenLogprob
+    from spectrio.core.messages import PublishedStep, TokenLogprob
     from spectrio.core.params import SamplingParams
     from spectrio.errors import ConfigError, EngineDead, InvalidRequest, SpectrioError
-    from spectrio.runtime.api import Delta, PublishedStep, Runtime, open_runtime
+    from spectrio.runtime.api import Delta, Runtime, open_runtime

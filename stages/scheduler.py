@@ -7,10 +7,11 @@ current one), and reacts to one event at a time: a request, an abort, a step's r
 a device failure, or the control channel's end.
 
 :class:`SchedulerActor` is the :class:`Scheduler`'s one owner: nothing else calls it.
-The runtime talks to the actor only: requests and aborts are messages
-(:meth:`SchedulerActor.handle`: an abort is applied there, once, at the moment the
-runtime hands it over, so no token of it is published afterwards), and what the runtime
-shows its users is the actor's read-only :meth:`SchedulerActor.view`."""
+The runtime talks to the actor only: requests and aborts are messages on one control
+channel, taken in the order they were sent (so an abort always follows its request), and
+applied by :meth:`SchedulerActor.handle` (from then on no token of an aborted request is
+published; the runtime learns of it through ``on_aborted``), and what the runtime shows
+its users is the actor's read-only :meth:`SchedulerActor.view`."""
 
 from __future__ import annotations
 
@@ -81,17 +82,11 @@ class SchedulerActor:
     def __init__(self, scheduler: Scheduler, *, rank: int = 0) -> None:
         self.scheduler = scheduler  # read it only in tests and research tools
         self._log = _log.bind(stage="scheduler", rank=rank)
-        # Seq ids rise in the order their NewRequests arrive (the runtime counts them), so
-        # an abort of a higher id than any admitted one came before its request, which is
-        # still on the control channel: it is applied the moment the request arrives.
-        self._admitted_up_to = 0
-        self._early_aborts: dict[int, str] = {}  # seq id -> reason
 
     def handle(self, msg: NewRequest | AbortRequest) -> tuple[int, int] | None:
         """Admit a request, or abort one now (its blocks are freed, results in flight for
         it are dropped, and the next plan reports it). An abort returns the request's
-        [drafts proposed, accepted] over its life; None if it had already ended, or has
-        not arrived yet (then it is aborted on arrival)."""
+        [drafts proposed, accepted] over its life; None if it had already ended."""
         sched = self.scheduler
         if isinstance(msg, NewRequest):
             sched.add(
@@ -105,10 +100,6 @@ class SchedulerActor:
                     cache_salt=msg.cache_salt,
                 )
             )
-            self._admitted_up_to = max(self._admitted_up_to, msg.seq_id)
-            reason = self._early_aborts.pop(msg.seq_id, None)
-            if reason is not None:
-                self.handle(AbortRequest(seq_id=msg.seq_id, reason=reason))
             return None
         counted = self.abort(msg)
         return None if counted is None else (counted.proposed, counted.accepted)
@@ -118,8 +109,6 @@ class SchedulerActor:
         (a copy of the scheduler's count; the stream's final delta carries it)."""
         seq = self.scheduler.abort(msg.seq_id)
         if seq is None:
-            if msg.seq_id > self._admitted_up_to:
-                self._early_aborts[msg.seq_id] = msg.reason
             return None
         self._log.info("request aborted", request_id=seq.request_id, reason=msg.reason)
         return seq.acceptance.copy()
@@ -164,6 +153,7 @@ async def run_scheduler(
     *,
     on_idle_check: Callable[[], None] = lambda: None,
     on_result: Callable[[StepResult, StepTiming | None], None] = lambda r, t: None,
+    on_aborted: Callable[[int, Acceptance | None], None] = lambda s, a: None,
     paused: Callable[[], bool] = lambda: False,
     rank: int = 0,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
@@ -173,7 +163,9 @@ async def run_scheduler(
 
     ``events`` carries :class:`NewRequest`, :class:`AbortRequest`, ``(StepResult,
     StepTiming)`` pairs and :class:`StageFailure` from the device worker,
-    :class:`ControlClosed`, and :class:`Resume`. While ``paused()`` is true no step is
+    :class:`ControlClosed`, and :class:`Resume`; an abort is applied as it comes, and
+    ``on_aborted`` gets its sequence id and the request's acceptance over its life (None:
+    it had already ended). While ``paused()`` is true no step is
     planned; requests, aborts and results are still taken in (a resume sends
     :class:`Resume`, so the actor plans again). A device failure raises
     :class:`EngineDead`."""
@@ -209,9 +201,11 @@ async def run_scheduler(
                 assert isinstance(result, StepResult)
                 to_publish = sched.update(result)
                 on_result(to_publish, timing)
-            elif isinstance(ev, (NewRequest, AbortRequest)):
+            elif isinstance(ev, NewRequest):
                 if not closing:
                     actor.handle(ev)
+            elif isinstance(ev, AbortRequest):
+                on_aborted(ev.seq_id, actor.abort(ev))
             elif isinstance(ev, ControlClosed):
                 closing = True
             elif isinstance(ev, Resume):

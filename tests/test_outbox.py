@@ -62,6 +62,24 @@ def test_abandoned_only_when_nothing_runs_and_it_stayed_unread() -> None:
     assert not box.abandoned(now=210.0 + DROP_AFTER - 0.01, running=0)
 
 
+def test_a_client_reading_again_is_not_abandoned_while_it_makes_progress() -> None:
+    """The drop waits for DROP_AFTER stall periods without progress, not since the stall:
+    a client that resumes reading a long queue one message at a time keeps it."""
+    box = Outbox(limit=1000, stall_s=1.0)
+    for i in range(500):
+        box.push([b"s", bytes([i % 256])], now=0.0)
+    box.stalled_at = 1.0
+    now = 1.0
+    while len(box) > 1:  # one message every 10 ms: 5 s to read, past 3 stall periods
+        now += 0.01
+        box.sent(now)
+        assert not box.abandoned(now, running=0)
+    assert now - box.stalled_at > DROP_AFTER * box.stall_s
+    assert box.abandoned(now + DROP_AFTER * box.stall_s, running=0)  # and then it stops
+    box.sent(now + 4.0)
+    assert box.stalled_at is None and box.progress_at is None
+
+
 def test_a_gone_destination_drops_what_comes() -> None:
     box = Outbox(limit=4, stall_s=1.0)
     box.push([b"a"], now=0.0)

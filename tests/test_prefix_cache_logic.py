@@ -481,9 +481,15 @@ def _seq(i: int, prompt: list[int], max_tokens: int, spec: bool) -> Sequence:
     )
 
 
-def _drain(s: Scheduler, dev: Device, after_plan: Callable[[StepPlan], None] | None = None) -> int:
+def _drain(
+    s: Scheduler,
+    dev: Device,
+    after_plan: Callable[[StepPlan], None] | None = None,
+    after_fold: Callable[[int, StepResult], None] | None = None,
+) -> int:
     """Plan and fold until the scheduler is idle (``after_plan`` sees each plan as it is
-    made, before any later fold); returns the steps run."""
+    made, before any later fold; ``after_fold`` each step's number, from 1, and what it
+    published); returns the steps run."""
     queue: list[StepPlan] = []
     prev: tuple[StepPlan, StepResult] | None = None
     steps = 0
@@ -501,9 +507,11 @@ def _drain(s: Scheduler, dev: Device, after_plan: Callable[[StepPlan], None] | N
         plan = resolve_plan(queue.pop(0), *(prev or (None, None)))
         result = dev.step(plan)
         prev = (plan, result)
-        s.update(result)
-        s.blocks.check_invariants()
+        published = s.update(result)
         steps += 1
+        if after_fold is not None:
+            after_fold(steps, published)
+        s.blocks.check_invariants()
     return steps
 
 
@@ -582,25 +590,15 @@ def test_requests_closed_after_their_first_token_share_a_prefix_warmed_by_max_to
     for i in range(1, 9):
         s.add(_seq(i, prefix + [45 + i, 46], 8, k > 0))
     first_token_at: dict[int, int] = {}
-    queue: list[StepPlan] = []
-    prev: tuple[StepPlan, StepResult] | None = None
-    step = 0
-    while s.has_work() or queue:
-        while s.can_schedule():
-            plan = s.schedule()
-            if plan is None:
-                break
-            queue.append(plan)
-        plan = resolve_plan(queue.pop(0), *(prev or (None, None)))
-        result = dev.step(plan)
-        prev = (plan, result)
-        step += 1
-        for r in s.update(result).results:
+
+    def close_at_first_token(step: int, published: StepResult) -> None:
+        for r in published.results:
             if r.token_ids and r.seq_id not in first_token_at:
                 first_token_at[r.seq_id] = step
                 if r.finish_reason is None:
                     s.abort(r.seq_id)  # the client closes after its first token
-        s.blocks.check_invariants()
+
+    _drain(s, dev, after_fold=close_at_first_token)
     assert sorted(first_token_at) == list(range(2, 10))
     # every request hit the whole shared prefix (with MTP KV, a block whose last
     # position's next token is a request's own suffix is not shared)

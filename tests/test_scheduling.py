@@ -573,10 +573,10 @@ def test_slots_a_step_leaves_unplanned_under_a_queue_are_lost_too() -> None:
     assert seen == [(3.0, 1)]
 
 
-def test_the_actor_applies_each_abort_once_even_before_its_request_arrives() -> None:
-    """The runtime hands aborts to the scheduler actor directly, and requests over the
-    control channel: an abort may come first. It is applied when the request arrives,
-    once; an abort of a request that already ended changes nothing."""
+def test_the_actor_applies_each_abort_once_in_channel_order() -> None:
+    """Requests and aborts reach the scheduler actor over one control channel, so an
+    abort follows its request; the actor applies it once, and an abort of a request
+    that already ended changes nothing."""
     from spectrio.core.messages import AbortRequest, NewRequest
     from spectrio.stages.scheduler import SchedulerActor
 
@@ -594,11 +594,12 @@ def test_the_actor_applies_each_abort_once_even_before_its_request_arrives() -> 
         )
 
     actor.handle(new(1))
-    assert actor.handle(AbortRequest(seq_id=2)) is None  # r2 is still on its way
     actor.handle(new(2))
+    assert actor.handle(AbortRequest(seq_id=2)) == (0, 0)
     assert actor.view().waiting == 1 and s.state(2) is None
     assert actor.handle(AbortRequest(seq_id=1)) == (0, 0)
     assert actor.handle(AbortRequest(seq_id=1)) is None  # once
+    assert actor.handle(AbortRequest(seq_id=7)) is None  # never here: nothing happens
     p = s.schedule()
     assert p is not None and p.seqs == [] and p.aborted == ["r2", "r1"]
     assert actor.view().finished == {"abort": 2} and not actor.view().has_work

@@ -32,6 +32,7 @@ from typing import IO, Any, Final, Protocol
 
 import msgspec
 
+from spectrio.core.draft_methods import DRAFT_METHODS
 from spectrio.core.params import SamplingParams
 from spectrio.errors import SpectrioError
 from spectrio.tools.latency import percentiles
@@ -203,9 +204,6 @@ def read_trace(path: str | Path) -> Trace:
 # --same-config must not carry the recording host's cache folder or health threshold,
 # and they never change a token. Section "" is the top level.
 _HOST_LOCAL = {"": ("stall_timeout_s",), "speculative": ("timing_cache",)}
-# SpeculativeConfig fields only one draft method reads: left out of another method's
-# header, which then names only what shaped its run (they keep their defaults on replay).
-_METHOD_ONLY = {"prompt_lookup_max": "ngram", "prompt_lookup_min": "ngram"}
 
 
 def runtime_fields(config: object) -> dict[str, Any]:
@@ -216,10 +214,16 @@ def runtime_fields(config: object) -> dict[str, Any]:
         table = fields if not section else (fields.get(section) or {})
         for name in names:
             table.pop(name, None)
+    # SpeculativeConfig fields only one draft method reads (DraftNeeds.fields) are left
+    # out of another method's header, which then names only what shaped its run (they
+    # keep their defaults on replay).
     spec = fields.get("speculative") or {}
-    for name, method in _METHOD_ONLY.items():
-        if spec.get("method") != method:
-            spec.pop(name, None)
+    method = spec.get("method")
+    own = DRAFT_METHODS[method].fields if method in DRAFT_METHODS else ()
+    for needs in DRAFT_METHODS.values():
+        for name in needs.fields:
+            if name not in own:
+                spec.pop(name, None)
     return fields
 
 

@@ -60,6 +60,7 @@ class Outbox:
     stalled_at: float | None = None  # when the server ended this destination's requests
     gone: bool = False  # the destination can never read again (a closed connection)
     unreachable_since: float | None = None  # its connection is closed; it may come back
+    progress_at: float | None = None  # when a message was last handed over after a stall
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -77,13 +78,17 @@ class Outbox:
         """The oldest undelivered message, or None."""
         return self._queue[0][0] if self._queue else None
 
-    def sent(self) -> None:
-        """The head was handed to the socket. Progress clears a stall."""
+    def sent(self, now: float | None = None) -> None:
+        """The head was handed to the socket (at ``now``). Progress clears a stall once
+        the queue is empty; until then it postpones the drop (:meth:`abandoned`)."""
         self._queue.popleft()
         self.stats.sent += 1
         self.unreachable_since = None
         if not self._queue:
             self.stalled_at = None
+            self.progress_at = None
+        elif self.stalled_at is not None and now is not None:
+            self.progress_at = now
 
     def full(self) -> bool:
         """Whether it holds ``limit`` messages or more (a new request is refused)."""
@@ -118,11 +123,10 @@ class Outbox:
             return False
         if self.gone:
             return True
-        return (
-            running == 0
-            and self.stalled_at is not None
-            and now - self.stalled_at >= DROP_AFTER * self.stall_s
-        )
+        if running or self.stalled_at is None:
+            return False
+        since = max(self.stalled_at, self.progress_at or self.stalled_at)
+        return now - since >= DROP_AFTER * self.stall_s
 
     def drop_all(self) -> int:
         """Empty it; returns how many messages were dropped (also counted)."""
