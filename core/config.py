@@ -180,24 +180,20 @@ class SpeculativeConfig:
                 f"prompt_lookup_min: must be <= prompt_lookup_max ({self.prompt_lookup_max}), "
                 f"got {self.prompt_lookup_min}"
             )
-        own_model = self.needs.draft_model
-        if self.draft_model is not None:
-            if not isinstance(self.draft_model, str) or not self.draft_model:
-                raise ConfigError(
-                    f"draft_model: must be a model name or path, got {self.draft_model!r}"
-                )
-            if not own_model:
-                raise ConfigError(
-                    f"draft_model: only method 'draft_model' runs a draft model, not "
-                    f"{self.method!r}"
-                )
+        if self.draft_model is not None and (
+            not isinstance(self.draft_model, str) or not self.draft_model
+        ):
+            raise ConfigError(
+                f"draft_model: must be a model name or path, got {self.draft_model!r}"
+            )
         if self.draft_layers is not None:
             _require_positive_int("draft_layers", self.draft_layers)
-            if not own_model:
-                raise ConfigError(
-                    f"draft_layers: only method 'draft_model' runs a draft model, not "
-                    f"{self.method!r}"
-                )
+        if not self.needs.draft_model:
+            for name in ("draft_model", "draft_layers"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(
+                        f"{name}: only method 'draft_model' runs a draft model, not {self.method!r}"
+                    )
         if self.method is None:
             return
         if not 1 <= k <= MAX_SPECULATIVE_TOKENS:

@@ -27,7 +27,6 @@ class DraftNeeds:
     * ``draft_model``: it runs a model of its own (``SpeculativeConfig.draft_model``).
     * ``draft_probs``: its drafts are sampled, and verification uses their
       probabilities (the full rejection rule); otherwise drafts are one-hot.
-    * ``wants_hidden``: verify hands it the target's hidden rows.
     * ``fields``: the ``SpeculativeConfig`` fields only this method reads (a trace's
       header of another method's run leaves them out).
     """
@@ -38,7 +37,6 @@ class DraftNeeds:
     checkpoint_mtp: bool = False
     draft_model: bool = False
     draft_probs: bool = False
-    wants_hidden: bool = False
     fields: tuple[str, ...] = ()
 
 
@@ -49,7 +47,6 @@ DRAFT_METHODS: dict[str, DraftNeeds] = {
         prefix_lookahead=1,
         model_steps=True,
         checkpoint_mtp=True,
-        wants_hidden=True,
     ),
     # prompt lookup (stages/draft/ngram.py)
     "ngram": DraftNeeds(fields=("prompt_lookup_max", "prompt_lookup_min")),

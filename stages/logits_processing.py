@@ -47,6 +47,7 @@ __all__ = [
     "LogprobRows",
     "apply_penalties",
     "log_softmax",
+    "softmax",
     "logprob_entries",
     "mask_stop_tokens",
     "process_rows",
@@ -141,7 +142,8 @@ def mask_stop_tokens(
     return out
 
 
-def _softmax(logits: np.ndarray) -> np.ndarray:
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Rows of ``logits`` to probabilities (the max subtracted first)."""
     shifted = logits - np.max(logits, axis=-1, keepdims=True)
     e = np.exp(shifted)
     return e / e.sum(axis=-1, keepdims=True)
@@ -164,7 +166,7 @@ def sampling_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     if 0 < params.top_k < vocab:
         kth = np.partition(x, vocab - params.top_k, axis=-1)[:, vocab - params.top_k]
         x = np.where(x >= kth[:, None], x, -np.inf)
-    probs = _softmax(x)
+    probs = softmax(x)
     if params.top_p < 1.0:
         order = np.argsort(-probs, axis=-1, kind="stable")
         sorted_p = np.take_along_axis(probs, order, axis=-1)
@@ -174,11 +176,11 @@ def sampling_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         keep = np.zeros_like(keep_sorted)
         np.put_along_axis(keep, order, keep_sorted, axis=-1)
         x = np.where(keep, x, -np.inf)
-        probs = _softmax(x)
+        probs = softmax(x)
     if params.min_p > 0.0:
         keep = probs >= params.min_p * probs.max(axis=-1, keepdims=True)
         x = np.where(keep, x, -np.inf)
-        probs = _softmax(x)
+        probs = softmax(x)
     return probs
 
 

@@ -144,11 +144,13 @@ def sample_rows(weights: np.ndarray, u: np.ndarray) -> np.ndarray:
     return idx
 
 
-def keyed_sample(probs: np.ndarray, keys: np.ndarray, positions: np.ndarray) -> np.ndarray:
+def keyed_sample(
+    probs: np.ndarray, keys: np.ndarray, positions: np.ndarray, purpose: Purpose = Purpose.SAMPLE
+) -> np.ndarray:
     """One token per row of ``probs`` [R, V]: the inverse-CDF sample with the keyed uniform
-    of (``keys[i]``, ``positions[i]``, ``SAMPLE``), the token a random request emits at
-    that output position whatever its drafts (module docstring)."""
-    u = keyed_uniforms(keys, positions, np.ones(len(keys), dtype=np.int64), Purpose.SAMPLE)
+    of (``keys[i]``, ``positions[i]``, ``purpose``); with ``SAMPLE``, the token a random
+    request emits at that output position whatever its drafts (module docstring)."""
+    u = keyed_uniforms(keys, positions, np.ones(len(keys), dtype=np.int64), purpose)
     return sample_rows(probs, u)
 
 

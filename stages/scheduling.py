@@ -65,13 +65,14 @@ keep it exact and safe with steps in flight:
   request's prompt chunk returns. Admission stays first in, first out, so requests
   behind it wait too.
 * **Freeing with steps in flight.** Blocks are released as soon as a request is
-  preempted, finished or aborted: a block another table holds stays held, a registered
-  one becomes evictable, and only an allocation that finds no free block evicts one and
-  hands it out. Steps run on the device in plan order, and a step that may read a block
-  (an in-flight step of its old owner, or of a request sharing it) was planned before
-  the plan that reuses it, so its reads land before the new owner's writes; a block is
-  never read and rewritten within one step, because an evicted block is no longer
-  registered and so no request of that step shares it.
+  preempted or finished, and an aborted one's once no step in flight computes for it
+  (at once with caching off; *Registration*): a block another table holds stays held, a
+  registered one becomes evictable, and only an allocation that finds no free block
+  evicts one and hands it out. Steps run on the device in plan order, and a step that
+  may read a block (an in-flight step of its old owner, or of a request sharing it) was
+  planned before the plan that reuses it, so its reads land before the new owner's
+  writes; a block is never read and rewritten within one step, because an evicted block
+  is no longer registered and so no request of that step shares it.
 """
 
 from __future__ import annotations

@@ -60,6 +60,7 @@ def make_proposer(
             model if draft is None else draft,
             num_blocks,
             block_size,
+            k_max=spec.effective_num_model_steps,
             num_layers=spec.draft_layers,
             num_kv_heads=num_kv_heads if draft is None else None,
         )

@@ -47,7 +47,6 @@ class Proposer(Protocol):
     """A draft method. Runs on the device worker (and on every tensor-parallel rank)."""
 
     method: str  # SpeculativeConfig.method
-    wants_hidden: bool  # verify hands it the target's hidden rows (after_verify)
 
     def propose(self, plan: StepPlan, history: TokenHistory) -> Proposal:
         """Drafts for the speculative sequences of ``plan``; ``history`` holds each one's
@@ -57,9 +56,9 @@ class Proposer(Protocol):
     def after_verify(
         self, plan: StepPlan, hidden: Any, row_starts: np.ndarray, history: TokenHistory
     ) -> Proposal:
-        """After verify, in the same step (only when ``wants_hidden``): ``hidden[
-        row_starts[i]: row_starts[i + 1]]`` are the target hidden states of
-        ``plan.seqs[i]``'s rows. Whatever draft state the step's prompt rows define is
+        """After verify, in the same step: ``hidden[row_starts[i]: row_starts[i + 1]]``
+        are the target hidden states of ``plan.seqs[i]``'s rows (MTP keeps them; other
+        methods ignore them). Whatever draft state the step's prompt rows define is
         written here, so a prompt block's KV is complete when its step returns (the
         scheduler registers it then). Returns no drafts; its rows and model time count
         as the step's draft side."""

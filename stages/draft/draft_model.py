@@ -39,8 +39,9 @@ from spectrio.core.messages import SeqWork, StepPlan
 from spectrio.models import PackedBatch, PagedKVCache, SpectrioForCausalLM
 from spectrio.models.paddle_setup import paddle
 from spectrio.stages.draft.base import Proposal, TokenHistory
-from spectrio.stages.draft.mtp import MAX_LAG
-from spectrio.stages.rejection import Purpose, keyed_uniforms, sample_rows
+from spectrio.stages.draft.mtp import MAX_LAG, CatchUp, extra_rows
+from spectrio.stages.logits_processing import softmax
+from spectrio.stages.rejection import Purpose, keyed_sample
 
 __all__ = ["DraftModelProposer", "draft_key", "sample_drafts"]
 
@@ -61,20 +62,15 @@ def sample_drafts(
     else a draw from ``softmax(logits / temperature)`` with the keyed uniform of
     (key, output position, ``DRAFT``). Returns the tokens [R] and the float64
     distributions they were drawn from [R, V] (one-hot for argmax rows)."""
-    rows, vocab = logits.shape
     x = np.asarray(logits, dtype=np.float64)
-    probs = np.zeros((rows, vocab), dtype=np.float64)
+    probs = np.zeros_like(x)
     tokens = np.argmax(x, axis=1)
     greedy = temperatures <= 0
     probs[np.flatnonzero(greedy), tokens[greedy]] = 1.0
     hot = np.flatnonzero(~greedy)
     if hot.size:
-        z = x[hot] / temperatures[hot, None]
-        z -= z.max(axis=1, keepdims=True)
-        e = np.exp(z)
-        probs[hot] = e / e.sum(axis=1, keepdims=True)
-        u = keyed_uniforms(keys[hot], positions[hot], np.ones(hot.size, np.int64), Purpose.DRAFT)
-        tokens[hot] = sample_rows(probs[hot], u)
+        probs[hot] = softmax(x[hot] / temperatures[hot, None])
+        tokens[hot] = keyed_sample(probs[hot], keys[hot], positions[hot], Purpose.DRAFT)
     return tokens, probs
 
 
@@ -82,7 +78,6 @@ class DraftModelProposer:
     """Drafts with ``model``'s first ``num_layers`` layers (all of them by default)."""
 
     method = "draft_model"
-    wants_hidden = False
 
     def __init__(
         self,
@@ -90,6 +85,7 @@ class DraftModelProposer:
         num_blocks: int,
         block_size: int,
         *,
+        k_max: int,
         num_layers: int | None = None,
         num_kv_heads: int | None = None,
     ) -> None:
@@ -97,6 +93,7 @@ class DraftModelProposer:
         shard's share, when the target's shard drafts for itself)."""
         cfg = model.config
         self.model = model
+        self.k_max = k_max
         self.num_layers = cfg.num_hidden_layers if num_layers is None else num_layers
         if not 1 <= self.num_layers <= cfg.num_hidden_layers:
             raise ValueError(
@@ -106,7 +103,7 @@ class DraftModelProposer:
         self.cache = PagedKVCache(
             self.num_layers, num_blocks, block_size, kvh, cfg.head_dim, model.dtype
         )
-        self._pos: dict[int, int] = {}  # seq id -> first position without real draft KV
+        self.catch_up = CatchUp(lookahead=0)  # its KV at a position reads nothing past it
 
     # ---- the passes -------------------------------------------------------------------
 
@@ -123,27 +120,14 @@ class DraftModelProposer:
 
     def _catch_up(self, w: SeqWork, end: int, history: TokenHistory) -> tuple[int, list[int]]:
         """Positions ``catch-up .. end - 1`` and their tokens; the position moves to end."""
-        first = self._pos.get(w.seq_id, len(w.cached_ids))
-        if first > end:
-            raise RuntimeError(f"seq {w.seq_id}: draft caught up to {first}, step needs {end}")
-        self._pos[w.seq_id] = end
-        return first, history.tokens(w.seq_id)[first:end]
-
-    def _may_defer(self, w: SeqWork) -> bool:
-        first = self._pos.get(w.seq_id)
-        return (
-            w.num_drafts == 0
-            and first is not None
-            and first >= w.context_len - w.num_output
-            and w.start_pos + 1 - first <= MAX_LAG
-        )
+        return self.catch_up.advance(w.seq_id, end, history.tokens(w.seq_id), len(w.cached_ids))
 
     def propose(self, plan: StepPlan, history: TokenHistory) -> Proposal:
         """Catch every decoding speculative sequence up through its committed token,
         then sample its drafts substep by substep."""
         work: list[tuple[SeqWork, int, list[int]]] = []
         for w in plan.seqs:
-            if not w.speculative or not w.decodes or self._may_defer(w):
+            if not w.speculative or not w.decodes or self.catch_up.may_defer(w, MAX_LAG):
                 continue
             first, tokens = self._catch_up(w, w.start_pos + 1, history)
             if tokens:
@@ -183,7 +167,7 @@ class DraftModelProposer:
             )
         return Proposal(
             drafts,
-            extra_rows=sum(max(0, len(t) - 1) for _, _, t in work),
+            extra_rows=extra_rows((len(t) for _, _, t in work), self.k_max),
             forward_seconds=time.perf_counter() - t0,
             draft_probs={slot: np.stack(rows) for slot, rows in dists.items()},
         )
@@ -214,8 +198,7 @@ class DraftModelProposer:
             self.model.forward(batch, self.cache, num_layers=self.num_layers)
 
     def release(self, seq_ids: Iterable[int]) -> None:
-        for seq_id in seq_ids:
-            self._pos.pop(seq_id, None)
+        self.catch_up.release(seq_ids)
 
     def holds(self, seq_id: int) -> bool:
-        return seq_id in self._pos
+        return self.catch_up.holds(seq_id)

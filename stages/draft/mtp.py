@@ -61,44 +61,49 @@ MIN_LAG, MAX_LAG = 8, 1024
 
 def extra_rows(catch_up_counts: Iterable[int], k_max: int) -> int:
     """Catch-up rows beyond the ``k_max + 1`` a decoding sequence brings every step: the
-    draft side's rows whose cost does not depend on the step's k."""
+    draft side's rows whose cost does not depend on the step's k (MTP's and a draft
+    model's decode catch-ups alike)."""
     return sum(max(0, n - (k_max + 1)) for n in catch_up_counts)
 
 
 class CatchUp:
-    """Per sequence, the first position whose MTP KV is not real (pure)."""
+    """Per sequence, the first position whose draft KV is not real (pure). The KV at
+    position ``p`` reads the tokens through ``p + lookahead``: 1 for the MTP layer (the
+    token after ``p``), 0 for a draft model's own layers (``stages/draft/draft_model.py``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lookahead: int = 1) -> None:
+        self.lookahead = lookahead
         self._pos: dict[int, int] = {}
 
     def advance(
-        self, seq_id: int, start_pos: int, tokens: list[int], cached: int = 0
+        self, seq_id: int, end: int, tokens: list[int], cached: int = 0
     ) -> tuple[int, list[int]]:
-        """The catch-up of a step whose rows start at ``start_pos``: its first position
-        and the token at ``p + 1`` of each position ``p`` (``tokens`` is the sequence's
-        history through ``start_pos``). The position moves to ``start_pos``. A sequence
-        seen for the first time starts at ``cached``: the positions of a prefix-cache
-        hit, whose MTP KV came cached with their blocks."""
+        """The catch-up up to position ``end`` (exclusive): its first position and the
+        token at ``p + lookahead`` of each position ``p`` (``tokens`` is the sequence's
+        history through ``end - 1 + lookahead``). The position moves to ``end``. A
+        sequence seen for the first time starts at ``cached``: the positions of a
+        prefix-cache hit, whose draft KV came cached with their blocks."""
         first = self._pos.get(seq_id, cached)
-        if first > start_pos:
-            raise RuntimeError(f"seq {seq_id}: MTP caught up to {first}, step starts {start_pos}")
-        self._pos[seq_id] = start_pos
-        return first, tokens[first + 1 : start_pos + 1]
+        if first > end:
+            raise RuntimeError(f"seq {seq_id}: draft KV caught up to {first}, step needs {end}")
+        self._pos[seq_id] = end
+        return first, tokens[first + self.lookahead : end + self.lookahead]
 
     def may_defer(self, work: SeqWork, max_lag: int) -> bool:
         """Whether ``work``'s catch-up can wait for a later step: it drafts nothing, the
         sequence's prompt is caught up (``context_len - num_output`` positions), and it
-        would lag at most ``max_lag`` positions."""
+        would lag at most ``max_lag`` positions behind the step's (``start_pos + 1 -
+        lookahead``)."""
         first = self._pos.get(work.seq_id)
         return (
             work.num_drafts == 0
             and first is not None
             and first >= work.context_len - work.num_output
-            and work.start_pos - first <= max_lag
+            and work.start_pos + 1 - self.lookahead - first <= max_lag
         )
 
     def position(self, seq_id: int) -> int | None:
-        """The sequence's first position without real MTP KV (None: not seen yet)."""
+        """The sequence's first position without real draft KV (None: not seen yet)."""
         return self._pos.get(seq_id)
 
     def release(self, seq_ids: Iterable[int]) -> None:
@@ -216,7 +221,6 @@ class MTPProposer:
     """Drafts with the checkpoint's MTP layer (``num_model_steps`` substeps at most)."""
 
     method = "mtp"
-    wants_hidden = True
 
     def __init__(
         self,

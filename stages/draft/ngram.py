@@ -45,7 +45,6 @@ class NgramProposer:
     """Drafts by :func:`lookup` over each sequence's history."""
 
     method = "ngram"
-    wants_hidden = False
 
     def __init__(self, min_n: int, max_n: int) -> None:
         if not 1 <= min_n <= max_n:
