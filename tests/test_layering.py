@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: dict[str, tuple[str, int]] = {
     "errors": ("spectrio_root/errors.py", 0),
     "_lazy": ("spectrio_root/_lazy.py", 0),
+    "_moved": ("spectrio_root/_moved.py", 0),
     "cache_dir": ("spectrio_root/cache_dir.py", 0),
     "process_memory": ("spectrio_root/process_memory.py", 0),
     "models": ("models", 1),
