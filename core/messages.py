@@ -10,6 +10,7 @@ import msgspec
 
 from spectrio.core.acceptance import Acceptance
 from spectrio.core.params import SamplingParams
+from spectrio.core.timing import DeviceTiming
 
 
 class SeqWork(msgspec.Struct, kw_only=True, frozen=True):
@@ -63,50 +64,28 @@ class SeqWork(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class Ended(msgspec.Struct, array_like=True, frozen=True):
-    """A sequence that left the batch since the previous plan."""
+    """A sequence that left the batch: the scheduler's own record, attached to the result
+    of the step it was reported with (:attr:`StepResult.ended`) when that step is folded
+    in. It never crosses to the device: the plan carries only the seq ids whose state
+    goes (:attr:`StepPlan.released`, :attr:`StepPlan.retired`)."""
 
     seq_id: int
     request_id: str
-    why: Literal["preempted", "aborted", "finished"]  # preempted: while planning this step
-    drafts: list[int] = []  # aborted: [drafts proposed, accepted] over its life
+    why: Literal["preempted", "aborted", "finished"]  # preempted: while planning the step
+    acceptance: Acceptance | None = None  # aborted: its drafts over its life
 
 
 class StepPlan(msgspec.Struct, kw_only=True, frozen=True):
     step: int
     seqs: list[SeqWork]
-    # Every sequence that left the batch since the last plan, in the order it left: the
-    # device drops their state, the record reports the preempted and aborted ones (-9).
-    ended: list[Ended] = []
+    # Seq ids that left the batch since the last plan (finished, preempted or aborted), in
+    # the order they left: the workspace drops their state before the step runs.
+    released: list[int] = []
+    # Of those, the ones that ended outside the sampler (aborts): it drops their state.
+    retired: list[int] = []
     k: int = 0  # drafts per decoding sequence the policy chose for this step
     draft_rows: int = 0  # set by the draft stage: the proposer's rows whose cost does not
     #                      depend on k (the adaptive policy takes their cost off the step)
-
-    # Views of ``ended``, for the stages that read one kind.
-    @property
-    def preempted(self) -> list[str]:
-        """Request ids preempted while planning this step (record: -9)."""
-        return [e.request_id for e in self.ended if e.why == "preempted"]
-
-    @property
-    def aborted(self) -> list[str]:
-        """Request ids aborted since the last plan (record: -9, finish reason "abort")."""
-        return [e.request_id for e in self.ended if e.why == "aborted"]
-
-    @property
-    def aborted_drafts(self) -> list[list[int]]:
-        """Per ``aborted`` entry: [drafts proposed, accepted]."""
-        return [e.drafts for e in self.ended if e.why == "aborted"]
-
-    @property
-    def released(self) -> list[int]:
-        """Seq ids whose device state must go (all of them; a finished one's is already
-        gone, dropped by the sampler stage: dropping again is a no-op)."""
-        return [e.seq_id for e in self.ended]
-
-    @property
-    def retired(self) -> list[int]:
-        """Seq ids that ended outside the sampler (aborts): it drops their state."""
-        return [e.seq_id for e in self.ended if e.why == "aborted"]
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
@@ -133,9 +112,7 @@ class SeqResult(msgspec.Struct, kw_only=True):
     num_computed: int = 0  # positions with target KV after this step
     context_len: int = 0  # positions to compute before sampling; num_computed < context_len
     #                       means chunked prefill is still in progress
-    total_drafts: int | None = None  # set when the request ends: drafts proposed over its life
-    total_accepted: int | None = None  # ... and accepted
-    # Set when the request ends: its acceptance per draft position over its life, the
+    # Set when the request ends: its drafts over its life, per draft position too, the
     # scheduler's one count (a copy), for the stream's final delta and per-request stats.
     acceptance: Acceptance | None = None
     # Set when the request ends: prompt tokens whose KV came from the prefix cache (at the
@@ -147,14 +124,28 @@ class SeqResult(msgspec.Struct, kw_only=True):
 
 
 class StepResult(msgspec.Struct, kw_only=True):
+    """What a step decided. The device worker fills ``results``, ``device`` and
+    ``draft_rows``; the scheduler attaches ``ended`` when it folds the step in, from its
+    own record of the step in flight."""
+
     step: int
     results: list[SeqResult]
-    preempted: list[str] = []
-    aborted: list[str] = []
-    device_seconds: float = 0.0  # the device worker's time on this step (draft+verify+sample)
-    idle_seconds: float = 0.0  # how long the device worker waited for it after its last step
-    aborted_drafts: list[list[int]] = []  # per ``aborted`` entry: [drafts proposed, accepted]
+    # The device worker's times for this step (its thread writes them, nothing else does).
+    device: DeviceTiming = msgspec.field(default_factory=DeviceTiming)
     draft_rows: int = 0  # the resolved plan's ``draft_rows``, and the proposer's after verify
+    # Sequences that left the batch reported with this step: preempted while planning it,
+    # aborted since the plan before (the record's -9 slots), and finished earlier.
+    ended: list[Ended] = []
+
+    @property
+    def preempted(self) -> list[str]:
+        """Request ids preempted while planning this step (record: -9)."""
+        return [e.request_id for e in self.ended if e.why == "preempted"]
+
+    @property
+    def aborted(self) -> list[Ended]:
+        """Requests aborted since the previous step (record: -9, finish reason "abort")."""
+        return [e for e in self.ended if e.why == "aborted"]
 
 
 class NewRequest(msgspec.Struct, tag=True, kw_only=True):
@@ -190,8 +181,8 @@ class PublishedStep(msgspec.Struct, kw_only=True):
     finish_reasons: list[str | None]
     record: bytes
     # Requests that ended in this step (finished, or aborted and reported here): request
-    # id -> [drafts proposed, accepted] over the request's whole life.
-    drafts: dict[str, list[int]] = {}
+    # id -> its drafts over its whole life (the scheduler's count).
+    acceptance: dict[str, Acceptance] = {}
     # Requests that finished in this step: request id -> prompt tokens whose KV came from
     # the prefix cache.
     cached_tokens: dict[str, int] = {}
@@ -199,6 +190,11 @@ class PublishedStep(msgspec.Struct, kw_only=True):
     # request id -> those tokens' logprobs, in prompt order (a request's chunks come in
     # step order, so concatenating them gives prompt tokens 1 .. P-1).
     prompt_logprobs: dict[str, list[TokenLogprob]] = {}
+
+    @property
+    def drafts(self) -> dict[str, list[int]]:
+        """``acceptance`` as [drafts proposed, accepted] per request (the wire's form)."""
+        return {rid: [a.proposed, a.accepted] for rid, a in self.acceptance.items()}
 
 
 class RuntimeStats(msgspec.Struct, kw_only=True):

@@ -18,10 +18,34 @@ from collections.abc import Sequence
 
 import msgspec
 
-__all__ = ["StepTiming", "device_summary"]
+__all__ = ["DeviceTiming", "StepTiming", "device_summary"]
+
+
+class DeviceTiming(msgspec.Struct, kw_only=True):
+    """The device worker's record of one step. Its thread alone writes it, and it reaches
+    the Trio side inside the step's result."""
+
+    start: float = 0.0
+    draft_end: float = 0.0
+    verify_end: float = 0.0
+    end: float = 0.0
+    model_seconds: float = 0.0  # inside the model's forward calls (draft and verify)
+    idle_seconds: float = 0.0  # how long the worker waited for this step after its last one
+    num_seqs: int = 0
+    num_rows: int = 0
+    num_drafts: int = 0
+
+    @property
+    def seconds(self) -> float:
+        """The worker's time on the step (draft, verify and sample)."""
+        return self.end - self.start
 
 
 class StepTiming(msgspec.Struct, kw_only=True):
+    """One step's timeline, put together by the scheduler actor when it folds the step in
+    (its plan times and the device's record, :meth:`assemble`); the publisher adds its
+    own two readings."""
+
     step: int
     num_seqs: int  # sequences in the step
     num_rows: int  # target rows verified (prefill tokens + 1 + drafts per sampling seq)
@@ -35,6 +59,24 @@ class StepTiming(msgspec.Struct, kw_only=True):
     model_seconds: float = 0.0  # inside the model's forward calls (draft and verify)
     publish_start: float = 0.0
     publish_end: float = 0.0
+
+    @classmethod
+    def assemble(
+        cls, step: int, plan_start: float, planned_at: float, device: DeviceTiming
+    ) -> StepTiming:
+        return cls(
+            step=step,
+            num_seqs=device.num_seqs,
+            num_rows=device.num_rows,
+            num_drafts=device.num_drafts,
+            plan_start=plan_start,
+            planned_at=planned_at,
+            device_start=device.start,
+            draft_end=device.draft_end,
+            verify_end=device.verify_end,
+            device_end=device.end,
+            model_seconds=device.model_seconds,
+        )
 
     @property
     def schedule(self) -> float:

@@ -24,7 +24,7 @@ import structlog
 from msgspec.structs import replace
 
 from spectrio.core.messages import StepPlan, StepResult
-from spectrio.core.timing import StepTiming
+from spectrio.core.timing import DeviceTiming
 from spectrio.models.paddle_setup import use_configured_threads
 from spectrio.stages import draft as draft_stage
 from spectrio.stages import sampler as sampler_stage
@@ -53,10 +53,8 @@ class DeviceWorker:
     ) -> None:
         self.ws = ws
         self.sampler = sampler
-        self._jobs: queue.SimpleQueue[tuple[StepPlan, StepTiming] | None] = queue.SimpleQueue()
-        self._results: queue.SimpleQueue[tuple[StepResult, StepTiming] | StageFailure | None] = (
-            queue.SimpleQueue()
-        )
+        self._jobs: queue.SimpleQueue[StepPlan | None] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[StepResult | StageFailure | None] = queue.SimpleQueue()
         # With a tensor-parallel group the thread may be stuck inside a collective when a
         # peer dies; as a daemon it cannot keep the process alive (the runtime fails every
         # request first and stops waiting for it after a short time).
@@ -73,14 +71,14 @@ class DeviceWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, plan: StepPlan, timing: StepTiming) -> None:
-        self._jobs.put((plan, timing))
+    def submit(self, plan: StepPlan) -> None:
+        self._jobs.put(plan)
 
     def stop(self) -> None:
         """Ask the thread to end after the steps already queued."""
         self._jobs.put(None)
 
-    def next_result(self) -> tuple[StepResult, StepTiming] | StageFailure | None:
+    def next_result(self) -> StepResult | StageFailure | None:
         """Block until the next result (None once the worker has ended). For a pump thread."""
         return self._results.get()
 
@@ -88,7 +86,7 @@ class DeviceWorker:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def _next_job(self) -> tuple[StepPlan, StepTiming] | None:
+    def _next_job(self) -> StepPlan | None:
         """The next job; in a tensor-parallel group, a keep-alive goes to the followers
         every :data:`KEEPALIVE_S` while none comes (a dead peer shows up there)."""
         link = self._group.link if self._group is not None else None
@@ -126,11 +124,11 @@ class DeviceWorker:
             except BaseException as exc:
                 self._fail(stage, exc)
                 return
-            template, timing = job
+            template = job
             stage = "draft"
             try:
                 with ws.model.step_lock:
-                    timing.device_start = time.perf_counter()
+                    start = time.perf_counter()
                     fwd0 = ws.forward_seconds
                     plan = resolve_plan(template, prev_plan, prev_result)
                     if link is not None:  # one decision: every rank runs this very plan
@@ -138,32 +136,36 @@ class DeviceWorker:
                         link.send_plan(plan)
                         stage = "draft"
                     plan = self.draft(ws, plan)
-                    timing.draft_end = time.perf_counter()
+                    draft_end = time.perf_counter()
                     stage = "verify"
                     verified = self.verify(ws, plan)
-                    timing.verify_end = time.perf_counter()
+                    verify_end = time.perf_counter()
                     stage = "sampler"
                     result = self.sample(self.sampler, ws, plan, verified)
-                    timing.device_end = end = time.perf_counter()
-                timing.model_seconds = ws.forward_seconds - fwd0
-                timing.num_seqs = len(plan.seqs)
-                timing.num_drafts = sum(len(w.drafts) for w in plan.seqs)
-                timing.num_rows = sum(
-                    len(w.token_ids) + (len(w.drafts) if w.sample else 0) for w in plan.seqs
+                    ws.end_step(plan, result)
+                    end = time.perf_counter()
+                device = DeviceTiming(
+                    start=start,
+                    draft_end=draft_end,
+                    verify_end=verify_end,
+                    end=end,
+                    model_seconds=ws.forward_seconds - fwd0,
+                    idle_seconds=0.0 if last_end is None else max(0.0, start - last_end),
+                    num_seqs=len(plan.seqs),
+                    num_drafts=sum(len(w.drafts) for w in plan.seqs),
+                    num_rows=sum(
+                        len(w.token_ids) + (len(w.drafts) if w.sample else 0) for w in plan.seqs
+                    ),
                 )
-                idle = 0.0 if last_end is None else max(0.0, timing.device_start - last_end)
                 last_end = end
                 result = replace(
-                    result,
-                    device_seconds=end - timing.device_start,
-                    idle_seconds=idle,
-                    draft_rows=plan.draft_rows + verified.draft_rows,
+                    result, device=device, draft_rows=plan.draft_rows + verified.draft_rows
                 )
             except BaseException as exc:  # reported to the Trio side, which fails the engine
                 self._fail(stage, exc)
                 return
             prev_plan, prev_result = plan, result
-            self._results.put((result, timing))
+            self._results.put(result)
 
     def _fail(self, stage: str, exc: BaseException) -> None:
         """Report a failed stage to the Trio side, which fails the engine. In a group, a

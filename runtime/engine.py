@@ -43,7 +43,7 @@ from spectrio.runtime.kv_sizing import (
 )
 from spectrio.runtime.monitoring import RuntimeMonitoring, _callable_name, _SinkEntry, _SinkWait
 from spectrio.runtime.request_checks import RuntimeRequests
-from spectrio.runtime.streams import Delta, RequestStream
+from spectrio.runtime.streams import Delta, OpenRequest, RequestStream
 from spectrio.runtime.timing_cache import KeptTimings
 from spectrio.runtime.tp import TPGroup, make_workspace
 from spectrio.stages.block_manager import BlockManager
@@ -113,13 +113,13 @@ class Runtime(RuntimeMonitoring, RuntimeRequests):
         self._control: ChannelSender[Control] | None = None
         self._events_tx: trio.MemorySendChannel[object] | None = None
         self._token: trio.lowlevel.TrioToken | None = None
-        self._streams: dict[str, trio.MemorySendChannel[Delta | SeqResult | EngineDead]] = {}
+        # request id -> the sequence and stream of the request delivered to under that id
+        self._requests: dict[str, OpenRequest] = {}
         # seq id -> (request id, stream, reason) of an abort handed to the scheduler actor
         # whose stream waits for its final ``abort`` delta (sent when the actor applies it)
         self._aborting: dict[
             int, tuple[str, trio.MemorySendChannel[Delta | SeqResult | EngineDead], str]
         ] = {}
-        self._seq_ids: dict[str, int] = {}
         self._ids = itertools.count(1)
         self._closed = False
         self._dead: EngineDead | None = None
@@ -265,21 +265,19 @@ class Runtime(RuntimeMonitoring, RuntimeRequests):
         self._dead = exc
         self._died.set()
         self._closed = True
-        for stream in self._streams.values():
-            stream.send_nowait(exc)
+        for entry in self._requests.values():
+            entry.stream.send_nowait(exc)
         for _, stream, _ in self._aborting.values():
             stream.send_nowait(exc)
-        self._streams.clear()
+        self._requests.clear()
         self._aborting.clear()
-        self._seq_ids.clear()
         self._open_seqs.clear()
         if self._control is not None:
             self._control.close()
         self._notify()
 
-    def _on_result(self, result: StepResult, timing: StepTiming | None) -> None:
-        if timing is not None:
-            self._unpublished[result.step] = timing
+    def _on_result(self, result: StepResult, timing: StepTiming) -> None:
+        self._unpublished[result.step] = timing
 
     async def wait_dead(self) -> EngineDead:
         """Wait until the engine dies (a stage or a tensor-parallel rank failed); returns
@@ -303,9 +301,9 @@ class Runtime(RuntimeMonitoring, RuntimeRequests):
         for r in result.results:
             if r.finish_reason is not None:
                 self._open_seqs.discard(r.seq_id)
-            stream = self._streams.get(r.request_id)
-            if stream is not None and (r.token_ids or r.finish_reason or r.prompt_logprobs):
-                stream.send_nowait(r)
+            entry = self._requests.get(r.request_id)
+            if entry is not None and (r.token_ids or r.finish_reason or r.prompt_logprobs):
+                entry.stream.send_nowait(r)
         self._notify()  # pause() waits for the last step in flight to be delivered
 
     def add_record_observer(self, observer: Callable[[PublishedStep], None]) -> Callable[[], None]:
@@ -370,30 +368,26 @@ class Runtime(RuntimeMonitoring, RuntimeRequests):
         """Forget a request's stream; with a ``reason``, abort it in the pipeline (its
         KV blocks are freed at the next plan). Does nothing if ``request_id`` now names
         another submission than ``seq_id``."""
-        if self._seq_ids.get(request_id, seq_id) != seq_id:
+        entry = self._requests.get(request_id)
+        if entry is None or entry.seq_id != seq_id:
             return
-        self._streams.pop(request_id, None)
-        if reason is None:
-            self._seq_ids.pop(request_id, None)
-        else:
-            self._send_abort(request_id, reason)
+        del self._requests[request_id]
+        if reason is not None:
+            self._send_abort(seq_id, reason)
 
-    def _send_abort(self, request_id: str, reason: str) -> int | None:
+    def _send_abort(self, seq_id: int, reason: str) -> bool:
         """Hand the abort to the scheduler actor over the control channel, behind the
         request's submission: the actor, the request state's one owner, applies it (its
         blocks are freed, no token of it computed by a step in flight is published from
-        then on) and reports it in the next step. Returns its sequence id, None for a
-        request unknown here."""
-        seq_id = self._seq_ids.pop(request_id, None)
-        if seq_id is not None:
-            self._open_seqs.discard(seq_id)
-        if seq_id is None or self._control is None:
-            return None
+        then on) and reports it in the next step. False when the pipeline is closing."""
+        self._open_seqs.discard(seq_id)
+        if self._control is None:
+            return False
         try:
             self._control.send_nowait(AbortRequest(seq_id=seq_id, reason=reason))
         except (trio.ClosedResourceError, trio.BrokenResourceError):
-            return None  # the pipeline is closing: every stream gets its ending there
-        return seq_id
+            return False  # the pipeline is closing: every stream gets its ending there
+        return True
 
     def _on_aborted(self, seq_id: int, counted: Acceptance | None) -> None:
         """The scheduler actor applied an abort: its stream, if it waits, gets the final
@@ -471,10 +465,10 @@ class Runtime(RuntimeMonitoring, RuntimeRequests):
         or published (tokens of steps in flight are dropped); the next published step
         stamps its slot ``-9`` with finish reason ``"abort"``. Returns False for an
         unknown or finished request."""
-        stream = self._streams.get(request_id)
-        if stream is None:
+        entry = self._requests.get(request_id)
+        if entry is None:
             return False
-        seq_id = self._end_with_abort(request_id, stream, reason)
+        seq_id = self._end_with_abort(request_id, entry, reason)
         while seq_id in self._aborting and not self._stopped.is_set():
             await self._changed.wait()  # until the actor has applied it
         return True
@@ -553,25 +547,19 @@ class Runtime(RuntimeMonitoring, RuntimeRequests):
         if self._closed:
             return
         self._closed = True
-        for rid, stream in list(self._streams.items()):
-            self._end_with_abort(rid, stream, reason)
+        for rid, entry in list(self._requests.items()):
+            self._end_with_abort(rid, entry, reason)
 
-    def _end_with_abort(
-        self,
-        request_id: str,
-        stream: trio.MemorySendChannel[Delta | SeqResult | EngineDead],
-        reason: str,
-    ) -> int | None:
+    def _end_with_abort(self, request_id: str, entry: OpenRequest, reason: str) -> int:
         """Abort a request and stop delivering to its stream, which gets its final
-        ``abort`` delta once the scheduler actor has applied the abort (at once for a
-        request the actor no longer runs). Returns its sequence id."""
-        self._streams.pop(request_id, None)
-        seq_id = self._send_abort(request_id, reason)
-        if seq_id is None:
-            stream.send_nowait(_abort_delta(request_id, reason, None))
+        ``abort`` delta once the scheduler actor has applied the abort (at once when the
+        pipeline is closing). Returns its sequence id."""
+        del self._requests[request_id]
+        if self._send_abort(entry.seq_id, reason):
+            self._aborting[entry.seq_id] = (request_id, entry.stream, reason)
         else:
-            self._aborting[seq_id] = (request_id, stream, reason)
-        return seq_id
+            entry.stream.send_nowait(_abort_delta(request_id, reason, None))
+        return entry.seq_id
 
 
 def _abort_delta(request_id: str, reason: str, counted: Acceptance | None) -> Delta:
@@ -583,8 +571,6 @@ def _abort_delta(request_id: str, reason: str, counted: Acceptance | None) -> De
         finished=True,
         finish_reason="abort",
         abort_reason=reason,
-        total_drafts=None if counted is None else counted.proposed,
-        total_accepted=None if counted is None else counted.accepted,
         acceptance=counted,
     )
 

@@ -33,7 +33,7 @@ from spectrio.errors import EngineDead
 from spectrio.models import LoadedModel
 from spectrio.models.chat import ChatTemplate, is_messages
 from spectrio.models.tokenizer import TextTokenizer
-from spectrio.runtime.streams import Delta
+from spectrio.runtime.streams import Delta, OpenRequest
 
 
 class RuntimeRequests:
@@ -46,8 +46,7 @@ class RuntimeRequests:
     chat_template: ChatTemplate | None
     chat_stop_ids: list[int]
     _no_chat: str
-    _streams: dict[str, trio.MemorySendChannel[Delta | SeqResult | EngineDead]]
-    _seq_ids: dict[str, int]
+    _requests: dict[str, OpenRequest]
     _ids: itertools.count[int]
     _closed: bool
     _dead: EngineDead | None
@@ -143,8 +142,7 @@ class RuntimeRequests:
             stops += [t for t in self.loaded.config.eos_token_ids if t not in stops]
         seq_id = next(self._ids)
         send, receive = trio.open_memory_channel[Delta | SeqResult | EngineDead](math.inf)
-        self._streams[request_id] = send
-        self._seq_ids[request_id] = seq_id
+        self._requests[request_id] = OpenRequest(seq_id, send)
         if not self._open_seqs:  # work arrives after idleness: the stall clock starts now
             self._active_since = time.monotonic()
         self._open_seqs.add(seq_id)
@@ -162,7 +160,7 @@ class RuntimeRequests:
         return seq_id, receive
 
     def _check_not_running(self, request_id: str) -> None:
-        if request_id in self._streams:
+        if request_id in self._requests:
             raise InvalidRequest(
                 "request_id", "must not be the id of a running request", got=request_id
             )

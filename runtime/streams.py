@@ -4,6 +4,7 @@ and :class:`RequestStream`, the async iterator over them that
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import TYPE_CHECKING
 
@@ -36,12 +37,10 @@ class Delta(msgspec.Struct, kw_only=True):
     num_drafts: int = 0  # drafts proposed for this request this step
     num_accepted: int = 0  # of which accepted
     abort_reason: str | None = None
-    # On the final delta: drafts proposed and accepted over the request's whole life.
-    total_drafts: int | None = None
-    total_accepted: int | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
-    # On the final delta: acceptance per draft position over the request's whole life (the
-    # scheduler's count; :class:`~spectrio.stages.output_processor.RequestStats` reads it).
+    # On the final delta: the request's drafts over its whole life, per draft position too
+    # (the scheduler's one count; :class:`~spectrio.stages.output_processor.RequestStats`
+    # reads it). ``total_drafts`` and ``total_accepted`` are its totals.
     acceptance: Acceptance | None = None
     # On the final delta of a finished request: prompt tokens whose KV came from the
     # prefix cache (0 with the cache off).
@@ -50,6 +49,27 @@ class Delta(msgspec.Struct, kw_only=True):
     # prompt token after the first (prompt tokens 1 .. P-1, in order; the first has no
     # context, so no logprob), each with that many top alternatives. None on later deltas.
     prompt_logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def total_drafts(self) -> int | None:
+        """On the final delta: drafts proposed over the request's whole life."""
+        return None if self.acceptance is None else self.acceptance.proposed
+
+    @property
+    def total_accepted(self) -> int | None:
+        """On the final delta: drafts accepted over the request's whole life."""
+        return None if self.acceptance is None else self.acceptance.accepted
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenRequest:
+    """A request the runtime delivers to: the runtime's one map from request id to its
+    sequence (``Runtime._requests``). The scheduler actor keys its state by ``seq_id``;
+    a request id may be reused once its request ended, and ``seq_id`` tells the two
+    apart."""
+
+    seq_id: int
+    stream: trio.MemorySendChannel[Delta | SeqResult | EngineDead]
 
 
 class RequestStream:
@@ -134,6 +154,27 @@ class RequestStream:
             if delta is not None:
                 return delta
 
+    async def wait_finished(self) -> None:
+        """Wait for the request to end without taking its output: for a caller that reads
+        its tokens elsewhere (the wire server's consumers read them from the step records),
+        so nothing is detokenized here. Ends at the request's finish or abort; raises
+        :class:`EngineDead` if the engine fails first. Cancelling it aborts the request,
+        as leaving an iteration does."""
+        self._start()
+        assert self._receive is not None
+        while not self._done:
+            try:
+                item = await self._receive.receive()
+            except BaseException:  # cancelled while waiting: the consumer is gone
+                self.close()
+                raise
+            if isinstance(item, EngineDead):
+                self._done = True
+                raise item
+            if isinstance(item, Delta) or item.finish_reason is not None:
+                self._done = True
+                self._rt._release(self._request_id, self._seq_id, None)
+
     def _take_prompt_logprobs(self) -> list[TokenLogprob] | None:
         """The prompt logprobs gathered so far, once: for the first delta handed out."""
         out, self._prompt_lps = self._prompt_lps, None
@@ -170,8 +211,6 @@ class RequestStream:
             num_drafts=item.num_drafts,
             num_accepted=item.num_accepted,
             logprobs=item.logprobs,
-            total_drafts=item.total_drafts,
-            total_accepted=item.total_accepted,
             acceptance=item.acceptance,
             cached_tokens=item.cached_tokens,
             prompt_logprobs=self._take_prompt_logprobs(),

@@ -48,11 +48,9 @@ def run_follower() -> int:
         if plan is None:
             log.info("follower stopped", rank=tp.rank, steps=steps)
             return 0
-        try:
-            plan = draft_stage.draft(ws, plan)
-            verify_stage.verify(ws, plan)
-        finally:
-            ws.release(plan.released)  # per-step cleanup on every path (draft does it first)
+        plan = draft_stage.draft(ws, plan)
+        verify_stage.verify(ws, plan)
+        ws.end_step(plan)
         steps += 1
 
 

@@ -164,26 +164,21 @@ def _pack_on_device(a: StepArrays, stream: Any) -> bytes:
 
 
 def publish_step(result: StepResult) -> PublishedStep:
-    results = result.results
+    results, preempted, aborted = result.results, result.preempted, result.aborted
     return PublishedStep(
         step=result.step,
-        request_ids=[r.request_id for r in results] + list(result.preempted + result.aborted),
+        request_ids=([r.request_id for r in results] + preempted + [e.request_id for e in aborted]),
         finish_reasons=(
-            [r.finish_reason for r in results]
-            + [None] * len(result.preempted)
-            + ["abort"] * len(result.aborted)
+            [r.finish_reason for r in results] + [None] * len(preempted) + ["abort"] * len(aborted)
         ),
         record=pack_record(step_arrays(result)),
-        drafts={
+        acceptance={
             **{
-                r.request_id: [r.total_drafts, r.total_accepted or 0]
+                r.request_id: r.acceptance
                 for r in results
-                if r.finish_reason is not None and r.total_drafts is not None
+                if r.finish_reason is not None and r.acceptance is not None
             },
-            **{
-                rid: list(totals)
-                for rid, totals in zip(result.aborted, result.aborted_drafts, strict=False)
-            },
+            **{e.request_id: e.acceptance for e in aborted if e.acceptance is not None},
         },
         cached_tokens={
             r.request_id: r.cached_tokens

@@ -149,13 +149,7 @@ class Sampler:
                     raise ValueError(f"slot {w.slot} scores prompt tokens but has no logits")
                 top = w.params.prompt_logprobs or 0
                 r.prompt_logprobs = prompt_logprobs(prompt_logits[w.slot], w.score_ids, top)
-        return StepResult(
-            step=plan.step,
-            results=results,
-            preempted=plan.preempted,
-            aborted=plan.aborted,
-            aborted_drafts=plan.aborted_drafts,
-        )
+        return StepResult(step=plan.step, results=results)
 
     def _accept(
         self, prepared: list[_Prepared], draft_probs: dict[int, np.ndarray]

@@ -148,11 +148,11 @@ class SchedulerActor:
 async def run_scheduler(
     actor: SchedulerActor,
     events: trio.MemoryReceiveChannel[object],
-    submit: Callable[[StepPlan, StepTiming], None],
+    submit: Callable[[StepPlan], None],
     outbox: ChannelSender[StepResult],
     *,
     on_idle_check: Callable[[], None] = lambda: None,
-    on_result: Callable[[StepResult, StepTiming | None], None] = lambda r, t: None,
+    on_result: Callable[[StepResult, StepTiming], None] = lambda r, t: None,
     on_aborted: Callable[[int, Acceptance | None], None] = lambda s, a: None,
     paused: Callable[[], bool] = lambda: False,
     rank: int = 0,
@@ -161,18 +161,20 @@ async def run_scheduler(
     """Run until the control channel has closed (a :class:`ControlClosed` event) and every
     step in flight has returned; then close ``outbox``, so the publisher ends too.
 
-    ``events`` carries :class:`NewRequest`, :class:`AbortRequest`, ``(StepResult,
-    StepTiming)`` pairs and :class:`StageFailure` from the device worker,
+    ``events`` carries :class:`NewRequest`, :class:`AbortRequest`, :class:`StepResult`
+    and :class:`StageFailure` from the device worker,
     :class:`ControlClosed`, and :class:`Resume`; an abort is applied as it comes, and
     ``on_aborted`` gets its sequence id and the request's acceptance over its life (None:
     it had already ended). While ``paused()`` is true no step is
     planned; requests, aborts and results are still taken in (a resume sends
     :class:`Resume`, so the actor plans again). A device failure raises
-    :class:`EngineDead`."""
+    :class:`EngineDead`. ``on_result`` gets each folded step with its timeline (the plan's
+    times, kept here, and the device's record from the result)."""
     sched = actor.scheduler
     task_status.started()
     closing = False
     to_publish: StepResult | None = None
+    planned: dict[int, tuple[float, float]] = {}  # step -> (plan start, planned at)
     try:
         while True:
             while not closing and not paused() and sched.can_schedule():
@@ -180,15 +182,8 @@ async def run_scheduler(
                 plan = sched.schedule()
                 if plan is None:
                     break
-                timing = StepTiming(
-                    step=plan.step,
-                    num_seqs=len(plan.seqs),
-                    num_rows=0,
-                    num_drafts=0,
-                    plan_start=t0,
-                    planned_at=time.perf_counter(),
-                )
-                submit(plan, timing)
+                planned[plan.step] = (t0, time.perf_counter())
+                submit(plan)
             if to_publish is not None:  # after planning, so the device is fed first
                 await outbox.send(to_publish)
                 to_publish = None
@@ -196,11 +191,11 @@ async def run_scheduler(
                 return
             on_idle_check()
             ev = await events.receive()
-            if isinstance(ev, tuple):
-                result, timing = ev
-                assert isinstance(result, StepResult)
-                to_publish = sched.update(result)
-                on_result(to_publish, timing)
+            if isinstance(ev, StepResult):
+                to_publish = sched.update(ev)
+                on_result(
+                    to_publish, StepTiming.assemble(ev.step, *planned.pop(ev.step), ev.device)
+                )
             elif isinstance(ev, NewRequest):
                 if not closing:
                     actor.handle(ev)

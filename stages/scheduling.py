@@ -173,6 +173,9 @@ class _InFlight:
     # seq id -> its num_preemptions when planned: a result of a sequence preempted since
     # registers no prefix block (its blocks may belong to others by then)
     epochs: dict[int, int] = dataclasses.field(default_factory=dict)
+    # sequences that left the batch since the plan before, reported with this step: its
+    # result carries them once folded in (StepResult.ended)
+    ended: list[Ended] = dataclasses.field(default_factory=list)
 
 
 class Scheduler:
@@ -186,7 +189,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order, oldest first
         self._by_id: dict[int, Sequence] = {}
         self._inflight: dict[int, _InFlight] = {}  # by step, oldest first
-        self._ended: list[Ended] = []  # since the last plan (StepPlan.ended)
+        self._ended: list[Ended] = []  # since the last plan (reported with the next step)
         # aborted seq id -> the last step planned when it was aborted: results of steps up
         # to that one may still carry it, and must not be published (see published()).
         self._aborted_at: dict[int, int] = {}
@@ -249,9 +252,7 @@ class Scheduler:
             self._retiring[seq_id] = (seq, computing[-1])
         else:
             self.blocks.free(seq.seq_id)
-        self._ended.append(
-            Ended(seq_id, seq.request_id, "aborted", [seq.drafts_proposed, seq.drafts_accepted])
-        )
+        self._ended.append(Ended(seq_id, seq.request_id, "aborted", seq.acceptance.copy()))
         return seq
 
     def published(self, result: StepResult) -> StepResult:
@@ -280,6 +281,11 @@ class Scheduler:
     def num_in_flight(self) -> int:
         """Planned steps whose results have not been folded in yet."""
         return len(self._inflight)
+
+    def reported(self, step: int) -> list[Ended]:
+        """The endings a planned step in flight reports (its result carries them once
+        folded in)."""
+        return list(self._inflight[step].ended)
 
     @property
     def step_in_flight(self) -> bool:
@@ -368,6 +374,7 @@ class Scheduler:
             queued,
             bool(self.waiting),
             {seq.seq_id: seq.num_preemptions for seq, _, _ in planned},
+            ended,
         )
         if any(w.decodes for w in works):
             k = max((w.num_drafts for w in works), default=0)
@@ -375,7 +382,8 @@ class Scheduler:
         return StepPlan(
             step=self._step,
             seqs=works,
-            ended=ended,
+            released=[e.seq_id for e in ended],
+            retired=[e.seq_id for e in ended if e.why == "aborted"],
             k=self._step_k,
         )
 
@@ -554,7 +562,9 @@ class Scheduler:
 
     def update(self, result: StepResult, seconds: float | None = None) -> StepResult:
         """Fold the oldest in-flight step's results in. Returns what to publish: the
-        result without requests aborted since it was planned.
+        result without requests aborted since it was planned, with the endings reported
+        with the step attached (:attr:`StepResult.ended`, from the step's in-flight
+        record: they never went through the device).
 
         ``seconds``, the step's time, feeds the adaptive speculation policy, with the
         step's extra rows (target prompt rows, and the proposer's ``draft_rows``, such as
@@ -570,8 +580,8 @@ class Scheduler:
         works, step_k = step.works, step.k
         self._observe_occupancy(works, result, step.queued, step.still_queued)
         if seconds is None:
-            seconds = result.device_seconds or None
-        if result.idle_seconds > IDLE_UNTIMED_S:
+            seconds = result.device.seconds or None
+        if result.device.idle_seconds > IDLE_UNTIMED_S:
             self._untimed = UNTIMED_AFTER_IDLE
         if self._untimed:
             self._untimed -= 1
@@ -622,7 +632,7 @@ class Scheduler:
             if last <= result.step:  # no step in flight computes for it any more
                 del self._retiring[seq_id]
                 self.blocks.free(seq_id)
-        return replace(result, results=published)
+        return replace(result, results=published, ended=step.ended)
 
     def _observe_occupancy(
         self, works: dict[int, SeqWork], result: StepResult, queued: bool, still_queued: bool
@@ -657,7 +667,6 @@ class Scheduler:
             seq.num_computed = verified + r.num_accepted
             seq.decoding = True
         if r.finish_reason is not None:
-            r.total_drafts, r.total_accepted = seq.drafts_proposed, seq.drafts_accepted
             r.acceptance = seq.acceptance.copy()
             r.cached_tokens = seq.cached_tokens or 0
             self._finish(seq, r.finish_reason)

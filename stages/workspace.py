@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from spectrio.core.config import SpeculativeConfig
+from spectrio.core.messages import StepPlan, StepResult
 from spectrio.models import PackedBatch, PagedKVCache, SpectrioForCausalLM
 from spectrio.models.paddle_setup import paddle, use_configured_threads
 from spectrio.stages.draft import Proposer, TokenHistory, make_proposer
@@ -74,10 +75,22 @@ class Workspace:
                 self.proposer.warmup(batch, out.hidden)
         return time.perf_counter() - t0
 
+    def end_step(self, plan: StepPlan, result: StepResult | None = None) -> None:
+        """The one place a sequence's draft-side state is dropped: at the end of each
+        step, for every sequence the plan lists in ``released`` (it finished, was
+        preempted or was aborted since the plan before, and the step does not run it) and
+        every sequence ``result`` finished, so a finished request leaves nothing behind
+        even when no step follows. A follower rank of a tensor-parallel group does not
+        sample: it passes no result, and drops a finished sequence's state with the next
+        plan's ``released`` (where the leader finds it gone already)."""
+        ended = list(plan.released)
+        if result is not None:
+            ended += [r.seq_id for r in result.results if r.finish_reason is not None]
+        self.release(ended)
+
     def release(self, seq_ids: list[int]) -> None:
-        """Drop these sequences' draft-side state (unknown ids are ignored). Called by the
-        sampler stage for requests that finished, and by the draft stage for each plan's
-        ``released`` (preemptions, aborts, and finished ones again)."""
+        """Drop these sequences' draft-side state (unknown ids are ignored); see
+        :meth:`end_step`."""
         self.history.release(seq_ids)
         if self.proposer is not None:
             self.proposer.release(seq_ids)

@@ -156,7 +156,7 @@ async def test_malformed_chats_and_templates_that_refuse_are_refused(
             long = [{"role": "user", "content": "hi " * 80}]
             with pytest.raises(InvalidRequest, match="^messages: rendered by the chat template"):
                 rt.chat(long)
-            assert rt.stats().waiting == 0 and not rt._streams  # nothing was submitted
+            assert rt.stats().waiting == 0 and not rt._requests  # nothing was submitted
         async with open_runtime(config(strict_dir)) as rt:
             system = [{"role": "system", "content": "hi"}, *CHAT]
             with pytest.raises(InvalidRequest, match="only user and assistant roles"):

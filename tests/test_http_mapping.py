@@ -11,6 +11,7 @@ import msgspec
 import pytest
 from tokenizers.pre_tokenizers import ByteLevel
 
+from spectrio.core.acceptance import Acceptance
 from spectrio.core.messages import TokenLogprob
 from spectrio.core.params import InvalidRequest, SamplingParams, check_params
 from spectrio.http_api import mapping
@@ -348,7 +349,7 @@ def test_usage_adds_choices_and_prefers_the_final_count() -> None:
     a, b = ChoiceState(0), ChoiceState(1)
     a.add(Delta(request_id="a", token_ids=[1, 2], text="xy", num_drafts=3, num_accepted=1))
     a.add(Delta(request_id="a", token_ids=[3], text="z", finished=True, finish_reason="length",
-                num_drafts=2, num_accepted=0, total_drafts=6, total_accepted=2))  # fmt: skip
+                num_drafts=2, num_accepted=0, acceptance=Acceptance(6, 2)))  # fmt: skip
     b.add(Delta(request_id="b", token_ids=[4], text="w", finished=True, finish_reason="stop"))
     got = usage(5, [a, b])
     assert (got.prompt_tokens, got.completion_tokens, got.total_tokens) == (5, 4, 9)

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from spectrio.core.acceptance import Acceptance
 from spectrio.core.messages import PublishedStep
 from spectrio.core.record import select_slots, unpack
 from spectrio.cuda_kernels.reference import pack_step_record
@@ -179,7 +180,7 @@ def test_a_sliced_step_keeps_its_number_ids_totals_and_seqnos() -> None:
         request_ids=["a", "b", "c"],
         finish_reasons=[None, "stop", "abort"],
         record=_record([2, 1, -9], None),
-        drafts={"b": [4, 3], "c": [0, 0]},
+        acceptance={"b": Acceptance(4, 3), "c": Acceptance()},
         cached_tokens={"b": 16},
     )
     part = slice_step(step, [1, 2])

@@ -62,9 +62,7 @@ def device_step(plan: StepPlan) -> StepResult:
         if finish is None and cut >= w.max_new_tokens:
             cut, finish = w.max_new_tokens, "length"
         results.append(seq_result(w, accepted, run[:cut], finish))
-    return StepResult(
-        step=plan.step, results=results, preempted=plan.preempted, aborted=plan.aborted
-    )
+    return StepResult(step=plan.step, results=results)
 
 
 def make(k: int, blocks: int, in_flight: int) -> Scheduler:

@@ -236,9 +236,7 @@ class Device:
                 cut, finish = w.max_new_tokens, "length"
             results.append(seq_result(w, acc, run[:cut], finish))
         self.history.drafted(replace(everyone, seqs=drafted))
-        return StepResult(
-            step=plan.step, results=results, preempted=plan.preempted, aborted=plan.aborted
-        )
+        return StepResult(step=plan.step, results=results)
 
     def _catch_up(self, w: SeqWork, end: int, toks: list[int], slot: Callable[[int], int]) -> None:
         """Real MTP KV for positions up to ``end``, after checking what it reads."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from spectrio.core.messages import PublishedStep, SeqResult, StepResult, TokenLogprob
+from spectrio.core.messages import Ended, PublishedStep, SeqResult, StepResult, TokenLogprob
 from spectrio.core.record import KIND_TARGET, PREEMPTED, record_nbytes, unpack
 from spectrio.stages.records import publish_step
 
@@ -53,8 +53,7 @@ def test_width_zero_record_with_prefill_preempted_and_aborted_slots() -> None:
             result(1, [], computed=32, context=50),
             result(2, [9], reason="stop"),
         ],
-        preempted=["r9"],
-        aborted=["r8"],
+        ended=[Ended(0, "r9", "preempted"), Ended(0, "r8", "aborted")],
     )
     out = publish_step(step)
     rec = unpack(out.record)
@@ -86,5 +85,7 @@ def test_width_is_one_plus_the_widest_request_and_columns_follow_requests() -> N
 
 
 def test_empty_step() -> None:
-    rec = unpack(publish_step(StepResult(step=3, results=[], preempted=["a"])).record)
+    rec = unpack(
+        publish_step(StepResult(step=3, results=[], ended=[Ended(0, "a", "preempted")])).record
+    )
     assert (rec.bsz, rec.num_tokens, rec.accept_num.tolist()) == (1, 0, [PREEMPTED])

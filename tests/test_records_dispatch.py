@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from spectrio.core.messages import SeqResult, StepResult, TokenLogprob
+from spectrio.core.messages import Ended, SeqResult, StepResult, TokenLogprob
 from spectrio.core.record import PREEMPTED, unpack
 from spectrio.cuda_kernels import KernelUnavailable, loader, record_width, speculate_save_ref
 from spectrio.cuda_kernels.reference import pack_step_record
@@ -79,8 +79,7 @@ def rich_step(*, logprobs: bool = True) -> StepResult:
             seq(4, [41, 42, 43], logprobs=lp(5), reason="stop"),
             seq(5, [51], computed=96, context=96, logprobs=lp(3)),  # last prefill chunk
         ],
-        preempted=["p0", "p1"],
-        aborted=["a0"],
+        ended=[Ended(0, "p0", "preempted"), Ended(0, "p1", "preempted"), Ended(0, "a0", "aborted")],
     )
 
 
@@ -225,7 +224,9 @@ def to_device(cp: Any, stream: Any, a: StepArrays) -> StepArrays:
 STEPS = {
     "rich": rich_step(),
     "no-logprobs": rich_step(logprobs=False),
-    "preempted-only": StepResult(step=2, results=[], preempted=["x"], aborted=["y"]),
+    "preempted-only": StepResult(
+        step=2, results=[], ended=[Ended(0, "x", "preempted"), Ended(0, "y", "aborted")]
+    ),
 }
 
 

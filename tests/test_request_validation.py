@@ -147,7 +147,7 @@ async def test_api_and_wire_refuse_each_bad_field_with_the_same_error(bundled: o
                     mismatches.append(f"{case}: names {api.field!r}")
                 ErrorCode(api.code)  # every refusal class is a wire error code
             # Nothing refused reached the pipeline.
-            assert rt.blocks.num_used_blocks == 0 and not rt._streams
+            assert rt.blocks.num_used_blocks == 0 and not rt._requests
     assert not mismatches, "\n".join(mismatches)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from spectrio import SamplingParams
-from spectrio.core.messages import Ended, SeqWork, StepPlan
+from spectrio.core.messages import SeqWork, StepPlan
 from spectrio.models import load
 from spectrio.stages.logits_processing import log_softmax, sampling_probs
 from spectrio.stages.sampling import Sampler
@@ -279,7 +279,7 @@ def test_state_lifecycle() -> None:
     assert s.num_states == 1  # the prefill slot has no state yet
     with pytest.raises(RuntimeError, match="scheduler reports"):
         step(s, [work(0, [], p, seq_id=1, num_output=5)], [random_rows(1, 0)])
-    step(s, [work(0, [], p, seq_id=3)], [random_rows(1, 0)], ended=[Ended(1, "r1", "aborted")])
+    step(s, [work(0, [], p, seq_id=3)], [random_rows(1, 0)], retired=[1])
     assert s.num_states == 1  # seq 1 retired (aborted), seq 3 new
     with pytest.raises(RuntimeError, match="no sampler state"):
         step(s, [work(0, [], p, seq_id=9, num_output=2)], [random_rows(1, 0)])

@@ -9,6 +9,7 @@ from scheduler_helpers import MTPCatchUp, seq_result
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig
 from spectrio.core.messages import SeqResult, StepPlan, StepResult
+from spectrio.core.timing import DeviceTiming
 from spectrio.stages.block_manager import BlockManager
 from spectrio.stages.scheduling import IDLE_UNTIMED_S, UNTIMED_AFTER_IDLE, Scheduler, Sequence
 
@@ -59,9 +60,19 @@ def finish_step(
         sampled = seq_result(w, n, [7] * (n + emit), reason)
         results.append(sampled if w.sample else seq_result(w, 0, []))
     s.update(
-        StepResult(step=plan.step, results=results, idle_seconds=idle, draft_rows=draft_rows),
+        StepResult(
+            step=plan.step,
+            results=results,
+            device=DeviceTiming(idle_seconds=idle),
+            draft_rows=draft_rows,
+        ),
         seconds=seconds,
     )
+
+
+def reported(s: Scheduler, p: StepPlan, why: str) -> list[str]:
+    """Request ids the planned step ``p`` reports as ``why`` (preempted, aborted)."""
+    return [e.request_id for e in s.reported(p.step) if e.why == why]
 
 
 def adaptive_scheduler(k: int, speculative: tuple[bool, ...], prompt_len: int = 3) -> Scheduler:
@@ -158,7 +169,7 @@ def test_preemption_frees_the_newest_and_recomputes_everything() -> None:
     finish_step(s, p, emit=1)  # 11 tokens; verifying 2 drafts needs a 4th block each
     p = s.schedule()
     assert p is not None
-    assert p.preempted == ["r2"] and [w.request_id for w in p.seqs] == ["r1"]
+    assert reported(s, p, "preempted") == ["r2"] and [w.request_id for w in p.seqs] == ["r1"]
     assert s.num_preemptions == 1 and s.waiting[0].request_id == "r2"
     finish_step(s, p, emit=1, accepted=2)
     victim = s.waiting[0]
@@ -204,7 +215,7 @@ def test_abort_during_a_step_frees_blocks_at_once_and_drops_its_result() -> None
     assert s.finished_by_reason == {"abort": 1}
     # The abort is still reported, in a step of its own.
     p = s.schedule()
-    assert p is not None and p.seqs == [] and p.aborted == ["r1"]
+    assert p is not None and p.seqs == [] and reported(s, p, "aborted") == ["r1"]
     s.update(StepResult(step=p.step, results=[]))
     assert not s.has_work()
 
@@ -289,14 +300,39 @@ def test_aborts_are_reported_once_in_the_next_plan() -> None:
     s.add(seq(1, 4))
     s.add(seq(2, 4))
     p = s.schedule()
-    assert p is not None and p.aborted == [] and p.retired == []
+    assert p is not None and reported(s, p, "aborted") == [] and p.retired == []
     finish_step(s, p)
     s.abort(2)
     p = s.schedule()
-    assert p is not None and (p.aborted, p.retired) == (["r2"], [2])
+    assert p is not None and (reported(s, p, "aborted"), p.retired) == (["r2"], [2])
     finish_step(s, p)
     p = s.schedule()
-    assert p is not None and (p.aborted, p.retired) == ([], [])
+    assert p is not None and (reported(s, p, "aborted"), p.retired) == ([], [])
+
+
+def test_endings_reach_the_result_at_the_fold_never_through_the_device() -> None:
+    """The plan carries only the seq ids whose state goes; the step's endings (with an
+    aborted request's drafts over its life) come from the scheduler's own record of the
+    step, attached when its result is folded in, whatever the device returned."""
+    s = make()
+    s.add(seq(1, 4))
+    s.add(seq(2, 4))
+    p = s.schedule()
+    assert p is not None
+    finish_step(s, p)  # both decode from here, with drafts
+    p = s.schedule()
+    assert p is not None
+    finish_step(s, p, accepted=1)
+    s.abort(2)
+    p = s.schedule()
+    assert p is not None and (p.released, p.retired) == ([2], [2])
+    assert not hasattr(p, "ended")  # nothing about endings crosses to the device
+    results = [seq_result(w, 0, [7]) for w in p.seqs]
+    folded = s.update(StepResult(step=p.step, results=results))  # the device sent none
+    assert [(e.seq_id, e.request_id, e.why) for e in folded.ended] == [(2, "r2", "aborted")]
+    counted = folded.ended[0].acceptance
+    assert counted is not None and (counted.proposed, counted.accepted) == (2, 1)
+    assert folded.aborted == folded.ended and folded.preempted == []
 
 
 def test_aborting_the_last_request_still_yields_a_step_that_reports_it() -> None:
@@ -308,7 +344,7 @@ def test_aborting_the_last_request_still_yields_a_step_that_reports_it() -> None
     s.abort(1)
     assert s.has_work()
     p = s.schedule()
-    assert p is not None and p.seqs == [] and p.aborted == ["r1"]
+    assert p is not None and p.seqs == [] and reported(s, p, "aborted") == ["r1"]
     s.update(StepResult(step=p.step, results=[]))
     assert not s.has_work() and s.schedule() is None and s.blocks.num_used_blocks == 0
 
@@ -324,13 +360,13 @@ def test_a_request_preempted_while_planning_is_not_readmitted_in_the_same_step()
     assert p is not None and len(p.seqs) == 2  # 3 blocks each, 1 free
     finish_step(s, p, emit=1)  # 11 tokens each; verifying 2 drafts needs a 4th block each
     p = s.schedule()
-    assert p is not None and p.preempted == ["r2"]
+    assert p is not None and reported(s, p, "preempted") == ["r2"]
     assert [w.request_id for w in p.seqs] == ["r1"]
     # r2's 11 tokens fit the 3 freed blocks: it is admitted in the next step, not this one.
     assert s.blocks.num_free_blocks == 3 and s.waiting[0].request_id == "r2"
     finish_step(s, p, emit=1)
     p = s.schedule()
-    assert p is not None and p.preempted == []
+    assert p is not None and reported(s, p, "preempted") == []
     assert [w.request_id for w in p.seqs] == ["r1", "r2"]
     assert (p.seqs[1].start_pos, p.seqs[1].sample) == (0, True)
 
@@ -342,7 +378,7 @@ def test_no_plan_lists_a_request_twice_under_kv_pressure() -> None:
     while s.has_work():
         p = s.schedule()
         assert p is not None
-        ids = [w.request_id for w in p.seqs] + p.preempted + p.aborted
+        ids = [w.request_id for w in p.seqs] + [e.request_id for e in s.reported(p.step)]
         assert len(ids) == len(set(ids)), (p.step, ids)
         results = []
         for w in p.seqs:  # every sampling slot accepts one of its drafts
@@ -416,7 +452,7 @@ def test_a_result_already_folded_in_is_not_published_after_an_abort() -> None:
     s.abort(1)
     assert [r.seq_id for r in s.published(folded).results] == [2]
     later = s.schedule()
-    assert later is not None and later.aborted == ["r1"]
+    assert later is not None and reported(s, later, "aborted") == ["r1"]
 
 
 def test_step_times_are_filed_under_the_count_choose_was_given() -> None:
@@ -601,5 +637,5 @@ def test_the_actor_applies_each_abort_once_in_channel_order() -> None:
     assert actor.handle(AbortRequest(seq_id=1)) is None  # once
     assert actor.handle(AbortRequest(seq_id=7)) is None  # never here: nothing happens
     p = s.schedule()
-    assert p is not None and p.seqs == [] and p.aborted == ["r2", "r1"]
+    assert p is not None and p.seqs == [] and reported(s, p, "aborted") == ["r2", "r1"]
     assert actor.view().finished == {"abort": 2} and not actor.view().has_work

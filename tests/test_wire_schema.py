@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from spectrio import Delta, RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
-from spectrio.core.messages import PublishedStep, SeqResult, StepResult, TokenLogprob
+from spectrio.core.acceptance import Acceptance
+from spectrio.core.messages import Ended, PublishedStep, SeqResult, StepResult, TokenLogprob
 from spectrio.stages.records import publish_step
 from spectrio.wire.codec import (
     SequenceCounter,
@@ -582,12 +583,11 @@ def example_step() -> tuple[PublishedStep, list[int]]:
                 finish_reason="stop",
                 num_computed=20,
                 context_len=8,
-                total_drafts=6,
-                total_accepted=4,
+                acceptance=Acceptance(6, 4),
                 cached_tokens=4,
             ),
         ],
-        preempted=["req-d"],
+        ended=[Ended(0, "req-d", "preempted")],
     )
     return publish_step(result), [3, 0, 12, 5]
 
@@ -626,7 +626,8 @@ def test_encode_step_keeps_the_record_and_checks_lengths() -> None:
 
 def test_sequence_counter_counts_sent_tokens_and_forgets_finished_requests() -> None:
     def step(n: int, results: list[SeqResult], preempted: list[str] = []) -> PublishedStep:  # noqa: B006
-        return publish_step(StepResult(step=n, results=results, preempted=preempted))
+        ended = [Ended(0, rid, "preempted") for rid in preempted]
+        return publish_step(StepResult(step=n, results=results, ended=ended))
 
     def res(slot: int, rid: str, toks: list[int], reason: str | None = None) -> SeqResult:
         return SeqResult(
@@ -643,7 +644,10 @@ def test_sequence_counter_counts_sent_tokens_and_forgets_finished_requests() -> 
 
     counter = SequenceCounter()
     assert counter.advance(step(1, [res(0, "a", [1, 2]), res(1, "b", [3])])) == [0, 0]
-    assert counter.advance(step(2, [res(0, "a", [4])], preempted=["b"])) == [2, 1]
+    assert counter.advance(step(2, [res(0, "a", [4])], preempted=["b"])) == [
+        2,
+        1,
+    ]
     assert counter.advance(step(3, [res(0, "b", [5, 6]), res(1, "a", [7], "length")])) == [1, 3]
     assert counter.sent("a") == 0 and counter.sent("b") == 3 and len(counter) == 1
 

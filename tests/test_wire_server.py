@@ -17,6 +17,7 @@ import zmq
 from spectrio.core.config import RuntimeConfig
 from spectrio.core.params import SamplingParams
 from spectrio.runtime.api import Runtime, open_runtime
+from spectrio.runtime.streams import RequestStream
 from spectrio.wire.client import (
     AsyncClient,
     Chunk,
@@ -169,11 +170,20 @@ async def send_garbage(client: AsyncClient) -> list[tuple[str, str]]:
 
 
 async def test_concurrent_clients_match_in_process(
-    endpoints: tuple[str, str, str], ctx: Context
+    endpoints: tuple[str, str, str], ctx: Context, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with trio.fail_after(TIMEOUT):
         async with open_runtime(RuntimeConfig(dtype="float64", max_model_len=256)) as rt:
             expected = await reference(rt)
+            # The server only waits for each request's end: its consumers read the step
+            # records, so it never takes (nor detokenizes) a stream's deltas.
+            taken: list[object] = []
+            on_item = RequestStream._on_item
+            monkeypatch.setattr(
+                RequestStream,
+                "_on_item",
+                lambda self, item: taken.append(item) or on_item(self, item),
+            )
             async with trio.open_nursery() as nursery:
                 server = await start_server(rt, nursery, endpoints, ctx)
                 assert server.endpoints is not None
@@ -205,7 +215,7 @@ async def test_concurrent_clients_match_in_process(
                 nursery.cancel_scope.cancel()
 
         assert [c for c, _ in garbage] == [g for _, g in garbage]
-        assert len(ids) == len(PROMPTS)
+        assert len(ids) == len(PROMPTS) and taken == []
         for rid, prompt in ids.items():
             chunks = got[rid]
             tokens = [t for c in chunks for t in c.token_ids]

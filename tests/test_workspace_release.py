@@ -72,7 +72,7 @@ async def test_an_aborted_requests_state_goes_with_the_next_step(bundled64: obje
             streams = [
                 rt.generate(list(range(40, 50)), SamplingParams(max_tokens=40)) for _ in "ab"
             ]
-            seqs = [rt._seq_ids[s.request_id] for s in streams]
+            seqs = [rt._requests[s.request_id].seq_id for s in streams]
             for s in streams:
                 await s.__anext__()
             assert all(ws.holds(q) for q in seqs)

@@ -421,7 +421,7 @@ def slice_step(
         request_ids=ids,
         finish_reasons=[published.finish_reasons[i] for i in slots],
         record=select_slots(published.record if record is None else record, list(slots)),
-        drafts={r: d for r, d in published.drafts.items() if r in keep},
+        acceptance={r: a for r, a in published.acceptance.items() if r in keep},
         cached_tokens={r: n for r, n in published.cached_tokens.items() if r in keep},
         prompt_logprobs={r: v for r, v in published.prompt_logprobs.items() if r in keep},
     )
@@ -449,7 +449,7 @@ def encode_step(
         seqnos=[int(s) for s in seqnos],
         finish_reasons=list(published.finish_reasons),  # type: ignore[arg-type]
         errors=list(errors),
-        drafts={rid: (int(d[0]), int(d[1])) for rid, d in published.drafts.items()},
+        drafts={rid: (a.proposed, a.accepted) for rid, a in published.acceptance.items()},
         cached_tokens={rid: int(n) for rid, n in published.cached_tokens.items()},
         prompt_logprobs=dict(published.prompt_logprobs),
     )

@@ -315,11 +315,10 @@ class RequestSide(ServerState):
         nursery.start_soon(self._follow, rid, stream)
 
     async def _follow(self, rid: str, stream: RequestStream) -> None:
-        """Read a request's stream to its end; its output reaches consumers through the
-        record sink, not through here."""
+        """Wait for a request's end; its output reaches consumers through the record sink,
+        so its stream is never read (nor detokenized) here."""
         try:
-            async for _ in stream:
-                pass
+            await stream.wait_finished()
         except EngineDead:
             self._lost[rid] = None  # no final step reached the consumer: the death step
         finally:

@@ -69,8 +69,7 @@ def make_proposer(
 
 def draft(ws: Workspace, plan: StepPlan) -> StepPlan:
     """``plan`` with ``drafts`` filled in where the proposer found any (a copy; the plan
-    is not changed) and ``draft_rows`` set. Drops the state of ``plan.released`` first."""
-    ws.release(plan.released)
+    is not changed) and ``draft_rows`` set."""
     ws.draft_probs = {}
     proposer = ws.proposer
     if proposer is None:
