@@ -41,6 +41,7 @@ from spectrio.core.timing import StepTiming
 from spectrio.errors import SpectrioError
 from spectrio.runtime.api import Delta, Runtime, open_runtime
 from spectrio.runtime.health import Health
+from spectrio.runtime.streams import abort_delta
 
 T = TypeVar("T")
 
@@ -291,16 +292,7 @@ class AsyncioRuntime:
 
 def _end_at_shutdown(job: _Job) -> None:
     """A request handed over while the bridge shut down ends as running ones do."""
-    job.queue.put_nowait(
-        Delta(
-            request_id=job.request_id,
-            token_ids=[],
-            text="",
-            finished=True,
-            finish_reason="abort",
-            abort_reason="shutdown",
-        )
-    )
+    job.queue.put_nowait(abort_delta(job.request_id, "shutdown"))
     job.end(_END)
 
 

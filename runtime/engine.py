@@ -43,7 +43,7 @@ from spectrio.runtime.kv_sizing import (
 )
 from spectrio.runtime.monitoring import RuntimeMonitoring, _callable_name, _SinkEntry, _SinkWait
 from spectrio.runtime.request_checks import RuntimeRequests
-from spectrio.runtime.streams import Delta, OpenRequest, RequestStream
+from spectrio.runtime.streams import Delta, OpenRequest, RequestStream, abort_delta
 from spectrio.runtime.timing_cache import KeptTimings
 from spectrio.runtime.tp import TPGroup, make_workspace
 from spectrio.stages.block_manager import BlockManager
@@ -395,14 +395,14 @@ class Runtime(RuntimeMonitoring, RuntimeRequests):
         entry = self._aborting.pop(seq_id, None)
         if entry is not None:
             request_id, stream, reason = entry
-            stream.send_nowait(_abort_delta(request_id, reason, counted))
+            stream.send_nowait(abort_delta(request_id, reason, counted))
         self._notify()
 
     def _end_aborting(self) -> None:
         """The stages ended: a stream still waiting for its abort to be applied gets its
         final delta now, without counts."""
         for request_id, stream, reason in self._aborting.values():
-            stream.send_nowait(_abort_delta(request_id, reason, None))
+            stream.send_nowait(abort_delta(request_id, reason, None))
         self._aborting.clear()
 
     def _is_idle(self) -> bool:
@@ -558,21 +558,8 @@ class Runtime(RuntimeMonitoring, RuntimeRequests):
         if self._send_abort(entry.seq_id, reason):
             self._aborting[entry.seq_id] = (request_id, entry.stream, reason)
         else:
-            entry.stream.send_nowait(_abort_delta(request_id, reason, None))
+            entry.stream.send_nowait(abort_delta(request_id, reason, None))
         return entry.seq_id
-
-
-def _abort_delta(request_id: str, reason: str, counted: Acceptance | None) -> Delta:
-    """The final delta of an aborted request (``counted``: its drafts over its life)."""
-    return Delta(
-        request_id=request_id,
-        token_ids=[],
-        text="",
-        finished=True,
-        finish_reason="abort",
-        abort_reason=reason,
-        acceptance=counted,
-    )
 
 
 def _chat_template(loaded: LoadedModel) -> tuple[ChatTemplate | None, str]:

@@ -61,6 +61,20 @@ class Delta(msgspec.Struct, kw_only=True):
         return None if self.acceptance is None else self.acceptance.accepted
 
 
+def abort_delta(request_id: str, reason: str, counted: Acceptance | None = None) -> Delta:
+    """The final delta of an aborted request (``counted``: its drafts over its life; a
+    shutdown's reason is ``"shutdown"``)."""
+    return Delta(
+        request_id=request_id,
+        token_ids=[],
+        text="",
+        finished=True,
+        finish_reason="abort",
+        abort_reason=reason,
+        acceptance=counted,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class OpenRequest:
     """A request the runtime delivers to: the runtime's one map from request id to its

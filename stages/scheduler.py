@@ -89,17 +89,7 @@ class SchedulerActor:
         [drafts proposed, accepted] over its life; None if it had already ended."""
         sched = self.scheduler
         if isinstance(msg, NewRequest):
-            sched.add(
-                Sequence(
-                    seq_id=msg.seq_id,
-                    request_id=msg.request_id,
-                    prompt_ids=list(msg.prompt_ids),
-                    params=msg.params,
-                    eos_token_ids=list(msg.eos_token_ids),
-                    speculative=msg.speculative,
-                    cache_salt=msg.cache_salt,
-                )
-            )
+            sched.add(Sequence(msg))
             return None
         counted = self.abort(msg)
         return None if counted is None else (counted.proposed, counted.accepted)

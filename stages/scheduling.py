@@ -84,7 +84,7 @@ from msgspec.structs import replace
 
 from spectrio.core.acceptance import Acceptance
 from spectrio.core.config import RuntimeConfig
-from spectrio.core.messages import Ended, SeqResult, SeqWork, StepPlan, StepResult
+from spectrio.core.messages import Ended, NewRequest, SeqResult, SeqWork, StepPlan, StepResult
 from spectrio.core.params import SamplingParams
 from spectrio.stages.block_manager import BlockManager, PrefixKey
 from spectrio.stages.lifecycle import RequestState, advance
@@ -93,13 +93,10 @@ from spectrio.stages.spec_policy import Remaining, SpecPolicy
 
 @dataclasses.dataclass(eq=False)
 class Sequence:
-    seq_id: int
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    eos_token_ids: list[int]
-    speculative: bool
-    cache_salt: str = ""  # requests share prefix-cache blocks only with the same salt
+    """A request the scheduler holds: the :class:`NewRequest` it was admitted with (its
+    fields are read through, never copied), and the state the scheduler keeps for it."""
+
+    request: NewRequest
     output_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0
     state: RequestState = RequestState.WAITING
@@ -113,6 +110,35 @@ class Sequence:
     # prompt_logprobs: rows at positions 0 .. prompt_scored - 1 have been planned for
     # scoring (their results always reach the publisher: see _score)
     prompt_scored: int = 0
+
+    @property
+    def seq_id(self) -> int:
+        return self.request.seq_id
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.prompt_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.request.eos_token_ids
+
+    @property
+    def speculative(self) -> bool:
+        return self.request.speculative
+
+    @property
+    def cache_salt(self) -> str:
+        """Requests share prefix-cache blocks only with the same salt."""
+        return self.request.cache_salt
 
     @property
     def drafts_proposed(self) -> int:

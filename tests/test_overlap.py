@@ -16,7 +16,7 @@ from msgspec.structs import replace
 from scheduler_helpers import seq_result
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig
-from spectrio.core.messages import SeqResult, StepPlan, StepResult
+from spectrio.core.messages import NewRequest, SeqResult, StepPlan, StepResult
 from spectrio.stages.block_manager import BlockManager
 from spectrio.stages.overlap import resolve_plan
 from spectrio.stages.scheduling import Scheduler, Sequence
@@ -87,12 +87,14 @@ def run(k: int, blocks: int, in_flight: int, abort_at: dict[int, int]) -> dict[s
     for i in range(10):
         s.add(
             Sequence(
-                seq_id=i + 1,
-                request_id=f"r{i}",
-                prompt_ids=[1 + (i * 7 + j) % 40 for j in range(5 + 3 * i)],
-                params=SamplingParams(max_tokens=8 + 3 * i),
-                eos_token_ids=[STOP],
-                speculative=k > 0,
+                NewRequest(
+                    seq_id=i + 1,
+                    request_id=f"r{i}",
+                    prompt_ids=[1 + (i * 7 + j) % 40 for j in range(5 + 3 * i)],
+                    params=SamplingParams(max_tokens=8 + 3 * i),
+                    eos_token_ids=[STOP],
+                    speculative=k > 0,
+                )
             )
         )
     queue: list[StepPlan] = []
@@ -164,12 +166,14 @@ def test_pending_work_resolves_to_the_plan_made_after_the_result() -> None:
     for s in (ahead, after):
         s.add(
             Sequence(
-                seq_id=1,
-                request_id=rid,
-                prompt_ids=[5, 6, 7],
-                params=SamplingParams(max_tokens=20),
-                eos_token_ids=[STOP],
-                speculative=True,
+                NewRequest(
+                    seq_id=1,
+                    request_id=rid,
+                    prompt_ids=[5, 6, 7],
+                    params=SamplingParams(max_tokens=20),
+                    eos_token_ids=[STOP],
+                    speculative=True,
+                )
             )
         )
     for s in (ahead, after):  # prefill, then one decode step

@@ -22,7 +22,7 @@ from msgspec.structs import replace
 from scheduler_helpers import seq_result
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig
-from spectrio.core.messages import SeqResult, SeqWork, StepPlan, StepResult
+from spectrio.core.messages import NewRequest, SeqResult, SeqWork, StepPlan, StepResult
 from spectrio.stages.block_manager import BlockManager, BlockManagerError, PrefixKey
 from spectrio.stages.draft import TokenHistory
 from spectrio.stages.draft.mtp import CatchUp
@@ -307,13 +307,15 @@ def simulate(
             out[rid], ends[rid] = [], []
             s.add(
                 Sequence(
-                    seq_id=i + 1,
-                    request_id=rid,
-                    prompt_ids=PREFIXES[prefix] + suffix,
-                    params=SamplingParams(max_tokens=limits[rid]),
-                    eos_token_ids=[STOP],
-                    speculative=spec and k > 0,
-                    cache_salt=f"t{salt}",
+                    NewRequest(
+                        seq_id=i + 1,
+                        request_id=rid,
+                        prompt_ids=PREFIXES[prefix] + suffix,
+                        params=SamplingParams(max_tokens=limits[rid]),
+                        eos_token_ids=[STOP],
+                        speculative=spec and k > 0,
+                        cache_salt=f"t{salt}",
+                    )
                 )
             )
         while s.can_schedule():
@@ -470,12 +472,14 @@ def test_a_promise_ends_with_its_sequence() -> None:
 
 def _seq(i: int, prompt: list[int], max_tokens: int, spec: bool) -> Sequence:
     return Sequence(
-        seq_id=i + 1,
-        request_id=f"r{i}",
-        prompt_ids=prompt,
-        params=SamplingParams(max_tokens=max_tokens),
-        eos_token_ids=[STOP],
-        speculative=spec,
+        NewRequest(
+            seq_id=i + 1,
+            request_id=f"r{i}",
+            prompt_ids=prompt,
+            params=SamplingParams(max_tokens=max_tokens),
+            eos_token_ids=[STOP],
+            speculative=spec,
+        )
     )
 
 

@@ -8,7 +8,7 @@ import pytest
 from scheduler_helpers import MTPCatchUp, seq_result
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig
-from spectrio.core.messages import SeqResult, StepPlan, StepResult
+from spectrio.core.messages import NewRequest, SeqResult, StepPlan, StepResult
 from spectrio.core.timing import DeviceTiming
 from spectrio.stages.block_manager import BlockManager
 from spectrio.stages.scheduling import IDLE_UNTIMED_S, UNTIMED_AFTER_IDLE, Scheduler, Sequence
@@ -30,12 +30,14 @@ def make(k: int = 2, blocks: int = 64, **kw: object) -> Scheduler:
 
 def seq(i: int, n: int, max_tokens: int = 16) -> Sequence:
     return Sequence(
-        seq_id=i,
-        request_id=f"r{i}",
-        prompt_ids=list(range(1, n + 1)),
-        params=SamplingParams(max_tokens=max_tokens),
-        eos_token_ids=[0],
-        speculative=True,
+        NewRequest(
+            seq_id=i,
+            request_id=f"r{i}",
+            prompt_ids=list(range(1, n + 1)),
+            params=SamplingParams(max_tokens=max_tokens),
+            eos_token_ids=[0],
+            speculative=True,
+        )
     )
 
 
@@ -90,12 +92,14 @@ def adaptive_scheduler(k: int, speculative: tuple[bool, ...], prompt_len: int = 
     for i, flag in enumerate(speculative):
         sched.add(
             Sequence(
-                seq_id=i,
-                request_id=f"r{i}",
-                prompt_ids=list(range(5, 5 + prompt_len)),
-                params=SamplingParams(max_tokens=200),
-                eos_token_ids=[],
-                speculative=flag,
+                NewRequest(
+                    seq_id=i,
+                    request_id=f"r{i}",
+                    prompt_ids=list(range(5, 5 + prompt_len)),
+                    params=SamplingParams(max_tokens=200),
+                    eos_token_ids=[],
+                    speculative=flag,
+                )
             )
         )
     return sched
@@ -269,12 +273,14 @@ def test_one_token_prompt_gets_no_drafts_until_the_mtp_has_a_hidden_state() -> N
 def test_plans_carry_what_the_sampler_and_record_need() -> None:
     s = make(k=2, max_num_batched_tokens=12, max_num_seqs=4)
     penalised = Sequence(
-        seq_id=1,
-        request_id="r1",
-        prompt_ids=list(range(1, 21)),
-        params=SamplingParams(max_tokens=8, repetition_penalty=1.2),
-        eos_token_ids=[0],
-        speculative=True,
+        NewRequest(
+            seq_id=1,
+            request_id="r1",
+            prompt_ids=list(range(1, 21)),
+            params=SamplingParams(max_tokens=8, repetition_penalty=1.2),
+            eos_token_ids=[0],
+            speculative=True,
+        )
     )
     s.add(penalised)
     p = s.schedule()
@@ -541,12 +547,14 @@ def test_a_steps_extra_rows_go_to_the_policy_beside_its_time() -> None:
     assert sched.policy._bucket_steps == {1: 3}  # the prefill is nobody's step
     sched.add(
         Sequence(
-            seq_id=9,
-            request_id="r9",
-            prompt_ids=list(range(5, 15)),
-            params=SamplingParams(max_tokens=200),
-            eos_token_ids=[],
-            speculative=True,
+            NewRequest(
+                seq_id=9,
+                request_id="r9",
+                prompt_ids=list(range(5, 15)),
+                params=SamplingParams(max_tokens=200),
+                eos_token_ids=[],
+                speculative=True,
+            )
         )
     )
     plan = sched.schedule()
