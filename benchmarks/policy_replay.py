@@ -51,7 +51,12 @@ from typing import TypeVar
 
 import trio
 
-from spectrio.stages.spec_policy import Remaining, SpecPolicy, batch_bucket, scale_to_bucket
+from spectrio.stages.planning.spec_policy import (
+    Remaining,
+    SpecPolicy,
+    batch_bucket,
+    scale_to_bucket,
+)
 
 __all__ = [
     "Accepts",

@@ -5,7 +5,7 @@ acceptance stops at the first rejection) counts ``n`` proposed and ``a`` accepte
 total, and per draft position ``i`` (0-based): proposed when ``i < n``, accepted when
 ``i < a``, and *reached* when ``i <= a`` (every draft before it was accepted, so its own
 acceptance was decided). The scheduler counts every step once, where it folds the
-sampler's result in (:meth:`spectrio.stages.scheduling.Scheduler.update`): for the
+sampler's result in (:meth:`spectrio.stages.planning.scheduler.Scheduler.update`): for the
 runtime, and for each request, whose final output carries its count (a copy, on the
 finishing :class:`~spectrio.core.messages.SeqResult` and the stream's final delta), so a
 consumer that wants per-request acceptance reads it there and never counts again.

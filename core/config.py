@@ -47,7 +47,7 @@ DTYPE_BYTES: dict[str, int] = {"float32": 4, "float64": 8}
 
 ROLES: tuple[str, ...] = ("mixed", "prefill", "decode")
 SPEC_METHODS: tuple[str, ...] = tuple(DRAFT_METHODS)
-"""Draft methods (``stages/draft/``): the checkpoint's MTP layer, prompt lookup, or a
+"""Draft methods (``stages/device/draft/``): the checkpoint's MTP layer, prompt lookup, or a
 draft model (what each needs: :mod:`spectrio.core.draft_methods`)."""
 
 
@@ -121,20 +121,20 @@ class SpeculativeConfig:
 
     ``adaptive=True`` (the default) lets each step draft anywhere from 0 to
     ``num_speculative_tokens`` tokens per sequence, whichever the measured acceptance
-    and step times say is fastest (:mod:`spectrio.stages.spec_policy`); ``False`` always
+    and step times say is fastest (:mod:`spectrio.stages.planning.spec_policy`); ``False`` always
     drafts the full k. Capacity planning always assumes the full k.
 
     The default k = 4 is the bundled model's best fixed k at batch 1; from batch 4 up
     the policy drafts fewer where that pays (docs/performance.md).
 
-    ``method="ngram"`` drafts by prompt lookup (:mod:`spectrio.stages.draft.ngram`): the
+    ``method="ngram"`` drafts by prompt lookup (:mod:`spectrio.stages.device.draft.ngram`): the
     longest suffix of a request's tokens, ``prompt_lookup_max`` down to
     ``prompt_lookup_min`` tokens long, that appeared earlier in its prompt or output
     proposes the tokens that followed it. It needs no draft weights, so it runs on a
     checkpoint with no MTP layer; ``num_model_steps`` is MTP's only and is ignored.
 
     ``method="draft_model"`` drafts with a model of its own
-    (:mod:`spectrio.stages.draft.draft_model`): ``draft_model`` names any checkpoint
+    (:mod:`spectrio.stages.device.draft.draft_model`): ``draft_model`` names any checkpoint
     spectrio loads whose vocabulary is the target's (None: the target itself), and
     ``draft_layers`` runs only its first N decoder layers (None: all of them; the target's
     first N is self-speculation). Its drafts are sampled, and verification uses their
@@ -322,7 +322,7 @@ class RuntimeConfig:
     tensor_parallel_size: int = 1
     enable_overlap: bool = False
     # Reuse the KV (target and MTP) of full prompt blocks that requests share
-    # (stages/block_manager.py); per-request ``cache_salt`` keeps tenants apart.
+    # (stages/planning/block_manager.py); per-request ``cache_salt`` keeps tenants apart.
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None  # CPU math threads; None: every core this process may use

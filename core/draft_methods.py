@@ -1,7 +1,7 @@
 """What each draft method asks of the runtime, declared once (pure data).
 
 Config checks, planning, prefix caching and KV sizing read a method's
-:class:`DraftNeeds`, never its name; the methods themselves live in ``stages/draft/``
+:class:`DraftNeeds`, never its name; the methods themselves live in ``stages/device/draft/``
 (one module each), and a new one is a module there and an entry here.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DRAFT_METHODS", "DraftNeeds", "needs_of"]
+__all__ = ["DRAFT_METHODS", "DraftNeeds", "draft_slots", "needs_of"]
 
 
 @dataclass(frozen=True)
@@ -41,16 +41,16 @@ class DraftNeeds:
 
 
 DRAFT_METHODS: dict[str, DraftNeeds] = {
-    # the checkpoint's MTP layer (stages/draft/mtp.py)
+    # the checkpoint's MTP layer (stages/device/draft/mtp.py)
     "mtp": DraftNeeds(
         draft_kv=True,
         prefix_lookahead=1,
         model_steps=True,
         checkpoint_mtp=True,
     ),
-    # prompt lookup (stages/draft/ngram.py)
+    # prompt lookup (stages/device/draft/ngram.py)
     "ngram": DraftNeeds(fields=("prompt_lookup_max", "prompt_lookup_min")),
-    # a model of its own, sampled (stages/draft/draft_model.py)
+    # a model of its own, sampled (stages/device/draft/draft_model.py)
     "draft_model": DraftNeeds(
         draft_kv=True,
         draft_model=True,
@@ -63,3 +63,11 @@ DRAFT_METHODS: dict[str, DraftNeeds] = {
 def needs_of(method: str | None) -> DraftNeeds:
     """The declaration of ``method``; no speculation needs nothing."""
     return DraftNeeds() if method is None else DRAFT_METHODS[method]
+
+
+def draft_slots(k: int, remaining_tokens: int, room: int) -> int:
+    """Draft slots of a decoding sequence: the step's ``k``, but never more than it may
+    still emit after the one token every step emits (``remaining_tokens - 1``) nor past
+    ``max_model_len`` (``room`` positions left). The one draft budget: planning and
+    overlap resolution (``stages/device/overlap.py``) both call it, on two threads."""
+    return max(0, min(k, remaining_tokens - 1, room))

@@ -17,7 +17,7 @@ class SeqWork(msgspec.Struct, kw_only=True, frozen=True):
     """One sequence's share of a step. Written by the scheduler; the draft stage returns a
     copy with ``drafts`` filled in. Immutable: a plan is owned by its step. It gives the
     sequence ``num_drafts`` draft slots and says nothing of how drafts are made
-    (``stages/draft/``)."""
+    (``stages/device/draft/``)."""
 
     slot: int  # row of this sequence in the step (index into StepPlan.seqs)
     seq_id: int  # scheduler-internal id; keys the workspace's and the sampler's per-sequence state
@@ -39,7 +39,7 @@ class SeqWork(msgspec.Struct, kw_only=True, frozen=True):
     speculative: bool = False  # the request speculates: the proposer keeps state for it
     #                            (MTP catches up even in a step with 0 draft slots)
     pending: bool = False  # planned ahead: inputs come from the previous step's result
-    #                        (stages/overlap.py); token_ids is empty until resolved
+    #                        (stages/device/overlap.py); token_ids is empty until resolved
     max_model_len: int = 0  # the runtime's limit, for resolving drafts of pending work
     cached_ids: list[int] = []  # on a sequence's first work after (re)admission:
     #                             the tokens of positions 0 .. start_pos - 1, whose target and
@@ -213,7 +213,7 @@ class RuntimeStats(msgspec.Struct, kw_only=True):
     finished: dict[str, int]  # requests ended, by finish reason ("stop", "length", "abort")
     # steps with decoding sequences, by drafts per sequence (the adaptive policy's k)
     steps_by_k: dict[int, int] = msgspec.field(default_factory=dict)
-    # Prefix cache (stages/block_manager.py), since start: context tokens looked up when a
+    # Prefix cache (stages/planning/block_manager.py), since start: context tokens looked up when a
     # request is (re)admitted, of which found cached; blocks registered now (held or
     # evictable); cached blocks evicted to make room.
     prefix_cache_queries: int = 0

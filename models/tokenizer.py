@@ -115,7 +115,7 @@ class IncrementalDetokenizer:
     """Turns a growing id list into text deltas without ever splitting a UTF-8 character.
 
     The one incremental detokenizer of the project: the embedding API, the wire client
-    and the stop-string matcher (:mod:`spectrio.stages.stops`) all use it, so the text
+    and the stop-string matcher (:mod:`spectrio.stages.device.stops`) all use it, so the text
     they see agrees token by token. It wraps ``tokenizers``' own
     :class:`~tokenizers.decoders.DecodeStream`, which decodes only the ids since the last
     complete character (O(1) per token) and holds back a tail that decodes to U+FFFD,

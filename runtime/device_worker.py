@@ -10,7 +10,7 @@ the device would sit idle (docs/architecture.md).
 
 With overlap scheduling the queue holds the next step's plan while the current one
 runs, so the worker starts step N+1 the moment step N's sampling is done, resolving
-N+1's pending work from N's result (:mod:`spectrio.stages.overlap`) on this thread.
+N+1's pending work from N's result (:mod:`spectrio.stages.device.overlap`) on this thread.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from msgspec.structs import replace
 from spectrio.core.messages import StepPlan, StepResult
 from spectrio.core.timing import DeviceTiming
 from spectrio.models.paddle_setup import use_configured_threads
-from spectrio.stages import draft as draft_stage
-from spectrio.stages import sampler as sampler_stage
-from spectrio.stages import verify as verify_stage
-from spectrio.stages.overlap import resolve_plan
-from spectrio.stages.sampling import Sampler
-from spectrio.stages.scheduler import StageFailure
-from spectrio.stages.workspace import Workspace
+from spectrio.stages.device import draft as draft_stage
+from spectrio.stages.device import sampler as sampler_stage
+from spectrio.stages.device import verify as verify_stage
+from spectrio.stages.device.overlap import resolve_plan
+from spectrio.stages.device.sampler import Sampler
+from spectrio.stages.device.workspace import Workspace
+from spectrio.stages.planning.scheduler_actor import StageFailure
 
 if TYPE_CHECKING:
     from spectrio.runtime.tp import TPGroup

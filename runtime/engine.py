@@ -46,17 +46,17 @@ from spectrio.runtime.request_checks import RuntimeRequests
 from spectrio.runtime.streams import Delta, OpenRequest, RequestStream, abort_delta
 from spectrio.runtime.timing_cache import KeptTimings
 from spectrio.runtime.tp import TPGroup, make_workspace
-from spectrio.stages.block_manager import BlockManager
-from spectrio.stages.publisher import run_publisher
-from spectrio.stages.sampling import Sampler
-from spectrio.stages.scheduler import (
+from spectrio.stages.device.sampler import Sampler
+from spectrio.stages.device.workspace import Workspace
+from spectrio.stages.output.publisher import run_publisher
+from spectrio.stages.planning.block_manager import BlockManager
+from spectrio.stages.planning.scheduler import Scheduler
+from spectrio.stages.planning.scheduler_actor import (
     ControlClosed,
     Resume,
     SchedulerActor,
     run_scheduler,
 )
-from spectrio.stages.scheduling import Scheduler
-from spectrio.stages.workspace import Workspace
 
 log = structlog.get_logger("spectrio.runtime")
 
@@ -505,7 +505,7 @@ class Runtime(RuntimeMonitoring, RuntimeRequests):
         last ``max(len(stop)) - 1`` characters are held back until the next step (or the
         finish), so text a stop string later cuts is never streamed. ``delta.logprobs``
         has one entry per token when ``params.logprobs`` is set (text, hold-back and the
-        final delta's statistics: :mod:`spectrio.stages.output_processor`).
+        final delta's statistics: :mod:`spectrio.stages.output.output_processor`).
 
         The request is checked and submitted here, when ``generate`` is called: that
         raises :class:`InvalidRequest` for a bad prompt, parameters or request id (floats

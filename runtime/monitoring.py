@@ -25,12 +25,12 @@ from spectrio.errors import EngineDead
 from spectrio.runtime.health import Health, judge_health
 from spectrio.runtime.timing_cache import KeptTimings
 from spectrio.runtime.tp import TPGroup
-from spectrio.stages.block_manager import BlockManager
-from spectrio.stages.scheduler import (
+from spectrio.stages.planning.block_manager import BlockManager
+from spectrio.stages.planning.scheduler import Scheduler
+from spectrio.stages.planning.scheduler_actor import (
     SchedulerActor,
     StageFailure,
 )
-from spectrio.stages.scheduling import Scheduler
 
 log = structlog.get_logger("spectrio.runtime")
 

@@ -20,7 +20,7 @@ from spectrio.core.params import (
     check_cache_salt,
 )
 from spectrio.errors import EngineDead
-from spectrio.stages.output_processor import RequestText
+from spectrio.stages.output.output_processor import RequestText
 
 if TYPE_CHECKING:
     from spectrio.runtime.engine import Runtime
@@ -39,7 +39,7 @@ class Delta(msgspec.Struct, kw_only=True):
     abort_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
     # On the final delta: the request's drafts over its whole life, per draft position too
-    # (the scheduler's one count; :class:`~spectrio.stages.output_processor.RequestStats`
+    # (the scheduler's one count; :class:`~spectrio.stages.output.output_processor.RequestStats`
     # reads it). ``total_drafts`` and ``total_accepted`` are its totals.
     acceptance: Acceptance | None = None
     # On the final delta of a finished request: prompt tokens whose KV came from the

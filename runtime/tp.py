@@ -44,7 +44,7 @@ from spectrio.errors import ConfigError
 from spectrio.models import SpectrioForCausalLM
 from spectrio.models.paddle_setup import paddle
 from spectrio.models.parallel import TPShard
-from spectrio.stages.workspace import Workspace
+from spectrio.stages.device.workspace import Workspace
 
 log = structlog.get_logger("spectrio.runtime.tp")
 

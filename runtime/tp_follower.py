@@ -24,8 +24,8 @@ def run_follower() -> int:
     from spectrio.models.paddle_setup import configure_paddle
     from spectrio.models.parallel import load_sharded
     from spectrio.runtime.tp import GroupEnv, PlanLink, init_collectives, make_workspace
-    from spectrio.stages import draft as draft_stage
-    from spectrio.stages import verify as verify_stage
+    from spectrio.stages.device import draft as draft_stage
+    from spectrio.stages.device import verify as verify_stage
 
     env = GroupEnv.from_environ()
     if env is None or env.rank == 0:

@@ -54,6 +54,8 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         for name, value in vars(target).items():
             if name not in ("__name__", "__spec__", "__loader__", "__path__", "__package__"):
                 setattr(module, name, value)
+        if hasattr(target, "__path__"):  # a package: its moved submodules import through it
+            module.__path__ = []
 
 
 _FINDER = _MovedFinder()

@@ -5,8 +5,8 @@ from __future__ import annotations
 from msgspec.structs import replace
 
 from spectrio.core.messages import SeqResult, SeqWork, StepPlan
-from spectrio.stages.draft import TokenHistory
-from spectrio.stages.draft.mtp import CatchUp, extra_rows
+from spectrio.stages.device.draft import TokenHistory
+from spectrio.stages.device.draft.mtp import CatchUp, extra_rows
 
 
 def seq_result(

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spectrio.stages.block_manager import BlockManager, BlockManagerError, OutOfBlocks
+from spectrio.stages.planning.block_manager import BlockManager, BlockManagerError, OutOfBlocks
 
 
 def test_starts_all_free() -> None:

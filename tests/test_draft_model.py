@@ -24,8 +24,8 @@ from spectrio import (
     SpeculativeConfig,
     open_runtime,
 )
-from spectrio.stages.draft.draft_model import sample_drafts
-from spectrio.stages.rejection import rejection_sample
+from spectrio.stages.device.draft.draft_model import sample_drafts
+from spectrio.stages.device.rejection import rejection_sample
 
 PROMPTS = [[5, 9, 23, 7, 88, 41, 3], [17, 2, 2, 60, 11], list(range(30, 52))]
 

@@ -73,3 +73,28 @@ def test_the_check_sees_a_violation(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n    from spectrio.runtime.api import Runtime\n")
     assert _imported_packages(probe) == {"runtime"}
+
+
+# stages/ is grouped by the thread that runs the code: a room never imports another's
+# modules (a rule both use lives below them, in core).
+STAGE_ROOMS = ("planning", "device", "output")
+
+
+def test_stage_rooms_do_not_import_each_other() -> None:
+    bad: list[str] = []
+    for room in STAGE_ROOMS:
+        for path in sorted((ROOT / "stages" / room).rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            for node in ast.walk(tree):
+                names: list[str] = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    names = [node.module]
+                for name in names:
+                    parts = name.split(".")
+                    if parts[:2] == ["spectrio", "stages"] and len(parts) > 2:
+                        other = parts[2]
+                        if other in STAGE_ROOMS and other != room:
+                            bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, "\n".join(bad)

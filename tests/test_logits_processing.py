@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from spectrio import SamplingParams
-from spectrio.stages.logits_processing import (
+from spectrio.stages.device.logits_processing import (
     History,
     apply_penalties,
     log_softmax,

@@ -10,7 +10,7 @@ from conftest import tiny_model
 from spectrio import SamplingParams
 from spectrio.core.messages import SeqWork
 from spectrio.models.paddle_setup import paddle
-from spectrio.stages.draft.mtp import CatchUp, HiddenStore
+from spectrio.stages.device.draft.mtp import CatchUp, HiddenStore
 
 
 def _work(start: int, drafts: int, prompt: int, output: int) -> SeqWork:

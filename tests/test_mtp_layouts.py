@@ -480,7 +480,7 @@ async def test_runtime_drafts_are_the_dense_chain_every_step(
     proposer (paged MTP cache caught up across steps, stale chain entries left behind by
     rejected drafts), must equal the dense reference chain run afresh on the same
     context."""
-    from spectrio.stages.draft.mtp import MTPProposer
+    from spectrio.stages.device.draft.mtp import MTPProposer
 
     folder, _ = folders[layout]
     seen: list[tuple[list[int], list[int]]] = []  # (history through the step's token, drafts)
@@ -633,13 +633,13 @@ def test_a_mimo_config_spectrio_cannot_build_is_refused() -> None:
 async def test_drafts_after_deferred_catch_ups_are_the_dense_chain(
     folders: dict[str, tuple[Path, Path]], monkeypatch: pytest.MonkeyPatch, max_lag: int
 ) -> None:
-    """Steps that draft 0 defer the MTP layer's catch-up (stages/draft/mtp.py); the next
+    """Steps that draft 0 defer the MTP layer's catch-up (stages/device/draft/mtp.py); the next
     step that drafts catches up on every held row at once, from hidden states kept across
     several steps. Its drafts must still be the dense chain's on the same context, with
     the lag limit far (a stretch of k = 0 caught up only when drafting resumes) and near
     (catch-ups forced between drafting steps)."""
-    from spectrio.stages.draft import mtp
-    from spectrio.stages.spec_policy import SpecPolicy
+    from spectrio.stages.device.draft import mtp
+    from spectrio.stages.planning.spec_policy import SpecPolicy
 
     monkeypatch.setattr(mtp, "MIN_LAG", min(max_lag, mtp.MIN_LAG))
     monkeypatch.setattr(mtp, "MAX_LAG", max_lag)

@@ -20,8 +20,8 @@ from spectrio import ConfigError, RuntimeConfig, SamplingParams, SpeculativeConf
 from spectrio.core.messages import SeqWork, StepPlan
 from spectrio.core.params import SamplingParams as Params
 from spectrio.models import LoadedModel, load
-from spectrio.stages.draft import TokenHistory
-from spectrio.stages.draft.ngram import NgramProposer, lookup
+from spectrio.stages.device.draft import TokenHistory
+from spectrio.stages.device.draft.ngram import NgramProposer, lookup
 
 
 def brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

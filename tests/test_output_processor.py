@@ -9,7 +9,7 @@ from spectrio.core.acceptance import Acceptance
 from spectrio.core.messages import SeqResult, StepResult, TokenLogprob
 from spectrio.core.record import unpack
 from spectrio.models import BUNDLED_DIR, TextTokenizer
-from spectrio.stages.output_processor import (
+from spectrio.stages.output.output_processor import (
     RequestStats,
     RequestText,
     final_totals,
@@ -17,7 +17,7 @@ from spectrio.stages.output_processor import (
     logprob_json,
     record_logprobs,
 )
-from spectrio.stages.records import publish_step
+from spectrio.stages.output.records import publish_step
 
 TOK = TextTokenizer.from_file(BUNDLED_DIR / "tokenizer.json")
 

@@ -1,5 +1,5 @@
 """Overlap scheduling in pure logic: the scheduler plans step N+1 while N is in flight,
-the device worker resolves N+1's pending work from N's result (stages/overlap.py).
+the device worker resolves N+1's pending work from N's result (stages/device/overlap.py).
 
 A deterministic simulated device stands in for the model: the token at output position
 ``n`` of request ``r`` is a function of ``(r, n)`` (as sample-then-match makes it for the
@@ -17,9 +17,9 @@ from scheduler_helpers import seq_result
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig
 from spectrio.core.messages import NewRequest, SeqResult, StepPlan, StepResult
-from spectrio.stages.block_manager import BlockManager
-from spectrio.stages.overlap import resolve_plan
-from spectrio.stages.scheduling import Scheduler, Sequence
+from spectrio.stages.device.overlap import resolve_plan
+from spectrio.stages.planning.block_manager import BlockManager
+from spectrio.stages.planning.scheduler import Scheduler, Sequence
 
 STOP = 3
 

@@ -112,7 +112,7 @@ def test_lazy_exports_resolve_to_the_defining_objects() -> None:
     import spectrio.runtime
     import spectrio.stages
     from spectrio.runtime.api import open_runtime
-    from spectrio.stages.scheduling import Scheduler
+    from spectrio.stages.planning.scheduler import Scheduler
 
     assert spectrio.open_runtime is open_runtime and spectrio.runtime.open_runtime is open_runtime
     assert spectrio.stages.Scheduler is Scheduler

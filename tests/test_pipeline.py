@@ -20,7 +20,7 @@ from spectrio import (
     SpeculativeConfig,
     open_runtime,
 )
-from spectrio.stages.spec_policy import SpecPolicy
+from spectrio.stages.planning.spec_policy import SpecPolicy
 
 MAX_TOKENS = 24
 
@@ -85,7 +85,7 @@ async def test_greedy_output_equals_reference_in_float64(
         # measured acceptance (about 0.9) a run this short may settle on k = 3 after one
         # timing of k = 2 and never try a third k.
         monkeypatch.setattr(
-            "spectrio.stages.scheduling.SpecPolicy",
+            "spectrio.stages.planning.scheduler.SpecPolicy",
             functools.partial(
                 SpecPolicy,
                 warmup_steps=0,

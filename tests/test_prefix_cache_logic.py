@@ -23,11 +23,11 @@ from scheduler_helpers import seq_result
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig
 from spectrio.core.messages import NewRequest, SeqResult, SeqWork, StepPlan, StepResult
-from spectrio.stages.block_manager import BlockManager, BlockManagerError, PrefixKey
-from spectrio.stages.draft import TokenHistory
-from spectrio.stages.draft.mtp import CatchUp
-from spectrio.stages.overlap import resolve_plan
-from spectrio.stages.scheduling import Scheduler, Sequence
+from spectrio.stages.device.draft import TokenHistory
+from spectrio.stages.device.draft.mtp import CatchUp
+from spectrio.stages.device.overlap import resolve_plan
+from spectrio.stages.planning.block_manager import BlockManager, BlockManagerError, PrefixKey
+from spectrio.stages.planning.scheduler import Scheduler, Sequence
 
 STOP = 3
 BS = 4

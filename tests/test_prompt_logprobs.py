@@ -33,10 +33,10 @@ from spectrio.http_api.front import HttpFront
 from spectrio.http_api.server import serve_http
 from spectrio.models import LoadedModel
 from spectrio.runtime.api import Runtime
-from spectrio.stages.block_manager import BlockManager
-from spectrio.stages.logits_processing import log_softmax, prompt_logprobs, token_logprobs
-from spectrio.stages.scheduling import Scheduler
-from spectrio.stages.scheduling import Sequence as SchedSeq
+from spectrio.stages.device.logits_processing import log_softmax, prompt_logprobs, token_logprobs
+from spectrio.stages.planning.block_manager import BlockManager
+from spectrio.stages.planning.scheduler import Scheduler
+from spectrio.stages.planning.scheduler import Sequence as SchedSeq
 from spectrio.wire.client import open_client
 from spectrio.wire.server import WireServer, default_endpoints, serve
 

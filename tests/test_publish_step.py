@@ -7,7 +7,7 @@ import numpy as np
 
 from spectrio.core.messages import Ended, PublishedStep, SeqResult, StepResult, TokenLogprob
 from spectrio.core.record import KIND_TARGET, PREEMPTED, record_nbytes, unpack
-from spectrio.stages.records import publish_step
+from spectrio.stages.output.records import publish_step
 
 
 def result(

@@ -1,4 +1,4 @@
-"""The step record's host/device dispatch (stages/records.py): NumPy columns take the
+"""The step record's host/device dispatch (stages/output/records.py): NumPy columns take the
 reference, device columns take the CuPy kernels, and both give the same bytes.
 
 The device tests need CuPy and a visible GPU and are skipped otherwise.
@@ -21,7 +21,13 @@ from spectrio.core.record import PREEMPTED, unpack
 from spectrio.cuda_kernels import KernelUnavailable, loader, record_width, speculate_save_ref
 from spectrio.cuda_kernels.reference import pack_step_record
 from spectrio.errors import SpectrioError
-from spectrio.stages.records import StepArrays, on_device, pack_record, publish_step, step_arrays
+from spectrio.stages.output.records import (
+    StepArrays,
+    on_device,
+    pack_record,
+    publish_step,
+    step_arrays,
+)
 
 DLPACK_CPU, DLPACK_CUDA = 1, 2
 
@@ -177,7 +183,7 @@ def test_cuda_columns_without_cupy_raise_kernel_unavailable() -> None:
 
 def test_records_import_neither_cupy_nor_paddle() -> None:
     code = (
-        "import sys, spectrio.stages.records\n"
+        "import sys, spectrio.stages.output.records\n"
         "assert 'cupy' not in sys.modules and 'paddle' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

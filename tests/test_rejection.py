@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from spectrio.stages.rejection import (
+from spectrio.stages.device.rejection import (
     Purpose,
     keyed_sample,
     keyed_uniforms,
@@ -466,7 +466,7 @@ def test_every_emitted_position_follows_target(
 def test_greedy_run_decides_as_rejection_sample_does() -> None:
     """The all-greedy fast path (Sampler._accept) against the batched rule, on random
     rows with drafts that match the argmax for a while, then may not."""
-    from spectrio.stages.rejection import greedy_run
+    from spectrio.stages.device.rejection import greedy_run
 
     rng = np.random.default_rng(11)
     for _ in range(300):

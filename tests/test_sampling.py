@@ -12,8 +12,8 @@ import pytest
 from spectrio import SamplingParams
 from spectrio.core.messages import SeqWork, StepPlan
 from spectrio.models import load
-from spectrio.stages.logits_processing import log_softmax, sampling_probs
-from spectrio.stages.sampling import Sampler
+from spectrio.stages.device.logits_processing import log_softmax, sampling_probs
+from spectrio.stages.device.sampler import Sampler
 
 V = 32
 EOS = 0

@@ -10,8 +10,13 @@ from scheduler_helpers import MTPCatchUp, seq_result
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig
 from spectrio.core.messages import NewRequest, SeqResult, StepPlan, StepResult
 from spectrio.core.timing import DeviceTiming
-from spectrio.stages.block_manager import BlockManager
-from spectrio.stages.scheduling import IDLE_UNTIMED_S, UNTIMED_AFTER_IDLE, Scheduler, Sequence
+from spectrio.stages.planning.block_manager import BlockManager
+from spectrio.stages.planning.scheduler import (
+    IDLE_UNTIMED_S,
+    UNTIMED_AFTER_IDLE,
+    Scheduler,
+    Sequence,
+)
 
 
 def make(k: int = 2, blocks: int = 64, **kw: object) -> Scheduler:
@@ -622,7 +627,7 @@ def test_the_actor_applies_each_abort_once_in_channel_order() -> None:
     abort follows its request; the actor applies it once, and an abort of a request
     that already ended changes nothing."""
     from spectrio.core.messages import AbortRequest, NewRequest
-    from spectrio.stages.scheduler import SchedulerActor
+    from spectrio.stages.planning.scheduler_actor import SchedulerActor
 
     s = make()
     actor = SchedulerActor(s)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from policy_replay import Trace, replay_fixed, replay_policy
 
-from spectrio.stages.spec_policy import Remaining, SpecPolicy, _ExtraRowCost
+from spectrio.stages.planning.spec_policy import Remaining, SpecPolicy, _ExtraRowCost
 
 
 def _tokens(k: int, accept: list[float]) -> float:

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from spectrio.models import TextTokenizer, load
-from spectrio.stages.stops import StopStringMatcher, truncate_run
+from spectrio.stages.device.stops import StopStringMatcher, truncate_run
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from spectrio.models.synthetic import (
     true_chain,
     true_next,
 )
-from spectrio.stages.output_processor import RequestStats
+from spectrio.stages.output.output_processor import RequestStats
 
 VOCAB = SYNTHETIC_CONFIG.vocab_size
 

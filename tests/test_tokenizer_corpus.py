@@ -86,7 +86,7 @@ SPLIT_DASH = "x = 'a — b', y = \"世界 🚀\"\n"
 
 
 def test_the_stop_matcher_and_the_streamed_text_agree_token_by_token(tok: TextTokenizer) -> None:
-    from spectrio.stages.stops import StopStringMatcher
+    from spectrio.stages.device.stops import StopStringMatcher
 
     ids = tok.encode(SPLIT_DASH * 3)
     assert any(tok.decode([t]).endswith("\ufffd") and tok.decode([t]).strip("\ufffd") for t in ids)
@@ -127,7 +127,7 @@ def test_streamed_text_equals_decode_for_any_tokens(tok: TextTokenizer) -> None:
 def test_the_detokenizer_is_tokenizers_decode_stream(tok: TextTokenizer) -> None:
     from tokenizers.decoders import DecodeStream
 
-    from spectrio.stages.stops import StopStringMatcher
+    from spectrio.stages.device.stops import StopStringMatcher
 
     stream = tok.stream()
     assert isinstance(stream._stream, DecodeStream)

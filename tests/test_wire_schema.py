@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from spectrio import Delta, RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
 from spectrio.core.acceptance import Acceptance
 from spectrio.core.messages import Ended, PublishedStep, SeqResult, StepResult, TokenLogprob
-from spectrio.stages.records import publish_step
+from spectrio.stages.output.records import publish_step
 from spectrio.wire.codec import (
     SequenceCounter,
     WireError,

@@ -100,7 +100,7 @@ def test_stored_hidden_rows_share_a_small_step_and_copy_from_a_large_one() -> No
     from conftest import tiny_model
 
     from spectrio.models.paddle_setup import paddle
-    from spectrio.stages.draft.mtp import SHARE_ROWS, HiddenStore
+    from spectrio.stages.device.draft.mtp import SHARE_ROWS, HiddenStore
 
     ws = HiddenStore(tiny_model())
     for rows in (8, SHARE_ROWS + 1):
@@ -119,7 +119,7 @@ def test_hidden_rows_of_many_sequences_are_stacked_in_order() -> None:
     from conftest import tiny_model
 
     from spectrio.models.paddle_setup import paddle
-    from spectrio.stages.draft.mtp import SHARE_ROWS, HiddenStore
+    from spectrio.stages.device.draft.mtp import SHARE_ROWS, HiddenStore
 
     ws = HiddenStore(tiny_model())
     step = paddle.to_tensor(np.arange(24, dtype=np.float64).reshape(8, 3))

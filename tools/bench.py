@@ -119,8 +119,8 @@ from spectrio.models.loader import load_text_side, load_tokenizer
 from spectrio.models.synthetic import is_synthetic, parse_spec
 from spectrio.process_memory import peak_rss_bytes
 from spectrio.runtime import timing_cache
-from spectrio.stages.output_processor import RequestStats
-from spectrio.stages.spec_policy import batch_bucket
+from spectrio.stages.output.output_processor import RequestStats
+from spectrio.stages.planning.spec_policy import batch_bucket
 from spectrio.tools.bench_speedup import Z_95, format_speedups, pooled_rate, speedups
 from spectrio.tools.chat_prompts import heldout_chat_prompts
 from spectrio.tools.corpus import corpus_files, read_texts

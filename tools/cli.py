@@ -17,7 +17,7 @@ from spectrio.tools.sampling_flags import add_sampling_flags
 
 async def _generate_async(args: argparse.Namespace) -> dict[str, object]:
     from spectrio import open_runtime
-    from spectrio.stages.output_processor import RequestStats, logprob_json
+    from spectrio.stages.output.output_processor import RequestStats, logprob_json
     from spectrio.tools.sampling_flags import sampling_params
 
     async with open_runtime(runtime_config(args)) as rt:

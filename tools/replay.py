@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from spectrio.core.timing import device_summary
-from spectrio.stages.output_processor import final_totals
+from spectrio.stages.output.output_processor import final_totals
 from spectrio.tools.trace import (
     ResultBuilder,
     Trace,

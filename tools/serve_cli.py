@@ -645,7 +645,7 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 def client_main(args: argparse.Namespace) -> int:
     import zmq
 
-    from spectrio.stages.output_processor import logprob_json
+    from spectrio.stages.output.output_processor import logprob_json
     from spectrio.tools.chat_flags import chat_messages, prompt_or_chat_error
     from spectrio.tools.sampling_flags import sampling_params
     from spectrio.wire.client import Client, RequestRefused, SequenceGap

@@ -54,7 +54,7 @@ from tokenizers import Tokenizer
 from spectrio.core.messages import TokenLogprob
 from spectrio.core.params import ChatMessage, SamplingParams
 from spectrio.models import BUNDLED_DIR, TextTokenizer
-from spectrio.stages.output_processor import RequestText
+from spectrio.stages.output.output_processor import RequestText
 from spectrio.wire.codec import decode_reply, decode_step, encode, step_logprobs
 from spectrio.wire.curve import CurveClientKeys
 from spectrio.wire.schema import (

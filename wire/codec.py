@@ -32,7 +32,7 @@ from spectrio.core.params import (
     invalid_from_validation_error,
 )
 from spectrio.core.record import RecordError, StepRecord, select_slots, unpack
-from spectrio.stages.output_processor import record_logprobs
+from spectrio.stages.output.output_processor import record_logprobs
 from spectrio.wire.schema import (
     MAX_REQUEST_ID_LEN,
     SCHEMA_VERSION,
@@ -489,5 +489,5 @@ def step_logprobs(
     frames: Sequence[bytes | memoryview], request_ids: Sequence[str]
 ) -> dict[str, list[TokenLogprob]]:
     """Each slot's logprobs from a step message's record (frame 1), keyed by request id
-    (:func:`spectrio.stages.output_processor.record_logprobs`)."""
+    (:func:`spectrio.stages.output.output_processor.record_logprobs`)."""
     return record_logprobs(unpack(frames[1]), request_ids)

@@ -11,7 +11,7 @@ right before N+1 runs:
 * otherwise it verifies its last emitted token at ``context_len + e - 1`` (``e`` tokens
   emitted), its draft slots are clamped by what it may still emit and by
   ``max_model_len``, and the remaining sequences' slots are renumbered. (A proposer
-  reads the accepted tokens from its history: ``stages/draft/``.)
+  reads the accepted tokens from its history: ``stages/device/draft/``.)
 
 The result is exactly the plan the scheduler would have made after seeing N's result
 (``tests/test_overlap.py`` checks that), so output is identical with overlap on and off.
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from msgspec.structs import replace
 
+from spectrio.core.draft_methods import draft_slots
 from spectrio.core.messages import SeqResult, SeqWork, StepPlan, StepResult
-from spectrio.stages.scheduling import draft_slots
 
 __all__ = ["resolve_plan", "resolve_work"]
 

@@ -2,7 +2,7 @@
 
 Runs on the device worker. Rows are the prefill chunk, or ``[last token, drafts...]``;
 a proposer that asks for them (MTP) gets the target hidden states of the step's rows, in
-the same step (:meth:`~spectrio.stages.draft.base.Proposer.after_verify`).
+the same step (:meth:`~spectrio.stages.device.draft.base.Proposer.after_verify`).
 
 The model computes logits only for the rows the step needs (``PackedBatch.logits_indices``):
 each sampling slot's ``[last token, drafts...]`` rows, and the rows of a prefill chunk
@@ -21,7 +21,7 @@ import numpy as np
 from spectrio.core.messages import StepPlan
 from spectrio.models import PackedBatch
 from spectrio.models.paddle_setup import paddle
-from spectrio.stages.workspace import Workspace
+from spectrio.stages.device.workspace import Workspace
 
 __all__ = ["Verified", "verify"]
 

@@ -18,14 +18,14 @@ A prompt chunk (any work that is not a decode step) is caught up after its own v
 in the same step (:meth:`MTPProposer.after_verify`): every row's next token but the
 last one's is known before the step runs, so the step that writes a prompt block's target
 KV writes its MTP KV too, and the scheduler registers the block when that step returns,
-whatever becomes of the request afterwards (``stages/scheduling.py``, *Registration*).
+whatever becomes of the request afterwards (``stages/planning/scheduler.py``, *Registration*).
 The chunk's last position waits for the next token: the next chunk's, or the sampled one.
 
 A sequence drafting 0 this step may defer its catch-up (:meth:`CatchUp.may_defer`): its
 hidden rows are kept until a step that drafts for it (or the lag limit) catches up on
 all of them at once, so a run that the policy keeps at k = 0 does not pay for the MTP
 layer on every step. Its prompt is always caught up first: a prompt block registered in
-the prefix cache carries real MTP KV (``stages/scheduling.py``, *Registration*), and only
+the prefix cache carries real MTP KV (``stages/planning/scheduler.py``, *Registration*), and only
 positions past the prompt ever lag. Every rank defers the same way, from the plan alone.
 
 A prompt chunk's catch-up rows, and a decode step's beyond ``k_max + 1`` a sequence
@@ -43,7 +43,7 @@ import numpy as np
 from spectrio.core.messages import SeqWork, StepPlan
 from spectrio.models import ForwardOutput, PackedBatch, PagedKVCache, SpectrioForCausalLM
 from spectrio.models.paddle_setup import paddle
-from spectrio.stages.draft.base import Proposal, TokenHistory
+from spectrio.stages.device.draft.base import Proposal, TokenHistory
 
 __all__ = ["CatchUp", "HiddenStore", "MTPProposer", "SHARE_ROWS", "extra_rows"]
 
@@ -69,7 +69,7 @@ def extra_rows(catch_up_counts: Iterable[int], k_max: int) -> int:
 class CatchUp:
     """Per sequence, the first position whose draft KV is not real (pure). The KV at
     position ``p`` reads the tokens through ``p + lookahead``: 1 for the MTP layer (the
-    token after ``p``), 0 for a draft model's own layers (``stages/draft/draft_model.py``)."""
+    token after ``p``), 0 for a draft model's own layers (:mod:`.draft_model`)."""
 
     def __init__(self, lookahead: int = 1) -> None:
         self.lookahead = lookahead

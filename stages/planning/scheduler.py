@@ -5,7 +5,7 @@ preemption. No Trio, no device: ``schedule()`` turns state into a StepPlan and
 Per sequence, ``num_computed`` counts positions whose target KV is valid. In the decode
 phase ``num_computed == len(tokens) - 1``: the last token waits to be verified together
 with the drafts. The scheduler gives a decoding sequence draft slots and knows nothing of
-how drafts are made (``stages/draft/``); a draft method's cache shares the target's
+how drafts are made (``stages/device/draft/``); a draft method's cache shares the target's
 block table, so reserving positions for the k+1 verify rows reserves them for it too.
 
 Rules that keep a request's output a function of the request alone:
@@ -51,7 +51,7 @@ keep it exact and safe with steps in flight:
   earlier one computed, and, for a sequence whose MTP KV is cached, the MTP layer's for
   the positions its catch-up covered: below a decode step's ``start_pos``, and all but
   the last row of a prompt chunk, which the proposer catches up in the chunk's own step
-  (``stages/draft/mtp.py``). So a request that ends with its first token (``max_tokens``
+  (``stages/device/draft/mtp.py``). So a request that ends with its first token (``max_tokens``
   1, a client that closes) has registered its prompt blocks. A request aborted with a
   step in flight keeps its blocks until that step is folded in, registers what the step
   wrote, then frees them. A sequence preempted since the step was planned registers
@@ -84,11 +84,12 @@ from msgspec.structs import replace
 
 from spectrio.core.acceptance import Acceptance
 from spectrio.core.config import RuntimeConfig
+from spectrio.core.draft_methods import draft_slots
 from spectrio.core.messages import Ended, NewRequest, SeqResult, SeqWork, StepPlan, StepResult
 from spectrio.core.params import SamplingParams
-from spectrio.stages.block_manager import BlockManager, PrefixKey
-from spectrio.stages.lifecycle import RequestState, advance
-from spectrio.stages.spec_policy import Remaining, SpecPolicy
+from spectrio.stages.planning.block_manager import BlockManager, PrefixKey
+from spectrio.stages.planning.lifecycle import RequestState, advance
+from spectrio.stages.planning.spec_policy import Remaining, SpecPolicy
 
 
 @dataclasses.dataclass(eq=False)
@@ -178,14 +179,6 @@ class Sequence:
 # run slower whatever k is, so the adaptive policy does not time them.
 IDLE_UNTIMED_S = 0.05
 UNTIMED_AFTER_IDLE = 2
-
-
-def draft_slots(k: int, remaining_tokens: int, room: int) -> int:
-    """Draft slots of a decoding sequence: the step's ``k``, but never more than it may
-    still emit after the one token every step emits (``remaining_tokens - 1``) nor past
-    ``max_model_len`` (``room`` positions left). The one draft budget: planning and
-    overlap resolution (:mod:`.overlap`) both call it."""
-    return max(0, min(k, remaining_tokens - 1, room))
 
 
 @dataclasses.dataclass
@@ -489,7 +482,7 @@ class Scheduler:
     def _capacity(self, seq: Sequence, rows: int, drafts: int) -> int:
         """KV positions the step needs reserved for ``seq``."""
         if seq.pending is not None:  # the longest outcome of the in-flight step, then ours;
-            # resolved drafts never reach past max_model_len (stages/overlap.py)
+            # resolved drafts never reach past max_model_len (stages/device/overlap.py)
             return min(seq.length + seq.pending.num_drafts + 1 + drafts, self.config.max_model_len)
         return seq.num_computed + rows + drafts
 
@@ -511,7 +504,7 @@ class Scheduler:
             speculative=seq.speculative,
             max_model_len=self.config.max_model_len,
         )
-        if seq.pending is not None:  # resolved on the device worker (stages/overlap.py)
+        if seq.pending is not None:  # resolved on the device worker (stages/device/overlap.py)
             work = SeqWork(
                 **common,  # type: ignore[arg-type]
                 start_pos=seq.num_computed,

@@ -33,7 +33,7 @@ computing the same prefix a second time. A promise is only a hint: it ends when 
 block is registered or the promising sequence is freed (finished, aborted, preempted).
 
 This class does not know when a step in flight reads a block; the scheduler keeps that
-promise (``stages/scheduling.py``): blocks are registered only after the step that wrote
+promise (``stages/planning/scheduler.py``): blocks are registered only after the step that wrote
 them has returned, and the device runs steps in plan order, so a block evicted and
 rewritten by step N+1 is read by earlier steps only.
 """

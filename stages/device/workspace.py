@@ -16,7 +16,7 @@ from spectrio.core.config import SpeculativeConfig
 from spectrio.core.messages import StepPlan, StepResult
 from spectrio.models import PackedBatch, PagedKVCache, SpectrioForCausalLM
 from spectrio.models.paddle_setup import paddle, use_configured_threads
-from spectrio.stages.draft import Proposer, TokenHistory, make_proposer
+from spectrio.stages.device.draft import Proposer, TokenHistory, make_proposer
 
 
 class Workspace:

@@ -1,4 +1,8 @@
-"""The sampler's pure logic: from a step's verify logits to the tokens each request emits.
+"""The sampler: from a step's verify logits to the tokens each request emits
+(:class:`Sampler`, pure logic: no I/O, no Trio, no device), and the sampler stage that
+runs it on the device worker right after verify (:func:`sample`). The worker then ends
+the step (:meth:`.workspace.Workspace.end_step`), dropping the state of the requests it
+finished.
 
 For every sampling sequence of a step (rows ``[last token, d1..dm]``, see
 :mod:`.logits_processing`):
@@ -27,13 +31,14 @@ parameters and its seed: not of its batch, its chunking, preemption or the draft
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from spectrio.core.messages import SeqResult, SeqWork, StepPlan, StepResult
 from spectrio.core.params import SamplingParams
 from spectrio.models import TextTokenizer
-from spectrio.stages.logits_processing import (
+from spectrio.stages.device.logits_processing import (
     History,
     log_softmax,
     logprob_entries,
@@ -41,10 +46,14 @@ from spectrio.stages.logits_processing import (
     prompt_logprobs,
     token_logprobs,
 )
-from spectrio.stages.rejection import greedy_run, rejection_sample
-from spectrio.stages.stops import StopStringMatcher, truncate_run
+from spectrio.stages.device.rejection import greedy_run, rejection_sample
+from spectrio.stages.device.stops import StopStringMatcher, truncate_run
 
-__all__ = ["Sampler"]
+if TYPE_CHECKING:
+    from spectrio.stages.device.verify import Verified
+    from spectrio.stages.device.workspace import Workspace
+
+__all__ = ["Sampler", "sample"]
 
 
 @dataclasses.dataclass
@@ -279,3 +288,8 @@ def _draft_rows(
             )
         rows.append(q[:n])
     return np.concatenate(rows)
+
+
+def sample(sampler: Sampler, ws: Workspace, plan: StepPlan, verified: Verified) -> StepResult:
+    """The sampler stage: the step's decision from what verify computed."""
+    return sampler.step(plan, verified.logits, verified.prompt_logits, ws.draft_probs)

@@ -68,7 +68,9 @@ class Purpose(enum.IntEnum):
     SAMPLE = 0  # the token at an output position (inverse CDF of the target there)
     ACCEPT = 1  # accept or reject a draft drawn from a draft distribution
     RESIDUAL = 2  # the token after such a rejection (inverse CDF of the residual)
-    DRAFT = 3  # a draft sampled from a draft model's distribution (stages/draft/draft_model.py)
+    DRAFT = (
+        3  # a draft sampled from a draft model's distribution (stages/device/draft/draft_model.py)
+    )
 
 
 def _csr_index(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -30,9 +30,9 @@ from spectrio.core.channels import ChannelSender
 from spectrio.core.messages import AbortRequest, NewRequest, StepPlan, StepResult
 from spectrio.core.timing import StepTiming
 from spectrio.errors import EngineDead
-from spectrio.stages.scheduling import Scheduler, Sequence
+from spectrio.stages.planning.scheduler import Scheduler, Sequence
 
-_log = structlog.get_logger("spectrio.stages.scheduler")
+_log = structlog.get_logger("spectrio.stages.planning.scheduler_actor")
 
 __all__ = [
     "ControlClosed",

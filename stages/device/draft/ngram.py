@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from spectrio.core.messages import StepPlan
-from spectrio.stages.draft.base import Proposal, TokenHistory
+from spectrio.stages.device.draft.base import Proposal, TokenHistory
 
 __all__ = ["NgramProposer", "lookup"]
 

@@ -38,10 +38,10 @@ import numpy as np
 from spectrio.core.messages import SeqWork, StepPlan
 from spectrio.models import PackedBatch, PagedKVCache, SpectrioForCausalLM
 from spectrio.models.paddle_setup import paddle
-from spectrio.stages.draft.base import Proposal, TokenHistory
-from spectrio.stages.draft.mtp import MAX_LAG, CatchUp, extra_rows
-from spectrio.stages.logits_processing import softmax
-from spectrio.stages.rejection import Purpose, keyed_sample
+from spectrio.stages.device.draft.base import Proposal, TokenHistory
+from spectrio.stages.device.draft.mtp import MAX_LAG, CatchUp, extra_rows
+from spectrio.stages.device.logits_processing import softmax
+from spectrio.stages.device.rejection import Purpose, keyed_sample
 
 __all__ = ["DraftModelProposer", "draft_key", "sample_drafts"]
 

@@ -18,11 +18,11 @@ from msgspec.structs import replace
 from spectrio.core.config import SpeculativeConfig
 from spectrio.core.messages import StepPlan
 from spectrio.errors import ConfigError
-from spectrio.stages.draft.base import Proposal, Proposer, TokenHistory
+from spectrio.stages.device.draft.base import Proposal, Proposer, TokenHistory
 
 if TYPE_CHECKING:
     from spectrio.models import SpectrioForCausalLM
-    from spectrio.stages.workspace import Workspace
+    from spectrio.stages.device.workspace import Workspace
 
 __all__ = ["Proposal", "Proposer", "TokenHistory", "draft", "make_proposer"]
 
@@ -40,7 +40,7 @@ def make_proposer(
     if spec.method is None:
         return None
     if spec.method == "mtp":
-        from spectrio.stages.draft.mtp import MTPProposer
+        from spectrio.stages.device.draft.mtp import MTPProposer
 
         return MTPProposer(
             model,
@@ -50,11 +50,11 @@ def make_proposer(
             num_kv_heads=num_kv_heads,
         )
     if spec.method == "ngram":
-        from spectrio.stages.draft.ngram import NgramProposer
+        from spectrio.stages.device.draft.ngram import NgramProposer
 
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     if spec.method == "draft_model":
-        from spectrio.stages.draft.draft_model import DraftModelProposer
+        from spectrio.stages.device.draft.draft_model import DraftModelProposer
 
         return DraftModelProposer(
             model if draft is None else draft,

@@ -8,7 +8,7 @@ import trio
 
 from spectrio.core.channels import ChannelReceiver
 from spectrio.core.messages import PublishedStep, StepResult
-from spectrio.stages.records import publish_step
+from spectrio.stages.output.records import publish_step
 
 
 async def run_publisher(
