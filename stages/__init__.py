@@ -28,7 +28,7 @@ _EXPORTS = {
     "rejection_sample": "spectrio.stages.device.rejection",
     "Sampler": "spectrio.stages.device.sampler",
     "Scheduler": "spectrio.stages.planning.scheduler",
-    "Sequence": "spectrio.stages.planning.scheduler",
+    "Sequence": "spectrio.stages.planning.sequence",
     "StopStringMatcher": "spectrio.stages.device.stops",
     "Truncation": "spectrio.stages.device.stops",
     "truncate_run": "spectrio.stages.device.stops",
@@ -91,4 +91,5 @@ if TYPE_CHECKING:
     from spectrio.stages.device.stops import StopStringMatcher, Truncation, truncate_run
     from spectrio.stages.output.records import publish_step
     from spectrio.stages.planning.block_manager import BlockManager, OutOfBlocks
-    from spectrio.stages.planning.scheduler import Scheduler, Sequence
+    from spectrio.stages.planning.scheduler import Scheduler
+    from spectrio.stages.planning.sequence import Sequence

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from policy_replay import Trace, replay_fixed, replay_policy
 
-from spectrio.stages.planning.spec_policy import Remaining, SpecPolicy, _ExtraRowCost
+from spectrio.stages.planning.spec_policy import Remaining, SpecPolicy
+from spectrio.stages.planning.step_times import ExtraRowCost
 
 
 def _tokens(k: int, accept: list[float]) -> float:
@@ -437,7 +438,7 @@ def test_extra_row_cost_is_learnt_from_neighbouring_steps_that_differ_in_one_kin
     """Two steps of one k in a row that differ in prompt rows only (or catch-up rows
     only) give one sample of that kind's seconds per row; the cost is their median, used
     once enough samples came in, and only up to twice the largest difference learnt."""
-    extra = _ExtraRowCost(min_samples=4)
+    extra = ExtraRowCost(min_samples=4)
     rng = np.random.default_rng(0)
     per_row = (0.3e-3, 0.1e-3)
     rows = [(48, 43), (96, 43), (48, 43), (48, 86), (0, 86), (0, 43), (48, 0), (96, 0)] * 3
@@ -451,7 +452,7 @@ def test_extra_row_cost_is_learnt_from_neighbouring_steps_that_differ_in_one_kin
     # Learnt on differences of 48 prompt rows: good for up to 96.
     assert extra.cost((96, 0)) is not None and extra.cost((97, 0)) is None
     # Steps of another k, or right after a switch, teach nothing.
-    other = _ExtraRowCost(min_samples=1)
+    other = ExtraRowCost(min_samples=1)
     for k, after, r in [(3, 3, (0, 0)), (2, 3, (48, 0)), (2, 2, (96, 0)), (3, 2, (0, 0))]:
         other.add(k, after, r, 0.1 + per_row[0] * r[0])
     assert other.cost((48, 0)) is None

@@ -33,46 +33,9 @@ Rules that keep a request's output a function of the request alone:
   chunk) is planned as usual: its ``num_computed`` advances when a chunk is planned.
   A result that arrives for a request aborted meanwhile is dropped, never published.
 
-Prefix caching (:class:`~.block_manager.BlockManager` with caching on) and the rules that
-keep it exact and safe with steps in flight:
-
-* **Hits.** A request being (re)admitted looks its context up (prompt, or prompt +
-  output after preemption) under its :class:`~.block_manager.PrefixKey`: its cache salt,
-  and lookahead 1 when its MTP KV is cached with the target's (the MTP layer's KV at a
-  block's last position reads the next block's first token). The hit is whole blocks and
-  at most ``length - 1`` positions, so the last context token is always computed and the
-  first draft has its hidden state. It starts at ``num_computed = hit``; its first work
-  carries the hit's tokens (``SeqWork.cached_ids``), so the proposer's history and MTP
-  catch-up start there on every rank. A request with ``prompt_logprobs`` whose prompt
-  rows are not all scored yet takes no hit beyond the rows already scored (cached
-  positions are never computed, so they could not be scored), as vLLM does.
-* **Registration.** A prompt block is registered only when a step's result is folded in
-  and that step has written its KV: the target's for every position the step or an
-  earlier one computed, and, for a sequence whose MTP KV is cached, the MTP layer's for
-  the positions its catch-up covered: below a decode step's ``start_pos``, and all but
-  the last row of a prompt chunk, which the proposer catches up in the chunk's own step
-  (``stages/device/draft/mtp.py``). So a request that ends with its first token (``max_tokens``
-  1, a client that closes) has registered its prompt blocks. A request aborted with a
-  step in flight keeps its blocks until that step is folded in, registers what the step
-  wrote, then frees them. A sequence preempted since the step was planned registers
-  nothing from it. Every step in flight writes only at or after positions registered so
-  far, so a registered block is never written again while it stays registered.
-* **Waiting for a prefix.** An admitted request promises the prompt blocks it will
-  register (:meth:`~.block_manager.BlockManager.promise`). The head of the queue whose
-  prefix a running request is computing right now is not admitted until those blocks
-  are registered (or the promise ends with its request): computing the same prefix
-  twice at once would cost a whole prefill, waiting costs the steps until the first
-  request's prompt chunk returns. Admission stays first in, first out, so requests
-  behind it wait too.
-* **Freeing with steps in flight.** Blocks are released as soon as a request is
-  preempted or finished, and an aborted one's once no step in flight computes for it
-  (at once with caching off; *Registration*): a block another table holds stays held, a
-  registered one becomes evictable, and only an allocation that finds no free block
-  evicts one and hands it out. Steps run on the device in plan order, and a step that
-  may read a block (an in-flight step of its old owner, or of a request sharing it) was
-  planned before the plan that reuses it, so its reads land before the new owner's
-  writes; a block is never read and rewritten within one step, because an evicted block
-  is no longer registered and so no request of that step shares it.
+Prefix caching (hits, when prompt blocks are registered, waiting for a prefix a running
+request computes, freeing blocks with steps in flight) follows the rules of
+:mod:`.prefix_rules`.
 """
 
 from __future__ import annotations
@@ -85,94 +48,12 @@ from msgspec.structs import replace
 from spectrio.core.acceptance import Acceptance
 from spectrio.core.config import RuntimeConfig
 from spectrio.core.draft_methods import draft_slots
-from spectrio.core.messages import Ended, NewRequest, SeqResult, SeqWork, StepPlan, StepResult
-from spectrio.core.params import SamplingParams
-from spectrio.stages.planning.block_manager import BlockManager, PrefixKey
-from spectrio.stages.planning.lifecycle import RequestState, advance
+from spectrio.core.messages import Ended, SeqResult, SeqWork, StepPlan, StepResult
+from spectrio.stages.planning.block_manager import BlockManager
+from spectrio.stages.planning.lifecycle import RequestState
+from spectrio.stages.planning.prefix_rules import PrefixRules
+from spectrio.stages.planning.sequence import Sequence
 from spectrio.stages.planning.spec_policy import Remaining, SpecPolicy
-
-
-@dataclasses.dataclass(eq=False)
-class Sequence:
-    """A request the scheduler holds: the :class:`NewRequest` it was admitted with (its
-    fields are read through, never copied), and the state the scheduler keeps for it."""
-
-    request: NewRequest
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    num_computed: int = 0
-    state: RequestState = RequestState.WAITING
-    finish_reason: str | None = None
-    num_preemptions: int = 0
-    decoding: bool = False  # a step sampled it since its context was last (re)computed
-    pending: SeqWork | None = None  # the in-flight sampling work whose result is unknown
-    acceptance: Acceptance = dataclasses.field(default_factory=Acceptance)  # over its life
-    cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
-    prefix_hit: int = 0  # positions this admission took from the cache, until its first work
-    # prompt_logprobs: rows at positions 0 .. prompt_scored - 1 have been planned for
-    # scoring (their results always reach the publisher: see _score)
-    prompt_scored: int = 0
-
-    @property
-    def seq_id(self) -> int:
-        return self.request.seq_id
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def prompt_ids(self) -> list[int]:
-        return self.request.prompt_ids
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.request.params
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        return self.request.eos_token_ids
-
-    @property
-    def speculative(self) -> bool:
-        return self.request.speculative
-
-    @property
-    def cache_salt(self) -> str:
-        """Requests share prefix-cache blocks only with the same salt."""
-        return self.request.cache_salt
-
-    @property
-    def drafts_proposed(self) -> int:
-        return self.acceptance.proposed
-
-    @property
-    def drafts_accepted(self) -> int:
-        return self.acceptance.accepted
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def scoring_left(self) -> bool:
-        """prompt_logprobs asked for and some prompt row not planned for scoring yet
-        (rows at positions 0 .. P - 2 score prompt tokens 1 .. P - 1)."""
-        return (
-            self.params.prompt_logprobs is not None
-            and self.prompt_scored < len(self.prompt_ids) - 1
-        )
-
-    @property
-    def remaining_tokens(self) -> int:
-        return self.params.max_tokens - len(self.output_ids)
-
-    def move(self, to: RequestState) -> None:
-        self.state = advance(self.state, to, f"request {self.request_id}")
-
 
 # A step the device worker waited for longer than this (a pause, a gap between requests)
 # starts on cold caches and sleeping OpenMP threads, and so does the one after it: both
@@ -229,12 +110,7 @@ class Scheduler:
         self._step_k = self.policy.k_max  # drafts per decoding sequence in the planned step
         self._previous_k: int | None = None  # the k of the last decoding step folded in
         self._untimed = 0  # steps still not timed after an idle device (IDLE_UNTIMED_S)
-        # A method with KV of its own keeps it in the target's blocks: a speculative
-        # request's cached blocks carry it (under its own key), a target-only one's do not.
-        spec = config.speculative
-        self._draft_key = (
-            (spec.needs.prefix_lookahead, spec.method or "") if spec.needs.draft_kv else None
-        )
+        self.prefix = PrefixRules(blocks, config.speculative)
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -355,7 +231,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_computed or seq.pending is not None:
                 raise RuntimeError(f"request {seq.request_id} queued with computed positions")
-            hit, awaited = self._match(seq)
+            hit, awaited = self.prefix.match(seq)
             if awaited:  # a running request is computing more of this prefix: wait for it
                 break
             seq.num_computed = len(hit) * self.blocks.block_size
@@ -367,7 +243,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.blocks.allocate(seq.seq_id, seq.num_computed + rows + drafts, hit)
-            self._admitted_with(seq, seq.num_computed)
+            self.prefix.admitted_with(seq, seq.num_computed)
             seq.move(RequestState.RUNNING)
             self.running.append(seq)
             budget -= cost
@@ -405,43 +281,6 @@ class Scheduler:
             retired=[e.seq_id for e in ended if e.why == "aborted"],
             k=self._step_k,
         )
-
-    def _key(self, seq: Sequence) -> PrefixKey:
-        if self._draft_key is None or not seq.speculative:
-            return PrefixKey(seq.cache_salt)
-        lookahead, draft = self._draft_key
-        return PrefixKey(seq.cache_salt, lookahead, draft)
-
-    def _match(self, seq: Sequence) -> tuple[list[int], int]:
-        """Cached blocks the sequence's context starts with (at most ``length - 1``
-        positions: the last token is always computed), and how many more blocks running
-        requests are computing now (module docstring, *Waiting for a prefix*)."""
-        if not self.blocks.caching:
-            return [], 0
-        limit = seq.length - 1
-        if seq.scoring_left:  # cached positions are not computed, so they cannot be scored
-            limit = min(limit, seq.prompt_scored)
-        return self.blocks.lookup(seq.tokens, self._key(seq), limit)
-
-    def _admitted_with(self, seq: Sequence, hit: int) -> None:
-        if self.blocks.caching:
-            self.blocks.note_lookup(seq.length, hit)
-            key = self._key(seq)
-            self.blocks.promise(seq.seq_id, seq.prompt_ids, key, len(seq.prompt_ids))
-        seq.prefix_hit = hit
-        if seq.cached_tokens is None:
-            seq.cached_tokens = min(hit, len(seq.prompt_ids))
-
-    def _register(self, seq: Sequence, work: SeqWork) -> None:
-        """Register the sequence's prompt blocks whose KV the folded step ``work`` (or an
-        earlier one) has written: module docstring, *Registration*."""
-        key = self._key(seq)
-        prompt = len(seq.prompt_ids)
-        if work.pending:  # planned after a sampling step: the whole prompt is behind it
-            ready = prompt
-        else:  # the step's rows, less those whose draft KV reads a token still to come
-            ready = work.start_pos + len(work.token_ids) - key.lookahead
-        self.blocks.register(seq.seq_id, seq.prompt_ids, key, min(ready, prompt))
 
     def _closing(self, drafting: list[Sequence]) -> list[Remaining]:
         """What the policy weighs when no request waits (:meth:`SpecPolicy.closing_rate`):
@@ -631,7 +470,7 @@ class Scheduler:
                     retiring is not None
                     and step.epochs.get(r.seq_id) == retiring[0].num_preemptions
                 ):
-                    self._register(retiring[0], work)
+                    self.prefix.register(retiring[0], work)
                 continue
             published.append(r)
             if (
@@ -639,7 +478,7 @@ class Scheduler:
                 and seq.state is RequestState.RUNNING
                 and step.epochs.get(seq.seq_id) == seq.num_preemptions
             ):
-                self._register(seq, work)
+                self.prefix.register(seq, work)
             if work.sample:
                 self._apply_sample(seq, work, r)
         for seq_id, work in works.items():
