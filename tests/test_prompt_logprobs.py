@@ -37,7 +37,7 @@ from spectrio.stages.block_manager import BlockManager
 from spectrio.stages.logits_processing import log_softmax, prompt_logprobs, token_logprobs
 from spectrio.stages.scheduling import Scheduler
 from spectrio.stages.scheduling import Sequence as SchedSeq
-from spectrio.wire.client import open_client
+from spectrio.wire.async_client import open_client
 from spectrio.wire.server import WireServer, default_endpoints, serve
 
 TIMEOUT = 240
