@@ -14,9 +14,9 @@ server's GIL) then drives, all at once, for ``--duration`` seconds:
   the response). Counted: completed, cut by the client, timeouts
   (``openai.APITimeoutError``), 5xx, other errors, latency percentiles, and completions
   and p99 latency per 10 s window (a dip shows when something holds the others).
-* **the wire, live consumer**: one stream client (``spectrio.wire.client.Client`` with the
-  requests endpoint alone) submits requests one after another and reads each to its end.
-  Counted: completed, timeouts (``ClientTimeout``), gaps (``SequenceGap``).
+* **the wire, live consumer**: one stream client (``spectrio.wire.sync_client.Client``
+  with the requests endpoint alone) submits requests one after another and reads each to
+  its end. Counted: completed, timeouts (``ClientTimeout``), gaps (``SequenceGap``).
 * **the wire, dying consumers**: over and over, a stream client submits 3 requests of
   ``--long-max-tokens`` tokens, reads for 0.5-3 s and closes its socket while they run.
   Every other one is a raw DEALER with a routing id libzmq assigned (the server sees its
@@ -225,7 +225,9 @@ def _params(max_tokens: int) -> Any:
 
 def wire_live(requests: str, until: float, seed: int, out: dict[str, Any]) -> None:
     """One stream client: a request at a time, each read to its end."""
-    from spectrio.wire.client import Client, ClientTimeout, RequestRefused, SequenceGap
+    from spectrio.wire.client_requests import ClientTimeout, RequestRefused
+    from spectrio.wire.stream_assembler import SequenceGap
+    from spectrio.wire.sync_client import Client
 
     rng = random.Random(seed)
     counts: collections.Counter[str] = collections.Counter()
@@ -335,7 +337,8 @@ def wire_dying(
     ``out["dead"]`` gets ``[request id, time of the close]`` for each request sent."""
     import zmq
 
-    from spectrio.wire.client import Client, ClientTimeout, RequestRefused
+    from spectrio.wire.client_requests import ClientTimeout, RequestRefused
+    from spectrio.wire.sync_client import Client
 
     rng = random.Random(seed)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()

@@ -8,11 +8,24 @@
   each endpoint's format, responses and stream chunks from deltas (pure);
 * :mod:`spectrio.http_api.front`: the front's state (admission, prompts, drain);
 * :mod:`spectrio.http_api.chat`: chat messages to running requests;
-* :mod:`spectrio.http_api.app`: the Starlette app;
+* :mod:`spectrio.http_api.app`: the Starlette app, routing to the handlers of
+  :mod:`spectrio.http_api.endpoints`, which answer through
+  :mod:`spectrio.http_api.exchange` (following the choices' streams, SSE);
 * :mod:`spectrio.http_api.server`: :func:`~spectrio.http_api.server.serve_http`,
   Hypercorn's Trio worker in the runtime's own Trio run.
 
 Submodules are imported explicitly (``from spectrio.http_api.server import serve_http``).
 """
 
-__all__ = ["app", "chat", "front", "logprobs", "mapping", "responses", "schema", "server"]
+__all__ = [
+    "app",
+    "chat",
+    "endpoints",
+    "exchange",
+    "front",
+    "logprobs",
+    "mapping",
+    "responses",
+    "schema",
+    "server",
+]

@@ -1,8 +1,8 @@
 """The HTTP front's state: admission, prompts, the requests it runs, drain and death.
 
 One :class:`HttpFront` per served runtime, shared by every HTTP request (all on the
-runtime's Trio thread). It knows nothing of Starlette or Hypercorn: the app
-(:mod:`spectrio.http_api.app`) asks it to admit a client, to turn prompts into token
+runtime's Trio thread). It knows nothing of Starlette or Hypercorn: the app's handlers
+(:mod:`spectrio.http_api.endpoints`) ask it to admit a client, to turn prompts into token
 ids, and to start and track requests; the CLI asks it to drain.
 
 * **Admission**: a dead engine or a draining server answers 503 (``/health`` also

@@ -17,7 +17,8 @@ import trio
 import zmq
 
 from spectrio import SamplingParams
-from spectrio.wire.client import ClientTimeout, open_client
+from spectrio.wire.async_client import open_client
+from spectrio.wire.client_requests import ClientTimeout
 from spectrio.wire.codec import decode_request, encode
 from spectrio.wire.schema import Abort, Ack, Error, ErrorCode, Ping
 from spectrio.wire.zmq_transport import open_socket

@@ -21,9 +21,11 @@ from test_wire_server import ipc_endpoints, start_server
 from spectrio import RuntimeConfig, SamplingParams, open_runtime
 from spectrio.core.record import unpack
 from spectrio.errors import EngineDead
-from spectrio.wire.client import Client, RequestRefused, open_client
+from spectrio.wire.async_client import open_client
+from spectrio.wire.client_requests import RequestRefused
 from spectrio.wire.schema import ErrorCode
 from spectrio.wire.server import death_step
+from spectrio.wire.sync_client import Client
 
 Context = zmq.Context[zmq.Socket[bytes]]
 LONG = SamplingParams(max_tokens=400, ignore_eos=True)

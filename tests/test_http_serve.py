@@ -29,7 +29,7 @@ from http_helpers import HttpServer, http_server, sse_events
 from spectrio import RuntimeConfig, SamplingParams, open_runtime
 from spectrio.http_api.logprobs import TokenStrings
 from spectrio.models import LoadedModel
-from spectrio.wire.client import Client
+from spectrio.wire.sync_client import Client
 
 KEY = "sk-test-123"
 MODEL = "bundled"

@@ -14,8 +14,8 @@ from pipeline_helpers import prompts
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
 from spectrio.core.messages import PublishedStep
 from spectrio.core.record import unpack
-from spectrio.wire.client import StreamAssembler
 from spectrio.wire.codec import SequenceCounter, encode_step
+from spectrio.wire.stream_assembler import StreamAssembler
 
 MAX_TOKENS = 32
 

@@ -21,7 +21,7 @@ from spectrio.tools.metrics import (
     parse_metrics_address,
 )
 from spectrio.tools.trace import read_trace
-from spectrio.wire.client import open_client
+from spectrio.wire.async_client import open_client
 
 
 def feed(d: DriftDetector, rates: list[float], per: int = 100) -> list[list[int]]:

@@ -19,7 +19,8 @@ import pytest
 import zmq
 
 from spectrio.core.params import SamplingParams
-from spectrio.wire.client import Client, StreamAssembler
+from spectrio.wire.stream_assembler import StreamAssembler
+from spectrio.wire.sync_client import Client
 
 SERVE = [sys.executable, "-m", "spectrio.tools.cli"]
 START_TIMEOUT = 120.0

@@ -16,7 +16,7 @@ import zmq
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
 from spectrio.models import LoadedModel, load
-from spectrio.wire.client import open_client
+from spectrio.wire.async_client import open_client
 from spectrio.wire.server import WireServer, serve
 
 GOLDEN = json.loads((Path(__file__).resolve().parent / "data" / "smollm2_golden.json").read_text())

@@ -23,7 +23,8 @@ from test_chat import ANSWER, CHAT, RENDERED, config
 
 from spectrio import RuntimeConfig, SamplingParams, open_runtime
 from spectrio.runtime.api import Runtime
-from spectrio.wire.client import AsyncClient, RequestRefused, open_client
+from spectrio.wire.async_client import AsyncClient, open_client
+from spectrio.wire.client_requests import RequestRefused
 from spectrio.wire.schema import SCHEMA_MINOR, Ack, Error, ErrorCode
 from spectrio.wire.server import WireServer, serve
 
@@ -130,11 +131,11 @@ async def test_a_chat_round_trip_equals_rt_chat_and_old_clients_still_work(
 
 
 def test_a_new_client_sends_no_messages_key_with_a_prompt() -> None:
-    from spectrio.wire.client import _submit_frame
+    from spectrio.wire.client_requests import submit_frame
 
-    body = msgpack.unpackb(_submit_frame("hi", None, "r"))
+    body = msgpack.unpackb(submit_frame("hi", None, "r"))
     assert "messages" not in body and body["prompt"] == "hi"
-    body = msgpack.unpackb(_submit_frame(None, None, "r", CHAT))
+    body = msgpack.unpackb(submit_frame(None, None, "r", CHAT))
     assert "prompt" not in body and body["messages"] == CHAT
 
 

@@ -10,9 +10,11 @@ import zmq
 import zmq.utils.z85
 
 from spectrio import RuntimeConfig, SamplingParams, open_runtime
-from spectrio.wire.client import Client, RequestRefused, open_client
+from spectrio.wire.async_client import open_client
+from spectrio.wire.client_requests import RequestRefused
 from spectrio.wire.curve import CurveError, client_keys, create_keys, load_server_keys, zap_reply
 from spectrio.wire.server import WireServer, serve
+from spectrio.wire.sync_client import Client
 
 
 def test_key_files(tmp_path: Path) -> None:

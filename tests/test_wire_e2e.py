@@ -17,7 +17,8 @@ import zmq
 from pipeline_helpers import oracle, prompts
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
-from spectrio.wire.client import Client, StreamAssembler
+from spectrio.wire.stream_assembler import StreamAssembler
+from spectrio.wire.sync_client import Client
 
 N = 64
 MAX_TOKENS = 16

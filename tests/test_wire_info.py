@@ -15,8 +15,9 @@ from test_serve_process import Server
 
 from spectrio.core.params import SamplingParams
 from spectrio.models import BUNDLED_DIR, load
-from spectrio.wire.client import Client, bundled_tokenizer, tokenizer_for
+from spectrio.wire.client_tokenizers import bundled_tokenizer, tokenizer_for
 from spectrio.wire.schema import SCHEMA_MINOR, ModelInfo, SpeculativeInfo
+from spectrio.wire.sync_client import Client
 
 BUNDLED_JSON = (Path(BUNDLED_DIR) / "tokenizer.json").read_bytes()
 

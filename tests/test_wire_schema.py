@@ -656,7 +656,7 @@ def test_the_client_applies_the_documents_gap_rule_to_every_slot() -> None:
     """docs/wire.md's gap rule checks every slot, those without tokens too; the client's
     ``StreamAssembler`` applies the same rule (it used to skip slots without tokens, so a
     gap showed only at the request's next tokens)."""
-    from spectrio.wire.client import SequenceGap, StreamAssembler
+    from spectrio.wire.stream_assembler import SequenceGap, StreamAssembler
 
     published, _ = example_step()  # req-b: a slot in prefill (no tokens, no finish)
     fresh = [0, 0, 0, 0]
@@ -748,7 +748,7 @@ async def test_plain_msgpack_consumer_reads_a_live_runtime_stream() -> None:
         assert streams[rid] == [t for d in ds for t in d.token_ids] and streams[rid]
         assert finished[rid] == ds[-1].finish_reason
     # ... and the client library, reading the same frames, agrees token for token.
-    from spectrio.wire.client import StreamAssembler
+    from spectrio.wire.stream_assembler import StreamAssembler
 
     library: dict[str, list[int]] = {}
     assembler = StreamAssembler()
@@ -794,7 +794,7 @@ def test_a_final_step_carries_speculation_totals_and_old_readers_ignore_them() -
     """Schema 1.1: ``drafts`` on the step envelope reaches the request's final chunk; a
     1.0 envelope (no ``drafts`` key) leaves the totals unknown, and a 1.0 reader (a
     struct without the field) decodes a 1.1 envelope unchanged."""
-    from spectrio.wire.client import StreamAssembler
+    from spectrio.wire.stream_assembler import StreamAssembler
 
     published, _ = example_step()
     frames = encode_step(published, [0, 0, 0, 0])  # as if each request started here

@@ -1,7 +1,8 @@
 """End to end over real ZeroMQ sockets (ipc:// and tcp://127.0.0.1): the bundled model
-served by ``wire/server.py`` and read with ``wire/client.py``. Outputs must equal the
-in-process ``Runtime.generate`` token for token, while garbage frames get ``Error``
-replies and the valid requests carry on unchanged."""
+served by ``wire/server.py`` and read with the clients (``wire/sync_client.py``,
+``wire/async_client.py``). Outputs must equal the in-process ``Runtime.generate`` token
+for token, while garbage frames get ``Error`` replies and the valid requests carry on
+unchanged."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import zmq
 from spectrio.core.config import RuntimeConfig
 from spectrio.core.params import SamplingParams
 from spectrio.runtime.api import Runtime, open_runtime
+<<<<<<< HEAD
 from spectrio.runtime.streams import RequestStream
 from spectrio.wire.client import (
     AsyncClient,
@@ -27,9 +29,15 @@ from spectrio.wire.client import (
     StreamAssembler,
     open_client,
 )
+=======
+from spectrio.wire.async_client import AsyncClient, open_client
+from spectrio.wire.client_requests import RequestRefused
+>>>>>>> rooms-clients
 from spectrio.wire.codec import decode_reply, encode
 from spectrio.wire.schema import SCHEMA_VERSION, Abort, Ack, Error, Submit
 from spectrio.wire.server import WireServer, check_endpoint, default_endpoints, serve
+from spectrio.wire.stream_assembler import Chunk, SequenceGap, StreamAssembler
+from spectrio.wire.sync_client import Client
 
 TIMEOUT = 120
 MAX_REQUEST_BYTES = 4096

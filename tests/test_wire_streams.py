@@ -33,7 +33,7 @@ from spectrio.http_api.front import HttpFront
 from spectrio.http_api.server import serve_http
 from spectrio.models import LoadedModel
 from spectrio.runtime.api import Runtime, open_runtime
-from spectrio.wire.client import Client, open_client
+from spectrio.wire.async_client import open_client
 from spectrio.wire.codec import decode_reply, decode_step, encode, encode_step
 from spectrio.wire.outbox import RECONNECT_S
 from spectrio.wire.schema import (
@@ -48,6 +48,7 @@ from spectrio.wire.schema import (
 )
 from spectrio.wire.server import PUSH, WireServer, default_endpoints, serve
 from spectrio.wire.stream_connection import is_step_message
+from spectrio.wire.sync_client import Client
 
 TIMEOUT = 120
 Context = zmq.Context[zmq.Socket[bytes]]

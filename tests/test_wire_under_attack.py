@@ -31,7 +31,8 @@ from spectrio.core.config import RuntimeConfig
 from spectrio.core.params import SamplingParams
 from spectrio.runtime.api import Runtime, open_runtime
 from spectrio.tools.corpus import corpus_files, read_texts
-from spectrio.wire.client import AsyncClient, RequestRefused, open_client
+from spectrio.wire.async_client import AsyncClient, open_client
+from spectrio.wire.client_requests import RequestRefused
 from spectrio.wire.codec import decode_reply, encode
 from spectrio.wire.schema import SCHEMA_VERSION, Abort, Error, Ping, Submit
 from spectrio.wire.server import PromptTokenizer, WireServer, serve

@@ -169,8 +169,9 @@ async def replay_wire(
     server meanwhile; with ``outputs_endpoint`` they are read from the server's outputs
     socket instead, of which this client must then be the only reader. A refused request
     gets ``finish_reason="error"``; a server that stops answering raises
-    :class:`spectrio.wire.client.ClientTimeout`."""
-    from spectrio.wire.client import RequestRefused, open_client
+    :class:`spectrio.wire.client_requests.ClientTimeout`."""
+    from spectrio.wire.async_client import open_client
+    from spectrio.wire.client_requests import RequestRefused
 
     builders: dict[str, ResultBuilder] = {}
     drafts: dict[str, tuple[int, int]] = {}

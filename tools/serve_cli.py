@@ -648,7 +648,9 @@ def client_main(args: argparse.Namespace) -> int:
     from spectrio.stages.output.output_processor import logprob_json
     from spectrio.tools.chat_flags import chat_messages, prompt_or_chat_error
     from spectrio.tools.sampling_flags import sampling_params
-    from spectrio.wire.client import Client, RequestRefused, SequenceGap
+    from spectrio.wire.client_requests import RequestRefused
+    from spectrio.wire.stream_assembler import SequenceGap
+    from spectrio.wire.sync_client import Client
 
     problem = prompt_or_chat_error(args)
     if problem is not None:

@@ -4,8 +4,10 @@
 * :mod:`spectrio.wire.codec`: request decoding that classifies bad frames, step encoding;
 * :mod:`spectrio.wire.server`: the ZeroMQ server in front of a runtime, with
   :mod:`spectrio.wire.outbox` (each destination's bounded queue of step messages);
-* :mod:`spectrio.wire.client`: the consumer library, with
-  :mod:`spectrio.wire.stream_connection` (one connection for requests and their steps).
+* :mod:`spectrio.wire.client`: the consumer library's public path: the clients
+  (:mod:`~spectrio.wire.async_client`, :mod:`~spectrio.wire.sync_client`) and the
+  :mod:`~spectrio.wire.stream_assembler`, with :mod:`spectrio.wire.stream_connection`
+  (one connection for requests and their steps).
 * :mod:`spectrio.wire.record`: the per-step record carried raw in frame 1 (its layout
   lives in :mod:`spectrio.core.record`).
 

@@ -3,9 +3,9 @@
 One module for every consumer of a request's output: the embedding stream
 (:class:`spectrio.runtime.api.RequestStream`, which the wire server follows for each
 request it runs, and whose text a server's trace recorder keeps), the wire client's stream
-assembler (:class:`spectrio.wire.client.StreamAssembler`, which turns the server's step
-messages back into per-request chunks: the wire carries token ids and the packed record,
-never text), and the CLI, bench and replay (:class:`RequestStats`).
+assembler (:class:`spectrio.wire.stream_assembler.StreamAssembler`, which turns the
+server's step messages back into per-request chunks: the wire carries token ids and the
+packed record, never text), and the CLI, bench and replay (:class:`RequestStats`).
 
 Guarantees:
 
