@@ -33,19 +33,11 @@ from spectrio.http_api.front import HttpFront
 from spectrio.http_api.server import serve_http
 from spectrio.models import LoadedModel
 from spectrio.runtime.api import Runtime
-<<<<<<< HEAD
 from spectrio.stages.device.logits_processing import log_softmax, prompt_logprobs, token_logprobs
 from spectrio.stages.planning.block_manager import BlockManager
-from spectrio.stages.planning.scheduler import Scheduler
-from spectrio.stages.planning.scheduler import Sequence as SchedSeq
-from spectrio.wire.client import open_client
-=======
-from spectrio.stages.planning.block_manager import BlockManager
-from spectrio.stages.device.logits_processing import log_softmax, prompt_logprobs, token_logprobs
 from spectrio.stages.planning.scheduler import Scheduler
 from spectrio.stages.planning.scheduler import Sequence as SchedSeq
 from spectrio.wire.async_client import open_client
->>>>>>> rooms-clients
 from spectrio.wire.server import WireServer, default_endpoints, serve
 
 TIMEOUT = 240

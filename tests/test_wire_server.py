@@ -18,21 +18,9 @@ import zmq
 from spectrio.core.config import RuntimeConfig
 from spectrio.core.params import SamplingParams
 from spectrio.runtime.api import Runtime, open_runtime
-<<<<<<< HEAD
 from spectrio.runtime.streams import RequestStream
-from spectrio.wire.client import (
-    AsyncClient,
-    Chunk,
-    Client,
-    RequestRefused,
-    SequenceGap,
-    StreamAssembler,
-    open_client,
-)
-=======
 from spectrio.wire.async_client import AsyncClient, open_client
 from spectrio.wire.client_requests import RequestRefused
->>>>>>> rooms-clients
 from spectrio.wire.codec import decode_reply, encode
 from spectrio.wire.schema import SCHEMA_VERSION, Abort, Ack, Error, Submit
 from spectrio.wire.server import WireServer, check_endpoint, default_endpoints, serve
