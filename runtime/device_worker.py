@@ -25,7 +25,7 @@ from msgspec.structs import replace
 
 from spectrio.core.messages import StepPlan, StepResult
 from spectrio.core.timing import StepTiming
-from spectrio.models.paddle_setup import use_configured_threads
+from spectrio.models.ops.paddle_setup import use_configured_threads
 from spectrio.stages import draft as draft_stage
 from spectrio.stages import sampler as sampler_stage
 from spectrio.stages import verify as verify_stage

@@ -14,7 +14,7 @@ import numpy as np
 
 from spectrio.core.config import SpeculativeConfig
 from spectrio.models import PackedBatch, PagedKVCache, SpectrioForCausalLM
-from spectrio.models.paddle_setup import paddle, use_configured_threads
+from spectrio.models.ops.paddle_setup import paddle, use_configured_threads
 from spectrio.stages.draft import Proposer, TokenHistory, make_proposer
 
 
