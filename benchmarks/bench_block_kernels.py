@@ -1,4 +1,4 @@
-"""GGUF block products (``models/csrc/block_kernels.h``) against the float32 panel product.
+"""GGUF block products (``models/ops/csrc/block_kernels.h``) against the float32 panel product.
 
 For each block type and row count, ``spectrio_block_matmul`` over a weight kept as GGUF
 blocks the way the serving matrices keep them (``ServingMatrix.from_blocks``: the tiled
@@ -8,7 +8,7 @@ in float32 panels, cycling over
 enough copies of each weight (``--copies-mb``) that they come from memory, not the cache,
 as in a forward over every layer. The cases alternate within each round; medians over
 ``--rounds`` are printed, one JSON object per case, after the read bandwidth probed in the
-same run (``models/memory_floor.py``), which is the memory floor at one row:
+same run (``models/ops/memory_floor.py``), which is the memory floor at one row:
 
 * ``block_gb_s`` / ``panel_gb_s``: weight bytes read per second, and ``*_of_bw`` that as a
   fraction of the probed bandwidth (1.0: at the memory floor);
@@ -65,12 +65,12 @@ class _Stored:
     kernel)."""
 
     def __init__(self, raw: np.ndarray, ggml_id: int) -> None:
-        from spectrio.models.paddle_setup import paddle
+        from spectrio.models.ops.paddle_setup import paddle
 
         self._w, self._type, self._n = paddle.to_tensor(raw), ggml_id, raw.shape[0]
 
     def matmul(self, x: Any) -> Any:
-        from spectrio.models.native_ops import block_matmul
+        from spectrio.models.ops.native_ops import block_matmul
 
         return block_matmul(x, self._w, self._type, self._n)
 
@@ -92,11 +92,11 @@ def main() -> int:
     p.add_argument("--copies-mb", type=int, default=96, help="weight copies to cycle over, MB")
     args = p.parse_args()
 
-    from spectrio.models import gguf_blocks as gb
-    from spectrio.models.memory_floor import read_bandwidth
-    from spectrio.models.native_ops import native_ops_available
-    from spectrio.models.paddle_setup import configure_paddle, paddle
-    from spectrio.models.serving_matrix import ServingMatrix
+    from spectrio.models.ops import gguf_blocks as gb
+    from spectrio.models.ops.memory_floor import read_bandwidth
+    from spectrio.models.ops.native_ops import native_ops_available
+    from spectrio.models.ops.paddle_setup import configure_paddle, paddle
+    from spectrio.models.ops.serving_matrix import ServingMatrix
 
     configure_paddle(args.threads)
     if not native_ops_available():

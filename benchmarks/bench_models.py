@@ -15,7 +15,7 @@ plus spectrio's custom ops, which the profiler does not record.
 ``--paddle-layers`` adds each target case with its layers run op by op in Paddle
 (``paddle_target_rowsN``, the path before the native layer op), alternated with the rest.
 ``--reference`` adds the oracle's speed (dense attention, one token at a time, batch 1).
-Each target case is also read against its memory floor (``spectrio.models.memory_floor``):
+Each target case is also read against its memory floor (``spectrio.models.ops.memory_floor``):
 the bytes it reads (weights, and each row's KV) at the read bandwidth probed in this run,
 before and after the timed rounds (the best pass of either); ``target_rowsN_over_floor``
 is the forward's median time over that floor.
@@ -44,8 +44,8 @@ BLOCK = 16
 def _count_ops(fn: Callable[[], object], calls: int = 5) -> int:
     """Top-level ops per call of ``fn``: Paddle's, from its profiler, and spectrio's
     custom ops (which the profiler does not record), counted at their entry point."""
-    from spectrio.models import native_ops
-    from spectrio.models.paddle_setup import paddle
+    from spectrio.models.ops import native_ops
+    from spectrio.models.ops.paddle_setup import paddle
 
     real = native_ops._C_OPS
     custom = 0
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from spectrio.models import PackedBatch, PagedKVCache, load
-    from spectrio.models.paddle_setup import configure_paddle, paddle
+    from spectrio.models.ops.paddle_setup import configure_paddle, paddle
     from spectrio.tools.logging_setup import configure_logging
 
     configure_logging("warning")
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         precision_for(name)
         for _ in range(5):
             fn()
-    from spectrio.models.memory_floor import floor_us, forward_bytes, read_bandwidth
+    from spectrio.models.ops.memory_floor import floor_us, forward_bytes, read_bandwidth
 
     probes = [read_bandwidth(threads=threads or 1)]
     times: dict[str, list[float]] = {name: [] for name in cases}
@@ -256,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _served_block_bytes(loaded: object) -> int | None:
     """Weight bytes a forward reads when ``loaded`` serves a GGUF file's blocks."""
-    from spectrio.models.block_serving import served_weight_bytes
-    from spectrio.models.gguf_file import GGUFFile
+    from spectrio.models.loading.block_serving import served_weight_bytes
+    from spectrio.models.loading.gguf_file import GGUFFile
 
     model = loaded.model  # type: ignore[attr-defined]
     path = loaded.path  # type: ignore[attr-defined]

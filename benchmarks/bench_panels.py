@@ -1,7 +1,7 @@
 """One weight product, MKL's SGEMM against spectrio's panel kernel, per row count.
 
 Each case multiplies ``rows`` inputs by a ``[K, N]`` float32 weight through Paddle's
-``matmul`` (MKL) and through :class:`spectrio.models.serving_matrix.ServingMatrix` (the
+``matmul`` (MKL) and through :class:`spectrio.models.ops.serving_matrix.ServingMatrix` (the
 panel kernel), cycling over ``--copies`` copies of the weight so that, as in a forward
 over every layer, the weights come from memory rather than the cache. Cases alternate
 within each round; the medians over ``--rounds`` are printed, one JSON object per case.
@@ -34,10 +34,10 @@ def main() -> int:
     p.add_argument("--copies-mb", type=int, default=96, help="weight copies to cycle over, MB")
     args = p.parse_args()
 
-    from spectrio.models import fast_ops as fo
-    from spectrio.models.native_ops import native_ops_available
-    from spectrio.models.paddle_setup import configure_paddle, paddle
-    from spectrio.models.serving_matrix import ServingMatrix
+    from spectrio.models.ops import fast_ops as fo
+    from spectrio.models.ops.native_ops import native_ops_available
+    from spectrio.models.ops.paddle_setup import configure_paddle, paddle
+    from spectrio.models.ops.serving_matrix import ServingMatrix
 
     configure_paddle(args.threads)
     if not native_ops_available():

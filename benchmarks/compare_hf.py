@@ -28,8 +28,8 @@ from typing import Any, cast
 
 import trio
 
-from spectrio.models.loader import resolve_path
-from spectrio.models.paddle_setup import configure_paddle
+from spectrio.models.loading.loader import resolve_path
+from spectrio.models.ops.paddle_setup import configure_paddle
 from spectrio.tools.bench import bench_prompts, run_case
 
 

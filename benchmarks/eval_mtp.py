@@ -34,7 +34,7 @@ import numpy as np
 from tqdm import tqdm
 
 from spectrio.models import SpectrioForCausalLM, load, reference
-from spectrio.models.config import DType
+from spectrio.models.architecture.config import DType
 from spectrio.tools.corpus import held_out_contexts
 from spectrio.tools.logging_setup import configure_logging
 
@@ -73,7 +73,7 @@ def evaluate(
 def draft_cost(model: SpectrioForCausalLM, context: int = 64, reps: int = 300) -> dict[str, object]:
     """Median seconds of a batch-1 target decode forward and of one MTP substep (paged)."""
     from spectrio.models import PackedBatch, PagedKVCache
-    from spectrio.models.paddle_setup import paddle
+    from spectrio.models.ops.paddle_setup import paddle
 
     cfg = model.config
     block = 16

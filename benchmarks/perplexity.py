@@ -47,7 +47,7 @@ from pathlib import Path
 
 import httpx
 
-from spectrio.models.loader import load_tokenizer
+from spectrio.models.loading.loader import load_tokenizer
 
 START_TIMEOUT_S = 600.0
 

@@ -26,7 +26,7 @@ from typing import Any, cast, overload
 
 from spectrio.core.draft_methods import DRAFT_METHODS, DraftNeeds, needs_of
 from spectrio.errors import ConfigError
-from spectrio.models.config import DType
+from spectrio.models.architecture.config import DType
 
 __all__ = [
     "BASE_CAPTURE_SIZES",

@@ -29,7 +29,7 @@ Semantics follow vLLM where they overlap:
   token was drawn from.
 
 A chat request carries messages instead of a prompt: their rules are
-:func:`~spectrio.models.chat.check_messages`'s (re-exported here), the wire's type for
+:func:`~spectrio.models.text.chat.check_messages`'s (re-exported here), the wire's type for
 them is :class:`ChatMessage`, and :func:`with_chat_stops` adds the template's
 end-of-turn tokens to the request's stop tokens, as EOS is added.
 """
@@ -46,7 +46,7 @@ import numpy as np
 from msgspec import inspect as mi
 
 from spectrio.errors import InvalidRequest, RefusalCode
-from spectrio.models.chat import MESSAGE_RULES, MESSAGES_RULE, check_messages
+from spectrio.models.text.chat import MESSAGE_RULES, MESSAGES_RULE, check_messages
 
 __all__ = [
     "MAX_CACHE_SALT_LEN",
@@ -394,7 +394,7 @@ def max_prompt_bytes(max_model_len: int, max_token_bytes: int) -> int:
     """The longest text, in UTF-8 bytes, that could still be a prompt under
     ``max_model_len``: a prompt needs at most ``max_model_len - 1`` tokens, and a token
     stands for at most ``max_token_bytes`` bytes (the tokenizer's longest vocabulary
-    entry, :attr:`spectrio.models.tokenizer.TextTokenizer.max_token_bytes`). Exact: that
+    entry, :attr:`spectrio.models.text.tokenizer.TextTokenizer.max_token_bytes`). Exact: that
     many repetitions of the longest entry fit. Longer text cannot fit, whatever it says."""
     return (max_model_len - 1) * max_token_bytes
 

@@ -38,7 +38,7 @@ from spectrio.core.params import SamplingParams, check_prompt
 from spectrio.errors import EngineDead
 from spectrio.http_api.logprobs import TokenStrings
 from spectrio.http_api.mapping import HttpError
-from spectrio.models.tokenizer import TextTokenizer
+from spectrio.models.text.tokenizer import TextTokenizer
 from spectrio.wire.admission import RateLimiter
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ from spectrio.http_api.schema import (
     CompletionLogprobs,
     TopLogprob,
 )
-from spectrio.models.tokenizer import TextTokenizer
+from spectrio.models.text.tokenizer import TextTokenizer
 
 __all__ = [
     "MIN_LOGPROB",

@@ -16,7 +16,7 @@ import trio
 
 from spectrio.core.config import ConfigError, RuntimeConfig
 from spectrio.models import LoadedModel, load
-from spectrio.models.paddle_setup import MKL_CPU_TYPE, configure_paddle
+from spectrio.models.ops.paddle_setup import MKL_CPU_TYPE, configure_paddle
 from spectrio.runtime.engine import Runtime
 from spectrio.runtime.streams import Delta, RequestStream
 from spectrio.runtime.tp import TPGroup

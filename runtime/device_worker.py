@@ -25,7 +25,7 @@ from msgspec.structs import replace
 
 from spectrio.core.messages import StepPlan, StepResult
 from spectrio.core.timing import DeviceTiming
-from spectrio.models.paddle_setup import use_configured_threads
+from spectrio.models.ops.paddle_setup import use_configured_threads
 from spectrio.stages.device import draft as draft_stage
 from spectrio.stages.device import sampler as sampler_stage
 from spectrio.stages.device import verify as verify_stage

@@ -32,7 +32,7 @@ from spectrio.core.params import (
 from spectrio.core.timing import StepTiming
 from spectrio.errors import CheckpointError, EngineDead
 from spectrio.models import LoadedModel
-from spectrio.models.chat import ChatTemplate, chat_template_for
+from spectrio.models.text.chat import ChatTemplate, chat_template_for
 from spectrio.process_memory import peak_rss_bytes, rss_bytes
 from spectrio.runtime.device_worker import DeviceWorker
 from spectrio.runtime.kv_sizing import (

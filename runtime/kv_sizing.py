@@ -24,11 +24,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from spectrio.core.config import ConfigError, RuntimeConfig
-from spectrio.models.config import ModelConfig
+from spectrio.models.architecture.config import ModelConfig
 
 if TYPE_CHECKING:
     from spectrio.models import LoadedModel
-    from spectrio.models.tokenizer import TextTokenizer
+    from spectrio.models.text.tokenizer import TextTokenizer
 
 __all__ = ["check_checkpoint", "check_draft", "draft_kv_layers", "num_kv_blocks"]
 

@@ -31,8 +31,8 @@ from spectrio.core.params import (
 )
 from spectrio.errors import EngineDead
 from spectrio.models import LoadedModel
-from spectrio.models.chat import ChatTemplate, is_messages
-from spectrio.models.tokenizer import TextTokenizer
+from spectrio.models.text.chat import ChatTemplate, is_messages
+from spectrio.models.text.tokenizer import TextTokenizer
 from spectrio.runtime.streams import Delta, OpenRequest
 
 
@@ -62,7 +62,7 @@ class RuntimeRequests:
         """Check a request with the rules of :mod:`spectrio.core.params` (the wire
         codec runs the same ones). Returns the prompt's token ids, the parameters and the
         request id (a fresh one for ``None``). A message list (``chat``, or a prompt that
-        :func:`~spectrio.models.chat.is_messages`) is rendered by :meth:`chat_prompt`.
+        :func:`~spectrio.models.text.chat.is_messages`) is rendered by :meth:`chat_prompt`.
         Raises :class:`InvalidRequest`."""
         params = check_params(
             SamplingParams() if params is None else params, self.loaded.config.vocab_size

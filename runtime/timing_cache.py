@@ -68,7 +68,7 @@ def cache_root(setting: str) -> Path | None:
 
 
 def _cpu_model() -> str:
-    from spectrio.models.fast_ops import cpuinfo_line
+    from spectrio.models.ops.fast_ops import cpuinfo_line
 
     return cpuinfo_line("model name").split(":", 1)[-1].strip() or platform.processor()
 
@@ -110,9 +110,9 @@ def identity(
 ) -> dict[str, Any]:
     """Everything that moves a step's time, as JSON-ready data (``head_path``: the MTP
     head file attached to the model, :attr:`LoadedModel.head_path`)."""
-    from spectrio.models.fast_ops import cpu_signature
-    from spectrio.models.loader import blocks_enabled
-    from spectrio.models.native_ops import kernels_identity
+    from spectrio.models.loading.loader import blocks_enabled
+    from spectrio.models.ops.fast_ops import cpu_signature
+    from spectrio.models.ops.native_ops import kernels_identity
 
     spec = config.speculative
     return {
@@ -129,7 +129,7 @@ def identity(
         **({"draft": [spec.draft_model, spec.draft_layers]} if spec.needs.draft_model else {}),
         "cpu": [_cpu_model(), os.cpu_count(), cpu_signature()],
         "kernels": kernels_identity() if config.dtype == "float32" else "off",
-        # the file's quantized blocks instead of float weights (models/loader.py)
+        # the file's quantized blocks instead of float weights (models/loading/loader.py)
         **({"blocks": True} if blocks_enabled() else {}),
     }
 

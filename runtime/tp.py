@@ -42,8 +42,8 @@ from spectrio.core.config import SpeculativeConfig
 from spectrio.core.messages import StepPlan
 from spectrio.errors import ConfigError
 from spectrio.models import SpectrioForCausalLM
-from spectrio.models.paddle_setup import paddle
-from spectrio.models.parallel import TPShard
+from spectrio.models.architecture.parallel import TPShard
+from spectrio.models.ops.paddle_setup import paddle
 from spectrio.stages.device.workspace import Workspace
 
 log = structlog.get_logger("spectrio.runtime.tp")

@@ -21,8 +21,8 @@ log = structlog.get_logger("spectrio.runtime.tp_follower")
 
 
 def run_follower() -> int:
-    from spectrio.models.paddle_setup import configure_paddle
-    from spectrio.models.parallel import load_sharded
+    from spectrio.models.architecture.parallel import load_sharded
+    from spectrio.models.ops.paddle_setup import configure_paddle
     from spectrio.runtime.tp import GroupEnv, PlanLink, init_collectives, make_workspace
     from spectrio.stages.device import draft as draft_stage
     from spectrio.stages.device import verify as verify_stage

@@ -10,8 +10,8 @@ import trio
 from spectrio.core.config import ConfigError, RuntimeConfig
 from spectrio.errors import EngineDead
 from spectrio.models import LoadedModel
-from spectrio.models.loader import model_config
-from spectrio.models.parallel import check_divisible, load_sharded
+from spectrio.models.architecture.parallel import check_divisible, load_sharded
+from spectrio.models.loading.loader import model_config
 from spectrio.runtime.kv_sizing import num_kv_blocks
 from spectrio.runtime.tp import GroupEnv, GroupSetup, TPGroup, check_can_join
 

@@ -1,5 +1,5 @@
 """spectrio's cache folder, shared by every layer that keeps something per machine (the
-fused-kernel verdict in :mod:`spectrio.models.fast_ops`, the adaptive policy's step times
+fused-kernel verdict in :mod:`spectrio.models.ops.fast_ops`, the adaptive policy's step times
 in :mod:`spectrio.runtime.timing_cache`). It lives in the top-level package, as
 :mod:`spectrio.errors` does, because ``models`` sits below everything and may import no
 other sub-package."""

@@ -58,10 +58,10 @@ def _own_timing_cache(
     folder of its own (``timing_cache="auto"`` reads ``$SPECTRIO_CACHE_DIR``), never the
     user's cache or another test's."""
     monkeypatch.setenv("SPECTRIO_CACHE_DIR", str(tmp_path_factory.mktemp("spectrio_cache")))
-    # GGUF conversions (models/gguf_cache.py) are kept for the whole session instead: the
+    # GGUF conversions (models/loading/gguf_cache.py) are kept for the whole session instead: the
     # SmolLM2 tests would otherwise each convert the file again.
     monkeypatch.setenv("SPECTRIO_GGUF_CACHE", str(_session_folder(tmp_path_factory, "gguf_cache")))
-    # So are the native kernels (models/native_ops.py): built once per session, not once
+    # So are the native kernels (models/ops/native_ops.py): built once per session, not once
     # per test process that starts (tensor-parallel ranks, servers).
     monkeypatch.setenv("SPECTRIO_NATIVE_OPS", str(_session_folder(tmp_path_factory, "native")))
 
@@ -92,7 +92,7 @@ def smollm2_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     from spectrio.cache_dir import cache_dir
     from spectrio.errors import CheckpointError
-    from spectrio.models.loader import SMOLLM2_GGUF, smollm2_path
+    from spectrio.models.loading.loader import SMOLLM2_GGUF, smollm2_path
 
     # The autouse fixture points SPECTRIO_CACHE_DIR at a per-test folder; the model
     # belongs in the user's own cache, shared by every run.

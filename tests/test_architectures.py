@@ -21,7 +21,7 @@ from test_tensor_parallel import run_ranks
 
 from spectrio.errors import ModelConfigError
 from spectrio.models import LoadedModel, ModelConfig, PackedBatch, PagedKVCache, load, reference
-from spectrio.models.checkpoint import half_to_interleaved, interleaved_to_half
+from spectrio.models.loading.checkpoint import half_to_interleaved, interleaved_to_half
 
 ARCHS = Path(__file__).resolve().parent / "data" / "archs"
 GOLDEN = json.loads((ARCHS / "golden.json").read_text())
@@ -193,7 +193,7 @@ def test_family_defaults_follow_transformers() -> None:
 TP_FORWARD = r"""
 import json, sys, numpy as np, paddle
 from spectrio.models import PackedBatch, PagedKVCache
-from spectrio.models.parallel import load_sharded
+from spectrio.models.architecture.parallel import load_sharded
 from spectrio.runtime.tp import GroupEnv, init_collectives
 tp = init_collectives(GroupEnv.from_environ())
 out = {}

@@ -13,7 +13,7 @@ import trio
 
 from spectrio import RuntimeConfig, open_runtime
 from spectrio.core.timing import StepTiming
-from spectrio.models.synthetic import true_chain
+from spectrio.models.doubles.synthetic import true_chain
 from spectrio.tools import bench
 from spectrio.tools.bench_plot import timeline_bars
 from spectrio.tools.replay import replay_runtime
@@ -483,8 +483,8 @@ def test_bench_chat_prompts_are_held_out_messages_through_the_template(
     """``--prompts chat``: each prompt is one user turn of a held-out message, rendered by
     the model's own template with the assistant's turn opened; a model without a
     template is refused."""
-    from spectrio.models.chat import build_chat_template
-    from spectrio.models.loader import load_text_side
+    from spectrio.models.loading.loader import load_text_side
+    from spectrio.models.text.chat import build_chat_template
     from spectrio.tools.chat_prompts import heldout_chat_prompts
 
     prompts = bench.bench_prompts(3, 48, str(smollm2_gguf), workload="chat")

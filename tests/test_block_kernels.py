@@ -1,4 +1,4 @@
-"""Products with GGUF's quantized blocks (``models/csrc/block_kernels.h``): every type
+"""Products with GGUF's quantized blocks (``models/ops/csrc/block_kernels.h``): every type
 the kernels run, as stored and (all but Q5_K) in the tiled layout the serving
 matrices hold, against NumPy references of the layouts and of the int8 product, bit for
 bit across row counts, threads and CPU paths."""
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from spectrio.errors import CheckpointError
-from spectrio.models import gguf_blocks as gb
-from spectrio.models import native_ops
-from spectrio.models.cpu_paths import CPU_PATH_ENV, available_paths
-from spectrio.models.fast_ops import cpuinfo_line
-from spectrio.models.paddle_setup import configure_paddle, configured_threads, paddle
+from spectrio.models.ops import gguf_blocks as gb
+from spectrio.models.ops import native_ops
+from spectrio.models.ops.cpu_paths import CPU_PATH_ENV, available_paths
+from spectrio.models.ops.fast_ops import cpuinfo_line
+from spectrio.models.ops.paddle_setup import configure_paddle, configured_threads, paddle
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize, quantize  # noqa: E402
@@ -272,8 +272,8 @@ def test_a_tensor_whose_bytes_do_not_fit_its_type_and_shape_is_named() -> None:
 _ON_PATH = """
 import json, sys
 import numpy as np
-from spectrio.models import native_ops, gguf_blocks as gb
-from spectrio.models.paddle_setup import paddle
+from spectrio.models.ops import native_ops, gguf_blocks as gb
+from spectrio.models.ops.paddle_setup import paddle
 assert native_ops.native_ops_available()
 data = np.load(sys.argv[1])
 out = {}
@@ -375,7 +375,7 @@ def test_the_mlp_op_runs_block_weights_with_the_norm_weight_it_is_given(
 def test_a_serving_matrix_keeps_blocks_and_multiplies_by_them() -> None:
     """The tiled types regrouped into tiles once (the same bytes per block, Q4_K's
     unpacked scales aside); Q5_K kept as stored, without a copy."""
-    from spectrio.models.serving_matrix import ServingMatrix
+    from spectrio.models.ops.serving_matrix import ServingMatrix
 
     blocks = _blocks("Q5_0", 21, 64)
     raw = blocks.reshape(21, -1)

@@ -1,5 +1,5 @@
-"""A GGUF file served from its blocks (models/block_serving.py) and read by spectrio's own
-header reader (models/gguf_header.py): what is served from blocks, what is widened and
+"""A GGUF file served from its blocks (models/loading/block_serving.py) and read by spectrio's own
+header reader (models/loading/gguf_header.py): what is served from blocks, what is widened and
 said so, exact re-storing of mixed groups, tensor-parallel shares, and the header's
 refusals."""
 
@@ -16,11 +16,12 @@ from structlog.testing import capture_logs
 from test_gguf import write_gguf
 
 from spectrio.errors import CheckpointError
-from spectrio.models import PackedBatch, PagedKVCache, load, native_ops
-from spectrio.models.block_serving import Shard, as_q8_0, plan_blocks, served_weight_bytes
-from spectrio.models.gguf_blocks import BLOCK_TYPES, dequantize, synthetic_blocks
-from spectrio.models.gguf_file import GGUFFile
-from spectrio.models.gguf_header import GGUFHeader, GGUFHeaderError
+from spectrio.models import PackedBatch, PagedKVCache, load
+from spectrio.models.loading.block_serving import Shard, as_q8_0, plan_blocks, served_weight_bytes
+from spectrio.models.loading.gguf_file import GGUFFile
+from spectrio.models.loading.gguf_header import GGUFHeader, GGUFHeaderError
+from spectrio.models.ops import native_ops
+from spectrio.models.ops.gguf_blocks import BLOCK_TYPES, dequantize, synthetic_blocks
 
 needs_kernels = pytest.mark.skipif(
     not native_ops.native_ops_available(), reason="the block kernels do not build here"

@@ -10,9 +10,9 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from spectrio.errors import CheckpointError, InvalidRequest
-from spectrio.models.chat import ChatTemplate
-from spectrio.models.gguf_file import GGUFFile
-from spectrio.models.tokenizer import TextTokenizer
+from spectrio.models.loading.gguf_file import GGUFFile
+from spectrio.models.text.chat import ChatTemplate
+from spectrio.models.text.tokenizer import TextTokenizer
 
 GOLDEN = json.loads((Path(__file__).resolve().parent / "data" / "smollm2_golden.json").read_text())
 

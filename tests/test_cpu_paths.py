@@ -1,4 +1,4 @@
-"""The native kernels' instruction-set paths (``models/cpu_paths.py``): chosen from the
+"""The native kernels' instruction-set paths (``models/ops/cpu_paths.py``): chosen from the
 CPU's flags, forced with ``SPECTRIO_CPU_PATH``, refused where the CPU lacks them, and each
 path this CPU has built, loaded and run on the bundled model's serving forward against
 the op-by-op Paddle path (a child process per path: one process loads one build)."""
@@ -13,9 +13,9 @@ import sys
 import pytest
 
 from spectrio.errors import ConfigError
-from spectrio.models import native_ops
-from spectrio.models.cpu_paths import CPU_PATH_ENV, available_paths, choose_path
-from spectrio.models.fast_ops import cpuinfo_line
+from spectrio.models.ops import native_ops
+from spectrio.models.ops.cpu_paths import CPU_PATH_ENV, available_paths, choose_path
+from spectrio.models.ops.fast_ops import cpuinfo_line
 
 ZEN3 = frozenset("sse2 avx avx2 fma f16c bmi2".split())
 ZEN4 = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"}
@@ -45,7 +45,8 @@ def test_a_path_the_cpu_lacks_is_refused_naming_what_it_lacks() -> None:
 _FORWARD = """
 import json
 import numpy as np, paddle
-from spectrio.models import PackedBatch, PagedKVCache, load, native_ops
+from spectrio.models import PackedBatch, PagedKVCache, load
+from spectrio.models.ops import native_ops
 lm = load("bundled")
 cfg = lm.config
 out = {"path": native_ops.cpu_path(), "built": native_ops.native_ops_available()}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spectrio.models import fast_ops as fo
-from spectrio.models.paddle_setup import paddle
+from spectrio.models.ops import fast_ops as fo
+from spectrio.models.ops.paddle_setup import paddle
 
 # isort: split
 import paddle.nn.functional as F

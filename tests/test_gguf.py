@@ -23,9 +23,9 @@ from safetensors.numpy import load_file
 
 from spectrio.errors import CheckpointError
 from spectrio.models import load, reference
-from spectrio.models.checkpoint import half_to_interleaved
-from spectrio.models.convert import convert_gguf
-from spectrio.models.gguf_file import GGUFFile
+from spectrio.models.loading.checkpoint import half_to_interleaved
+from spectrio.models.loading.convert import convert_gguf
+from spectrio.models.loading.gguf_file import GGUFFile
 
 ARCHS = Path(__file__).resolve().parent / "data" / "archs"
 GOLDEN = json.loads((ARCHS / "golden.json").read_text())
@@ -171,7 +171,7 @@ def write_gguf(
 def test_every_weight_is_the_dequantized_value_in_hugging_face_order(
     tmp_path: Path, qtype: Q, cache: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Through the converted folder models/gguf_cache.py keeps, and from the file."""
+    """Through the converted folder models/loading/gguf_cache.py keeps, and from the file."""
     if cache == "read directly":
         monkeypatch.setenv("SPECTRIO_GGUF_CACHE", "0")
     path = tmp_path / "tiny.gguf"

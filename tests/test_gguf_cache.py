@@ -1,5 +1,5 @@
 """A GGUF file is converted once into the cache folder and read from there afterwards
-(models/gguf_cache.py): the same model, config, tokenizer and template as the file
+(models/loading/gguf_cache.py): the same model, config, tokenizer and template as the file
 itself, a fresh conversion when the file changes, and the file read directly whenever
 the cache cannot serve."""
 
@@ -13,8 +13,8 @@ from gguf import GGMLQuantizationType as Q
 from test_gguf import write_gguf
 
 from spectrio.models import load
-from spectrio.models.gguf_cache import cached_folder
-from spectrio.models.loader import load_tokenizer, model_config
+from spectrio.models.loading.gguf_cache import cached_folder
+from spectrio.models.loading.loader import load_tokenizer, model_config
 
 
 def _params(path: Path) -> dict[str, np.ndarray]:
@@ -34,7 +34,7 @@ def _refuse_gguf_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("the GGUF file was parsed again")
 
-    monkeypatch.setattr("spectrio.models.loader.GGUFFile", refuse)
+    monkeypatch.setattr("spectrio.models.loading.loader.GGUFFile", refuse)
 
 
 def test_second_load_reads_the_folder_and_gives_the_same_model(
@@ -106,7 +106,7 @@ def test_losing_a_race_keeps_the_winners_folder(
     second finds the folder in place, keeps it and discards its own copy."""
     path = tmp_path / "tiny.gguf"
     write_gguf(path)
-    from spectrio.models import convert  # gguf_cache imports it lazily, from there
+    from spectrio.models.loading import convert  # gguf_cache imports it lazily, from there
 
     original = convert.convert_gguf
     winner: list[Path] = []

@@ -1,5 +1,5 @@
 """Llama 3.x GGUF files carry their ``llama3`` rope scaling as ``rope_freqs.weight``, one
-divisor per RoPE frequency (models/gguf_file.py). Such a file loads with the equivalent
+divisor per RoPE frequency (models/loading/gguf_file.py). Such a file loads with the equivalent
 Hugging Face ``rope_scaling`` and computes the logits of the same weights loaded from a
 folder whose config.json carries it; divisors no ``llama3`` rule gives are refused,
 naming the tensor.
@@ -20,11 +20,11 @@ from test_gguf import write_gguf
 
 from spectrio.errors import CheckpointError
 from spectrio.models import ModelConfig, load
-from spectrio.models.config import RopeScaling
-from spectrio.models.gguf_file import llama3_scaling, rope_divisors
-from spectrio.models.loader import save_checkpoint
-from spectrio.models.model import build_model
-from spectrio.models.paddle_setup import paddle
+from spectrio.models.architecture.config import RopeScaling
+from spectrio.models.architecture.model import build_model
+from spectrio.models.loading.gguf_file import llama3_scaling, rope_divisors
+from spectrio.models.loading.loader import save_checkpoint
+from spectrio.models.ops.paddle_setup import paddle
 
 # Llama 3.1's (and 3.2's but for the factor); another set with its own original length
 LLAMA31 = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)

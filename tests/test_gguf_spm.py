@@ -24,11 +24,12 @@ from test_gguf import ARCHS, write_gguf
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
 from spectrio.errors import CheckpointError
 from spectrio.models import LoadedModel, load, reference
-from spectrio.models.chat import ChatTemplate
-from spectrio.models.convert import convert_gguf
-from spectrio.models.gguf_file import GGUFFile, spm_merges
-from spectrio.models.loader import load_tokenizer
-from spectrio.models.tokenizer import TextTokenizer
+from spectrio.models.loading.convert import convert_gguf
+from spectrio.models.loading.gguf_file import GGUFFile
+from spectrio.models.loading.gguf_vocab import spm_merges
+from spectrio.models.loading.loader import load_tokenizer
+from spectrio.models.text.chat import ChatTemplate
+from spectrio.models.text.tokenizer import TextTokenizer
 
 GOLDEN = json.loads((Path(__file__).resolve().parent / "data" / "spm_golden.json").read_text())
 CASES = [(case["text"], case["ids"], case["decoded"]) for case in GOLDEN["cases"]]

@@ -1,7 +1,7 @@
 """Issue 15 item 10: importing spectrio and running a runtime leaves the host process as it
 was. Paddle installs C-level handlers for SIGTERM and the fatal signals behind Python's
 back, and configures the root logger, when it is imported; spectrio imports it in one
-place (``spectrio.models.paddle_setup``), under ``host_state_kept``, which puts both back.
+place (``spectrio.models.ops.paddle_setup``), under ``host_state_kept``, which puts both back.
 
 Each check runs in a fresh interpreter that sets its own state first, as a host
 application would, then imports spectrio and runs a request."""
@@ -109,7 +109,7 @@ def _imports_paddle(tree: ast.AST) -> list[int]:
 
 
 def test_paddle_is_imported_only_through_paddle_setup() -> None:
-    """Every module of the package takes Paddle from ``spectrio.models.paddle_setup``;
+    """Every module of the package takes Paddle from ``spectrio.models.ops.paddle_setup``;
     a direct ``import paddle`` must follow that import in the same module."""
     offenders = []
     packages = ["models", "core", "stages", "runtime", "wire", "tools", "spectrio_root"]
@@ -121,7 +121,7 @@ def test_paddle_is_imported_only_through_paddle_setup() -> None:
             direct = _imports_paddle(ast.parse(source))
             if not direct:
                 continue
-            guard = source.find("from spectrio.models.paddle_setup import")
+            guard = source.find("from spectrio.models.ops.paddle_setup import")
             first = min(direct)
             guard_line = source[:guard].count("\n") + 1 if guard >= 0 else None
             if guard_line is None or guard_line > first:

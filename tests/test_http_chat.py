@@ -16,7 +16,7 @@ import openai
 import pytest
 from http_helpers import HttpServer, http_server
 
-from spectrio.models.tokenizer import TextTokenizer
+from spectrio.models.text.tokenizer import TextTokenizer
 
 GOLDEN = json.loads((Path(__file__).resolve().parent / "data" / "smollm2_golden.json").read_text())
 MODEL = "smollm2"
@@ -47,7 +47,7 @@ def client(server: HttpServer) -> Iterator[openai.OpenAI]:
 def test_the_answer_is_the_golden_one(client: openai.OpenAI, smollm2_gguf: Path) -> None:
     from tokenizers import Tokenizer
 
-    from spectrio.models.gguf_file import GGUFFile
+    from spectrio.models.loading.gguf_file import GGUFFile
 
     vocab = GGUFFile(smollm2_gguf).tokenizer_json()
     assert vocab is not None

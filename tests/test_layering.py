@@ -98,3 +98,40 @@ def test_stage_rooms_do_not_import_each_other() -> None:
                         if other in STAGE_ROOMS and other != room:
                             bad.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not bad, "\n".join(bad)
+
+
+# Inside models/, the serving rooms never import the test doubles (the oracle, the synthetic
+# device): those stand in for the model in tests and benchmarks. The one exception is the
+# seam that selects the synthetic device by name, ``load("synthetic:...")``, which imports
+# it inside the function, only when asked for.
+SERVING_ROOMS = ("architecture", "ops", "loading", "text")
+DOUBLES = "spectrio.models.doubles"
+DOUBLES_SEAMS = {("models/loading/loader.py", "spectrio.models.doubles.synthetic")}
+
+
+def _imported_modules(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+def test_serving_rooms_do_not_import_the_doubles() -> None:
+    bad: list[str] = []
+    for room in SERVING_ROOMS:
+        for path in sorted((ROOT / "models" / room).rglob("*.py")):
+            where = str(path.relative_to(ROOT))
+            for name in _imported_modules(path):
+                doubles = name == DOUBLES or name.startswith(DOUBLES + ".")
+                if name == "spectrio.models.doubles.reference":  # the package's lazy re-export
+                    doubles = True
+                seam = any(
+                    where == w and (name == m or name.startswith(m + ".")) for w, m in DOUBLES_SEAMS
+                )
+                if doubles and not seam:
+                    bad.append(f"{where} imports {name}")
+    assert not bad, "\n".join(bad)

@@ -1,4 +1,4 @@
-"""The memory floor (``spectrio.models.memory_floor``): the bytes a target forward reads
+"""The memory floor (``spectrio.models.ops.memory_floor``): the bytes a target forward reads
 are its weights (counted from the configuration, checked here against the checkpoint's
 own parameters) and its rows' KV, and the bandwidth probe's kernel reads its buffer
 exactly (its sum equals NumPy's)."""
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from spectrio.models import LoadedModel
-from spectrio.models.memory_floor import floor_us, forward_bytes, read_bandwidth
-from spectrio.models.native_ops import native_ops_available, read_sum
-from spectrio.models.paddle_setup import paddle
+from spectrio.models.ops.memory_floor import floor_us, forward_bytes, read_bandwidth
+from spectrio.models.ops.native_ops import native_ops_available, read_sum
+from spectrio.models.ops.paddle_setup import paddle
 
 
 def _target_parameter_bytes(loaded: LoadedModel) -> int:
@@ -35,7 +35,7 @@ def test_forward_bytes_are_the_targets_weights_and_its_rows_kv(bundled: LoadedMo
 
 
 def test_biases_and_qk_norms_are_counted() -> None:
-    from spectrio.models.config import ModelConfig
+    from spectrio.models.architecture.config import ModelConfig
 
     base = ModelConfig(
         vocab_size=100,

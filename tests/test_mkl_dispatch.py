@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from spectrio.models.mkl_dispatch import MKL_CPU_TYPE_VAR, apply_mkl_dispatch, mkl_cpu_type_for
+from spectrio.models.ops.mkl_dispatch import MKL_CPU_TYPE_VAR, apply_mkl_dispatch, mkl_cpu_type_for
 
 AMD_AVX2 = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -57,7 +57,7 @@ def test_apply_sets_the_environment_from_cpuinfo(tmp_path: Path) -> None:
 
 def _variable_after_import(env: dict[str, str]) -> str:
     code = (
-        "import os, spectrio.models.paddle_setup as s; "
+        "import os, spectrio.models.ops.paddle_setup as s; "
         f"print(repr(os.environ.get({MKL_CPU_TYPE_VAR!r})), repr(s.MKL_CPU_TYPE))"
     )
     out = subprocess.run(

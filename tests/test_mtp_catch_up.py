@@ -9,7 +9,7 @@ from conftest import tiny_model
 
 from spectrio import SamplingParams
 from spectrio.core.messages import SeqWork
-from spectrio.models.paddle_setup import paddle
+from spectrio.models.ops.paddle_setup import paddle
 from spectrio.stages.device.draft.mtp import CatchUp, HiddenStore
 
 

@@ -1,4 +1,4 @@
-"""Where an MTP head is found (models/mtp_head.py): beside the model first, else the head
+"""Where an MTP head is found (models/loading/mtp_head.py): beside the model first, else the head
 the package ships for a target with this model's fingerprint, whatever the model is
 called; a shipped head keeps its checksum check. The heads here are real files: the
 bundled model's MTP layer saved as a head for a headless copy of its target."""
@@ -14,8 +14,8 @@ from test_train_mtp import headless_copy
 
 from spectrio.errors import CheckpointError
 from spectrio.models import LoadedModel, load
-from spectrio.models.loader import model_config, open_checkpoint
-from spectrio.models.mtp_head import (
+from spectrio.models.loading.loader import model_config, open_checkpoint
+from spectrio.models.loading.mtp_head import (
     HEAD_FILE,
     SHIPPED_HEADS,
     head_target,

@@ -4,7 +4,7 @@ Each test writes tiny random checkpoints with safetensors: one model's weights i
 family's MTP layout (DeepSeek-V3 for a Llama, MiMo's for ``MiMoForCausalLM``, ERNIE 4.5's
 for ``Ernie4_5ForCausalLM``) and, for MiMo and ERNIE, the very same values in the
 DeepSeek layout beside it. The renaming below is written from the engines' sources, not
-from :mod:`spectrio.models.mtp_layout`, and a NumPy forward pass that follows each
+from :mod:`spectrio.models.loading.mtp_layout`, and a NumPy forward pass that follows each
 engine's MTP math on the stored tensors checks the whole wiring: names, the order of the
 concatenation, which norm runs where, which target state the layer reads and which of
 its own states the next substep reads.
@@ -37,8 +37,8 @@ from spectrio.models import (
     reference,
     save_checkpoint,
 )
-from spectrio.models.loader import state_dict_hf
-from spectrio.models.mtp_layout import convert, detect, hf_name
+from spectrio.models.loading.loader import state_dict_hf
+from spectrio.models.loading.mtp_layout import convert, detect, hf_name
 
 LAYOUTS = ["deepseek", "mimo", "ernie"]
 ARCH = {"deepseek": "LlamaForCausalLM", "mimo": "MiMoForCausalLM", "ernie": "Ernie4_5ForCausalLM"}
@@ -508,7 +508,7 @@ async def test_runtime_drafts_are_the_dense_chain_every_step(
 TP_MTP = r"""
 import json, sys, numpy as np, paddle
 from spectrio.models import PackedBatch, PagedKVCache
-from spectrio.models.parallel import load_sharded
+from spectrio.models.architecture.parallel import load_sharded
 from spectrio.runtime.tp import GroupEnv, init_collectives
 tp = init_collectives(GroupEnv.from_environ())
 out = {}

@@ -1,4 +1,4 @@
-"""The native decoder layer (``models/csrc/spectrio_layer.cc``, issue 57): each
+"""The native decoder layer (``models/ops/csrc/spectrio_layer.cc``, issue 57): each
 architecture's float32 serving forward and the MTP pass through it against the op-by-op
 Paddle path, batch invariance (a row's logits are bit-identical whatever shares its step,
 however many rows and threads), and its addressing errors."""
@@ -12,8 +12,9 @@ import numpy as np
 import paddle
 import pytest
 
-from spectrio.models import LoadedModel, PackedBatch, PagedKVCache, load, native_ops
-from spectrio.models.paddle_setup import configure_paddle, configured_threads
+from spectrio.models import LoadedModel, PackedBatch, PagedKVCache, load
+from spectrio.models.ops import native_ops
+from spectrio.models.ops.paddle_setup import configure_paddle, configured_threads
 
 pytestmark = pytest.mark.skipif(
     not native_ops.native_ops_available(), reason="spectrio's native kernels do not build here"

@@ -1,4 +1,4 @@
-"""spectrio's own kernels (models/native_ops.py) against the plain Paddle path they
+"""spectrio's own kernels (models/ops/native_ops.py) against the plain Paddle path they
 replace, and the switch that turns them off."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import sys
 import numpy as np
 import pytest
 
-from spectrio.models import native_ops
-from spectrio.models.paddle_setup import configure_paddle, paddle
-from spectrio.models.serving_matrix import PANEL, ServingMatrix, pack_panels
+from spectrio.models.ops import native_ops
+from spectrio.models.ops.paddle_setup import configure_paddle, paddle
+from spectrio.models.ops.serving_matrix import PANEL, ServingMatrix, pack_panels
 
 configure_paddle()  # Paddle as the runtime sets it up (stride kernels off), in any test order
 
@@ -139,7 +139,7 @@ def test_off_switch_and_the_same_greedy_tokens_either_way() -> None:
     code = (
         "import json, trio\n"
         "from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime\n"
-        "from spectrio.models import native_ops\n"
+        "from spectrio.models.ops import native_ops\n"
         "async def main():\n"
         "    cfg = RuntimeConfig(speculative=SpeculativeConfig(num_speculative_tokens=2))\n"
         "    out = []\n"

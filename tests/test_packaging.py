@@ -100,7 +100,7 @@ def test_wire_and_kernels_import_without_paddle() -> None:
         "from spectrio.cuda_kernels import speculate_save_ref, pack_topk_ref\n"
         "from spectrio import SamplingParams\n"
         "from spectrio.models import TextTokenizer, BUNDLED_DIR\n"
-        "assert 'spectrio.models.model' not in sys.modules\n"
+        "assert 'spectrio.models.architecture.model' not in sys.modules\n"
         "print('ok')\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -91,7 +91,7 @@ def test_a_single_sequences_rows_attend_alike_in_both_layouts(
 ) -> None:
     """One sequence's few rows (batch-1 verification) broadcast K/V over the rows; the
     transposed layout that every other batch uses gives the same logits."""
-    from spectrio.models import batch as batch_module
+    from spectrio.models.architecture import batch as batch_module
 
     model = tiny_model("float64", seed=6)
     rng = np.random.default_rng(2)
@@ -120,7 +120,7 @@ def test_short_rows_are_not_padded_to_a_prefill_chunk(monkeypatch: pytest.Monkey
     """A step mixing a prefill chunk with decode and verify rows attends in two groups, each
     padded to its own length; the logits equal the single padded group's, whatever order
     the sequences come in."""
-    from spectrio.models import batch as batch_module
+    from spectrio.models.architecture import batch as batch_module
 
     model = tiny_model("float64", seed=8)
     rng = np.random.default_rng(4)
@@ -210,7 +210,7 @@ def test_fused_serving_weights_follow_training_updates() -> None:
 def test_attention_plan_pads_only_mixed_batches() -> None:
     """Equal query lengths (decode, verify) need no padding gathers; mixed ones do, and
     every padded row is masked to one visible key so its softmax stays finite."""
-    from spectrio.models.batch import AttentionPlan
+    from spectrio.models.architecture.batch import AttentionPlan
 
     tables = [np.array([3, 4]), np.array([7, 1])]
     cache = PagedKVCache(1, 8, BLOCK, 2, 4, "float64")  # 2 KV heads, 8 blocks of 4 slots

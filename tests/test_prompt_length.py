@@ -15,8 +15,8 @@ import trio
 from spectrio import RuntimeConfig, SamplingParams, open_runtime
 from spectrio.core.params import check_prompt, check_text_length, max_prompt_bytes
 from spectrio.errors import InvalidRequest
-from spectrio.models.config import BUNDLED_DIR
-from spectrio.models.tokenizer import TextTokenizer
+from spectrio.models.architecture.config import BUNDLED_DIR
+from spectrio.models.text.tokenizer import TextTokenizer
 
 
 @pytest.fixture(scope="module")

@@ -24,12 +24,12 @@ from gguf.quants import dequantize, quant_shape_to_byte_shape
 from test_smollm2 import teacher_forced_top
 
 from spectrio.errors import CheckpointError
-from spectrio.models import LoadedModel, load, native_ops, reference
-from spectrio.models.block_serving import plan_blocks
-from spectrio.models.config import BUNDLED_DIR
-from spectrio.models.gguf_cache import cached_folder
-from spectrio.models.gguf_file import GGUFFile, rope_divisors
-from spectrio.models.gguf_quantize import (
+from spectrio.models import LoadedModel, load, reference
+from spectrio.models.architecture.config import BUNDLED_DIR
+from spectrio.models.loading.block_serving import plan_blocks
+from spectrio.models.loading.gguf_cache import cached_folder
+from spectrio.models.loading.gguf_file import GGUFFile, rope_divisors
+from spectrio.models.loading.gguf_quantize import (
     QUANT_TYPES,
     Choice,
     file_type,
@@ -39,8 +39,9 @@ from spectrio.models.gguf_quantize import (
     quantize_q6_k,
     tensor_type,
 )
-from spectrio.models.gguf_write import TensorDone, write_gguf
-from spectrio.models.loader import state_dict_hf
+from spectrio.models.loading.gguf_write import TensorDone, write_gguf
+from spectrio.models.loading.loader import state_dict_hf
+from spectrio.models.ops import native_ops
 from spectrio.tools import quantize as quantize_cli
 from spectrio.tools.cli import main
 

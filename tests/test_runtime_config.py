@@ -478,7 +478,7 @@ def test_the_device_worker_thread_gets_the_configured_thread_count() -> None:
     import threading
     from pathlib import Path
 
-    from spectrio.models.paddle_setup import configure_paddle, paddle, use_configured_threads
+    from spectrio.models.ops.paddle_setup import configure_paddle, paddle, use_configured_threads
 
     lib_path = Path(paddle.__file__).parent / "libs" / "libiomp5.so"
     if not lib_path.exists():

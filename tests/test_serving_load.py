@@ -10,10 +10,10 @@ import trio
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
 from spectrio.models import load
-from spectrio.models.batch import PackedBatch
-from spectrio.models.kv_cache import PagedKVCache
-from spectrio.models.loader import save_checkpoint
-from spectrio.models.paddle_setup import paddle
+from spectrio.models.architecture.batch import PackedBatch
+from spectrio.models.architecture.kv_cache import PagedKVCache
+from spectrio.models.loading.loader import save_checkpoint
+from spectrio.models.ops.paddle_setup import paddle
 
 
 def _logits(model: object, prompt: list[int]) -> np.ndarray:

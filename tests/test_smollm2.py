@@ -25,11 +25,11 @@ from spectrio.models import (
     PagedKVCache,
     SpectrioForCausalLM,
     load,
-    native_ops,
     reference,
 )
-from spectrio.models.convert import convert_gguf
-from spectrio.models.loader import SMOLLM2_GGUF, smollm2_path
+from spectrio.models.loading.convert import convert_gguf
+from spectrio.models.loading.loader import SMOLLM2_GGUF, smollm2_path
+from spectrio.models.ops import native_ops
 
 GOLDEN = json.loads((Path(__file__).resolve().parent / "data" / "smollm2_golden.json").read_text())
 
@@ -137,14 +137,14 @@ def test_the_q4_1_blocks_predict_as_the_float_weights_they_hold(
     smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The shipped file's Q4_1 (and Q8_0 head) blocks, multiplied as stored with int8
-    activations (a serving load, ``models/block_serving.py``), predict the golden
+    activations (a serving load, ``models/loading/block_serving.py``), predict the golden
     answers' next tokens as the float32 weights they dequantize to do, teacher-forced
     over prompt and answer: the same argmax at nearly every position (activations
     rounded to 8 bits tip near ties: the first answer token of prompt 0 is 0.08 of a
     logit ahead of the next)."""
     if not native_ops.native_ops_available():
         pytest.skip("the block kernels do not build here")
-    from spectrio.models.loader import BLOCKS_ENV
+    from spectrio.models.loading.loader import BLOCKS_ENV
 
     argmax_rows = teacher_forced_top
     monkeypatch.setenv(BLOCKS_ENV, "0")
@@ -166,7 +166,7 @@ def test_only_a_serving_load_takes_the_blocks(
     widen the weights to float32 parameters."""
     if not native_ops.native_ops_available():
         pytest.skip("the block kernels do not build here")
-    from spectrio.models.loader import BLOCKS_ENV
+    from spectrio.models.loading.loader import BLOCKS_ENV
 
     monkeypatch.setenv(BLOCKS_ENV, "0")
     layer = load(smollm2_gguf, mtp_head=False, serving=True).model.model.layers[0]

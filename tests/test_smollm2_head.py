@@ -13,9 +13,9 @@ import trio
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
 from spectrio.models import LoadedModel, load
-from spectrio.models.gguf_cache import cached_folder
-from spectrio.models.loader import model_config
-from spectrio.models.mtp_head import SHIPPED_HEADS, file_sha256
+from spectrio.models.loading.gguf_cache import cached_folder
+from spectrio.models.loading.loader import model_config
+from spectrio.models.loading.mtp_head import SHIPPED_HEADS, file_sha256
 
 PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef list_files(path):\n"]
 
@@ -82,7 +82,7 @@ def test_speculation_on_the_quantized_blocks_is_lossless(smollm2_gguf: Path) -> 
     """Served from the file's Q4_1 blocks (a runtime's own load), greedy and seeded
     output with MTP drafts equal the output without: the block products are batch
     invariant, so verifying k+1 rows computes each row as decoding it alone does."""
-    from spectrio.models import native_ops
+    from spectrio.models.ops import native_ops
 
     if not native_ops.native_ops_available():
         pytest.skip("the block kernels do not build here")
@@ -108,7 +108,7 @@ def test_a_quantized_file_drafts_from_float16_panels_when_asked(
     """``SPECTRIO_GGUF_DRAFT=F16``: the MTP pass keeps float16 panels; a type without a
     draft format is refused, naming the ones there are."""
     from spectrio.errors import ConfigError
-    from spectrio.models import native_ops
+    from spectrio.models.ops import native_ops
 
     if not native_ops.native_ops_available():
         pytest.skip("the block kernels do not build here")
@@ -137,7 +137,7 @@ def test_train_mtp_writes_its_own_user_messages(smol: LoadedModel, tmp_path: Pat
 
     import numpy as np
 
-    from spectrio.models.chat import chat_template_for
+    from spectrio.models.text.chat import chat_template_for
     from spectrio.tools.chat_prompts import usable_messages
     from spectrio.tools.train_mtp import _write_messages, build_prompts, user_messages
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from spectrio.models.staging import Staging
+from spectrio.models.ops.staging import Staging
 
 
 def test_put_gives_the_array_and_reuses_tensors_across_passes() -> None:

@@ -1,4 +1,4 @@
-"""The synthetic device (spectrio.models.synthetic): its spec, its cost, and, through the
+"""The synthetic device (spectrio.models.doubles.synthetic): its spec, its cost, and, through the
 real runtime, lossless greedy output at the acceptance rates it was asked for."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import trio
 
 from spectrio import ConfigError, RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
 from spectrio.models import PackedBatch, PagedKVCache, load
-from spectrio.models.synthetic import (
+from spectrio.models.doubles.synthetic import (
     SYNTHETIC_CONFIG,
     SyntheticModel,
     SyntheticSpec,

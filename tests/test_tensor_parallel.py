@@ -23,7 +23,7 @@ import trio
 from spectrio import RuntimeConfig, open_runtime
 from spectrio.errors import ConfigError
 from spectrio.models import BUNDLED_DIR, LoadedModel, ModelConfig, PackedBatch, PagedKVCache
-from spectrio.models.parallel import TPShard, check_divisible, load_sharded
+from spectrio.models.architecture.parallel import TPShard, check_divisible, load_sharded
 from spectrio.runtime.tp import GroupEnv
 
 HERE = Path(__file__).resolve().parent
@@ -130,7 +130,7 @@ def test_rank_shards_concatenate_to_the_full_weights(bundled64: LoadedModel) -> 
 FORWARD = r"""
 import sys, numpy as np, paddle
 from spectrio.models import PackedBatch, PagedKVCache
-from spectrio.models.parallel import load_sharded
+from spectrio.models.architecture.parallel import load_sharded
 from spectrio.runtime.tp import GroupEnv, init_collectives
 tp = init_collectives(GroupEnv.from_environ())
 m = load_sharded("bundled", tp, "float64").model
@@ -212,8 +212,8 @@ def test_tp2_serves_a_quantized_file_from_its_blocks_as_tp1_does(
     """The bundled model quantized to Q8_0: each rank multiplies by its share of the
     file's blocks (rows of q/k/v, gate/up and the vocabulary; whole blocks of every row of
     o and down) and greedy output is TP=1's, with and without n-gram drafts."""
-    from spectrio.models import native_ops
-    from spectrio.models.gguf_write import write_gguf
+    from spectrio.models.loading.gguf_write import write_gguf
+    from spectrio.models.ops import native_ops
 
     if not native_ops.native_ops_available():
         pytest.skip("the block kernels do not build here")

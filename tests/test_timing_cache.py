@@ -14,9 +14,9 @@ from test_gguf import write_gguf
 
 from spectrio import ConfigError, RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
 from spectrio.models import load
-from spectrio.models.loader import open_checkpoint
-from spectrio.models.model import build_model
-from spectrio.models.mtp_head import HEAD_FILE, head_path_for, save_head, target_fingerprint
+from spectrio.models.architecture.model import build_model
+from spectrio.models.loading.loader import open_checkpoint
+from spectrio.models.loading.mtp_head import HEAD_FILE, head_path_for, save_head, target_fingerprint
 from spectrio.runtime import timing_cache
 
 MAX_TOKENS = 64
@@ -140,7 +140,7 @@ def test_a_file_is_read_only_for_its_own_identity(tmp_path: Path) -> None:
 def test_one_cache_folder_for_every_layer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """$SPECTRIO_CACHE_DIR, else $XDG_CACHE_HOME/spectrio, else ~/.cache/spectrio (an empty
     variable counts as unset); the timing cache's "auto" and the fused-kernel verdict
-    (``spectrio.models.fast_ops``) both use it."""
+    (``spectrio.models.ops.fast_ops``) both use it."""
     from spectrio.cache_dir import cache_dir
 
     monkeypatch.setenv("SPECTRIO_CACHE_DIR", str(tmp_path / "own"))

@@ -18,9 +18,9 @@ from safetensors.numpy import save_file
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
 from spectrio.errors import CheckpointError
 from spectrio.models import LoadedModel, load
-from spectrio.models.config import BUNDLED_DIR
-from spectrio.models.loader import state_dict_hf
-from spectrio.models.mtp_head import HEAD_FILE, head_path_for
+from spectrio.models.architecture.config import BUNDLED_DIR
+from spectrio.models.loading.loader import state_dict_hf
+from spectrio.models.loading.mtp_head import HEAD_FILE, head_path_for
 from spectrio.tools import train_mtp
 from spectrio.tools.train_mtp import (
     Features,
@@ -218,8 +218,8 @@ def test_tensor_parallel_shards_carry_the_head(trained: Path) -> None:
     """Each rank attaches the head and reads its own slices of it: put back together
     they are the head the whole model loads. The group's plan sizes the MTP layer's KV
     from the same config (``model_config``)."""
-    from spectrio.models.loader import model_config
-    from spectrio.models.parallel import TPShard, load_sharded
+    from spectrio.models.architecture.parallel import TPShard, load_sharded
+    from spectrio.models.loading.loader import model_config
 
     assert model_config(str(trained)).has_mtp
     full = load(trained).model

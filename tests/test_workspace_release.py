@@ -99,7 +99,7 @@ def test_stored_hidden_rows_share_a_small_step_and_copy_from_a_large_one() -> No
     import numpy as np
     from conftest import tiny_model
 
-    from spectrio.models.paddle_setup import paddle
+    from spectrio.models.ops.paddle_setup import paddle
     from spectrio.stages.device.draft.mtp import SHARE_ROWS, HiddenStore
 
     ws = HiddenStore(tiny_model())
@@ -118,7 +118,7 @@ def test_hidden_rows_of_many_sequences_are_stacked_in_order() -> None:
     import numpy as np
     from conftest import tiny_model
 
-    from spectrio.models.paddle_setup import paddle
+    from spectrio.models.ops.paddle_setup import paddle
     from spectrio.stages.device.draft.mtp import SHARE_ROWS, HiddenStore
 
     ws = HiddenStore(tiny_model())

@@ -14,8 +14,9 @@ its requests finish on different steps (speculation finishes them unevenly), and
 1 a run long enough to time on a noisy machine (one 128-token request lasts 0.4 s).
 Requests arrive all at once, or as a seeded Poisson process with ``--request-rate R``
 requests per second. Prompts are held-out corpus text for real models and seeded random
-token ids for ``--model synthetic:...`` (the synthetic device, :mod:`spectrio.models.synthetic`,
-which measures the runtime alone: ``--model synthetic:step_ms=10,per_row_us=20``).
+token ids for ``--model synthetic:...`` (the synthetic device,
+:mod:`spectrio.models.doubles.synthetic`, which measures the runtime alone:
+``--model synthetic:step_ms=10,per_row_us=20``).
 
 ``--logprobs off 0 20`` repeats every case with each logprob setting (``off``: none; N: the
 sampled token plus N alternatives, in every request) and reports the step record's mean
@@ -42,7 +43,7 @@ Run: ``spectrio bench [--model M] [--batch 1 16] [--k 0 1 2 3 auto] [--waves W] 
 
 JSON (``--json``; stable, for scripts that compare runs): ``{"schema": 2, "machine",
 "memory" ({"peak_rss_mib"}: the bench process's peak; for a checkpoint, the memory floor
-of its forward, probed after the runs (:mod:`spectrio.models.memory_floor`):
+of its forward, probed after the runs (:mod:`spectrio.models.ops.memory_floor`):
 ``read_gb_s`` and ``read_method``, the bandwidth probe; ``forward_weight_bytes``, what a
 target forward reads of its weights; ``floor_us_1row``, those bytes at that bandwidth,
 the least a 1-row forward can take),
@@ -114,9 +115,9 @@ from spectrio import Runtime, RuntimeConfig, SamplingParams, SpeculativeConfig, 
 from spectrio.core.config import SPEC_METHODS
 from spectrio.core.timing import StepTiming, device_summary
 from spectrio.models import LoadedModel, load, reference
-from spectrio.models.chat import build_chat_template
-from spectrio.models.loader import load_text_side, load_tokenizer
-from spectrio.models.synthetic import is_synthetic, parse_spec
+from spectrio.models.doubles.synthetic import is_synthetic, parse_spec
+from spectrio.models.loading.loader import load_text_side, load_tokenizer
+from spectrio.models.text.chat import build_chat_template
 from spectrio.process_memory import peak_rss_bytes
 from spectrio.runtime import timing_cache
 from spectrio.stages.output.output_processor import RequestStats
@@ -800,15 +801,15 @@ class _Floor(msgspec.Struct, frozen=True):
 def _block_bytes(model: str, dtype: str) -> int | None:
     """The weight bytes a forward reads when the runtime serves ``model`` (a GGUF file)
     from its quantized blocks; None when it serves float weights."""
-    from spectrio.models.loader import blocks_enabled, resolve_path
+    from spectrio.models.loading.loader import blocks_enabled, resolve_path
 
     if dtype != "float32" or not blocks_enabled() or model.startswith("synthetic"):
         return None
     path = resolve_path(model)
     if not path.is_file():
         return None
-    from spectrio.models.block_serving import served_weight_bytes
-    from spectrio.models.gguf_file import GGUFFile
+    from spectrio.models.loading.block_serving import served_weight_bytes
+    from spectrio.models.loading.gguf_file import GGUFFile
 
     gguf = GGUFFile(path)
     return served_weight_bytes(gguf, gguf.config)
@@ -817,8 +818,8 @@ def _block_bytes(model: str, dtype: str) -> int | None:
 def _memory_floor(model: str, dtype: str) -> _Floor:
     """The memory floor of ``model``'s forward, its bandwidth probed now."""
     from spectrio.core.config import RuntimeConfig
-    from spectrio.models.loader import model_config
-    from spectrio.models.memory_floor import floor_us, forward_bytes, read_bandwidth
+    from spectrio.models.loading.loader import model_config
+    from spectrio.models.ops.memory_floor import floor_us, forward_bytes, read_bandwidth
 
     cfg = model_config(model)
     width = np.dtype(dtype).itemsize

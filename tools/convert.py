@@ -29,8 +29,8 @@ def add_convert_parser(sub: Any) -> None:
 
 def _convert(args: argparse.Namespace) -> int:
     from spectrio.errors import CheckpointError, ModelConfigError
-    from spectrio.models.convert import convert_gguf
-    from spectrio.models.loader import resolve_path
+    from spectrio.models.loading.convert import convert_gguf
+    from spectrio.models.loading.loader import resolve_path
 
     try:
         src = resolve_path(args.gguf) if args.gguf == "smollm2" else args.gguf

@@ -16,7 +16,7 @@ TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
     "Q4_K_M", "Q5_K_M",
 )  # fmt: skip
-"""``spectrio.models.gguf_quantize.QUANT_TYPES``, spelled out so that building the CLI's
+"""``spectrio.models.loading.gguf_quantize.QUANT_TYPES``, spelled out so that building the CLI's
 parsers does not import ``gguf`` (``tests/test_quantize.py`` keeps the two equal)."""
 
 
@@ -46,8 +46,8 @@ def _quantize(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from spectrio.errors import CheckpointError, ModelConfigError
-    from spectrio.models.gguf_write import TensorDone, write_gguf
-    from spectrio.models.loader import NAMED_MODELS, resolve_path
+    from spectrio.models.loading.gguf_write import TensorDone, write_gguf
+    from spectrio.models.loading.loader import NAMED_MODELS, resolve_path
 
     log = structlog.get_logger("spectrio.tools.quantize")
     t0 = time.perf_counter()

@@ -58,7 +58,7 @@ RUNTIME_FLAGS: Final[tuple[FlagSpec, ...]] = (
         "model",
         "--model",
         "'bundled', 'smollm2', a checkpoint folder, a .gguf file or 'synthetic:...' "
-        "(models/synthetic.py)",
+        "(models/doubles/synthetic.py)",
         "PATH",
     ),
     FlagSpec("dtype", "--dtype", "compute dtype"),

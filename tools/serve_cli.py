@@ -215,7 +215,7 @@ class _StartupSignals:
     record the signal, so a stop requested during start-up is honoured once the start-up
     can be cancelled cleanly (exit 0, quietly). Paddle installs a C-level SIGTERM handler
     while it is imported (inside this block), and spectrio puts these back right after
-    (:mod:`spectrio.models.host_state`).
+    (:mod:`spectrio.models.ops.host_state`).
 
     On exit the two signals are ignored: the server is done and the process is exiting,
     and Python's finalization would otherwise put back the default action, so a late

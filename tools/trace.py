@@ -637,8 +637,8 @@ def load_tokenizer(model: str, *, strict: bool = True) -> Any:
     """The tokenizer of ``model`` ("bundled" or a checkpoint folder), without loading its
     weights (no Paddle). With ``strict=False`` a model that is not here gives None
     (a trace may name a checkpoint of another machine); else :class:`TraceError`."""
-    from spectrio.models.config import BUNDLED_DIR
-    from spectrio.models.tokenizer import TextTokenizer
+    from spectrio.models.architecture.config import BUNDLED_DIR
+    from spectrio.models.text.tokenizer import TextTokenizer
 
     folder = BUNDLED_DIR if model == "bundled" else Path(model).expanduser()
     path = Path(folder) / "tokenizer.json"

@@ -47,9 +47,9 @@ import structlog
 from spectrio.tools.logging_setup import configure_logging
 
 if TYPE_CHECKING:
-    from spectrio.models.layers import KV, DecoderLayer
-    from spectrio.models.model import SpectrioForCausalLM
-    from spectrio.models.paddle_setup import paddle
+    from spectrio.models.architecture.layers import KV, DecoderLayer
+    from spectrio.models.architecture.model import SpectrioForCausalLM
+    from spectrio.models.ops.paddle_setup import paddle
 
 log = structlog.get_logger("spectrio.train")
 
@@ -106,15 +106,15 @@ def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
 def chain_mask(rows: int, prefix: int, dtype: str) -> paddle.Tensor:
     """Additive mask of chain r over the ``prefix`` real (prefix) entries: row r sees
     columns ``c <= r + prefix - rows``, every real entry before its own first step."""
-    from spectrio.models.paddle_setup import paddle
+    from spectrio.models.ops.paddle_setup import paddle
 
     real = np.arange(prefix)[None, :] <= np.arange(rows)[:, None] + (prefix - rows)
     return paddle.to_tensor(np.where(real, 0.0, -np.inf).astype(dtype))
 
 
 def _rope(model: SpectrioForCausalLM, start: int, n: int) -> tuple[paddle.Tensor, paddle.Tensor]:
-    from spectrio.models.layers import rope_cos_sin
-    from spectrio.models.paddle_setup import paddle
+    from spectrio.models.architecture.layers import rope_cos_sin
+    from spectrio.models.ops.paddle_setup import paddle
 
     cfg = model.config
     return rope_cos_sin(paddle.arange(start, start + n, dtype="int64"), cfg.inv_freq(), model.dtype)
@@ -136,7 +136,7 @@ def chain_layer(
     chain's entries appended, but each chain's own entries are a per-row dot product, so a
     step costs one ``[T, P]`` attention instead of ``[T, P + steps * T]``.
     """
-    from spectrio.models.paddle_setup import paddle
+    from spectrio.models.ops.paddle_setup import paddle
 
     F = paddle.nn.functional
 
@@ -172,7 +172,7 @@ def target_chain(
     argmax of ``logits[j]``; ``hidden`` holds the teacher-forced pass's final normed
     hidden states.
     """
-    from spectrio.models.paddle_setup import paddle
+    from spectrio.models.ops.paddle_setup import paddle
 
     logits, hidden, real = model.forward_dense(ids)
     out, tokens = [logits], [paddle.argmax(logits, axis=-1)]
@@ -208,7 +208,7 @@ def mtp_chain(
     s and to its own chain. Returns each substep's logits ``[B, T, V]``; row s of substep
     j predicts the token after ``chain_tokens[j-1][:, s]``.
     """
-    from spectrio.models.mtp_layout import layout_of
+    from spectrio.models.loading.mtp_layout import layout_of
 
     mtp = model.mtp
     if mtp is None:
@@ -242,7 +242,7 @@ def chain_accepted(
     keeps, so it is exact for the runtime's drafting (a chain fed a wrong draft is
     already rejected, whatever it proposes next).
     """
-    from spectrio.models.paddle_setup import paddle
+    from spectrio.models.ops.paddle_setup import paddle
 
     hits = [
         (paddle.argmax(lg, axis=-1) == tok).numpy().reshape(-1)
@@ -256,7 +256,7 @@ def chain_accepted(
 
 def heldout_eval(model: SpectrioForCausalLM, windows: np.ndarray, depth: int) -> dict[str, Any]:
     """Held-out next-token loss (and perplexity) and chained acceptance per substep."""
-    from spectrio.models.paddle_setup import paddle
+    from spectrio.models.ops.paddle_setup import paddle
 
     F = paddle.nn.functional
 
@@ -305,7 +305,7 @@ class Phase:
 
 
 def _optimizer(params: list[Any], lr: float) -> Any:
-    from spectrio.models.paddle_setup import paddle
+    from spectrio.models.ops.paddle_setup import paddle
 
     decay = {p.name for p in params if p.ndim == 2}
     return paddle.optimizer.AdamW(
@@ -360,7 +360,7 @@ class Trainer:
     def phase1(self) -> None:
         from tqdm import tqdm
 
-        from spectrio.models.paddle_setup import paddle
+        from spectrio.models.ops.paddle_setup import paddle
 
         F = paddle.nn.functional
 
@@ -409,7 +409,7 @@ class Trainer:
     def phase2(self) -> None:
         from tqdm import tqdm
 
-        from spectrio.models.paddle_setup import paddle
+        from spectrio.models.ops.paddle_setup import paddle
 
         F = paddle.nn.functional
 
@@ -471,7 +471,7 @@ class Trainer:
         self.save()
 
     def save(self) -> None:
-        from spectrio.models.loader import save_checkpoint
+        from spectrio.models.loading.loader import save_checkpoint
 
         out: Path = self.args.out
         training = self.model.training
@@ -551,7 +551,7 @@ def plot_curves(meta: dict[str, Any], path: Path) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from spectrio.models.loader import BUNDLED_DIR, STORAGE_DTYPES
+    from spectrio.models.loading.loader import BUNDLED_DIR, STORAGE_DTYPES
 
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -610,10 +610,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from tokenizers import Tokenizer
 
-    from spectrio.models.config import ModelConfig
-    from spectrio.models.model import build_model
-    from spectrio.models.paddle_setup import paddle
-    from spectrio.models.tokenizer import TextTokenizer
+    from spectrio.models.architecture.config import ModelConfig
+    from spectrio.models.architecture.model import build_model
+    from spectrio.models.ops.paddle_setup import paddle
+    from spectrio.models.text.tokenizer import TextTokenizer
     from spectrio.tools.corpus import held_out_contexts
     from spectrio.tools.tokenizer_train import EOS_TOKEN, train_tokenizer
 
@@ -622,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     np.random.seed(args.seed)
     paddle.seed(args.seed)
     from spectrio.core.config import RuntimeConfig
-    from spectrio.models.paddle_setup import configure_paddle
+    from spectrio.models.ops.paddle_setup import configure_paddle
 
     # Paddle pins itself to one thread when imported; set the count it really uses.
     threads = configure_paddle(RuntimeConfig(num_threads=args.threads).resolve_num_threads())

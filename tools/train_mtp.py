@@ -22,7 +22,7 @@ folder, so an interrupted run resumes where it stopped:
    chain is the target's greedy output. Held-out sequences measure the chained greedy
    acceptance per substep, which is what verification keeps.
 
-The layer is written as a head file beside the model (:mod:`spectrio.models.mtp_head`),
+The layer is written as a head file beside the model (:mod:`spectrio.models.loading.mtp_head`),
 which ``load`` then attaches, so ``spectrio serve --model DIR`` speculates with it.
 """
 
@@ -45,9 +45,9 @@ from spectrio.tools.train import lr_at
 
 if TYPE_CHECKING:
     from spectrio import Runtime, RuntimeConfig, SamplingParams
-    from spectrio.models.loader import LoadedModel
-    from spectrio.models.model import SpectrioForCausalLM
-    from spectrio.models.paddle_setup import paddle
+    from spectrio.models.architecture.model import SpectrioForCausalLM
+    from spectrio.models.loading.loader import LoadedModel
+    from spectrio.models.ops.paddle_setup import paddle
 
 log = structlog.get_logger("spectrio.train_mtp")
 
@@ -88,7 +88,7 @@ def build_prompts(
         texts = [Path(p).read_text(encoding="utf-8", errors="replace") for p in args.text]
         streams = [np.asarray(tok.encode(t), dtype=np.int64) for t in texts]
         return text_windows(streams, args.prompts, length, rng)
-    from spectrio.models.chat import chat_template_for
+    from spectrio.models.text.chat import chat_template_for
     from spectrio.tools.corpus import corpus_files, read_texts
 
     template = chat_template_for(loaded)
@@ -221,7 +221,7 @@ async def _generate(
     from tqdm import tqdm
 
     from spectrio import SamplingParams, open_runtime
-    from spectrio.models.chat import chat_template_for
+    from spectrio.models.text.chat import chat_template_for
 
     template = chat_template_for(loaded)
     stops = template.stop_token_ids() if template is not None else []
@@ -293,7 +293,7 @@ async def _write_messages(loaded: LoadedModel, count: int, args: argparse.Namesp
     from tqdm import tqdm
 
     from spectrio import SamplingParams, open_runtime
-    from spectrio.models.chat import chat_template_for
+    from spectrio.models.text.chat import chat_template_for
 
     template = chat_template_for(loaded)
     tok = loaded.tokenizer
@@ -371,7 +371,7 @@ def compute_features(
     never change)."""
     from tqdm import tqdm
 
-    from spectrio.models.paddle_setup import paddle
+    from spectrio.models.ops.paddle_setup import paddle
 
     files = {n: folder / f"{n}.npy" for n in ("hidden", "top_ids", "top_probs")}
     done = folder / "features.done"
@@ -497,7 +497,7 @@ def soft_labels(
     the tokens that have a column, renormalised to sum to 1; and a ``[B, T]`` mask of the
     rows that kept any probability (a row whose top-k all lie outside the draft
     vocabulary teaches nothing)."""
-    from spectrio.models.paddle_setup import paddle
+    from spectrio.models.ops.paddle_setup import paddle
 
     cols, probs = columns.index(top_ids), top_probs.copy()
     probs[cols < 0] = 0.0
@@ -539,7 +539,7 @@ class Columns:
     def head(self, model: SpectrioForCausalLM) -> Any:
         """``compute_logits`` over these columns, with gradients to the hidden state
         only (the head is the frozen target's)."""
-        from spectrio.models.paddle_setup import paddle
+        from spectrio.models.ops.paddle_setup import paddle
 
         weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
         if model.lm_head is not None:
@@ -553,7 +553,7 @@ class Columns:
 def chain_logits(model: SpectrioForCausalLM, batch: Batch, t: int, depth: int) -> list[Any]:
     """Each substep's logits ``[B, T, V]`` over the batch's windows (the runtime's chain,
     as ``tools/train.py`` unrolls it)."""
-    from spectrio.models.paddle_setup import paddle
+    from spectrio.models.ops.paddle_setup import paddle
     from spectrio.tools.train import mtp_chain
 
     ids = paddle.to_tensor(batch.ids)
@@ -569,7 +569,7 @@ def accepted_per_substep(
     target's greedy output: substep j is kept only if it and every earlier one drafted
     the sequence's next token (logits over ``columns``: the draft vocabulary serving
     drafts from). Returns (share per substep, rows counted)."""
-    from spectrio.models.paddle_setup import paddle
+    from spectrio.models.ops.paddle_setup import paddle
 
     def drafts(lg: Any) -> np.ndarray:
         best = paddle.argmax(lg, axis=-1).numpy()
@@ -595,8 +595,8 @@ def attach_fresh_layer(model: SpectrioForCausalLM, seed: int) -> None:
     the target's next-token distribution."""
     import dataclasses
 
-    from spectrio.models.model import MTPLayer
-    from spectrio.models.paddle_setup import paddle
+    from spectrio.models.architecture.mtp_layer import MTPLayer
+    from spectrio.models.ops.paddle_setup import paddle
 
     cfg = dataclasses.replace(model.config, num_nextn_predict_layers=1)
     paddle.seed(seed)
@@ -629,7 +629,7 @@ def current_head_state(model_name: str) -> dict[str, Any]:
     shipped), for ``--init-head``: more training on new generations instead of starting
     over."""
     from spectrio.errors import CheckpointError
-    from spectrio.models.loader import load
+    from spectrio.models.loading.loader import load
 
     other = load(model_name)
     if other.head_path is None or other.model.mtp is None:
@@ -655,7 +655,7 @@ class Run:
         return self.folder / "state.json"
 
     def load(self, model: SpectrioForCausalLM, opt: Any) -> bool:
-        from spectrio.models.paddle_setup import paddle
+        from spectrio.models.ops.paddle_setup import paddle
 
         if not self.state_file.exists():
             return False
@@ -669,7 +669,7 @@ class Run:
         return True
 
     def save(self, model: SpectrioForCausalLM, opt: Any, rng: np.random.Generator) -> None:
-        from spectrio.models.paddle_setup import paddle
+        from spectrio.models.ops.paddle_setup import paddle
 
         assert model.mtp is not None
         paddle.save(model.mtp.state_dict(), str(self.folder / "mtp.pdparams"))
@@ -717,7 +717,7 @@ def train(
 ) -> Run:
     from tqdm import tqdm
 
-    from spectrio.models.paddle_setup import paddle
+    from spectrio.models.ops.paddle_setup import paddle
     from spectrio.tools.train import _optimizer
 
     F = paddle.nn.functional
@@ -951,9 +951,9 @@ def _main(args: argparse.Namespace) -> int:
 
     from spectrio.cache_dir import cache_dir
     from spectrio.core.config import RuntimeConfig
-    from spectrio.models.loader import load, resolve_path
-    from spectrio.models.mtp_head import head_path_for, save_head, target_fingerprint
-    from spectrio.models.paddle_setup import configure_paddle
+    from spectrio.models.loading.loader import load, resolve_path
+    from spectrio.models.loading.mtp_head import head_path_for, save_head, target_fingerprint
+    from spectrio.models.ops.paddle_setup import configure_paddle
 
     threads = configure_paddle(RuntimeConfig(num_threads=args.threads).resolve_num_threads())
     path = resolve_path(args.model)
@@ -977,7 +977,7 @@ def _main(args: argparse.Namespace) -> int:
             "error: the model already has an MTP layer; train-mtp makes one for a model "
             "that has none"
         )
-    from spectrio.models.loader import open_checkpoint
+    from spectrio.models.loading.loader import open_checkpoint
 
     # the target alone: a head already beside it (even a damaged one) is what we replace
     fingerprint = target_fingerprint(loaded.config, open_checkpoint(path, mtp_head=False)[1])

@@ -36,7 +36,7 @@ import trio
 from tokenizers import Tokenizer
 
 from spectrio.core.params import InvalidRequest, SamplingParams, check_text_length
-from spectrio.models.tokenizer import TextTokenizer
+from spectrio.models.text.tokenizer import TextTokenizer
 from spectrio.wire.codec import WireError, check_submit, refused
 from spectrio.wire.schema import ErrorCode, Submit
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from spectrio.core.messages import StepPlan
 from spectrio.models import PackedBatch
-from spectrio.models.paddle_setup import paddle
+from spectrio.models.ops.paddle_setup import paddle
 from spectrio.stages.device.workspace import Workspace
 
 __all__ = ["Verified", "verify"]

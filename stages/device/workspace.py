@@ -15,7 +15,7 @@ import numpy as np
 from spectrio.core.config import SpeculativeConfig
 from spectrio.core.messages import StepPlan, StepResult
 from spectrio.models import PackedBatch, PagedKVCache, SpectrioForCausalLM
-from spectrio.models.paddle_setup import paddle, use_configured_threads
+from spectrio.models.ops.paddle_setup import paddle, use_configured_threads
 from spectrio.stages.device.draft import Proposer, TokenHistory, make_proposer
 
 

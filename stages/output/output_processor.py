@@ -10,7 +10,7 @@ packed record, never text), and the CLI, bench and replay (:class:`RequestStats`
 Guarantees:
 
 * **Text** (:class:`RequestText`) is decoded incrementally with the project's one
-  detokenizer (:class:`~spectrio.models.tokenizer.IncrementalDetokenizer`, ``tokenizers``'
+  detokenizer (:class:`~spectrio.models.text.tokenizer.IncrementalDetokenizer`, ``tokenizers``'
   ``DecodeStream``), so every consumer sees the same text token for token. Each piece holds
   complete characters only, until the output ends and the held-back bytes are flushed.
 * **Stop strings.** With ``stop`` strings, the last ``max(len(stop)) - 1`` characters are
@@ -37,7 +37,7 @@ from typing import Protocol
 from spectrio.core.acceptance import Acceptance
 from spectrio.core.messages import TokenLogprob
 from spectrio.core.record import StepRecord
-from spectrio.models.tokenizer import TextTokenizer
+from spectrio.models.text.tokenizer import TextTokenizer
 
 __all__ = [
     "RequestStats",

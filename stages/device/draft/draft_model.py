@@ -37,7 +37,7 @@ import numpy as np
 
 from spectrio.core.messages import SeqWork, StepPlan
 from spectrio.models import PackedBatch, PagedKVCache, SpectrioForCausalLM
-from spectrio.models.paddle_setup import paddle
+from spectrio.models.ops.paddle_setup import paddle
 from spectrio.stages.device.draft.base import Proposal, TokenHistory
 from spectrio.stages.device.draft.mtp import MAX_LAG, CatchUp, extra_rows
 from spectrio.stages.device.logits_processing import softmax

@@ -42,7 +42,7 @@ import numpy as np
 
 from spectrio.core.messages import SeqWork, StepPlan
 from spectrio.models import ForwardOutput, PackedBatch, PagedKVCache, SpectrioForCausalLM
-from spectrio.models.paddle_setup import paddle
+from spectrio.models.ops.paddle_setup import paddle
 from spectrio.stages.device.draft.base import Proposal, TokenHistory
 
 __all__ = ["CatchUp", "HiddenStore", "MTPProposer", "SHARE_ROWS", "extra_rows"]
