@@ -24,7 +24,7 @@ import zmq
 
 from spectrio.core.params import SamplingParams
 from spectrio.models import load
-from spectrio.tools.bench import bench_prompts
+from spectrio.tools.measurement.bench import bench_prompts
 from spectrio.wire.client import Client, StreamAssembler
 
 

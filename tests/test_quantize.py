@@ -41,8 +41,8 @@ from spectrio.models.gguf_quantize import (
 )
 from spectrio.models.gguf_write import TensorDone, write_gguf
 from spectrio.models.loader import state_dict_hf
-from spectrio.tools import quantize as quantize_cli
-from spectrio.tools.cli import main
+from spectrio.tools.cli import quantize as quantize_cli
+from spectrio.tools.cli.commands import main
 
 DATA = Path(__file__).resolve().parent / "data"
 ARCHS = DATA / "archs"

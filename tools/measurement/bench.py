@@ -56,7 +56,8 @@ the least a 1-row forward can take),
   (every ``--repeat`` run; the row is the median one), ``samples`` (``[tokens,
   seconds]`` of every turn of every run with ``--interleave``, of every run otherwise),
   ``tokens_per_second_pooled`` (all of them pooled) and ``tokens_per_second_se`` (its
-  standard error, null with one sample; :func:`spectrio.tools.bench_speedup.pooled_rate`);
+  standard error, null with one sample;
+  :func:`spectrio.tools.measurement.bench_speedup.pooled_rate`);
 * latency, each ``{"p50", "p90", "p99", "mean"}`` in ms (null when there is no sample):
   ``ttft_ms`` (arrival to first token), ``itl_ms`` (gap between consecutive deltas of a
   request; a delta carries every token a step emitted), ``tpot_ms`` (per request:
@@ -80,7 +81,7 @@ the least a 1-row forward can take),
 * ``agreement`` with ``--agreement`` only.
 
 ``"speedups"``: per batch size (and logprob setting) that has ``k = 0`` and a fixed k,
-:class:`spectrio.tools.bench_speedup.Speedup` as a map: ``best_k``, ``best_over_none``
+:class:`spectrio.tools.measurement.bench_speedup.Speedup` as a map: ``best_k``, ``best_over_none``
 and ``auto_over_better`` (ratios of medians; null without an ``auto`` case), each also
 ``..._rounds`` (round by round), ``..._paired`` (the median of the rounds' ratios),
 ``..._pooled`` (the ratio of pooled rates) and ``..._se`` (its standard error), and
@@ -91,689 +92,41 @@ them under the table.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import functools
 import json
 import math
-import os
-import platform
 import sys
-import time
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
-import numpy as np
 import trio
 import trio.testing
 from tqdm import tqdm
 
-from spectrio import Runtime, RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
 from spectrio.core.config import SPEC_METHODS
-from spectrio.core.timing import StepTiming, device_summary
-from spectrio.models import LoadedModel, load, reference
-from spectrio.models.chat import build_chat_template
-from spectrio.models.loader import load_text_side, load_tokenizer
-from spectrio.models.synthetic import is_synthetic, parse_spec
+from spectrio.models.synthetic import is_synthetic
 from spectrio.process_memory import peak_rss_bytes
 from spectrio.runtime import timing_cache
-from spectrio.stages.output_processor import RequestStats
-from spectrio.stages.spec_policy import batch_bucket
-from spectrio.tools.bench_speedup import Z_95, format_speedups, pooled_rate, speedups
-from spectrio.tools.chat_prompts import heldout_chat_prompts
-from spectrio.tools.corpus import corpus_files, read_texts
-from spectrio.tools.latency import percentiles
-from spectrio.tools.trace import ResultBuilder, TraceWriter, runtime_fields, summarize
+from spectrio.tools.measurement.bench_report import (
+    agreement,
+    json_row,
+    machine_name,
+    median_run,
+    memory_floor,
+    summary_table,
+)
+from spectrio.tools.measurement.bench_run import run_case, run_interleaved
+from spectrio.tools.measurement.bench_speedup import format_speedups, speedups
+from spectrio.tools.measurement.bench_workload import (
+    WORKLOADS,
+    bench_prompts,
+    parse_case_k,
+    round_order,
+)
 
 SCHEMA = 2
 """Version of the ``--json`` layout; bumped when a key changes meaning or goes away."""
-
-BREAKDOWN = ("schedule", "draft", "verify", "sample", "publish", "idle")
-
-FIXED_512_BYTES = 4 * (3 + 512) + 512 * (6 * 21 * 4 * 2 + 6 * 4)
-"""FastDeploy's speculative top-k message: meta[3 + 512] plus 512 slots of
-int tokens[6*21], float scores[6*21], int ranks[6] (530,444 bytes)."""
-
-
-def fixed_layout_bytes(batch: int) -> int:
-    """The same fixed 6 x 21 per-slot layout sized to ``batch`` slots."""
-    return 4 * (3 + batch) + batch * (6 * 21 * 4 * 2 + 6 * 4)
-
-
-WORKLOADS = ("heldout", "repeat", "chat")
-"""What the prompts are (:func:`bench_prompts`)."""
-
-PROMPT_STRIDE = 997
-"""Tokens between the starts of two held-out prompts in one pass over the split."""
-
-
-REPEAT_WORKLOAD_HEAD = 4
-"""In the ``repeat`` workload a prompt ends with the first ``1/REPEAT_WORKLOAD_HEAD`` of
-its own held-out window again."""
-
-
-def bench_prompts(
-    count: int, prompt_tokens: int, model: str, seed: int = 0, workload: str = "heldout"
-) -> list[list[int]]:
-    """``count`` prompts of ``prompt_tokens`` ids: held-out corpus text, or for the
-    synthetic device seeded random ids (no EOS) within its vocabulary.
-
-    ``workload="repeat"`` makes each a request to rewrite code it holds: the held-out
-    window, then its own first quarter again, so a continuation that copies the code
-    (as an edit-and-repeat request's answer does) can be drafted from the prompt itself.
-    Such prompts hold ``prompt_tokens`` plus a quarter of them.
-
-    Held-out prompts start every :data:`PROMPT_STRIDE` tokens of each text; a second pass
-    starts halfway between the first pass's starts, so the first pass's prompts (412 of
-    48 tokens from the bundled split) come first and unchanged, and about twice as many
-    are available (batch 64 with 12 waves of requests, as batch 16 runs, needs 768).
-
-    ``workload="chat"`` is for an instruct model: held-out user messages
-    (:func:`spectrio.tools.chat_prompts.heldout_chat_prompts`, no topic or phrasing of
-    which ``spectrio train-mtp`` trains on), each through the model's chat template;
-    ``prompt_tokens`` does not apply."""
-    if workload not in WORKLOADS:
-        raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
-    if is_synthetic(model):
-        rng = np.random.default_rng(seed)
-        ids = rng.integers(1, parse_spec(model).vocab, size=(count, prompt_tokens))
-        return [[int(t) for t in row] for row in ids]
-    if workload == "chat":
-        return _chat_prompts(count, model)
-    tok = load_tokenizer(model)  # not the weights: the cases load those
-    assert tok is not None
-    encoded: list[list[int]] = []
-
-    def first_pass() -> Iterator[list[int]]:
-        """Each text encoded as the first pass reaches it (most counts need only a few
-        texts; all 82 take about 2 s), kept for the second pass."""
-        for text in read_texts(corpus_files("heldout")):
-            encoded.append(tok.encode(text))
-            yield encoded[-1]
-
-    head = max(prompt_tokens // REPEAT_WORKLOAD_HEAD, 1) if workload == "repeat" else 0
-    out: list[list[int]] = []
-    for offset, texts in ((0, first_pass()), (PROMPT_STRIDE // 2, encoded)):
-        for ids_ in texts:
-            for start in range(offset, len(ids_) - prompt_tokens, PROMPT_STRIDE):
-                window = ids_[start : start + prompt_tokens]
-                out.append(window + window[:head])
-                if len(out) == count:
-                    return out
-    raise RuntimeError(
-        f"the held-out split holds {len(out)} prompts of {prompt_tokens} tokens, "
-        f"not the {count} requested"
-    )
-
-
-def _chat_prompts(count: int, model: str) -> list[list[int]]:
-    """The first ``count`` held-out user messages, each one turn through the model's chat
-    template (with the assistant's turn opened)."""
-    cfg, tok, source = load_text_side(model)
-    template = build_chat_template(source, tok, cfg)
-    if template is None:
-        raise ValueError(f"{model} has no chat template; --prompts chat needs one")
-    return [template.encode([{"role": "user", "content": m}]) for m in heldout_chat_prompts(count)]
-
-
-def spec_config(k: int | str, k_max: int = 4, method: str = "mtp") -> SpeculativeConfig:
-    """0: no speculation; N: a fixed N drafts per step; "auto": adaptive, up to ``k_max``;
-    drafts made by ``method`` (``mtp``, ``ngram`` or ``draft_model``), unless the case
-    names its own (``"ngram:3"``, ``"mtp:auto"``: one run then compares the methods).
-    ``draft_model/N``: the target's first N layers draft (``draft_model``: all of them)."""
-    if isinstance(k, str) and ":" in k:
-        method, k = k.split(":", 1)
-        return spec_config(k if k == "auto" else int(k), k_max, method)
-    method, _, layers = method.partition("/")
-    draft_layers = int(layers) if layers else None
-    if k == "auto":
-        return SpeculativeConfig(
-            method=method, num_speculative_tokens=k_max, adaptive=True, draft_layers=draft_layers
-        )
-    if k == 0:
-        return SpeculativeConfig(method=None)
-    return SpeculativeConfig(
-        method=method, num_speculative_tokens=int(k), adaptive=False, draft_layers=draft_layers
-    )
-
-
-def parse_case_k(value: str) -> int | str:
-    """A ``--k`` value: an int, ``"auto"``, or ``"METHOD:N"``/``"METHOD:auto"`` (METHOD
-    one of :data:`~spectrio.core.config.SPEC_METHODS`, or ``draft_model/L``: the target's
-    first L layers draft), kept as the case's label; raises ValueError otherwise."""
-    if value == "auto":
-        return value
-    if ":" in value:
-        method, k = value.split(":", 1)
-        name, _, layers = method.partition("/")
-        if name not in SPEC_METHODS or not (k == "auto" or int(k) > 0):
-            raise ValueError(value)
-        if layers and (name != "draft_model" or int(layers) < 1):
-            raise ValueError(value)
-        return f"{method}:{k}"
-    return int(value)
-
-
-def round_order(
-    cases: Sequence[tuple[int, int | str, int | None]], round_: int
-) -> list[tuple[int, int | str, int | None]]:
-    """The cases in the order round ``round_`` runs them: grouped by batch size, so the
-    cases compared with each other run close together, and each batch's group rotated by
-    one case a round, so none always runs first or last. A machine that slows through a
-    round (measured: 1567, 1684, 1776, 1551, 1415 and 1272 tokens/s in the order run at
-    batch 64, adaptive last in every round) would otherwise charge its slowdown to the
-    same case every time."""
-    groups: dict[int, list[tuple[int, int | str, int | None]]] = {}
-    for case in cases:
-        groups.setdefault(case[0], []).append(case)
-    out: list[tuple[int, int | str, int | None]] = []
-    for group in groups.values():
-        shift = round_ % len(group)
-        out += group[shift:] + group[:shift]
-    return out
-
-
-def poisson_arrivals(count: int, rate: float | None, seed: int = 0) -> list[float]:
-    """Arrival offsets in seconds of ``count`` requests: a seeded Poisson process of
-    ``rate`` per second (the first at 0), or every one at 0 when ``rate`` is None."""
-    if rate is None or count == 0:
-        return [0.0] * count
-    if not rate > 0 or math.isinf(rate):
-        raise ValueError(f"request rate must be a positive number, got {rate}")
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=count - 1)
-    return [0.0, *np.cumsum(gaps).tolist()]
-
-
-@dataclasses.dataclass
-class RequestTrace:
-    """When one request arrived and when each of its token-carrying deltas came."""
-
-    arrival: float
-    delta_times: list[float] = dataclasses.field(default_factory=list)
-    num_tokens: int = 0
-
-    def add(self, now: float, num_tokens: int) -> None:
-        if num_tokens:
-            self.delta_times.append(now)
-            self.num_tokens += num_tokens
-
-    @property
-    def ttft(self) -> float | None:
-        return self.delta_times[0] - self.arrival if self.delta_times else None
-
-    @property
-    def itls(self) -> list[float]:
-        return [b - a for a, b in zip(self.delta_times, self.delta_times[1:], strict=False)]
-
-    @property
-    def tpot(self) -> float | None:
-        if self.num_tokens < 2:
-            return None
-        return (self.delta_times[-1] - self.delta_times[0]) / (self.num_tokens - 1)
-
-
-def latency_summary(traces: Sequence[RequestTrace]) -> dict[str, dict[str, float | None]]:
-    """``ttft_ms``, ``itl_ms`` and ``tpot_ms`` percentiles over the requests."""
-    ttft = [t.ttft * 1e3 for t in traces if t.ttft is not None]
-    itl = [g * 1e3 for t in traces for g in t.itls]
-    tpot = [t.tpot * 1e3 for t in traces if t.tpot is not None]
-    return {"ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl), "tpot_ms": percentiles(tpot)}
-
-
-def timing_summary(
-    timings: Sequence[StepTiming], wall: float, pauses: Sequence[tuple[float, float]] = ()
-) -> dict[str, Any]:
-    """The device keys of a row (``efficiency``, ``bubble``, ``model_share``,
-    ``overhead_share``, ``breakdown_ms``) from the measured steps' timings; every value
-    None when there are none. ``pauses``: spans the runtime was paused (not idle)."""
-    summary = device_summary(list(timings), wall, pauses)
-    if not summary:
-        return {
-            "efficiency": None,
-            "bubble": None,
-            "model_share": None,
-            "overhead_share": None,
-            "breakdown_ms": dict.fromkeys(BREAKDOWN),
-        }
-    return {
-        "efficiency": round(summary["efficiency"], 4),
-        "bubble": round(summary["bubble"], 4),
-        "model_share": round(summary["model_share"], 4),
-        "overhead_share": round(1.0 - summary["model_share"], 4),
-        "breakdown_ms": {name: round(summary[f"{name}_ms"], 4) for name in BREAKDOWN},
-    }
-
-
-def _case_config(
-    model: str,
-    dtype: str,
-    batch: int,
-    spec: SpeculativeConfig,
-    prompts: list[list[int]],
-    max_tokens: int,
-    overlap: bool,
-    prefix_caching: bool = True,
-) -> RuntimeConfig:
-    """The runtime of one case: ``batch`` running requests at most, each as long as the
-    longest prompt plus ``max_tokens``, and KV for exactly that (the default sizing): the
-    interleaved cases are open at once, each with its own KV cache."""
-    return RuntimeConfig(
-        model=model,
-        dtype=dtype,
-        speculative=spec,
-        max_num_seqs=max(batch, 1),
-        max_num_batched_tokens=max(2048, batch * spec.tokens_per_seq),
-        max_model_len=len(max(prompts, key=len)) + max_tokens + 1,
-        enable_overlap=overlap,
-        enable_prefix_caching=prefix_caching,
-    )
-
-
-def _case_keys(
-    batch: int,
-    k: int | str,
-    logprobs: int | None,
-    dtype: str,
-    overlap: bool,
-    request_rate: float | None,
-    interleave: float | None,
-) -> dict[str, Any]:
-    """The keys of a row that name its case (the JSON's "case" keys)."""
-    return {
-        "batch": batch,
-        "k": k,
-        "logprobs": "off" if logprobs is None else logprobs,
-        "dtype": dtype,
-        "overlap": overlap,
-        "request_rate": request_rate,
-        "interleave": interleave,
-    }
-
-
-async def run_case(
-    model: str,
-    dtype: str,
-    k: int | str,
-    batch: int,
-    prompts: list[list[int]],
-    max_tokens: int,
-    logprobs: int | None = None,
-    overlap: bool = False,
-    k_max: int = 4,
-    request_rate: float | None = None,
-    num_requests: int | None = None,
-    seed: int = 0,
-    progress: bool = False,
-    trace_path: str | None = None,
-    method: str = "mtp",
-) -> dict[str, Any]:
-    """One case: returns its JSON row, plus ``outputs`` (token ids per request) and
-    ``_raw`` (traces and step timings, for plots) that the JSON leaves out. With
-    ``trace_path``, the run is also saved as a request trace (``docs/trace.md``)."""
-    count = batch if num_requests is None else num_requests
-    spec = spec_config(k, k_max, method)
-    cfg = _case_config(model, dtype, batch, spec, prompts, max_tokens, overlap)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
-    arrivals = poisson_arrivals(count, request_rate, seed)
-    with contextlib.ExitStack() as stack:
-        writer = (
-            None
-            if trace_path is None
-            else stack.enter_context(
-                TraceWriter(trace_path, source="bench", model=model, runtime=runtime_fields(cfg))
-            )
-        )
-        measured = await _measure(cfg, params, prompts, arrivals, writer, progress, batch, k)
-    return {**_case_keys(batch, k, logprobs, dtype, overlap, request_rate, None), **measured}
-
-
-class _CaseRun:
-    """One case's requests on its runtime, and what they produced: the measured keys of
-    its row (:meth:`row`). Shared by the plain run (:func:`_measure`) and the
-    interleaved one (:func:`run_interleaved`)."""
-
-    def __init__(
-        self,
-        rt: Runtime,
-        params: SamplingParams,
-        prompts: list[list[int]],
-        arrivals: list[float],
-        writer: TraceWriter | None,
-        progress: bool,
-        batch: int,
-        k: int | str,
-    ) -> None:
-        self.rt, self.params, self.prompts, self.arrivals = rt, params, prompts, arrivals
-        self.writer, self.batch = writer, batch
-        count = len(arrivals)
-        self.record_bytes: list[int] = []
-        self.bar = tqdm(
-            total=count * (params.max_tokens or 0),
-            desc=f"batch={batch} k={k}",
-            unit="tok",
-            leave=False,
-            disable=not progress,
-        )
-        self.builders = [ResultBuilder(f"r{i}", start=0.0) for i in range(count)]
-        self.stats = [RequestStats() for _ in range(count)]
-        self.outputs: list[list[int]] = [[] for _ in range(count)]
-        self.traces: list[RequestTrace] = []
-        self.unfinished = count
-        self.tokens = 0  # output tokens received so far
-        self.done = trio.Event()
-        self.steps0 = 0
-        self.steps_by_k0: dict[int, int] = {}
-        self.last_warm_step = -1
-        self.t0 = 0.0  # the start of the measured window
-
-    async def warm_up(self) -> None:
-        """One short request, so the first measured step does not pay one-time costs."""
-        rt = self.rt
-        async for _ in rt.generate(self.prompts[0][:8], SamplingParams(max_tokens=4)):
-            pass
-        await rt.wait_idle()
-
-    def start(self) -> float:
-        """Mark the start of the measured window; returns its time."""
-        rt = self.rt
-        self.steps0 = rt.num_steps
-        self.steps_by_k0 = dict(rt.stats().steps_by_k)
-        before = rt.step_timings()
-        self.last_warm_step = before[-1].step if before else -1  # the window: later steps
-        rt.add_record_observer(lambda pub: self.record_bytes.append(len(pub.record)))
-        self.t0 = t0 = time.perf_counter()
-        self.traces = [RequestTrace(arrival=t0 + a) for a in self.arrivals]
-        for i, (b, a) in enumerate(zip(self.builders, self.arrivals, strict=True)):
-            b.start = t0 + a
-            if self.writer is not None:  # the planned arrivals, in order
-                self.writer.add_request(b.request_id, self._prompt(i), self.params, arrival_s=a)
-        if not self.arrivals:
-            self.done.set()
-        return t0
-
-    def _prompt(self, i: int) -> list[int]:
-        return self.prompts[i % len(self.prompts)]
-
-    async def request(self, i: int) -> None:
-        """Run request ``i`` from its arrival to its last delta."""
-        trace, builder = self.traces[i], self.builders[i]
-        await trio.sleep(max(0.0, trace.arrival - time.perf_counter()))
-        async for delta in self.rt.generate(
-            self._prompt(i), self.params, request_id=builder.request_id
-        ):
-            now = time.perf_counter()
-            trace.add(now, len(delta.token_ids))
-            builder.add(delta, now)
-            self.stats[i].add(delta)
-            self.outputs[i] += delta.token_ids
-            self.tokens += len(delta.token_ids)
-            self.bar.update(len(delta.token_ids))
-        if self.writer is not None:
-            self.writer.add_result(builder.result())
-        self.unfinished -= 1
-        if self.unfinished == 0:
-            self.done.set()
-
-    async def row(self, wall: float, pauses: Sequence[tuple[float, float]] = ()) -> dict[str, Any]:
-        """The measured keys of the case's row, ``wall`` seconds after :meth:`start`
-        (``pauses``: the spans it was paused, interleaved; then it has no latencies)."""
-        rt = self.rt
-        steps = rt.num_steps - self.steps0
-        await rt.wait_idle()
-        timings = [t for t in rt.step_timings() if t.step > self.last_warm_step]
-        self.bar.close()
-        count = len(self.arrivals)
-        if self.writer is not None:
-            self.writer.add_summary(wall, summarize([b.result() for b in self.builders], wall))
-        total = RequestStats()
-        for s in self.stats:
-            total.merge(s)
-        tokens = total.num_tokens
-        latency = latency_summary([] if pauses else self.traces)
-        return {
-            "requests": count,
-            "max_tokens": self.params.max_tokens,
-            "tokens": tokens,
-            "seconds": round(wall, 4),
-            "tokens_per_second": round(tokens / wall, 1),
-            "requests_per_second": round(count / wall, 3),
-            **latency,
-            "mean_accept_len": round(total.mean_accept_len, 3),
-            "mean_accepted": round(total.mean_accepted, 3),
-            "acceptance_per_position": [round(x, 4) for x in total.conditional_acceptance],
-            "accepted_per_position": [round(x, 4) for x in total.accepted_per_position],
-            "drafts_proposed": sum(total.proposed),
-            "drafts_accepted": sum(total.accepted),
-            "pipeline_steps": steps,
-            "timing_cache_warm": batch_bucket(self.batch) in rt.timing_cache_buckets,
-            "steps_by_k": {
-                str(k): n - self.steps_by_k0.get(k, 0)
-                for k, n in rt.stats().steps_by_k.items()
-                if n > self.steps_by_k0.get(k, 0)
-            },
-            **timing_summary(timings, wall, pauses),
-            "record_bytes_per_step": round(
-                sum(self.record_bytes) / max(1, len(self.record_bytes)), 1
-            ),
-            "fixed_bytes_same_batch": fixed_layout_bytes(self.batch),
-            "fixed_bytes_512": FIXED_512_BYTES,
-            "outputs": self.outputs,
-            "_raw": {
-                "traces": [] if pauses else self.traces,
-                "timings": timings,
-                "t0": self.t0,
-            },
-        }
-
-
-async def _measure(
-    cfg: RuntimeConfig,
-    params: SamplingParams,
-    prompts: list[list[int]],
-    arrivals: list[float],
-    writer: TraceWriter | None,
-    progress: bool,
-    batch: int,
-    k: int | str,
-) -> dict[str, Any]:
-    """Run one case's requests on a fresh runtime; the row's measured keys (run_case)."""
-    async with open_runtime(cfg) as rt:
-        case = _CaseRun(rt, params, prompts, arrivals, writer, progress, batch, k)
-        await case.warm_up()
-        t0 = case.start()
-        async with trio.open_nursery() as nursery:
-            for i in range(len(arrivals)):
-                nursery.start_soon(case.request, i)
-        wall = time.perf_counter() - t0
-        return {**await case.row(wall), "samples": [[case.tokens, round(wall, 6)]]}
-
-
-async def run_interleaved(
-    model: str,
-    dtype: str,
-    ks: Sequence[int | str],
-    batch: int,
-    prompts: list[list[int]],
-    max_tokens: int,
-    slice_seconds: float,
-    logprobs: int | None = None,
-    overlap: bool = False,
-    k_max: int = 4,
-    num_requests: int | None = None,
-    round_: int = 0,
-    progress: bool = False,
-    method: str = "mtp",
-) -> list[dict[str, Any]]:
-    """The cases ``ks`` of one batch size side by side: every case's runtime is open at
-    once, with all its requests queued, and the cases take turns of ``slice_seconds`` on
-    the machine (:meth:`Runtime.pause` / :meth:`Runtime.resume`; only one steps at a
-    time), in an order rotated by one each turn and by ``round_``. A case's tokens per
-    second count its own turns only. The machine's speed drifts by 25% over stretches of
-    seconds to minutes, more than the differences being measured; run one after
-    another, each case meets a different stretch, taking turns every case meets all of
-    them. Latencies include the pauses, so the rows have none. Each row's ``samples`` are
-    its turns' ``[tokens, seconds]``. Returns one row per k.
-
-    The cases run on one copy of the weights (``open_runtime``'s ``loaded``), so that
-    they differ in k alone: each runtime on its own copy, four identical ones at batch 64
-    (fixed k = 3, 192 requests, 1-second turns) differed by 2.0% (rms over 4 rounds of
-    their standard deviation; 1.4% in one round of 768 requests: a longer run does not
-    shrink it), on one shared copy by 0.9%. Each runtime keeps its offset for its whole
-    life, a noise that more rounds average away and longer ones do not."""
-    count = batch if num_requests is None else num_requests
-    arrivals = [0.0] * count
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
-    rows: list[dict[str, Any]] = []
-    loaded: LoadedModel | None = None
-    async with contextlib.AsyncExitStack() as stack:
-        cases: list[_CaseRun] = []
-        for k in ks:
-            cfg = _case_config(
-                model, dtype, batch, spec_config(k, k_max, method), prompts, max_tokens, overlap
-            )
-            if loaded is None:
-                loaded = await trio.to_thread.run_sync(
-                    functools.partial(load, serving=True), cfg.model, cfg.model_dtype
-                )
-            rt = await stack.enter_async_context(open_runtime(cfg, loaded=loaded))
-            case = _CaseRun(rt, params, prompts, arrivals, None, progress, batch, k)
-            await case.warm_up()
-            await rt.pause()
-            cases.append(case)
-        active = [0.0] * len(cases)
-        pauses: list[list[tuple[float, float]]] = [[] for _ in cases]
-        turns: list[list[list[float]]] = [[] for _ in cases]
-        async with trio.open_nursery() as nursery:
-            starts = [case.start() for case in cases]
-            for case in cases:
-                for i in range(count):
-                    nursery.start_soon(case.request, i)
-            await trio.testing.wait_all_tasks_blocked()  # every request is queued
-            last_end = list(starts)
-            turn = round_
-            running = list(range(len(cases)))
-            while running:
-                shift = turn % len(running)
-                for c in running[shift:] + running[:shift]:
-                    case = cases[c]
-                    tokens0 = case.tokens
-                    t0 = time.perf_counter()
-                    pauses[c].append((last_end[c], t0))
-                    case.rt.resume()
-                    with trio.move_on_after(slice_seconds):
-                        await case.done.wait()
-                    await case.rt.pause()
-                    last_end[c] = time.perf_counter()
-                    active[c] += last_end[c] - t0
-                    # The turn's last deltas reach their streams' readers now, off its clock.
-                    await trio.testing.wait_all_tasks_blocked()
-                    turns[c].append([case.tokens - tokens0, round(last_end[c] - t0, 6)])
-                running = [c for c in running if not cases[c].done.is_set()]
-                turn += 1
-        for c, case in enumerate(cases):
-            case.rt.resume()
-            rows.append({**await case.row(active[c], pauses[c]), "samples": turns[c]})
-    return [
-        {**_case_keys(batch, k, logprobs, dtype, overlap, None, slice_seconds), **row}
-        for k, row in zip(ks, rows, strict=True)
-    ]
-
-
-def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run with the median tokens per second, with every run's figure and every
-    run's samples attached, and the samples' pooled rate and its standard error."""
-    ordered = sorted(runs, key=lambda r: float(r["tokens_per_second"]))
-    row = dict(ordered[len(ordered) // 2])
-    row["tokens_per_second_runs"] = [r["tokens_per_second"] for r in runs]
-    row["samples"] = [s for r in runs for s in r["samples"]]
-    rate, se = pooled_rate(row["samples"])
-    row["tokens_per_second_pooled"] = round(rate, 1)
-    row["tokens_per_second_se"] = None if se is None else round(se, 2)
-    return row
-
-
-def agreement(
-    model: str, prompts: list[list[int]], outputs: list[list[int]], max_tokens: int
-) -> float:
-    loaded = load(model, dtype="float32")
-    same = total = 0
-    for prompt, got in zip(prompts, outputs, strict=False):
-        want = reference.greedy_generate(loaded.model, prompt, max_tokens).token_ids
-        n = min(len(want), len(got))
-        first_diff = next((i for i in range(n) if want[i] != got[i]), n)
-        same += first_diff
-        total += len(want)
-    return same / total if total else 1.0
-
-
-def json_row(row: dict[str, Any]) -> dict[str, Any]:
-    """A row as ``--json`` writes it (no outputs, no raw traces)."""
-    return {k: v for k, v in row.items() if k not in ("outputs", "_raw")}
-
-
-def _fmt(value: object, spec: str = "") -> str:
-    if value is None:
-        return "-"
-    return format(value, spec)
-
-
-def summary_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The rows as an aligned text table, one line per case."""
-    cols: list[tuple[str, int, Any]] = [
-        ("batch", 5, lambda r: r["batch"]),
-        ("k", 4, lambda r: "off" if r["k"] == 0 else r["k"]),
-        ("lp", 4, lambda r: r["logprobs"]),
-        ("tok/s", 9, lambda r: r["tokens_per_second"]),
-        ("req/s", 8, lambda r: _fmt(r["requests_per_second"], ".2f")),
-        ("ttft50", 8, lambda r: _fmt(r["ttft_ms"]["p50"], ".1f")),
-        ("ttft99", 8, lambda r: _fmt(r["ttft_ms"]["p99"], ".1f")),
-        ("itl50", 7, lambda r: _fmt(r["itl_ms"]["p50"], ".2f")),
-        ("itl99", 7, lambda r: _fmt(r["itl_ms"]["p99"], ".2f")),
-        ("acc_len", 7, lambda r: r["mean_accept_len"]),
-        ("eff", 6, lambda r: _fmt(r["efficiency"], ".1%")),
-        ("bubble", 6, lambda r: _fmt(r["bubble"], ".1%")),
-        ("ovh", 6, lambda r: _fmt(r["overhead_share"], ".1%")),
-        *[
-            (f"{name[:5]}ms", 8, lambda r, n=name: _fmt(r["breakdown_ms"][n], ".3f"))
-            for name in BREAKDOWN
-        ],
-        ("steps", 6, lambda r: r["pipeline_steps"]),
-        ("rec B", 8, lambda r: r["record_bytes_per_step"]),
-    ]
-    lines = [" ".join(f"{name:>{w}}" for name, w, _ in cols)]
-    for r in rows:
-        lines.append(" ".join(f"{str(get(r)):>{w}}" for _, w, get in cols))
-    accept = [
-        f"batch={r['batch']} k={r['k']}: "
-        + " ".join(f"{x:.3f}" for x in r["acceptance_per_position"])
-        for r in rows
-        if r["acceptance_per_position"]
-    ]
-    pooled = [
-        f"batch={r['batch']} k={r['k']}: {r['tokens_per_second_pooled']:.1f}"
-        f" ± {Z_95 * se:.1f} ({len(r['samples'])} samples)"
-        for r in rows
-        if (se := r.get("tokens_per_second_se")) is not None
-    ]
-    if pooled:
-        lines.append("tokens/s pooled over every turn or run, ± its 95% interval:")
-        lines += ["  " + p for p in pooled]
-    if accept:
-        lines.append("acceptance per draft position (conditional):")
-        lines += ["  " + a for a in accept]
-    chosen = [
-        f"batch={r['batch']}: "
-        + " ".join(f"k={k} {n / total:.0%}" for k, n in r["steps_by_k"].items())
-        + (" (started from kept step times)" if r.get("timing_cache_warm") else " (cold)")
-        for r in rows
-        if r["k"] == "auto" and (total := sum(r["steps_by_k"].values()))
-    ]
-    if chosen:
-        lines.append("adaptive k, share of decoding steps:")
-        lines += ["  " + c for c in chosen]
-    return "\n".join(lines)
 
 
 def trace_path(
@@ -786,57 +139,6 @@ def trace_path(
     p = Path(path)
     lp = "off" if logprobs is None else logprobs
     return str(p.with_name(f"{p.stem}.b{batch}.k{k}.lp{lp}.r{round_}{p.suffix}"))
-
-
-class _Floor(msgspec.Struct, frozen=True):
-    """The bench's ``memory`` keys of the floor (module docstring)."""
-
-    read_gb_s: float
-    read_method: str
-    forward_weight_bytes: int
-    floor_us_1row: float
-
-
-def _block_bytes(model: str, dtype: str) -> int | None:
-    """The weight bytes a forward reads when the runtime serves ``model`` (a GGUF file)
-    from its quantized blocks; None when it serves float weights."""
-    from spectrio.models.loader import blocks_enabled, resolve_path
-
-    if dtype != "float32" or not blocks_enabled() or model.startswith("synthetic"):
-        return None
-    path = resolve_path(model)
-    if not path.is_file():
-        return None
-    from spectrio.models.block_serving import served_weight_bytes
-    from spectrio.models.gguf_file import GGUFFile
-
-    gguf = GGUFFile(path)
-    return served_weight_bytes(gguf, gguf.config)
-
-
-def _memory_floor(model: str, dtype: str) -> _Floor:
-    """The memory floor of ``model``'s forward, its bandwidth probed now."""
-    from spectrio.core.config import RuntimeConfig
-    from spectrio.models.loader import model_config
-    from spectrio.models.memory_floor import floor_us, forward_bytes, read_bandwidth
-
-    cfg = model_config(model)
-    width = np.dtype(dtype).itemsize
-    weights = forward_bytes(
-        cfg, [], weight_bytes=width, kv_bytes=width, weights_total=_block_bytes(model, dtype)
-    )
-    probe = read_bandwidth(threads=RuntimeConfig().resolve_num_threads())
-    return _Floor(
-        read_gb_s=probe.best_gb_s,
-        read_method=probe.method,
-        forward_weight_bytes=weights,
-        floor_us_1row=round(floor_us(weights, probe), 1),
-    )
-
-
-def _machine() -> str:
-    cores = os.cpu_count()
-    return f"{platform.machine()} {platform.processor() or ''} cores={cores}".strip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -935,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         metavar="TOKENS",
-        help="the prefix-cache workload (tools/bench_prefix.py): every prompt is one "
+        help="the prefix-cache workload (tools/measurement/bench_prefix.py): every prompt is one "
         "TOKENS-token system prompt plus --prompt-tokens of its own, run with the prefix "
         "cache on and off, beside a control of the same prompts with no shared prefix",
     )
@@ -945,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="TURNS",
         help="with --shared-prefix: also run --batch conversations of TURNS turns, each "
-        "resending the conversation so far (tools/bench_prefix.py)",
+        "resending the conversation so far (tools/measurement/bench_prefix.py)",
     )
     p.add_argument("--json", type=str, default=None, help="write results to this file")
     p.add_argument("--plot", type=str, default=None, help="write a figure (PNG) to this file")
@@ -1015,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.shared_prefix is not None:
         if args.shared_prefix < 1 or args.interleave is not None:
             p.error("--shared-prefix takes a positive token count, and not --interleave")
-        from spectrio.tools.bench_prefix import run_shared_prefix
+        from spectrio.tools.measurement.bench_prefix import run_shared_prefix
 
         return run_shared_prefix(args, ks, counts)
     if args.prompts != "heldout" and is_synthetic(args.model):
@@ -1083,8 +385,8 @@ def main(argv: list[str] | None = None) -> int:
                     args.spec_method,
                 )
             )
-    rows = [_median_run(runs[c]) for c in cases]
-    machine = _machine()
+    rows = [median_run(runs[c]) for c in cases]
+    machine = machine_name()
     requests_label = (
         f"{args.waves} x batch, at least {args.min_requests}"
         if args.num_requests is None
@@ -1110,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     memory: dict[str, object] = {"peak_rss_mib": round(peak_rss_bytes() / 2**20)}
     print(f"memory: peak RSS {memory['peak_rss_mib']} MiB (the whole bench process)")
     if not args.model.startswith("synthetic:"):
-        floor = _memory_floor(args.model, args.dtype)
+        floor = memory_floor(args.model, args.dtype)
         memory.update(msgspec.structs.asdict(floor))
         print(
             f"memory floor: {floor.forward_weight_bytes / 1e6:.1f} MB of weights a forward, "
@@ -1139,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
                 indent=1,
             )
     if args.plot:
-        from spectrio.tools.bench_plot import plot_rows
+        from spectrio.tools.measurement.bench_plot import plot_rows
 
         plot_rows(rows, args.plot, title=f"{args.model} on {machine}")
     return 0
