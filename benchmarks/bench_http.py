@@ -44,7 +44,7 @@ from typing import Any
 import trio
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
-from spectrio.tools.bench import bench_prompts
+from spectrio.tools.measurement.bench import bench_prompts
 
 
 def _runtime_flags(args: argparse.Namespace) -> list[str]:

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from spectrio.models import PackedBatch, PagedKVCache, load
     from spectrio.models.ops.paddle_setup import configure_paddle, paddle
-    from spectrio.tools.logging_setup import configure_logging
+    from spectrio.tools.cli.logging_setup import configure_logging
 
     configure_logging("warning")
     from spectrio.core.config import RuntimeConfig

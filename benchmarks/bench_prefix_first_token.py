@@ -28,8 +28,8 @@ from typing import Any
 import trio
 
 from spectrio import RuntimeConfig, SamplingParams, open_runtime
-from spectrio.tools.bench import percentiles
-from spectrio.tools.bench_prefix import prefix_prompts
+from spectrio.tools.measurement.bench_prefix import prefix_prompts
+from spectrio.tools.measurement.latency import percentiles
 
 
 async def run_case(

@@ -24,9 +24,8 @@ import zmq
 
 from spectrio.core.params import SamplingParams
 from spectrio.models import load
-from spectrio.tools.bench import bench_prompts
-from spectrio.wire.stream_assembler import StreamAssembler
-from spectrio.wire.sync_client import Client
+from spectrio.tools.measurement.bench import bench_prompts
+from spectrio.wire.client import Client, StreamAssembler
 
 
 def run_case(

@@ -30,7 +30,7 @@ import trio
 
 from spectrio.models.loading.loader import resolve_path
 from spectrio.models.ops.paddle_setup import configure_paddle
-from spectrio.tools.bench import bench_prompts, run_case
+from spectrio.tools.measurement.bench import bench_prompts, run_case
 
 
 def _hf_model(folder: Path, dtype: str) -> Any:

@@ -35,8 +35,8 @@ from tqdm import tqdm
 
 from spectrio.models import SpectrioForCausalLM, load, reference
 from spectrio.models.architecture.config import DType
-from spectrio.tools.corpus import held_out_contexts
-from spectrio.tools.logging_setup import configure_logging
+from spectrio.tools.cli.logging_setup import configure_logging
+from spectrio.tools.training.corpus import held_out_contexts
 
 
 def evaluate(

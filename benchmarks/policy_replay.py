@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = p.parse_args(argv)
     if args.record or args.record_tape:
-        from spectrio.tools.bench import bench_prompts
+        from spectrio.tools.measurement.bench import bench_prompts
 
         if min(args.k, args.requests, args.steps, args.batch) < 1 or args.max_tokens < 2:
             p.error(

@@ -675,7 +675,7 @@ async def soak_fronts(args: argparse.Namespace) -> dict[str, Any]:
     from spectrio.http_api.front import HttpFront
     from spectrio.http_api.server import serve_http
     from spectrio.runtime.api import open_runtime
-    from spectrio.tools.metrics import ObservedRuntime, ServeMetrics
+    from spectrio.runtime.metrics import ObservedRuntime, ServeMetrics
     from spectrio.wire.server import serve
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -903,7 +903,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return res
     import trio
 
-    from spectrio.tools.logging_setup import configure_logging
+    from spectrio.tools.cli.logging_setup import configure_logging
 
     configure_logging("warning")
     res = trio.run(soak_fronts, args)

@@ -58,7 +58,7 @@ still runs and letting each response end."""
 class HttpFront:
     """What the HTTP app serves: a runtime under a model name, with its limits.
 
-    ``rt`` may be an :class:`~spectrio.tools.metrics.ObservedRuntime` (the CLI's seam
+    ``rt`` may be an :class:`~spectrio.runtime.metrics.ObservedRuntime` (the CLI's seam
     for metrics and traces): only the public Runtime API is used. ``registry``: the
     Prometheus registry ``/metrics`` exposes (None: no ``/metrics``)."""
 

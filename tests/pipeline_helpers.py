@@ -8,7 +8,7 @@ from functools import lru_cache
 
 from spectrio import Runtime, RuntimeConfig, SamplingParams, SpeculativeConfig
 from spectrio.models import load, reference
-from spectrio.tools.corpus import corpus_files, read_texts
+from spectrio.tools.training.corpus import corpus_files, read_texts
 
 HANDWRITTEN = [
     "def fib(n):",

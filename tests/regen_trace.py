@@ -23,7 +23,7 @@ REPLAY_FLAGS = ["--dtype", "float64", "--k", "2", "--max-model-len", "128", "--s
 
 
 def main() -> int:
-    from spectrio.tools.cli import main as cli
+    from spectrio.tools.cli.commands import main as cli
 
     code = cli(["trace", "import", str(PROMPTS), "-o", str(TRACE)])
     if code == 0:

@@ -14,10 +14,10 @@ import trio
 from spectrio import RuntimeConfig, open_runtime
 from spectrio.core.timing import StepTiming
 from spectrio.models.doubles.synthetic import true_chain
-from spectrio.tools import bench
-from spectrio.tools.bench_plot import timeline_bars
-from spectrio.tools.replay import replay_runtime
-from spectrio.tools.trace import config_from_fields, read_trace
+from spectrio.tools.measurement import bench, bench_run, bench_workload, latency
+from spectrio.tools.measurement.bench_plot import timeline_bars
+from spectrio.tools.measurement.replay import replay_runtime
+from spectrio.tools.measurement.trace_format import config_from_fields, read_trace
 
 SYNTH = "synthetic:step_ms=0.3,per_row_us=2,accept=0.9,0.5,0.2"
 
@@ -36,21 +36,21 @@ ROW_KEYS = {
 
 
 def test_poisson_arrivals_are_seeded_and_at_the_rate() -> None:
-    assert bench.poisson_arrivals(3, None) == [0.0, 0.0, 0.0]
-    a = bench.poisson_arrivals(4000, 50.0, seed=1)
-    assert a == bench.poisson_arrivals(4000, 50.0, seed=1)
-    assert a != bench.poisson_arrivals(4000, 50.0, seed=2)
+    assert bench_workload.poisson_arrivals(3, None) == [0.0, 0.0, 0.0]
+    a = bench_workload.poisson_arrivals(4000, 50.0, seed=1)
+    assert a == bench_workload.poisson_arrivals(4000, 50.0, seed=1)
+    assert a != bench_workload.poisson_arrivals(4000, 50.0, seed=2)
     assert a[0] == 0.0 and all(y >= x for x, y in zip(a, a[1:], strict=False))
     assert abs(np.mean(np.diff(a)) - 1 / 50) < 0.002
     with pytest.raises(ValueError, match="positive"):
-        bench.poisson_arrivals(2, 0.0)
+        bench_workload.poisson_arrivals(2, 0.0)
 
 
 def test_round_order_groups_batches_and_rotates_each_group() -> None:
     cases: list[tuple[int, int | str, int | None]] = [
         (1, 0, None), (1, 2, None), (1, "auto", None), (16, 0, None), (16, "auto", None),
     ]  # fmt: skip
-    orders = [bench.round_order(cases, r) for r in range(6)]
+    orders = [bench_workload.round_order(cases, r) for r in range(6)]
     assert orders[0] == cases
     assert orders[1] == [
         (1, 2, None), (1, "auto", None), (1, 0, None), (16, "auto", None), (16, 0, None),
@@ -64,10 +64,10 @@ def test_round_order_groups_batches_and_rotates_each_group() -> None:
 
 
 def test_percentiles_and_latencies() -> None:
-    assert bench.percentiles([]) == {"p50": None, "p90": None, "p99": None, "mean": None}
-    got = bench.percentiles([float(x) for x in range(1, 101)])
+    assert latency.percentiles([]) == {"p50": None, "p90": None, "p99": None, "mean": None}
+    got = latency.percentiles([float(x) for x in range(1, 101)])
     assert got == {"p50": 50.5, "p90": 90.1, "p99": 99.01, "mean": 50.5}
-    tr = bench.RequestTrace(arrival=1.0)
+    tr = bench_run.RequestTrace(arrival=1.0)
     tr.add(1.5, 1)
     tr.add(1.6, 0)  # a delta without tokens (e.g. the final one) is no token event
     tr.add(1.7, 3)
@@ -75,7 +75,7 @@ def test_percentiles_and_latencies() -> None:
     assert tr.ttft == pytest.approx(0.5)
     assert tr.itls == pytest.approx([0.2, 0.3])
     assert tr.tpot == pytest.approx(0.5 / 4)
-    lat = bench.latency_summary([tr, bench.RequestTrace(arrival=0.0)])
+    lat = bench_run.latency_summary([tr, bench_run.RequestTrace(arrival=0.0)])
     assert lat["ttft_ms"]["p50"] == pytest.approx(500.0)
     assert lat["itl_ms"]["mean"] == pytest.approx(250.0)
 
@@ -101,15 +101,15 @@ def _timing(step: int, start: float, device: float, gap_after: float = 0.0) -> S
 def test_timing_summary_keys() -> None:
     # Three 10 ms steps with 1 ms gaps over a 32 ms wall.
     steps = [_timing(i, 0.011 * i, 0.010) for i in range(3)]
-    got = bench.timing_summary(steps, 0.032)
+    got = bench_run.timing_summary(steps, 0.032)
     assert got["efficiency"] == pytest.approx(0.030 / 0.032, abs=1e-4)
     assert got["bubble"] == pytest.approx(0.002 / 0.032, abs=1e-4)
     assert got["overhead_share"] == pytest.approx(1 - 0.024 / 0.032, abs=1e-4)
     assert got["breakdown_ms"] == pytest.approx(
         {"schedule": 1.0, "draft": 1.0, "verify": 8.0, "sample": 1.0, "publish": 0.5, "idle": 1.0}
     )
-    empty = bench.timing_summary([], 1.0)
-    assert empty["efficiency"] is None and set(empty["breakdown_ms"]) == set(bench.BREAKDOWN)
+    empty = bench_run.timing_summary([], 1.0)
+    assert empty["efficiency"] is None and set(empty["breakdown_ms"]) == set(bench_run.BREAKDOWN)
     bars = timeline_bars(steps, 0.0, window=0.015)
     assert [round(x, 3) for x, _ in bars["verify"]] == [1.0, 12.0]
     assert [(round(x, 3), round(w, 3)) for x, w in bars["schedule"]] == [(-2.0, 1.0), (9.0, 1.0)]
@@ -120,22 +120,22 @@ def test_device_summary_leaves_pauses_out_of_the_gaps() -> None:
     # Steps at 0, 11 and 32 ms, 10 ms each; paused from 21.5 to 31.5 ms: the second gap is
     # 1 ms of idle plus 10 ms of pause, and only the idle counts.
     steps = [_timing(0, 0.0, 0.010), _timing(1, 0.011, 0.010), _timing(2, 0.032, 0.010)]
-    got = bench.timing_summary(steps, 0.032, pauses=[(0.0215, 0.0315)])
+    got = bench_run.timing_summary(steps, 0.032, pauses=[(0.0215, 0.0315)])
     assert got["bubble"] == pytest.approx(0.002 / 0.032, abs=1e-4)
     assert got["breakdown_ms"]["idle"] == pytest.approx(1.0)
-    assert bench.timing_summary(steps, 0.032)["breakdown_ms"]["idle"] == pytest.approx(6.0)
+    assert bench_run.timing_summary(steps, 0.032)["breakdown_ms"]["idle"] == pytest.approx(6.0)
 
 
 async def test_interleaved_cases_take_turns_and_stay_lossless() -> None:
     """Three cases of batch 2 side by side: every request's tokens come, no two cases'
     steps overlap in time, each case steps in several turns, and the output is the same
     whatever the speculation (greedy is lossless)."""
-    prompts = bench.bench_prompts(6, 6, SYNTH)
+    prompts = bench_workload.bench_prompts(6, 6, SYNTH)
     with trio.fail_after(120):
         rows = await trio.to_thread.run_sync(
             lambda: trio.run(
                 functools.partial(
-                    bench.run_interleaved,
+                    bench_run.run_interleaved,
                     SYNTH,
                     "float32",
                     [0, 2, "auto"],
@@ -206,7 +206,7 @@ async def test_bench_json_plot_and_table(
         assert r["requests_per_second"] == pytest.approx(r["requests"] / r["seconds"], rel=0.02)
         assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
         assert r["itl_ms"]["p50"] <= r["itl_ms"]["p90"] <= r["itl_ms"]["p99"]
-        assert set(r["breakdown_ms"]) == set(bench.BREAKDOWN)
+        assert set(r["breakdown_ms"]) == set(bench_run.BREAKDOWN)
         assert 0 < r["efficiency"] <= 1.0 and 0 <= r["bubble"] < 1.0
         assert r["overhead_share"] == pytest.approx(1 - r["model_share"], abs=1e-3)
         assert all(v is not None and v >= 0 for v in r["breakdown_ms"].values())
@@ -260,7 +260,7 @@ async def test_bench_request_rate(tmp_path: Path) -> None:
     (row,) = json.loads(out.read_text())["rows"]
     assert row["requests"] == 12 and row["request_rate"] == 400.0 and row["tokens"] == 96
     # 12 arrivals at 400/s span about 27 ms; the run cannot end before the last arrival.
-    assert row["seconds"] >= bench.poisson_arrivals(12, 400.0)[-1]
+    assert row["seconds"] >= bench_workload.poisson_arrivals(12, 400.0)[-1]
 
 
 async def test_bench_waves_keep_the_batch_full(tmp_path: Path) -> None:
@@ -338,8 +338,8 @@ def test_bench_rejects_bad_options(extra: list[str]) -> None:
 
 
 def test_bench_synthetic_prompts_are_seeded_ids_in_vocab() -> None:
-    a = bench.bench_prompts(5, 7, SYNTH, seed=3)
-    assert a == bench.bench_prompts(5, 7, SYNTH, seed=3)
+    a = bench_workload.bench_prompts(5, 7, SYNTH, seed=3)
+    assert a == bench_workload.bench_prompts(5, 7, SYNTH, seed=3)
     assert len(a) == 5 and all(len(p) == 7 and 1 <= min(p) and max(p) < 512 for p in a)
 
 
@@ -347,22 +347,22 @@ def test_bench_held_out_prompts_take_a_second_pass_after_the_first() -> None:
     """Batch 64 with 12 waves needs 768 prompts of 48 tokens; one pass over the held-out
     split holds 412. The second pass starts between the first's prompts, which come first
     and unchanged (so a smaller count gives the same prompts as before)."""
-    many = bench.bench_prompts(600, 48, "bundled")
-    assert many[:100] == bench.bench_prompts(100, 48, "bundled")
+    many = bench_workload.bench_prompts(600, 48, "bundled")
+    assert many[:100] == bench_workload.bench_prompts(100, 48, "bundled")
     assert all(len(p) == 48 for p in many)
     assert len({tuple(p) for p in many}) >= 590  # a few windows of text repeat
     with pytest.raises(RuntimeError, match=r"holds \d+ prompts of 48 tokens, not the"):
-        bench.bench_prompts(10**6, 48, "bundled")
-    assert bench.PROMPT_STRIDE // 2 > 48  # the passes' windows do not overlap
+        bench_workload.bench_prompts(10**6, 48, "bundled")
+    assert bench_workload.PROMPT_STRIDE // 2 > 48  # the passes' windows do not overlap
 
 
 def test_bench_repeat_prompts_end_with_their_own_start() -> None:
-    plain = bench.bench_prompts(4, 48, "bundled")
-    repeat = bench.bench_prompts(4, 48, "bundled", workload="repeat")
+    plain = bench_workload.bench_prompts(4, 48, "bundled")
+    repeat = bench_workload.bench_prompts(4, 48, "bundled", workload="repeat")
     assert [p[:48] for p in repeat] == plain
     assert all(p[48:] == p[:12] for p in repeat)
     with pytest.raises(ValueError, match="workload"):
-        bench.bench_prompts(4, 48, "bundled", workload="copy")
+        bench_workload.bench_prompts(4, 48, "bundled", workload="copy")
 
 
 def test_bench_runs_ngram_on_the_repeat_workload(
@@ -407,9 +407,9 @@ def test_bench_compares_methods_in_one_run(tmp_path: Path) -> None:
     assert rows[2]["drafts_accepted"] > 0 and rows["ngram:3"]["drafts_accepted"] > 0
     # n-gram lookup proposes only where a suffix repeats; MTP drafts every step
     assert rows["ngram:3"]["drafts_proposed"] != rows[2]["drafts_proposed"]
-    assert bench.spec_config("ngram:auto", 5).method == "ngram"
-    assert bench.spec_config("ngram:auto", 5).adaptive
-    assert bench.spec_config("mtp:2", 5, method="ngram").method == "mtp"
+    assert bench_workload.spec_config("ngram:auto", 5).method == "ngram"
+    assert bench_workload.spec_config("ngram:auto", 5).adaptive
+    assert bench_workload.spec_config("mtp:2", 5, method="ngram").method == "mtp"
 
 
 async def test_bench_save_trace_replays_to_the_same_tokens(tmp_path: Path) -> None:
@@ -422,10 +422,10 @@ async def test_bench_save_trace_replays_to_the_same_tokens(tmp_path: Path) -> No
     assert await _main(argv, 60) == 0
     trace = read_trace(path)
     assert trace.header.source == "bench" and trace.header.model == SYNTH
-    prompts = bench.bench_prompts(5, 5, SYNTH)
+    prompts = bench_workload.bench_prompts(5, 5, SYNTH)
     assert [r.prompt_ids for r in trace.requests] == prompts
     assert [r.arrival_s for r in trace.requests] == pytest.approx(
-        bench.poisson_arrivals(5, 500.0), abs=1e-6
+        bench_workload.poisson_arrivals(5, 500.0), abs=1e-6
     )
     results = trace.ordered_results()
     assert [r.token_ids for r in results] == [true_chain(p, 10) for p in prompts]
@@ -485,9 +485,9 @@ def test_bench_chat_prompts_are_held_out_messages_through_the_template(
     template is refused."""
     from spectrio.models.loading.loader import load_text_side
     from spectrio.models.text.chat import build_chat_template
-    from spectrio.tools.chat_prompts import heldout_chat_prompts
+    from spectrio.tools.training.chat_prompts import heldout_chat_prompts
 
-    prompts = bench.bench_prompts(3, 48, str(smollm2_gguf), workload="chat")
+    prompts = bench_workload.bench_prompts(3, 48, str(smollm2_gguf), workload="chat")
     cfg, tok, source = load_text_side(smollm2_gguf)
     template = build_chat_template(source, tok, cfg)
     assert template is not None and tok is not None
@@ -495,4 +495,4 @@ def test_bench_chat_prompts_are_held_out_messages_through_the_template(
         text = tok.raw.decode(ids, skip_special_tokens=False)
         assert text.endswith(f"<|im_start|>user\n{message}<|im_end|>\n<|im_start|>assistant\n")
     with pytest.raises(ValueError, match="has no chat template"):
-        bench.bench_prompts(3, 48, "bundled", workload="chat")
+        bench_workload.bench_prompts(3, 48, "bundled", workload="chat")

@@ -1,4 +1,5 @@
-"""The bench's speculation summary (:mod:`spectrio.tools.bench_speedup`) on hand-made rows."""
+"""The bench's speculation summary (:mod:`spectrio.tools.measurement.bench_speedup`) on
+hand-made rows."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from spectrio.tools.bench_speedup import format_speedups, pooled_rate, speedups
+from spectrio.tools.measurement.bench_speedup import format_speedups, pooled_rate, speedups
 
 
 def _row(batch: int, k: int | str, runs: list[float], lp: int | str = "off") -> dict[str, Any]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spectrio.tools.chat_prompts import (
+from spectrio.tools.training.chat_prompts import (
     HELDOUT_TASKS,
     HELDOUT_TOPICS,
     TRAIN_TASKS,

@@ -31,8 +31,8 @@ from spectrio.http_api.server import serve_http
 from spectrio.runtime import Health
 from spectrio.runtime.api import Runtime
 from spectrio.runtime.health import judge_health
-from spectrio.tools.metrics import ServeMetrics
-from spectrio.tools.runtime_flags import parse_runtime_flags
+from spectrio.runtime.metrics import ServeMetrics
+from spectrio.tools.cli.runtime_flags import parse_runtime_flags
 
 STALL = 0.5  # the runtime tests' stall_timeout_s
 SLACK = 2.0  # what a loaded 2-core machine may add to it

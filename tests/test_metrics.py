@@ -14,14 +14,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_serve_process import Server
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
-from spectrio.tools.metrics import (
+from spectrio.runtime.metrics import (
     DriftDetector,
     ObservedRuntime,
     ServeMetrics,
     parse_metrics_address,
 )
-from spectrio.tools.trace import read_trace
-from spectrio.wire.async_client import open_client
+from spectrio.tools.measurement.trace_format import read_trace
+from spectrio.wire.client import open_client
 
 
 def feed(d: DriftDetector, rates: list[float], per: int = 100) -> list[list[int]]:
@@ -191,7 +191,7 @@ def test_prefix_cache_metrics_come_from_the_runtime_stats() -> None:
     from prometheus_client.core import Metric
 
     from spectrio.core.messages import RuntimeStats
-    from spectrio.tools.metrics import _stats_metrics
+    from spectrio.runtime.metrics import _stats_metrics
 
     stats = RuntimeStats(
         running=0, waiting=0, num_kv_blocks=64, free_kv_blocks=64, num_steps=9,

@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 from spectrio import RuntimeConfig, open_runtime
 from spectrio.errors import CheckpointError, ModelConfigError
 from spectrio.models import load
-from spectrio.tools.cli import main
+from spectrio.tools.cli.commands import main
 
 ARCHS = Path(__file__).resolve().parent / "data" / "archs"
 

@@ -379,7 +379,7 @@ def test_training_chains_substeps_as_the_runtime_does(
 ) -> None:
     """``train-mtp``'s unrolled chain feeds each substep what the serving path feeds it
     (the pre-norm target state for MiMo, the normed layer output for MiMo and ERNIE)."""
-    from spectrio.tools.train import mtp_chain, target_chain
+    from spectrio.tools.training.chain import mtp_chain, target_chain
 
     model = load(folders[layout][0], dtype="float64").model
     ids, s, depth = paddle.to_tensor(np.array([PROMPT])), 5, 3

@@ -61,7 +61,7 @@ def test_console_script_is_declared() -> None:
     from importlib.metadata import entry_points
 
     scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts")}
-    assert scripts.get("spectrio") == "spectrio.tools.cli:main"
+    assert scripts.get("spectrio") == "spectrio.tools.cli.commands:main"
     assert spectrio.__version__
 
 

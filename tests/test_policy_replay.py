@@ -21,7 +21,7 @@ from policy_replay import (
 )
 
 from spectrio.stages.planning.spec_policy import SpecPolicy
-from spectrio.tools.bench import bench_prompts
+from spectrio.tools.measurement.bench import bench_prompts
 
 TIMES = [0.0041, 0.0056, 0.0069, 0.0075]  # batch 1, 2-core CPU, k = 0..3
 

@@ -42,8 +42,8 @@ from spectrio.models.loading.gguf_quantize import (
 from spectrio.models.loading.gguf_write import TensorDone, write_gguf
 from spectrio.models.loading.loader import state_dict_hf
 from spectrio.models.ops import native_ops
-from spectrio.tools import quantize as quantize_cli
-from spectrio.tools.cli import main
+from spectrio.tools.cli import quantize as quantize_cli
+from spectrio.tools.cli.commands import main
 
 DATA = Path(__file__).resolve().parent / "data"
 ARCHS = DATA / "archs"

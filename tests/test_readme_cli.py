@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from spectrio.tools.cli import main
+from spectrio.tools.cli.commands import main
 
 CLI_DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 FLAG = re.compile(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*|-[a-zA-Z])(?![\w-])")

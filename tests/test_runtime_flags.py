@@ -18,15 +18,15 @@ import pytest
 
 from spectrio import ConfigError, RuntimeConfig, SamplingParams, SpeculativeConfig
 from spectrio.runtime.config_file import load_config, merge_tables
-from spectrio.tools.cli import build_parser
-from spectrio.tools.logging_setup import BarAwareLogger, split_logging_flags
-from spectrio.tools.runtime_flags import (
+from spectrio.tools.cli.commands import build_parser
+from spectrio.tools.cli.logging_setup import BarAwareLogger, split_logging_flags
+from spectrio.tools.cli.runtime_flags import (
     RUNTIME_FLAGS,
     add_runtime_flags,
     parse_runtime_flags,
     runtime_flag_specs,
 )
-from spectrio.tools.sampling_flags import add_sampling_flags, sampling_params
+from spectrio.tools.cli.sampling_flags import add_sampling_flags, sampling_params
 
 
 def config_fields() -> set[str]:
@@ -55,7 +55,7 @@ def test_every_config_field_has_exactly_one_flag_and_one_help() -> None:
 
 
 def test_a_field_without_a_flag_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    import spectrio.tools.runtime_flags as rf
+    import spectrio.tools.cli.runtime_flags as rf
 
     monkeypatch.setattr(rf, "RUNTIME_FLAGS", rf.RUNTIME_FLAGS[1:])
     with pytest.raises(RuntimeError, match=r"fields without a flag \['model'\]"):
@@ -332,7 +332,7 @@ handlers = list(logging.getLogger().handlers)
 import trio
 import spectrio
 from spectrio import RuntimeConfig, SamplingParams, open_runtime
-import spectrio.wire.server, spectrio.wire.client, spectrio.tools.trace
+import spectrio.wire.server, spectrio.wire.client, spectrio.tools.measurement.trace_format
 
 async def main():
     async with open_runtime(RuntimeConfig(max_model_len=64)) as rt:

@@ -138,8 +138,8 @@ def test_train_mtp_writes_its_own_user_messages(smol: LoadedModel, tmp_path: Pat
     import numpy as np
 
     from spectrio.models.text.chat import chat_template_for
-    from spectrio.tools.chat_prompts import usable_messages
-    from spectrio.tools.train_mtp import _write_messages, build_prompts, user_messages
+    from spectrio.tools.training.chat_prompts import usable_messages
+    from spectrio.tools.training.mtp_generations import build_prompts, user_messages, write_messages
 
     args = argparse.Namespace(
         chat_prompts="self", text=None, prompts=8, gen_batch=4, seed=3, threads=None,
@@ -148,7 +148,7 @@ def test_train_mtp_writes_its_own_user_messages(smol: LoadedModel, tmp_path: Pat
 
     async def write() -> list[str]:
         with trio.fail_after(300):
-            return await _write_messages(smol, 4, args)
+            return await write_messages(smol, 4, args)
 
     messages = trio.run(write)
     assert len(messages) == 4

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from spectrio.models import BUNDLED_DIR, TextTokenizer
-from spectrio.tools.corpus import corpus_files, is_held_out, read_texts, stdlib_root
-from spectrio.tools.tokenizer_train import EOS_TOKEN
+from spectrio.tools.training.corpus import corpus_files, is_held_out, read_texts, stdlib_root
+from spectrio.tools.training.tokenizer_train import EOS_TOKEN
 
 
 @pytest.fixture(scope="module")

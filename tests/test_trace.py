@@ -12,20 +12,19 @@ import msgspec
 import pytest
 
 from spectrio.core.params import SamplingParams
-from spectrio.tools.diff import diff_traces, first_divergence
-from spectrio.tools.trace import (
+from spectrio.tools.measurement.diff import diff_traces, first_divergence
+from spectrio.tools.measurement.latency import percentiles
+from spectrio.tools.measurement.trace_command import import_prompts, load_tokenizer
+from spectrio.tools.measurement.trace_format import (
     TRACE_VERSION,
-    ResultBuilder,
     TraceError,
     TraceResult,
     TraceWriter,
-    import_prompts,
-    load_tokenizer,
     parse_lines,
-    percentiles,
     read_trace,
-    summarize,
 )
+from spectrio.tools.measurement.trace_record import ResultBuilder
+from spectrio.tools.measurement.trace_summary import summarize
 
 DATA = Path(__file__).resolve().parent / "data"
 HEADER = '{"kind": "header", "format": "spectrio-trace", "version": "1.0"}'

@@ -17,12 +17,12 @@ import trio
 from test_serve_process import Server
 
 from spectrio.runtime.api import open_runtime
-from spectrio.tools.diff import diff_traces
-from spectrio.tools.replay import replay_runtime, replay_wire, submit_times
-from spectrio.tools.trace import (
+from spectrio.tools.measurement.diff import diff_traces
+from spectrio.tools.measurement.replay import replay_runtime, replay_wire, submit_times
+from spectrio.tools.measurement.trace_command import load_tokenizer
+from spectrio.tools.measurement.trace_format import (
     Trace,
     config_from_fields,
-    load_tokenizer,
     read_trace,
     runtime_fields,
 )

@@ -13,7 +13,8 @@ import pytest
 from conftest import tiny_model
 
 from spectrio.models import reference
-from spectrio.tools.train import chain_accepted, chain_mask, lr_at, mtp_chain, target_chain
+from spectrio.tools.training.chain import chain_accepted, chain_mask, mtp_chain, target_chain
+from spectrio.tools.training.optim import lr_at
 
 DEPTH = 3
 

@@ -21,16 +21,12 @@ from spectrio.models import LoadedModel, load
 from spectrio.models.architecture.config import BUNDLED_DIR
 from spectrio.models.loading.loader import state_dict_hf
 from spectrio.models.loading.mtp_head import HEAD_FILE, head_path_for
-from spectrio.tools import train_mtp
-from spectrio.tools.train_mtp import (
-    Features,
-    Sequences,
-    accepted_per_substep,
-    chat_prompts,
-    frequent_tokens,
-    lr_at,
-    make_batch,
-)
+from spectrio.tools.training import mtp_generations, train_mtp
+from spectrio.tools.training.chat_prompts import chat_prompts
+from spectrio.tools.training.mtp_features import Features, frequent_tokens, make_batch
+from spectrio.tools.training.mtp_generations import Sequences
+from spectrio.tools.training.mtp_loop import accepted_per_substep
+from spectrio.tools.training.optim import lr_at
 
 TRAIN_ARGS = [
     "--prompts", "12", "--prompt-tokens", "48", "--gen-tokens", "40", "--gen-batch", "6",
@@ -280,28 +276,28 @@ def test_drafting_from_a_vocabulary_subset_computes_those_columns(bundled: Loade
 def test_an_interrupted_generation_keeps_what_it_finished(tmp_path: Path) -> None:
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     path = tmp_path / "generations.partial.npz"
-    partial = train_mtp.PartialGenerations(path, prompts)
+    partial = mtp_generations.PartialGenerations(path, prompts)
     partial.add(2, [10, 11])
     partial.add(0, [])
     partial.save()
-    assert train_mtp.PartialGenerations(path, prompts).done == {0: [], 2: [10, 11]}
+    assert mtp_generations.PartialGenerations(path, prompts).done == {0: [], 2: [10, 11]}
     # another prompt set (another --prompts or seed): an entry is kept only for the same
     # prompt at the same index, so sets never mix
     moved = [[1, 2, 3], [6, 7, 8, 9], [4, 5]]
-    assert train_mtp.PartialGenerations(path, moved).done == {0: []}
+    assert mtp_generations.PartialGenerations(path, moved).done == {0: []}
 
 
 def test_generation_resumes_with_only_the_missing_prompts(trained: Path) -> None:
     loaded = load(trained, mtp_head=False)
     prompts = [loaded.tokenizer.encode(t) for t in ("def f(x):", "import os\n", "class A:")]
     args = train_mtp.build_parser().parse_args(["--model", str(trained), *TRAIN_ARGS])
-    full = trio.run(train_mtp._generate, loaded, prompts, args, None)
-    partial = train_mtp.PartialGenerations(trained.parent / "resume.npz", prompts)
+    full = trio.run(mtp_generations.generate, loaded, prompts, args, None)
+    partial = mtp_generations.PartialGenerations(trained.parent / "resume.npz", prompts)
     partial.add(1, [7, 7, 7])  # a marker no generation would give: proves it was kept
-    rows = trio.run(train_mtp._generate, loaded, prompts, args, partial)
+    rows = trio.run(mtp_generations.generate, loaded, prompts, args, partial)
     assert rows[1] == (prompts[1], [7, 7, 7])
     assert rows[0] == full[0] and rows[2] == full[2]
-    assert set(train_mtp.PartialGenerations(partial.path, prompts).done) == {0, 1, 2}
+    assert set(mtp_generations.PartialGenerations(partial.path, prompts).done) == {0, 1, 2}
 
 
 def test_a_spent_generation_budget_keeps_the_finished_ones(trained: Path) -> None:
@@ -310,12 +306,12 @@ def test_a_spent_generation_budget_keeps_the_finished_ones(trained: Path) -> Non
     args = train_mtp.build_parser().parse_args(
         ["--model", str(trained), "--gen-minutes", "1", *TRAIN_ARGS]
     )
-    partial = train_mtp.PartialGenerations(trained.parent / "spent.npz", prompts)
+    partial = mtp_generations.PartialGenerations(trained.parent / "spent.npz", prompts)
     partial.add(0, [7, 7])
     partial.seconds = 60.0  # the whole budget spent by an earlier run
-    rows = trio.run(train_mtp._generate, loaded, prompts, args, partial)
+    rows = trio.run(mtp_generations.generate, loaded, prompts, args, partial)
     assert rows == [(prompts[0], [7, 7])]
-    assert train_mtp.PartialGenerations(partial.path, prompts).seconds >= 60.0
+    assert mtp_generations.PartialGenerations(partial.path, prompts).seconds >= 60.0
 
 
 def test_init_head_starts_from_the_current_head(trained: Path, tmp_path: Path) -> None:

@@ -157,7 +157,7 @@ def test_info_names_the_ngram_method_and_its_lookup_lengths() -> None:
     its suffix lengths, so a client can tell the methods apart."""
     from types import SimpleNamespace
 
-    from spectrio.tools.runtime_flags import parse_runtime_flags
+    from spectrio.tools.cli.runtime_flags import parse_runtime_flags
     from spectrio.wire.server import model_info
 
     config = parse_runtime_flags(["--spec-method", "ngram", "--prompt-lookup-max", "3"])

@@ -394,7 +394,7 @@ def test_serve_and_client_subprocesses(tmp_path: Path) -> None:
             ]
 
     want = trio.run(in_process)
-    cli = [sys.executable, "-m", "spectrio.tools.serve_cli"]
+    cli = [sys.executable, "-m", "spectrio.tools.cli.serve"]
     server = subprocess.Popen(
         [
             *cli,

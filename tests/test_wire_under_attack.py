@@ -30,9 +30,8 @@ import zmq
 from spectrio.core.config import RuntimeConfig
 from spectrio.core.params import SamplingParams
 from spectrio.runtime.api import Runtime, open_runtime
-from spectrio.tools.corpus import corpus_files, read_texts
-from spectrio.wire.async_client import AsyncClient, open_client
-from spectrio.wire.client_requests import RequestRefused
+from spectrio.tools.training.corpus import corpus_files, read_texts
+from spectrio.wire.client import AsyncClient, RequestRefused, open_client
 from spectrio.wire.codec import decode_reply, encode
 from spectrio.wire.schema import SCHEMA_VERSION, Abort, Error, Ping, Submit
 from spectrio.wire.server import PromptTokenizer, WireServer, serve

@@ -18,7 +18,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from spectrio.tools.trace import Trace, TraceResult, read_trace, summarize
+from spectrio.tools.measurement.trace_format import Trace, TraceResult, read_trace
+from spectrio.tools.measurement.trace_summary import summarize
 
 __all__ = ["DiffReport", "Divergence", "add_diff_parser", "diff_traces", "first_divergence"]
 
@@ -189,7 +190,7 @@ def diff_main(args: argparse.Namespace) -> int:
     """Exit status: 0, or 1 with ``--strict`` when a request diverges; 2 for an
     unreadable trace."""
     from spectrio.errors import SpectrioError
-    from spectrio.tools.trace import load_tokenizer
+    from spectrio.tools.measurement.trace_command import load_tokenizer
 
     try:
         a, b = read_trace(args.a), read_trace(args.b)

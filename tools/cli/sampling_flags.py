@@ -70,7 +70,7 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     names = {f.name for f in fields}
     if names != set(SAMPLING_HELP):
         raise RuntimeError(
-            f"tools/sampling_flags.py is out of step with SamplingParams: without help "
+            f"tools/cli/sampling_flags.py is out of step with SamplingParams: without help "
             f"{sorted(names - set(SAMPLING_HELP))}, help for no field "
             f"{sorted(set(SAMPLING_HELP) - names)}"
         )

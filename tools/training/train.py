@@ -26,7 +26,7 @@ slow (shared) machine still ends each phase at the low learning rate. The steps 
 run are in the log; pass them back as ``--p1-steps``/``--p2-steps`` with generous minutes
 to replay a run step for step (seeded).
 
-Run: ``python -m spectrio.tools.train --out DIR`` (or ``spectrio train``); it uses every
+Run: ``python -m spectrio.tools.training.train --out DIR`` (or ``spectrio train``); it uses every
 core the process may run on unless ``--threads`` says otherwise.
 Beside the checkpoint: ``training_log.json`` (arguments, per-step curves, held-out
 evaluations) and ``training_curves.png`` (needs the ``plots`` extra).
@@ -36,20 +36,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import structlog
 
-from spectrio.tools.logging_setup import configure_logging
+from spectrio.tools.cli.logging_setup import configure_logging
+from spectrio.tools.training.chain import chain_accepted, heldout_eval, mtp_chain, target_chain
+from spectrio.tools.training.optim import lr_at, optimizer
 
 if TYPE_CHECKING:
-    from spectrio.models.architecture.layers import KV, DecoderLayer
     from spectrio.models.architecture.model import SpectrioForCausalLM
-    from spectrio.models.ops.paddle_setup import paddle
 
 log = structlog.get_logger("spectrio.train")
 
@@ -74,8 +73,8 @@ DEFAULT_MODEL: dict[str, Any] = {
 
 def encode_split(tokenizer: Any, split: str) -> np.ndarray:
     """All files of ``split`` tokenised and joined with EOS, as one uint16 stream."""
-    from spectrio.tools.corpus import corpus_files, read_texts
-    from spectrio.tools.tokenizer_train import EOS_TOKEN
+    from spectrio.tools.training.corpus import corpus_files, read_texts
+    from spectrio.tools.training.tokenizer_train import EOS_TOKEN
 
     eos = tokenizer.token_to_id(EOS_TOKEN)
     texts = list(read_texts(corpus_files(split)))
@@ -91,194 +90,6 @@ def sample_windows(
 ) -> np.ndarray:
     starts = rng.integers(0, data.size - length, size=batch)
     return np.stack([data[s : s + length] for s in starts]).astype(np.int64)
-
-
-def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine from ``peak`` to 10% by progress 1."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
-
-
-# ---- the unrolled chain, as the runtime drafts --------------------------------------
-
-
-def chain_mask(rows: int, prefix: int, dtype: str) -> paddle.Tensor:
-    """Additive mask of chain r over the ``prefix`` real (prefix) entries: row r sees
-    columns ``c <= r + prefix - rows``, every real entry before its own first step."""
-    from spectrio.models.ops.paddle_setup import paddle
-
-    real = np.arange(prefix)[None, :] <= np.arange(rows)[:, None] + (prefix - rows)
-    return paddle.to_tensor(np.where(real, 0.0, -np.inf).astype(dtype))
-
-
-def _rope(model: SpectrioForCausalLM, start: int, n: int) -> tuple[paddle.Tensor, paddle.Tensor]:
-    from spectrio.models.architecture.layers import rope_cos_sin
-    from spectrio.models.ops.paddle_setup import paddle
-
-    cfg = model.config
-    return rope_cos_sin(paddle.arange(start, start + n, dtype="int64"), cfg.inv_freq(), model.dtype)
-
-
-def chain_layer(
-    layer: DecoderLayer,
-    x: paddle.Tensor,
-    cos: paddle.Tensor,
-    sin: paddle.Tensor,
-    real: KV,
-    mask: paddle.Tensor,
-    chain: list[KV],
-) -> tuple[paddle.Tensor, KV]:
-    """One decoder layer for ``[B, T]`` parallel chains, one new position per chain.
-
-    Row r attends to the real keys its ``mask`` row allows and to the keys chain r wrote at
-    its own earlier steps (``chain[i][:, r]``) and now. Equal to a causal pass with the
-    chain's entries appended, but each chain's own entries are a per-row dot product, so a
-    step costs one ``[T, P]`` attention instead of ``[T, P + steps * T]``.
-    """
-    from spectrio.models.ops.paddle_setup import paddle
-
-    F = paddle.nn.functional
-
-    attn = layer.self_attn
-    b, t, _ = x.shape
-    q, k, v = attn._qkv(layer.input_layernorm(x), cos, sin)
-    qh = q.transpose([0, 2, 1, 3])  # [B, H, T, D]
-
-    def heads(y: paddle.Tensor) -> paddle.Tensor:  # [B, T, kv, D] -> [B, H, T, D]
-        return attn._expand_kv(y.transpose([0, 2, 1, 3]), 1)
-
-    own = chain + [(k, v)]
-    scores = [paddle.matmul(qh, heads(real[0]), transpose_y=True) * attn.scale + mask]
-    scores += [(qh * heads(kk)).sum(axis=-1, keepdim=True) * attn.scale for kk, _ in own]
-    probs = F.softmax(paddle.concat(scores, axis=-1), axis=-1)
-    p = real[0].shape[1]
-    out = paddle.matmul(probs[..., :p], heads(real[1]))
-    for i, (_, vv) in enumerate(own):
-        out = out + probs[..., p + i : p + i + 1] * heads(vv)
-    x = x + attn.o_proj(out.transpose([0, 2, 1, 3]).reshape([b, t, -1]))
-    return x + layer.mlp(layer.post_attention_layernorm(x)), (k, v)
-
-
-def target_chain(
-    model: SpectrioForCausalLM, ids: paddle.Tensor, depth: int
-) -> tuple[list[paddle.Tensor], paddle.Tensor, list[paddle.Tensor]]:
-    """The target's greedy continuation after every prefix of ``ids`` ``[B, T]``, ``depth``
-    tokens deep, all prefixes in parallel.
-
-    Returns ``(logits, hidden, tokens)``: ``logits[0]`` is the teacher-forced pass (row s
-    follows ``ids[:, :s+1]``); ``logits[j]`` row s follows that prefix plus the target's
-    own greedy tokens ``tokens[0][:, s] .. tokens[j-1][:, s]``; ``tokens[j]`` is the
-    argmax of ``logits[j]``; ``hidden`` holds the teacher-forced pass's final normed
-    hidden states.
-    """
-    from spectrio.models.ops.paddle_setup import paddle
-
-    logits, hidden, real = model.forward_dense(ids)
-    out, tokens = [logits], [paddle.argmax(logits, axis=-1)]
-    t = ids.shape[1]
-    mask = chain_mask(t, t, model.dtype)
-    chains: list[list[KV]] = [[] for _ in model.model.layers]
-    for j in range(1, depth):
-        cos, sin = _rope(model, j, t)
-        x = model.model.embed_tokens(tokens[-1])
-        for i, layer in enumerate(model.model.layers):
-            x, kv = chain_layer(cast("DecoderLayer", layer), x, cos, sin, real[i], mask, chains[i])
-            chains[i].append(kv)
-        logits = model.compute_logits(model.model.norm(x))
-        out.append(logits)
-        tokens.append(paddle.argmax(logits, axis=-1))
-    return out, hidden, tokens
-
-
-def mtp_chain(
-    model: SpectrioForCausalLM,
-    ids: paddle.Tensor,
-    hidden: paddle.Tensor,
-    chain_tokens: list[paddle.Tensor],
-    depth: int,
-) -> list[paddle.Tensor]:
-    """The MTP layer drafting after every prefix ``ids[:, :s+1]`` in parallel, as the runtime does.
-
-    The MTP cache first gets its real entries: position p pairs the target hidden
-    ``hidden[:, p]`` with the token ``ids[:, p+1]``. Chain s then runs ``depth`` substeps:
-    substep 1 at MTP position s pairs ``hidden[:, s]`` with ``chain_tokens[0][:, s]`` (the
-    token the target just emitted); substep j+1 pairs substep j's own output hidden state
-    with ``chain_tokens[j][:, s]`` at position s+j. Each attends to the real entries before
-    s and to its own chain. Returns each substep's logits ``[B, T, V]``; row s of substep
-    j predicts the token after ``chain_tokens[j-1][:, s]``.
-    """
-    from spectrio.models.loading.mtp_layout import layout_of
-
-    mtp = model.mtp
-    if mtp is None:
-        raise RuntimeError("the model has no MTP layer")
-    # A layer that ends in its norm (MiMo's, ERNIE's layout) hands the next substep the
-    # normed state, as the runtime's mtp_forward does.
-    norm_in_layer = layout_of(model.config).norm_in_layer
-    t = ids.shape[1]
-    _, _, real = model.mtp_forward_dense(ids[:, 1:], hidden[:, :-1])  # real entries 0..t-2
-    mask = chain_mask(t, t - 1, model.dtype)
-    x = hidden
-    chain: list[KV] = []
-    out = []
-    for j in range(depth):
-        cos, sin = _rope(model, j, t)
-        fused = mtp.fuse(model.model.embed_tokens(chain_tokens[j]), x)
-        x, kv = chain_layer(mtp, fused, cos, sin, real, mask, chain)
-        chain.append(kv)
-        normed = mtp.shared_head.norm(x)
-        out.append(model.compute_logits(normed))
-        x = normed if norm_in_layer else x
-    return out
-
-
-def chain_accepted(
-    mtp_logits: list[paddle.Tensor], target_tokens: list[paddle.Tensor]
-) -> np.ndarray:
-    """Share of chains whose drafts 1..j all equal the target's greedy tokens, per j.
-
-    ``mtp_logits[j]`` drafts ``target_tokens[j + 1]``. This is what greedy verification
-    keeps, so it is exact for the runtime's drafting (a chain fed a wrong draft is
-    already rejected, whatever it proposes next).
-    """
-    from spectrio.models.ops.paddle_setup import paddle
-
-    hits = [
-        (paddle.argmax(lg, axis=-1) == tok).numpy().reshape(-1)
-        for lg, tok in zip(mtp_logits, target_tokens[1:], strict=False)
-    ]
-    return np.cumprod(np.stack(hits, axis=1), axis=1).mean(axis=0)
-
-
-# ---- evaluation on held-out windows -------------------------------------------------
-
-
-def heldout_eval(model: SpectrioForCausalLM, windows: np.ndarray, depth: int) -> dict[str, Any]:
-    """Held-out next-token loss (and perplexity) and chained acceptance per substep."""
-    from spectrio.models.ops.paddle_setup import paddle
-
-    F = paddle.nn.functional
-
-    was_training = model.training
-    model.eval()
-    losses, accepted = [], []
-    with paddle.no_grad():
-        for i in range(0, len(windows), 8):
-            w = paddle.to_tensor(windows[i : i + 8])
-            logits, hidden, tokens = target_chain(model, w[:, :-1], depth + 1)
-            losses.append(float(F.cross_entropy(logits[0], w[:, 1:].unsqueeze(-1)).mean()))
-            accepted.append(
-                chain_accepted(mtp_chain(model, w[:, :-1], hidden, tokens, depth), tokens)
-            )
-    if was_training:
-        model.train()
-    loss = float(np.mean(losses))
-    return {
-        "heldout_loss": round(loss, 4),
-        "heldout_ppl": round(math.exp(loss), 3),
-        "accepted": [round(float(a), 4) for a in np.mean(accepted, axis=0)],
-    }
 
 
 # ---- the two phases -----------------------------------------------------------------
@@ -302,20 +113,6 @@ class Phase:
 
     def lr(self, step: int) -> float:
         return lr_at(step, self.progress(step), self.peak_lr, self.warmup)
-
-
-def _optimizer(params: list[Any], lr: float) -> Any:
-    from spectrio.models.ops.paddle_setup import paddle
-
-    decay = {p.name for p in params if p.ndim == 2}
-    return paddle.optimizer.AdamW(
-        learning_rate=lr,
-        parameters=params,
-        weight_decay=0.1,
-        apply_decay_param_fun=lambda name: name in decay,
-        grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0),
-        beta2=0.95,
-    )
 
 
 class Trainer:
@@ -366,7 +163,7 @@ class Trainer:
 
         a, model = self.args, self.model
         model.train()
-        opt = _optimizer(model.parameters(), a.p1_lr)
+        opt = optimizer(model.parameters(), a.p1_lr)
         ph = Phase("target", a.p1_steps, a.p1_minutes, a.p1_lr, a.warmup)
         bar = tqdm(
             total=a.p1_steps, desc="phase 1 (target)", unit="step", mininterval=a.bar_interval
@@ -421,7 +218,7 @@ class Trainer:
         for p in frozen:  # the target, its embedding and head never change in phase 2
             p.stop_gradient = True
         model.eval()  # no dropout anywhere; eval() only documents that the target is frozen
-        opt = _optimizer(mtp_params, a.p2_lr)
+        opt = optimizer(mtp_params, a.p2_lr)
         weights = [float(x) for x in a.substep_weights.split(",")]
         if len(weights) != a.draft_steps:
             raise SystemExit(
@@ -614,8 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     from spectrio.models.architecture.model import build_model
     from spectrio.models.ops.paddle_setup import paddle
     from spectrio.models.text.tokenizer import TextTokenizer
-    from spectrio.tools.corpus import held_out_contexts
-    from spectrio.tools.tokenizer_train import EOS_TOKEN, train_tokenizer
+    from spectrio.tools.training.corpus import held_out_contexts
+    from spectrio.tools.training.tokenizer_train import EOS_TOKEN, train_tokenizer
 
     t0 = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,8 @@ one cycle share some of the machine's drift, so this errs wide; so does the work
 own shape, since a turn of prompts or of a draining batch runs at another rate than a
 steady one, and that spread is counted as noise).
 
-Pure functions of the bench's rows (:func:`spectrio.tools.bench._median_run`): no I/O.
+Pure functions of the bench's rows
+(:func:`spectrio.tools.measurement.bench_report.median_run`): no I/O.
 """
 
 from __future__ import annotations

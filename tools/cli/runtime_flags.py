@@ -252,7 +252,7 @@ def runtime_flag_specs() -> list[tuple[FlagSpec, dataclasses.Field[Any], Any]]:
     extra = sorted(set(specs) - set(fields))
     if missing or extra or len(specs) != len(RUNTIME_FLAGS):
         raise RuntimeError(
-            f"tools/runtime_flags.py is out of step with core/config.py: fields without a "
+            f"tools/cli/runtime_flags.py is out of step with core/config.py: fields without a "
             f"flag {missing}, flags without a field {extra}"
         )
     return [(s, *fields[s.path]) for s in RUNTIME_FLAGS]

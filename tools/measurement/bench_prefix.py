@@ -7,8 +7,8 @@ prefix cache on and off (``enable_prefix_caching``), and, as the control, on the
 prompts with each suffix moved in front of the system prompt: the same tokens and
 lengths, but no two prompts share a first block, so the cache can only cost. The four
 runs of a batch size and k alternate, their order rotated every ``--repeat`` round
-(:func:`~spectrio.tools.bench.round_order`), each on a fresh runtime warmed up with one
-short request that shares no block with the workload.
+(:func:`~spectrio.tools.measurement.bench_workload.round_order`), each on a fresh runtime
+warmed up with one short request that shares no block with the workload.
 
 Reported per case: tokens per second (output tokens over the wall time from the first
 arrival to the last token), TTFT percentiles, the prefix cache's hit rate (hit tokens
@@ -35,17 +35,10 @@ import trio
 from tqdm import tqdm
 
 from spectrio import SamplingParams, open_runtime
-from spectrio.tools.bench import (
-    _case_config,
-    _CaseRun,
-    _fmt,
-    _machine,
-    _median_run,
-    bench_prompts,
-    percentiles,
-    round_order,
-    spec_config,
-)
+from spectrio.tools.measurement.bench_report import format_cell, machine_name, median_run
+from spectrio.tools.measurement.bench_run import CaseRun, case_config
+from spectrio.tools.measurement.bench_workload import bench_prompts, round_order, spec_config
+from spectrio.tools.measurement.latency import percentiles
 
 __all__ = ["prefix_prompts", "run_multi_turn_case", "run_prefix_case", "run_shared_prefix"]
 
@@ -81,11 +74,11 @@ async def run_prefix_case(
     """One run: every prompt at once, at most ``batch`` running; the bench's row keys
     plus the prefix cache's counters over the measured window."""
     spec = spec_config(k, k_max, method)
-    cfg = _case_config(model, dtype, batch, spec, prompts, max_tokens, overlap, caching)
+    cfg = case_config(model, dtype, batch, spec, prompts, max_tokens, overlap, caching)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     arrivals = [0.0] * len(prompts)
     async with open_runtime(cfg) as rt:
-        case = _CaseRun(rt, params, prompts, arrivals, None, False, batch, k)
+        case = CaseRun(rt, params, prompts, arrivals, None, False, batch, k)
         await case.warm_up()  # 8 tokens: no full block, nothing cached
         before = rt.stats()
         t0 = case.start()
@@ -125,7 +118,7 @@ async def run_multi_turn_case(
     side by side, their turns one after another (module docstring)."""
     spec = spec_config(k, k_max, method)
     longest = sum(len(m) + max_tokens for m in max(messages, key=lambda c: sum(map(len, c))))
-    cfg = _case_config(model, dtype, batch, spec, [[0] * longest], max_tokens, overlap, caching)
+    cfg = case_config(model, dtype, batch, spec, [[0] * longest], max_tokens, overlap, caching)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     ttfts: list[float] = []
     tokens = 0
@@ -184,8 +177,9 @@ def summary(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"{r['workload']:>8} {'on' if r['caching'] else 'off':>5} {r['batch']:>5} "
             f"{str(r['k']):>4} {r['tokens_per_second']:>8} "
-            f"{_fmt(r['ttft_ms']['p50'], '.1f'):>8} {_fmt(r['ttft_ms']['p99'], '.1f'):>8} "
-            f"{_fmt(r['tpot_ms']['p50'], '.2f'):>7} {r['prefix_cache_hit_rate']:>6.1%} "
+            f"{format_cell(r['ttft_ms']['p50'], '.1f'):>8} "
+            f"{format_cell(r['ttft_ms']['p99'], '.1f'):>8} "
+            f"{format_cell(r['tpot_ms']['p50'], '.2f'):>7} {r['prefix_cache_hit_rate']:>6.1%} "
             f"{r['prefix_cache_evictions']:>5}"
         )
     lines.append("cache on vs off (TTFT p50 off/on, tokens/s on/off; medians over rounds):")
@@ -238,13 +232,13 @@ def run_shared_prefix(args: argparse.Namespace, ks: list[int | str], counts: dic
             row = trio.run(run_prefix_case, args.model, args.dtype, k, b, case_prompts, *common)
         runs.setdefault((workload, b, k, caching), []).append({**row, "workload": workload})
     rows = [
-        _median_run(runs[(w, b, k, c)])
+        median_run(runs[(w, b, k, c)])
         for b in args.batch
         for k in ks
         for w in workloads
         for c in (True, False)
     ]
-    machine = _machine()
+    machine = machine_name()
     print(
         f"machine: {machine}; model={args.model} dtype={args.dtype} "
         f"shared_prefix={args.shared_prefix} suffix={args.prompt_tokens} "

@@ -26,18 +26,17 @@ import trio
 
 from spectrio.core.timing import device_summary
 from spectrio.stages.output.output_processor import final_totals
-from spectrio.tools.trace import (
-    ResultBuilder,
+from spectrio.tools.measurement.trace_format import (
     Trace,
     TraceError,
     TraceRequest,
     TraceResult,
     TraceWriter,
-    format_summary,
     read_trace,
     runtime_fields,
-    summarize,
 )
+from spectrio.tools.measurement.trace_record import ResultBuilder
+from spectrio.tools.measurement.trace_summary import format_summary, summarize
 
 if TYPE_CHECKING:
     from spectrio.core.config import RuntimeConfig
@@ -238,7 +237,7 @@ async def replay_wire(
 
 
 def add_replay_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from spectrio.tools.runtime_flags import add_runtime_flags
+    from spectrio.tools.cli.runtime_flags import add_runtime_flags
 
     p = sub.add_parser(
         "replay",
@@ -321,8 +320,8 @@ def replay_main(args: argparse.Namespace) -> int:
                 return 3
             model, runtime = None, None
         else:
-            from spectrio.tools.runtime_flags import runtime_config
-            from spectrio.tools.trace import config_from_fields
+            from spectrio.tools.cli.runtime_flags import runtime_config
+            from spectrio.tools.measurement.trace_format import config_from_fields
 
             if args.same_config:
                 if trace.header.runtime is None:

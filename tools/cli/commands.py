@@ -9,16 +9,16 @@ import time
 
 import trio
 
-from spectrio.tools.chat_flags import add_chat_flags, chat_messages, prompt_or_chat_error
-from spectrio.tools.logging_setup import LOG_FORMATS, configure_logging, split_logging_flags
-from spectrio.tools.runtime_flags import add_runtime_flags, runtime_config
-from spectrio.tools.sampling_flags import add_sampling_flags
+from spectrio.tools.cli.chat_flags import add_chat_flags, chat_messages, prompt_or_chat_error
+from spectrio.tools.cli.logging_setup import LOG_FORMATS, configure_logging, split_logging_flags
+from spectrio.tools.cli.runtime_flags import add_runtime_flags, runtime_config
+from spectrio.tools.cli.sampling_flags import add_sampling_flags
 
 
 async def _generate_async(args: argparse.Namespace) -> dict[str, object]:
     from spectrio import open_runtime
     from spectrio.stages.output.output_processor import RequestStats, logprob_json
-    from spectrio.tools.sampling_flags import sampling_params
+    from spectrio.tools.cli.sampling_flags import sampling_params
 
     async with open_runtime(runtime_config(args)) as rt:
         stats = RequestStats()
@@ -135,22 +135,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_runtime_flags(gen, defaults={"max_num_seqs": 1})
     gen.set_defaults(func=_generate)
 
-    from spectrio.tools.serve_cli import add_client_parser, add_keys_parser, add_serve_parser
+    from spectrio.tools.cli.serve import add_client_parser, add_keys_parser, add_serve_parser
 
     add_serve_parser(sub)
     add_client_parser(sub)
     add_keys_parser(sub)
 
-    from spectrio.tools.diff import add_diff_parser
-    from spectrio.tools.replay import add_replay_parser
-    from spectrio.tools.trace import add_trace_parser
+    from spectrio.tools.measurement.diff import add_diff_parser
+    from spectrio.tools.measurement.replay import add_replay_parser
+    from spectrio.tools.measurement.trace_command import add_trace_parser
 
     add_trace_parser(sub)
     add_replay_parser(sub)
     add_diff_parser(sub)
 
-    from spectrio.tools.convert import add_convert_parser
-    from spectrio.tools.quantize import add_quantize_parser
+    from spectrio.tools.cli.convert import add_convert_parser
+    from spectrio.tools.cli.quantize import add_quantize_parser
 
     add_convert_parser(sub)
     add_quantize_parser(sub)
@@ -184,15 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     if args.command == "train":
-        from spectrio.tools import train
+        from spectrio.tools.training import train
 
         return train.main(rest)
     if args.command == "train-mtp":
-        from spectrio.tools import train_mtp
+        from spectrio.tools.training import train_mtp
 
         return train_mtp.main(rest)
     if args.command == "bench":
-        from spectrio.tools import bench
+        from spectrio.tools.measurement import bench
 
         return bench.main(rest)
     if rest:

@@ -49,7 +49,7 @@ def _quantize(args: argparse.Namespace) -> int:
     from spectrio.models.loading.gguf_write import TensorDone, write_gguf
     from spectrio.models.loading.loader import NAMED_MODELS, resolve_path
 
-    log = structlog.get_logger("spectrio.tools.quantize")
+    log = structlog.get_logger("spectrio.tools.cli.quantize")
     t0 = time.perf_counter()
     bar = tqdm(desc="quantize", unit="tensor", disable=None, leave=False)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from spectrio.tools.corpus import corpus_files, read_texts
+from spectrio.tools.training.corpus import corpus_files, read_texts
 
 EOS_TOKEN = "<|endoftext|>"
 
