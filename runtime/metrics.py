@@ -200,6 +200,13 @@ class _ObservedStream:
             h.on_delta(self._stream.request_id, delta, now)
         return delta
 
+    async def wait_finished(self) -> None:
+        """:meth:`RequestStream.wait_finished` for a caller that reads the tokens
+        elsewhere (the wire server). The hooks read every delta (metrics, a trace), so
+        here the stream is read to its end for them."""
+        async for _ in self:
+            pass
+
     def close(self, reason: str = "consumer went away") -> None:
         self._stream.close(reason)
 

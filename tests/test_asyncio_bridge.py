@@ -161,7 +161,7 @@ def test_closing_or_cancelling_a_stream_aborts_it_at_once(bundled: object) -> No
 
             async def idle() -> None:
                 for _ in range(400):
-                    if not runtime._streams and runtime.blocks.num_used_blocks == 0:
+                    if not runtime._requests and runtime.blocks.num_used_blocks == 0:
                         return
                     await asyncio.sleep(0.01)
                 raise AssertionError("the request was not aborted")

@@ -124,7 +124,7 @@ def _add(sched: Scheduler, seq_id: int, prompt: list[int], top: int | None) -> S
         params=SamplingParams(max_tokens=4, prompt_logprobs=top), eos_token_ids=[],
         speculative=False,
     )  # fmt: skip
-    seq = SchedSeq(msg.seq_id, msg.request_id, msg.prompt_ids, msg.params, [], False)
+    seq = SchedSeq(msg)
     sched.add(seq)
     return seq
 
