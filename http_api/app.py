@@ -32,12 +32,24 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from spectrio.http_api.endpoints import Endpoints
-from spectrio.http_api.exchange import error_response, json_response
+from spectrio.http_api.endpoints import Endpoints, read_body
+from spectrio.http_api.exchange import (
+    DONE,
+    EventStream,
+    Exchange,
+    Handle,
+    Item,
+    error_response,
+    json_response,
+    run_choices,
+)
 from spectrio.http_api.front import HttpFront
 from spectrio.http_api.mapping import HttpError, error_body
 
 __all__ = ["build_app"]
+
+# Names this module held before it was split, kept importable from here.
+_SPLIT_OFF = (DONE, EventStream, Exchange, Handle, Item, read_body, run_choices)
 
 log = structlog.get_logger("spectrio.http")
 

@@ -92,7 +92,16 @@ _MOVED = {
     }.items()
     for name in names
 }
-moved_modules(_MOVED)
+moved_modules(
+    _MOVED,
+    {  # modules that were split: the other new modules holding some of their names
+        "spectrio.models.model": (
+            "spectrio.models.architecture.head",
+            "spectrio.models.architecture.mtp_layer",
+        ),
+        "spectrio.models.gguf_file": ("spectrio.models.loading.gguf_vocab",),
+    },
+)
 
 if TYPE_CHECKING:
     from spectrio.models.architecture.batch import PackedBatch

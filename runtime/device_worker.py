@@ -142,6 +142,7 @@ class DeviceWorker:
                     verify_end = time.perf_counter()
                     stage = "sampler"
                     result = self.sample(self.sampler, ws, plan, verified)
+                    stage = "end of step"
                     ws.end_step(plan, result)
                     end = time.perf_counter()
                 device = DeviceTiming(

@@ -302,7 +302,9 @@ class Runtime(RuntimeMonitoring, RuntimeRequests):
             if r.finish_reason is not None:
                 self._open_seqs.discard(r.seq_id)
             entry = self._requests.get(r.request_id)
-            if entry is not None and (r.token_ids or r.finish_reason or r.prompt_logprobs):
+            if entry is None or entry.seq_id != r.seq_id:  # ended, or its id reused since
+                continue
+            if r.token_ids or r.finish_reason or r.prompt_logprobs:
                 entry.stream.send_nowait(r)
         self._notify()  # pause() waits for the last step in flight to be delivered
 

@@ -20,8 +20,8 @@ def test_old_path_warns_and_gives_the_same_objects() -> None:
     with pytest.warns(DeprecationWarning, match="moved to spectrio.core.record"):
         old = importlib.import_module("spectrio.core.probe_old_record")
     new = importlib.import_module("spectrio.core.record")
-    assert old.record_width is new.record_width
-    assert old.__name__ == "spectrio.core.probe_old_record"
+    # The old name is the new module itself: patching through it patches what callers use.
+    assert old is new and old.record_width is new.record_width
     assert new.__name__ == "spectrio.core.record"  # the new module is left as it was
 
 
@@ -120,3 +120,208 @@ def test_the_repository_imports_no_old_path() -> None:
                 names = [n for n in names if n == node.module or n not in exported]
             bad += [f"{path.relative_to(root)}:{node.lineno} {n}" for n in names if n in moves]
     assert not bad, "\n".join(bad)
+
+
+# The public names each split module had before it was split (7962a8c): every one still
+# imports from the old path, and from the module itself where it stayed a public path.
+SPLIT_MODULES: dict[str, tuple[str, ...]] = {
+    "spectrio.tools.trace": (
+        "DeltaLike",
+        "Header",
+        "Line",
+        "PromptLine",
+        "ResultBuilder",
+        "RunSummary",
+        "TRACE_FORMAT",
+        "TRACE_VERSION",
+        "Tokenizer",
+        "Trace",
+        "TraceError",
+        "TraceRecorder",
+        "TraceRequest",
+        "TraceResult",
+        "TraceWriter",
+        "acceptance",
+        "add_trace_parser",
+        "config_from_fields",
+        "format_summary",
+        "import_main",
+        "import_prompts",
+        "load_tokenizer",
+        "parse_lines",
+        "read_trace",
+        "runtime_fields",
+        "show_main",
+        "summarize",
+        "write_trace",
+    ),
+    "spectrio.tools.bench": (
+        "BREAKDOWN",
+        "FIXED_512_BYTES",
+        "PROMPT_STRIDE",
+        "REPEAT_WORKLOAD_HEAD",
+        "RequestTrace",
+        "SCHEMA",
+        "WORKLOADS",
+        "agreement",
+        "bench_prompts",
+        "fixed_layout_bytes",
+        "json_row",
+        "latency_summary",
+        "main",
+        "parse_case_k",
+        "poisson_arrivals",
+        "round_order",
+        "run_case",
+        "run_interleaved",
+        "spec_config",
+        "summary_table",
+        "timing_summary",
+        "trace_path",
+    ),
+    "spectrio.tools.train_mtp": (
+        "Batch",
+        "Columns",
+        "Features",
+        "MESSAGE_TOKENS",
+        "PartialGenerations",
+        "Run",
+        "Sequences",
+        "accepted_per_substep",
+        "attach_fresh_layer",
+        "build_parser",
+        "build_prompts",
+        "chain_logits",
+        "compute_features",
+        "current_head_state",
+        "frequent_tokens",
+        "log",
+        "main",
+        "make_batch",
+        "sample_picks",
+        "soft_labels",
+        "text_windows",
+        "train",
+        "user_messages",
+        "window_starts",
+    ),
+    "spectrio.tools.train": (
+        "DEFAULT_MODEL",
+        "Phase",
+        "Trainer",
+        "build_parser",
+        "chain_accepted",
+        "chain_layer",
+        "chain_mask",
+        "encode_split",
+        "heldout_eval",
+        "log",
+        "lr_at",
+        "main",
+        "mtp_chain",
+        "plot_curves",
+        "sample_windows",
+        "target_chain",
+    ),
+    "spectrio.tools.serve_cli": (
+        "API_KEY_ENV",
+        "add_client_parser",
+        "add_keys_parser",
+        "add_serve_parser",
+        "build_parser",
+        "client_main",
+        "keys_main",
+        "log",
+        "main",
+        "runtime_config_tp",
+        "serve_main",
+    ),
+    "spectrio.models.model": (
+        "DecoderModel",
+        "ForwardOutput",
+        "HeadLayouts",
+        "MTPLayer",
+        "SharedHead",
+        "SpectrioForCausalLM",
+        "build_model",
+    ),
+    "spectrio.models.gguf_file": (
+        "GGUFFile",
+        "GGUF_MAGIC",
+        "ORIGINAL_CONTEXT",
+        "PRE_TOKENIZERS",
+        "ROPE_FREQS",
+        "ROPE_FREQS_RTOL",
+        "SPACE",
+        "TOKENIZER_MODELS",
+        "is_gguf",
+        "llama3_scaling",
+        "rope_divisors",
+        "spm_merges",
+    ),
+    "spectrio.stages.scheduling": (
+        "IDLE_UNTIMED_S",
+        "Scheduler",
+        "Sequence",
+        "UNTIMED_AFTER_IDLE",
+        "draft_slots",
+    ),
+    "spectrio.stages.spec_policy": (
+        "Remaining",
+        "STEP_FIXED_SEQS",
+        "SpecPolicy",
+        "batch_bucket",
+        "scale_to_bucket",
+    ),
+    "spectrio.wire.client": (
+        "AsyncClient",
+        "Chunk",
+        "Client",
+        "ClientTimeout",
+        "Context",
+        "DEFAULT_TIMEOUT_S",
+        "Messages",
+        "Prompt",
+        "RequestRefused",
+        "SequenceGap",
+        "StreamAssembler",
+        "bundled_tokenizer",
+        "open_client",
+        "tokenizer_for",
+    ),
+    "spectrio.http_api.app": (
+        "BearerAuth",
+        "DONE",
+        "EventStream",
+        "Exchange",
+        "Handle",
+        "Item",
+        "build_app",
+        "error_response",
+        "log",
+        "read_body",
+        "run_choices",
+    ),
+}
+
+
+@pytest.mark.parametrize("old", sorted(SPLIT_MODULES))
+def test_a_split_module_keeps_every_public_name(old: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        module = importlib.import_module(old)
+    missing = [name for name in SPLIT_MODULES[old] if not hasattr(module, name)]
+    assert not missing, (old, missing)
+
+
+def test_python_m_on_an_old_path_names_the_new_one() -> None:
+    import subprocess
+
+    run = subprocess.run(
+        [sys.executable, "-m", "spectrio.stages.scheduling"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode != 0
+    assert "moved to spectrio.stages.planning.scheduler" in run.stderr

@@ -8,6 +8,7 @@ import pytest
 from scheduler_helpers import MTPCatchUp, seq_result
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig
+from spectrio.core.acceptance import Acceptance
 from spectrio.core.messages import NewRequest, SeqResult, StepPlan, StepResult
 from spectrio.core.timing import DeviceTiming
 from spectrio.stages.planning.block_manager import BlockManager
@@ -644,9 +645,9 @@ def test_the_actor_applies_each_abort_once_in_channel_order() -> None:
 
     actor.handle(new(1))
     actor.handle(new(2))
-    assert actor.handle(AbortRequest(seq_id=2)) == (0, 0)
+    assert actor.handle(AbortRequest(seq_id=2)) == Acceptance()
     assert actor.view().waiting == 1 and s.state(2) is None
-    assert actor.handle(AbortRequest(seq_id=1)) == (0, 0)
+    assert actor.handle(AbortRequest(seq_id=1)) == Acceptance()
     assert actor.handle(AbortRequest(seq_id=1)) is None  # once
     assert actor.handle(AbortRequest(seq_id=7)) is None  # never here: nothing happens
     p = s.schedule()

@@ -42,4 +42,24 @@ MOVED = {
     "spectrio.tools.metrics": "spectrio.runtime.metrics",
 }
 
-moved_modules(MOVED)
+# Modules that were split: the other new modules holding some of their names.
+SPLIT = {
+    "spectrio.tools.serve_cli": ("spectrio.tools.cli.serve_run", "spectrio.tools.cli.client"),
+    "spectrio.tools.train": ("spectrio.tools.training.chain", "spectrio.tools.training.optim"),
+    "spectrio.tools.train_mtp": (
+        "spectrio.tools.training.mtp_generations",
+        "spectrio.tools.training.mtp_features",
+        "spectrio.tools.training.mtp_loop",
+    ),
+    "spectrio.tools.bench": (
+        "spectrio.tools.measurement.bench_workload",
+        "spectrio.tools.measurement.bench_run",
+        "spectrio.tools.measurement.bench_report",
+    ),
+    "spectrio.tools.trace": (
+        "spectrio.tools.measurement.trace_record",
+        "spectrio.tools.measurement.trace_summary",
+        "spectrio.tools.measurement.trace_command",
+    ),
+}
+moved_modules(MOVED, SPLIT)

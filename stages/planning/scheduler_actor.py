@@ -83,16 +83,14 @@ class SchedulerActor:
         self.scheduler = scheduler  # read it only in tests and research tools
         self._log = _log.bind(stage="scheduler", rank=rank)
 
-    def handle(self, msg: NewRequest | AbortRequest) -> tuple[int, int] | None:
+    def handle(self, msg: NewRequest | AbortRequest) -> Acceptance | None:
         """Admit a request, or abort one now (its blocks are freed, results in flight for
         it are dropped, and the next plan reports it). An abort returns the request's
-        [drafts proposed, accepted] over its life; None if it had already ended."""
-        sched = self.scheduler
+        acceptance over its life; None if it had already ended."""
         if isinstance(msg, NewRequest):
-            sched.add(Sequence(msg))
+            self.scheduler.add(Sequence(msg))
             return None
-        counted = self.abort(msg)
-        return None if counted is None else (counted.proposed, counted.accepted)
+        return self.abort(msg)
 
     def abort(self, msg: AbortRequest) -> Acceptance | None:
         """:meth:`handle` for an abort, returning the request's acceptance over its life

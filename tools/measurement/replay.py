@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from spectrio.core.notifier import Notifier
 from spectrio.core.timing import device_summary
 from spectrio.stages.output.output_processor import final_totals
 from spectrio.tools.measurement.trace_format import (
@@ -176,12 +177,8 @@ async def replay_wire(
     drafts: dict[str, tuple[int, int]] = {}
     pending: set[str] = set()
     submitted = 0
-    changed = trio.Event()
-
-    def wake() -> None:
-        nonlocal changed
-        changed.set()
-        changed = trio.Event()
+    changed = Notifier()
+    wake = changed.notify
 
     async with open_client(
         requests_endpoint, outputs_endpoint, timeout_s=timeout_s, curve=curve, tokenizer=tokenizer
