@@ -13,6 +13,7 @@ import gc
 import trio
 
 from spectrio import RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
+from spectrio.core.messages import SeqResult, StepResult
 from spectrio.runtime import PublishedStep, RequestStream, Runtime
 
 LONG = SamplingParams(max_tokens=200, ignore_eos=True)
@@ -124,3 +125,29 @@ async def test_stream_errors_are_raised_by_generate_itself(bundled: object) -> N
                 assert sum([len(d.token_ids) async for d in ok]) == 4
             await rt.wait_idle()
             assert rt.blocks.num_used_blocks == 0
+
+
+async def test_a_reused_request_id_gets_only_its_own_tokens(bundled: object) -> None:
+    """A stream closed mid-request frees its id at once, while steps of its request may
+    still be on their way to the publisher. A result reaches a stream only when its
+    sequence id is the stream's, so the request the id names next never gets the closed
+    one's tokens (the step is handed to delivery directly, as the publisher would)."""
+    with trio.fail_after(120):
+        async with open_runtime(RuntimeConfig(max_model_len=256)) as rt:
+            greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+            first = rt.generate("def fib(n):", LONG, request_id="x")
+            await first.__anext__()
+            closed = rt._requests["x"].seq_id
+            await first.aclose()
+            again = rt.generate("import os", greedy, request_id="x")
+            late = SeqResult(
+                slot=0, seq_id=closed, request_id="x", num_drafts=0, num_accepted=0,
+                token_ids=[1, 2, 3], finish_reason="length",
+            )  # fmt: skip
+            rt._deliver(StepResult(step=10**6, results=[late]))
+            got: list[int] = []
+            async for delta in again:
+                got += delta.token_ids
+            assert len(got) == 6 and got[:3] != [1, 2, 3]
+            await rt.wait_idle()
+            assert rt.blocks.num_used_blocks == 0 and not rt._requests
