@@ -390,7 +390,7 @@ class Xgrammar:
     has_cache = True
 
     def __init__(self, vocab: Vocab, threads: int) -> None:
-        import xgrammar as xgr
+        import xgrammar as xgr  # type: ignore[import-not-found, unused-ignore]
 
         self.xgr = xgr
         self.info = xgr.TokenizerInfo(
@@ -468,7 +468,7 @@ class Llguidance:
     has_cache = False
 
     def __init__(self, vocab: Vocab, threads: int) -> None:
-        import llguidance as llg
+        import llguidance as llg  # type: ignore[import-not-found, unused-ignore]
 
         self.llg = llg
         self.tok = llg.LLTokenizer(vocab.json_text, n_vocab=vocab.size, eos_token=vocab.eos_id)
@@ -545,8 +545,10 @@ class OutlinesCore:
     has_cache = True  # the caller keeps the Index (the script caches it by regex)
 
     def __init__(self, vocab: Vocab, threads: int) -> None:
-        import outlines_core as oc
-        from outlines_core.json_schema import build_regex_from_schema
+        import outlines_core as oc  # type: ignore[import-not-found, unused-ignore]
+        from outlines_core.json_schema import (  # type: ignore[import-not-found, unused-ignore]
+            build_regex_from_schema,
+        )
 
         self.oc, self.to_regex = oc, build_regex_from_schema
         table: dict[bytes, list[int]] = {}
