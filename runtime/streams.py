@@ -157,14 +157,8 @@ class RequestStream:
         self._start()
         if self._done:
             raise StopAsyncIteration
-        assert self._receive is not None
         while True:
-            try:
-                item = await self._receive.receive()
-            except BaseException:  # cancelled while waiting: the consumer is gone
-                self.close()
-                raise
-            delta = self._on_item(item)
+            delta = self._on_item(await self._next_item())
             if delta is not None:
                 return delta
 
@@ -175,19 +169,30 @@ class RequestStream:
         :class:`EngineDead` if the engine fails first. Cancelling it aborts the request,
         as leaving an iteration does."""
         self._start()
-        assert self._receive is not None
         while not self._done:
-            try:
-                item = await self._receive.receive()
-            except BaseException:  # cancelled while waiting: the consumer is gone
-                self.close()
-                raise
-            if isinstance(item, EngineDead):
-                self._done = True
-                raise item
-            if isinstance(item, Delta) or item.finish_reason is not None:
-                self._done = True
-                self._rt._release(self._request_id, self._seq_id, None)
+            self._end_if_final(await self._next_item())
+
+    async def _next_item(self) -> Delta | SeqResult | EngineDead:
+        """The next item of the request's channel; cancelled while waiting, the consumer
+        is gone and the request is aborted."""
+        assert self._receive is not None
+        try:
+            return await self._receive.receive()
+        except BaseException:
+            self.close()
+            raise
+
+    def _end_if_final(self, item: Delta | SeqResult | EngineDead) -> bool:
+        """Whether ``item`` ends the stream (a finish, an abort's final delta); the engine's
+        failure is raised. The request's id is free again once it ended."""
+        if isinstance(item, EngineDead):
+            self._done = True
+            raise item
+        if isinstance(item, Delta) or item.finish_reason is not None:
+            self._done = True
+            self._rt._release(self._request_id, self._seq_id, None)
+            return True
+        return False
 
     def _take_prompt_logprobs(self) -> list[TokenLogprob] | None:
         """The prompt logprobs gathered so far, once: for the first delta handed out."""
@@ -197,23 +202,16 @@ class RequestStream:
     def _on_item(self, item: Delta | SeqResult | EngineDead) -> Delta | None:
         """The delta for one item of the request's channel; None for a step that only
         scored prompt tokens (a prefill chunk): its logprobs wait for the first delta."""
-        rid = self._request_id
-        if isinstance(item, EngineDead):
-            self._done = True
-            raise item
+        done = self._end_if_final(item)
         if isinstance(item, Delta):  # aborted or shut down; the abort is already sent
-            self._done = True
-            self._rt._release(rid, self._seq_id, None)
             lps = self._take_prompt_logprobs()
             return item if lps is None else msgspec.structs.replace(item, prompt_logprobs=lps)
+        assert not isinstance(item, EngineDead)  # raised above
         if item.prompt_logprobs and self._prompt_lps is not None:
             self._prompt_lps += item.prompt_logprobs
-        if not item.token_ids and item.finish_reason is None:
+        if not item.token_ids and not done:
             return None
-        done = item.finish_reason is not None
-        if done:
-            self._done = True
-            self._rt._release(rid, self._seq_id, None)
+        rid = self._request_id
         assert self._text is not None
         text = self._text.push(item.token_ids, finished=done, text_len=item.text_len)
         return Delta(
