@@ -45,6 +45,7 @@ import msgspec
 import numpy as np
 from msgspec import inspect as mi
 
+from spectrio.core.constraints import Constraint, check_constraint
 from spectrio.errors import InvalidRequest, RefusalCode
 from spectrio.models.text.chat import MESSAGE_RULES, MESSAGES_RULE, check_messages
 
@@ -55,6 +56,7 @@ __all__ = [
     "MAX_TOKEN_ID",
     "CacheSalt",
     "ChatMessage",
+    "Constraint",
     "InvalidRequest",
     "Messages",
     "Prompt",
@@ -138,6 +140,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     speculative: bool | None = None  # None: follow the runtime's configuration
     # top alternatives per prompt token after the first (its own logprob always comes)
     prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    # structured output: what the output must match (spectrio.core.constraints)
+    constraint: Constraint | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -345,6 +349,17 @@ def check_params(params: object, vocab_size: int) -> SamplingParams:
             got=params.min_tokens,
             code="invalid_params",
         )
+    if params.constraint is not None:
+        check_constraint(params.constraint)
+        for name, neutral in (("min_tokens", 0), ("ignore_eos", False)):
+            if getattr(params, name) != neutral:
+                raise InvalidRequest(
+                    name,
+                    f"must be {neutral} with a constraint (the output ends where its "
+                    "grammar is complete)",
+                    got=getattr(params, name),
+                    code="invalid_params",
+                )
     for i, tok in enumerate(params.stop_token_ids):
         if tok >= vocab_size:
             raise InvalidRequest(

@@ -45,6 +45,7 @@ from spectrio.runtime.monitoring import RuntimeMonitoring, _callable_name, _Sink
 from spectrio.runtime.request_checks import RuntimeRequests
 from spectrio.runtime.streams import Delta, OpenRequest, RequestStream, abort_delta
 from spectrio.runtime.timing_cache import KeptTimings
+from spectrio.models.text.grammar import GrammarCompiler
 from spectrio.runtime.tp import TPGroup, make_workspace
 from spectrio.stages.device.sampler import Sampler
 from spectrio.stages.device.workspace import Workspace
@@ -90,6 +91,9 @@ class Runtime(RuntimeMonitoring, RuntimeRequests):
         check_checkpoint(config, cfg)
         check_draft(config, cfg, draft, loaded.tokenizer)
         num_blocks = num_kv_blocks(config, cfg, None if draft is None else draft.config)
+        # Structured output's compiler: requests are checked with it, the device worker's
+        # grammar book builds its matchers with it (its tokenizer builds in the background).
+        self.grammar = GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
         self.blocks = BlockManager(
             num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
         )
@@ -99,6 +103,7 @@ class Runtime(RuntimeMonitoring, RuntimeRequests):
             config.block_size,
             config.speculative,
             None if draft is None else draft.model,
+            grammar=self.grammar,
         )
         # The scheduler's one owner; the runtime goes through it for everything.
         self._actor = SchedulerActor(Scheduler(config, self.blocks))

@@ -32,6 +32,7 @@ from spectrio.core.params import (
 from spectrio.errors import EngineDead
 from spectrio.models import LoadedModel
 from spectrio.models.text.chat import ChatTemplate, is_messages
+from spectrio.models.text.grammar import GrammarCompiler
 from spectrio.models.text.tokenizer import TextTokenizer
 from spectrio.runtime.streams import Delta, OpenRequest
 
@@ -45,6 +46,7 @@ class RuntimeRequests:
     tokenizer: TextTokenizer
     chat_template: ChatTemplate | None
     chat_stop_ids: list[int]
+    grammar: GrammarCompiler
     _no_chat: str
     _requests: dict[str, OpenRequest]
     _ids: itertools.count[int]
@@ -63,10 +65,14 @@ class RuntimeRequests:
         codec runs the same ones). Returns the prompt's token ids, the parameters and the
         request id (a fresh one for ``None``). A message list (``chat``, or a prompt that
         :func:`~spectrio.models.text.chat.is_messages`) is rendered by :meth:`chat_prompt`.
+        A constraint is compiled here (:meth:`GrammarCompiler.check`), so one the library
+        cannot enforce is refused before the request runs.
         Raises :class:`InvalidRequest`."""
         params = check_params(
             SamplingParams() if params is None else params, self.loaded.config.vocab_size
         )
+        if params.constraint is not None:
+            self.grammar.check(params.constraint)
         rid = uuid.uuid4().hex if request_id is None else check_request_id(request_id)
         if chat or is_messages(prompt):
             ids, params = self.chat_prompt(prompt, params)

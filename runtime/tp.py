@@ -43,6 +43,7 @@ from spectrio.core.messages import StepPlan
 from spectrio.errors import ConfigError
 from spectrio.models import SpectrioForCausalLM
 from spectrio.models.architecture.parallel import TPShard
+from spectrio.models.text.grammar import GrammarCompiler
 from spectrio.models.ops.paddle_setup import paddle
 from spectrio.stages.device.workspace import Workspace
 
@@ -234,8 +235,12 @@ def make_workspace(
     block_size: int,
     speculative: SpeculativeConfig | None = None,
     draft_model: SpectrioForCausalLM | None = None,
+    *,
+    grammar: GrammarCompiler | None = None,
 ) -> Workspace:
-    """A :class:`Workspace` whose caches hold this rank's KV heads."""
+    """A :class:`Workspace` whose caches hold this rank's KV heads. ``grammar``: the
+    compiler of structured output's constraints (each rank has its own, and every rank
+    keeps the grammar state: its drafts are cut by it)."""
     return Workspace(
         model,
         num_blocks,
@@ -243,6 +248,7 @@ def make_workspace(
         speculative,
         num_kv_heads=getattr(model, "num_local_kv_heads", None),
         draft_model=draft_model,
+        grammar=grammar,
     )
 
 

@@ -38,7 +38,16 @@ def run_follower() -> int:
     setup = link.recv_setup()
     configure_paddle(setup.num_threads)
     loaded = load_sharded(setup.model, tp, setup.dtype, serving=True)  # type: ignore[arg-type]
-    ws = make_workspace(loaded.model, setup.num_blocks, setup.block_size, setup.speculative)
+    grammar = None
+    if loaded.tokenizer is not None:  # every rank cuts drafts by the same grammar state
+        from spectrio.models.text.grammar import GrammarCompiler
+
+        grammar = GrammarCompiler(
+            loaded.tokenizer, loaded.config.vocab_size, loaded.config.eos_token_ids
+        )
+    ws = make_workspace(
+        loaded.model, setup.num_blocks, setup.block_size, setup.speculative, grammar=grammar
+    )
     if setup.warmup_tokens:
         ws.warmup(setup.warmup_tokens, setup.max_model_len)
     log.info("follower ready", rank=tp.rank, size=tp.size)

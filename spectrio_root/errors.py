@@ -54,6 +54,7 @@ RefusalCode = Literal[
     "empty_prompt",
     "prompt_too_long",
     "no_chat_template",
+    "invalid_constraint",
 ]
 """Which class of refusal an :class:`InvalidRequest` is. The values are the wire's
 :class:`spectrio.wire.schema.ErrorCode` values, so the server reports it unchanged."""

@@ -91,12 +91,19 @@ def submit_frame(
         cache_salt=cache_salt,
         stream=stream,
     )
-    if submit.params.prompt_logprobs is not None:
+    # Schema 1.8 added params.prompt_logprobs and 1.10 params.constraint; each is sent only
+    # when set, so an older server (which refuses the key as unknown_field) reads every
+    # other request as before.
+    unset = [
+        key
+        for key in ("prompt_logprobs", "constraint")
+        if getattr(submit.params, key) is None
+    ]
+    if not unset:
         return encode(submit)
-    # Schema 1.8 added params.prompt_logprobs; sent only when set, so a server older than
-    # 1.8 (which refuses the key as unknown_field) reads every other request as before.
     body_map = msgspec.to_builtins(submit)
-    del body_map["params"]["prompt_logprobs"]
+    for key in unset:
+        del body_map["params"][key]
     return msgspec.msgpack.encode(body_map)
 
 

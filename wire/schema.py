@@ -69,7 +69,7 @@ SCHEMA_VERSION: Final = 1
 of another major version (``schema_version``). Bump it for a change an old peer would
 misread: a removed or renamed key, a changed type or meaning."""
 
-SCHEMA_MINOR: Final = 9
+SCHEMA_MINOR: Final = 10
 """Minor version within :data:`SCHEMA_VERSION`: bumped for additions an old peer can
 ignore (an optional key a reader skips, a new request type an old client never sends).
 It is not on every message (an old peer's ``"v"`` stays valid); a client learns the
@@ -85,7 +85,9 @@ when not empty) and ``StepEnvelope.cached_tokens``; 1.7 ``Submit.stream`` (the
 request's step messages come back on the connection that submitted it, so any number
 of clients each read their own), the error code ``output_stalled``, and
 ``ModelInfo.healthy`` / ``health`` / ``output_stall_s``; 1.8 ``SamplingParams.prompt_logprobs``
-(sent only when set) and ``StepEnvelope.prompt_logprobs``.
+(sent only when set) and ``StepEnvelope.prompt_logprobs``; 1.9 ``ModelInfo.speculative``'s
+method ``"draft_model"``; 1.10 ``SamplingParams.constraint`` (structured output; sent only
+when set) and the error code ``invalid_constraint``.
 
 Every change to a message below changes the pin in ``tests/test_wire_schema.py``, which
 fails until one of the two versions is bumped."""
@@ -138,6 +140,10 @@ class ErrorCode(enum.StrEnum):
     NO_CHAT_TEMPLATE = "no_chat_template"
     """A ``Submit`` carried ``messages`` but the served model has no chat template (or
     one that does not compile); since 1.5. The server never guesses a template."""
+    INVALID_CONSTRAINT = "invalid_constraint"
+    """``params.constraint`` cannot be enforced: a malformed schema, pattern or grammar,
+    or a schema keyword the grammar library does not implement (the reason names it);
+    since 1.10."""
     DUPLICATE_REQUEST = "duplicate_request"
     """A ``Submit`` reused the id of a request that is still running."""
     UNKNOWN_REQUEST = "unknown_request"
