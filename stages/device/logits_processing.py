@@ -15,7 +15,8 @@ Steps, in order (everything in float64):
    tokens (plus the drafts before the row) only.
 2. **min_tokens** (:func:`mask_stop_tokens`): while fewer than ``min_tokens`` tokens
    precede the row's token, the stop tokens (EOS unless ignored, ``stop_token_ids``)
-   get ``-inf``.
+   get ``-inf``. A constrained request's row gets ``-inf`` for every token its grammar
+   refuses there (:mod:`.grammar_book`).
 3. Greedy requests stop here: their token is the argmax of these logits.
 4. **temperature**, then **top-k** (every token whose logit ties the k-th largest
    is kept), then **top-p** (the smallest prefix of tokens, sorted by probability
@@ -190,14 +191,18 @@ def process_rows(
     history: History,
     drafts: Sequence[int],
     stop_token_ids: Sequence[int],
+    allowed: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """One sequence's rows [R, V] -> ``(processed logits, probabilities)``.
 
-    The processed logits are penalised and min_tokens-masked (greedy requests take their
-    argmax); the probabilities are None for greedy requests.
+    The processed logits are penalised, min_tokens-masked and, for a constrained request,
+    masked to the tokens its grammar allows at each row (``allowed``, bool [R, V]); greedy
+    requests take their argmax. The probabilities are None for greedy requests.
     """
     processed = apply_penalties(logits, params, history, drafts)
     processed = mask_stop_tokens(processed, history.num_output, params.min_tokens, stop_token_ids)
+    if allowed is not None:
+        processed = np.where(allowed, processed, -np.inf)
     if params.is_greedy:
         return processed, None
     return processed, sampling_probs(processed, params)

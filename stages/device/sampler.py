@@ -124,11 +124,15 @@ class Sampler:
             return seed
         return int(self._shared.integers(0, 2**64, dtype=np.uint64))
 
-    def _prepare(self, w: SeqWork, raw: np.ndarray) -> _Prepared:
+    def _prepare(self, w: SeqWork, raw: np.ndarray, allowed: np.ndarray | None) -> _Prepared:
         if raw.shape != (len(w.drafts) + 1, self.vocab_size):
             raise ValueError(f"slot {w.slot}: logits {raw.shape} for {len(w.drafts)} drafts")
+        if (allowed is None) != (w.params.constraint is None):
+            raise ValueError(f"slot {w.slot}: a constrained request needs its grammar's masks")
         state = self._state(w)
-        processed, probs = process_rows(raw, state.params, state.history, w.drafts, w.eos_token_ids)
+        processed, probs = process_rows(
+            raw, state.params, state.history, w.drafts, w.eos_token_ids, allowed
+        )
         return _Prepared(w, state, raw, processed, probs)
 
     def step(
@@ -137,16 +141,22 @@ class Sampler:
         logits: dict[int, np.ndarray],
         prompt_logits: dict[int, np.ndarray] | None = None,
         draft_probs: dict[int, np.ndarray] | None = None,
+        allowed: dict[int, np.ndarray] | None = None,
     ) -> StepResult:
         """Decide every sampling slot of ``plan`` from its logits (rows ``[last token,
         d1..dm]`` per slot, from verify), and reduce ``prompt_logits`` (the raw logits of
         the rows that score prompt tokens, ``SeqWork.score_ids``, per slot) to each
         result's ``prompt_logprobs``. ``draft_probs``: per slot, the distributions its
         drafts were sampled from (the full rejection rule); a slot without them has
-        one-hot drafts."""
+        one-hot drafts. ``allowed``: per constrained slot, the tokens its grammar allows
+        at each row (:meth:`.grammar_book.GrammarBook.masks`)."""
         self.drop(plan.retired)
-        prepared = [self._prepare(w, logits[w.slot]) for w in plan.seqs if w.sample]
-        emitted = self._accept(prepared, draft_probs or {})
+        allowed = allowed or {}
+        draft_probs = _masked_drafts(draft_probs or {}, allowed)
+        prepared = [
+            self._prepare(w, logits[w.slot], allowed.get(w.slot)) for w in plan.seqs if w.sample
+        ]
+        emitted = self._accept(prepared, draft_probs)
         finished = [self._finish(prep, run) for prep, run in zip(prepared, emitted, strict=True)]
         pairs = zip(prepared, finished, strict=True)
         _attach_logprobs([(p, r) for p, r in pairs if r.num_logprobs is not None and r.token_ids])
@@ -267,6 +277,28 @@ def _silent(w: SeqWork) -> SeqResult:
     )
 
 
+def _masked_drafts(
+    draft_probs: dict[int, np.ndarray], allowed: dict[int, np.ndarray]
+) -> dict[int, np.ndarray]:
+    """A constrained slot's sampled drafts were kept only where its grammar allows them
+    (the draft stage cuts at the first refused one), so each was drawn from its draft
+    distribution restricted to the allowed tokens: that is the distribution the rejection
+    rule must see, renormalised. (Where the grammar refuses the draft, no draft is made
+    and the target is sampled; both branches give the target's distribution.)"""
+    if not draft_probs or not allowed:
+        return draft_probs
+    out = dict(draft_probs)
+    for slot, q in draft_probs.items():
+        mask = allowed.get(slot)
+        if mask is None:
+            continue
+        n = min(q.shape[0], mask.shape[0] - 1)
+        kept = np.where(mask[:n], q[:n], 0.0)
+        total = kept.sum(axis=1, keepdims=True)
+        out[slot] = np.divide(kept, total, out=np.zeros_like(kept), where=total > 0)
+    return out
+
+
 def _draft_rows(
     prepared: list[_Prepared], draft_probs: dict[int, np.ndarray], vocab: int
 ) -> np.ndarray | None:
@@ -292,4 +324,5 @@ def _draft_rows(
 
 def sample(sampler: Sampler, ws: Workspace, plan: StepPlan, verified: Verified) -> StepResult:
     """The sampler stage: the step's decision from what verify computed."""
-    return sampler.step(plan, verified.logits, verified.prompt_logits, ws.draft_probs)
+    allowed = ws.grammar.masks(plan) if ws.grammar is not None else None
+    return sampler.step(plan, verified.logits, verified.prompt_logits, ws.draft_probs, allowed)

@@ -1,5 +1,6 @@
 """The rank's workspace: the model, the target's paged cache, and the draft side (the
-configured proposer with its own device state, and the token history it reads).
+configured proposer with its own device state, the token history it reads, and the
+grammar state of constrained sequences).
 
 It holds state and hands it out by seq id; the work on it lives in the stages
 (:mod:`.draft`, :mod:`.verify`, :mod:`.sampler`). Messages never carry its tensors.
@@ -16,7 +17,9 @@ from spectrio.core.config import SpeculativeConfig
 from spectrio.core.messages import StepPlan, StepResult
 from spectrio.models import PackedBatch, PagedKVCache, SpectrioForCausalLM
 from spectrio.models.ops.paddle_setup import paddle, use_configured_threads
+from spectrio.models.text.grammar import GrammarCompiler
 from spectrio.stages.device.draft import Proposer, TokenHistory, make_proposer
+from spectrio.stages.device.grammar_book import GrammarBook
 
 
 class Workspace:
@@ -29,9 +32,11 @@ class Workspace:
         *,
         num_kv_heads: int | None = None,
         draft_model: SpectrioForCausalLM | None = None,
+        grammar: GrammarCompiler | None = None,
     ) -> None:
         """``num_kv_heads``: this rank's share of the KV heads (all of them by default).
-        ``draft_model``: the loaded ``speculative.draft_model``, when one is named."""
+        ``draft_model``: the loaded ``speculative.draft_model``, when one is named.
+        ``grammar``: structured output's compiler (None: constrained requests fail)."""
         cfg = model.config
         kvh = cfg.num_key_value_heads if num_kv_heads is None else num_kv_heads
         self.model = model
@@ -45,6 +50,8 @@ class Workspace:
             else make_proposer(speculative, model, num_blocks, block_size, kvh, draft_model)
         )
         self.history = TokenHistory()
+        # constrained sequences' grammar state (stages/device/grammar_book.py)
+        self.grammar: GrammarBook | None = None if grammar is None else GrammarBook(grammar)
         # slot -> the distributions the step's drafts were sampled from (Proposal.draft_probs)
         self.draft_probs: dict[int, np.ndarray] = {}
         self.forward_seconds = 0.0  # wall time inside Paddle forward calls
@@ -92,13 +99,17 @@ class Workspace:
         """Drop these sequences' draft-side state (unknown ids are ignored); see
         :meth:`end_step`."""
         self.history.release(seq_ids)
+        if self.grammar is not None:
+            self.grammar.release(seq_ids)
         if self.proposer is not None:
             self.proposer.release(seq_ids)
 
     def holds(self, seq_id: int) -> bool:
         """Whether the workspace keeps state for this sequence."""
-        return self.history.holds(seq_id) or (
-            self.proposer is not None and self.proposer.holds(seq_id)
+        return (
+            self.history.holds(seq_id)
+            or (self.proposer is not None and self.proposer.holds(seq_id))
+            or (self.grammar is not None and self.grammar.holds(seq_id))
         )
 
     @property

@@ -69,17 +69,26 @@ def make_proposer(
 
 def draft(ws: Workspace, plan: StepPlan) -> StepPlan:
     """``plan`` with ``drafts`` filled in where the proposer found any (a copy; the plan
-    is not changed) and ``draft_rows`` set."""
+    is not changed) and ``draft_rows`` set. A constrained sequence's grammar state is
+    brought up to date here, and its drafts are its grammar's forced tokens or the
+    proposer's cut where the grammar refuses one (:mod:`..grammar_book`)."""
     ws.draft_probs = {}
     proposer = ws.proposer
-    if proposer is None:
+    constrained = any(w.params.constraint is not None for w in plan.seqs)
+    if proposer is None and not constrained:
         return plan
     ws.history.fold(plan)
-    proposal = proposer.propose(plan, ws.history)
+    proposal = Proposal({}) if proposer is None else proposer.propose(plan, ws.history)
     ws.forward_seconds += proposal.forward_seconds
     ws.draft_probs = proposal.draft_probs
-    if proposal.drafts:
-        found = proposal.drafts
+    found = proposal.drafts
+    if constrained:
+        if ws.grammar is None:
+            raise RuntimeError("a constrained request reached a workspace without a grammar")
+        ws.grammar.fold(plan, ws.history)
+        found, forced = ws.grammar.constrain_drafts(plan, found)
+        ws.draft_probs = {s: q for s, q in ws.draft_probs.items() if s not in forced}
+    if found:
         seqs = [
             replace(w, drafts=found[w.slot][: w.num_drafts]) if w.slot in found else w
             for w in plan.seqs

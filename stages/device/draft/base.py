@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from spectrio.core.messages import StepPlan
+from spectrio.core.messages import SeqWork, StepPlan
 
 __all__ = ["Proposal", "Proposer", "TokenHistory"]
 
@@ -77,8 +77,13 @@ class Proposer(Protocol):
         ...
 
 
+def _tracked(w: SeqWork) -> bool:
+    """Whether the history keeps this sequence's tokens."""
+    return w.speculative or w.params.constraint is not None
+
+
 class TokenHistory:
-    """Each speculative sequence's tokens as the device has verified them, folded from the
+    """Each speculative (or constrained) sequence's tokens as the device has verified them, folded from the
     resolved plans and the drafts proposed for them.
 
     After :meth:`fold` of a step, a sequence's tokens are positions ``0 ..
@@ -93,9 +98,10 @@ class TokenHistory:
         self._accepted: dict[int, int] = {}
 
     def fold(self, plan: StepPlan) -> None:
-        """Bring every speculative sequence of ``plan`` up to its rows."""
+        """Bring every speculative or constrained sequence of ``plan`` up to its rows (a
+        constrained one's grammar state is derived from them: ``grammar_book``)."""
         for w in plan.seqs:
-            if not w.speculative:
+            if not _tracked(w):
                 continue
             # A first work after a prefix-cache hit starts past positions it never
             # computed: their tokens come with it.
@@ -118,7 +124,7 @@ class TokenHistory:
     def drafted(self, plan: StepPlan) -> None:
         """Remember the drafts ``plan`` verifies: the next fold fills accepted ones in."""
         for w in plan.seqs:
-            if w.speculative and w.drafts:
+            if _tracked(w) and w.drafts:
                 self._drafts[w.seq_id] = list(w.drafts)
 
     def tokens(self, seq_id: int) -> list[int]:

@@ -1,0 +1,176 @@
+"""Structured output on the device worker: each constrained sequence's grammar state, and
+what the draft and sampler stages ask of it (no Trio, no device).
+
+The state is derived from the plans alone, like the proposer's token history
+(:class:`~.draft.base.TokenHistory`, which folds every constrained sequence): at each
+step a sequence's matcher is brought up to its output tokens so far (the history from
+position ``context_len - num_output``, where the prompt ends). So every tensor-parallel
+rank holds the same state (a follower never sees a result) and cuts the same drafts;
+a state survives overlap (the plan is resolved before it is folded), and preemption and
+prefix caching need nothing of their own: a preempted sequence's state goes with its
+other draft-side state, and its next work brings back the tokens it had.
+
+What the stages ask:
+
+* :meth:`GrammarBook.constrain_drafts` (draft stage): where the grammar admits a single
+  continuation, those tokens are the drafts (forced drafts, which the target accepts
+  whenever its masked distribution has one allowed token); otherwise the proposer's, cut
+  at the first token the grammar refuses.
+* :meth:`GrammarBook.masks` (sampler stage): per sampling sequence, the tokens allowed at
+  each verified row (``[last token, d1..dm]``, row ``i`` as if ``d1..di`` were emitted).
+  The sampler masks the target there, so greedy takes the best allowed token and
+  rejection sampling runs on the masked target distribution: the output is exactly the
+  constrained target's, with or without drafts.
+
+A request's stop tokens (EOS, ``stop_token_ids``, a chat's end-of-turn tokens) are
+allowed exactly where the grammar allows EOS, that is where it is complete: a constrained
+output never ends early. A row past the grammar's end (after a drafted EOS) is never
+emitted from; it allows every token so its distribution stays defined.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from spectrio.core.messages import SeqWork, StepPlan
+
+if TYPE_CHECKING:
+    import llguidance
+
+    from spectrio.models.text.grammar import GrammarCompiler
+    from spectrio.stages.device.draft.base import TokenHistory
+
+__all__ = ["GrammarBook"]
+
+
+@dataclasses.dataclass
+class _State:
+    matcher: llguidance.LLMatcher
+    consumed: int = 0  # output tokens the matcher has consumed
+
+
+class GrammarBook:
+    """Every constrained sequence's matcher, by seq id (module docstring)."""
+
+    def __init__(self, compiler: GrammarCompiler, *, threads: int | None = None) -> None:
+        import llguidance
+
+        self.compiler = compiler
+        self.vocab_size = compiler.vocab_size
+        self._words = (self.vocab_size + 31) // 32  # int32 words of one mask row
+        self._executor = llguidance.LLExecutor(num_threads=threads or min(4, os.cpu_count() or 1))
+        self._states: dict[int, _State] = {}
+
+    @property
+    def num_states(self) -> int:
+        return len(self._states)
+
+    def holds(self, seq_id: int) -> bool:
+        return seq_id in self._states
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        for seq_id in seq_ids:
+            self._states.pop(seq_id, None)
+
+    def fold(self, plan: StepPlan, history: TokenHistory) -> None:
+        """Bring every constrained sequence of ``plan`` up to its output so far (the
+        history has folded ``plan`` already)."""
+        for w in plan.seqs:
+            if w.params.constraint is None:
+                continue
+            state = self._states.get(w.seq_id)
+            if state is None:
+                state = self._states[w.seq_id] = _State(self.compiler.matcher(w.params.constraint))
+            output = history.tokens(w.seq_id)[w.context_len - w.num_output :]
+            if len(output) < state.consumed:  # the history was cut back: so is the matcher
+                if not state.matcher.rollback(state.consumed - len(output)):
+                    state.matcher.reset()
+                    state.consumed = 0
+                else:
+                    state.consumed = len(output)
+            fresh = output[state.consumed :]
+            if fresh and not state.matcher.consume_tokens(fresh):
+                raise RuntimeError(
+                    f"seq {w.seq_id}: output tokens {fresh} break its grammar "
+                    f"({state.matcher.get_error()})"
+                )
+            state.consumed = len(output)
+
+    def _state(self, w: SeqWork) -> _State:
+        state = self._states.get(w.seq_id)
+        if state is None:
+            raise RuntimeError(f"seq {w.seq_id} is constrained but has no grammar state")
+        return state
+
+    def constrain_drafts(
+        self, plan: StepPlan, found: dict[int, list[int]]
+    ) -> tuple[dict[int, list[int]], set[int]]:
+        """The drafts of ``plan``'s slots (``found``: the proposer's) with each constrained
+        sequence's made grammatical: its forced continuation where the grammar has one
+        (kept with the proposer's further drafts when those begin with it), else the
+        proposer's cut at the first refused token. Returns the drafts and the slots whose
+        drafts were replaced by forced tokens (their draft distributions no longer apply)."""
+        out = dict(found)
+        forced_slots: set[int] = set()
+        for w in plan.seqs:
+            if w.params.constraint is None or not w.sample or w.num_drafts <= 0:
+                continue
+            matcher = self._state(w).matcher
+            proposed = found.get(w.slot, [])[: w.num_drafts]
+            forced = matcher.compute_ff_tokens()[: w.num_drafts] if not matcher.is_stopped() else []
+            if forced and proposed[: len(forced)] != forced:
+                proposed = forced
+                forced_slots.add(w.slot)
+            if proposed:
+                proposed = proposed[: matcher.validate_tokens(proposed)]
+            if proposed:
+                out[w.slot] = proposed
+            else:
+                out.pop(w.slot, None)
+        return out, forced_slots
+
+    def masks(self, plan: StepPlan) -> dict[int, np.ndarray]:
+        """Per constrained sampling slot of ``plan`` (its drafts filled in), bool
+        ``[len(drafts) + 1, V]``: the tokens allowed at each verified row."""
+        works = [w for w in plan.seqs if w.sample and w.params.constraint is not None]
+        if not works:
+            return {}
+        starts = np.cumsum([0] + [len(w.drafts) + 1 for w in works])
+        bits = np.zeros((int(starts[-1]), self._words), dtype=np.int32)
+        # The library takes sequences with drafts and without in two calls.
+        plain: list[tuple[Any, int]] = []
+        drafted: list[tuple[Any, int, list[int]]] = []
+        for w, at in zip(works, starts[:-1].tolist(), strict=True):
+            matcher = self._state(w).matcher
+            if w.drafts:
+                drafted.append((matcher, at, list(w.drafts)))
+            else:
+                plain.append((matcher, at))
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(
+                plain, bits.ctypes.data, self._words * 4, bits.shape[0]
+            )
+        if drafted:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(
+                drafted, bits.ctypes.data, self._words * 4, bits.shape[0]
+            )
+        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
+        allowed = allowed[:, : self.vocab_size].astype(bool)
+        eos = self.compiler.eos_token_id
+        out: dict[int, np.ndarray] = {}
+        for w, lo, hi in zip(works, starts[:-1], starts[1:], strict=True):
+            rows = allowed[lo:hi]
+            stops = np.asarray(w.eos_token_ids, dtype=np.int64)
+            if stops.size:  # a stop token ends the output: only where the grammar may end
+                rows[:, stops] = rows[:, [eos]]
+            empty = ~rows.any(axis=1)
+            if empty[0]:
+                raise RuntimeError(f"seq {w.seq_id}: its grammar allows no next token")
+            rows[empty] = True  # past the grammar's end (after a drafted EOS): never emitted
+            out[w.slot] = rows
+        return out
