@@ -36,6 +36,7 @@ class SeqWork(msgspec.Struct, kw_only=True, frozen=True):
     prompt_ids: list[int] = []  # the prompt, sent once on the first sampling step when a
     #                             repetition penalty needs it (the sampler keeps it)
     drafts: list[int] = []  # filled in by the draft stage (on a copy)
+    forced: int = 0  # the first ``forced`` drafts are the grammar's forced tokens (near-certain)
     speculative: bool = False  # the request speculates: the proposer keeps state for it
     #                            (MTP catches up even in a step with 0 draft slots)
     pending: bool = False  # planned ahead: inputs come from the previous step's result
@@ -104,6 +105,7 @@ class SeqResult(msgspec.Struct, kw_only=True):
     request_id: str
     num_drafts: int  # drafts proposed
     num_accepted: int  # drafts accepted (before stop truncation)
+    num_forced: int = 0  # of the drafts, the grammar's forced tokens (SeqWork.forced)
     token_ids: list[int]  # tokens emitted this step (after truncation)
     finish_reason: str | None = None  # "stop" | "length" | None
     text_len: int | None = None  # a stop string ended the request: keep this many characters

@@ -109,30 +109,36 @@ class GrammarBook:
 
     def constrain_drafts(
         self, plan: StepPlan, found: dict[int, list[int]]
-    ) -> tuple[dict[int, list[int]], set[int]]:
+    ) -> tuple[dict[int, list[int]], dict[int, int], set[int]]:
         """The drafts of ``plan``'s slots (``found``: the proposer's) with each constrained
         sequence's made grammatical: its forced continuation where the grammar has one
         (kept with the proposer's further drafts when those begin with it), else the
-        proposer's cut at the first refused token. Returns the drafts and the slots whose
-        drafts were replaced by forced tokens (their draft distributions no longer apply)."""
+        proposer's cut at the first refused token.
+
+        Returns the drafts; per slot, how many of its first drafts are forced tokens; and
+        the slots whose proposed drafts were replaced (their draft distributions no longer
+        apply)."""
         out = dict(found)
-        forced_slots: set[int] = set()
+        forced_counts: dict[int, int] = {}
+        replaced: set[int] = set()
         for w in plan.seqs:
             if w.params.constraint is None or not w.sample or w.num_drafts <= 0:
                 continue
             matcher = self._state(w).matcher
             proposed = found.get(w.slot, [])[: w.num_drafts]
-            forced = matcher.compute_ff_tokens()[: w.num_drafts] if not matcher.is_stopped() else []
+            forced = [] if matcher.is_stopped() else matcher.compute_ff_tokens()[: w.num_drafts]
             if forced and proposed[: len(forced)] != forced:
                 proposed = forced
-                forced_slots.add(w.slot)
+                replaced.add(w.slot)
             if proposed:
                 proposed = proposed[: matcher.validate_tokens(proposed)]
             if proposed:
                 out[w.slot] = proposed
+                if forced:
+                    forced_counts[w.slot] = min(len(forced), len(proposed))
             else:
                 out.pop(w.slot, None)
-        return out, forced_slots
+        return out, forced_counts, replaced
 
     def masks(self, plan: StepPlan) -> dict[int, np.ndarray]:
         """Per constrained sampling slot of ``plan`` (its drafts filled in), bool

@@ -216,6 +216,7 @@ class Sampler:
             request_id=w.request_id,
             num_drafts=len(w.drafts),
             num_accepted=len(run) - 1,
+            num_forced=w.forced,
             token_ids=tokens,
             finish_reason=cut.finish_reason,
             text_len=cut.text_len,

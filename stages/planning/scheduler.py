@@ -328,9 +328,12 @@ class Scheduler:
     def _num_drafts(self, seq: Sequence) -> int:
         if not seq.speculative:
             return 0
-        return draft_slots(
-            self._step_k, seq.remaining_tokens, self.config.max_model_len - seq.length
-        )
+        k = self._step_k
+        if seq.params.constraint is not None:
+            # Every slot its grammar's forced tokens may fill: they are near-certain, and a
+            # slot left empty costs no row (the proposer still drafts only k: draft stage).
+            k = max(k, self.policy.k_max)
+        return draft_slots(k, seq.remaining_tokens, self.config.max_model_len - seq.length)
 
     def _work(self, slot: int, seq: Sequence, rows: int, drafts: int) -> SeqWork:
         common = dict(
@@ -456,8 +459,12 @@ class Scheduler:
         if any(w.decodes for w in works.values()):
             self._previous_k = filed_k
         for r in result.results:
-            if r.num_drafts:
-                self.policy.observe_acceptance(r.num_drafts, r.num_accepted)
+            # A grammar's forced drafts are near-certain: they tell nothing of the
+            # proposer's acceptance, which is what the policy weighs k by.
+            if r.num_drafts > r.num_forced and r.num_accepted >= r.num_forced:
+                self.policy.observe_acceptance(
+                    r.num_drafts - r.num_forced, r.num_accepted - r.num_forced
+                )
         published: list[SeqResult] = []
         for r in result.results:
             work = works.pop(r.seq_id, None)

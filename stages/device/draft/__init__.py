@@ -78,19 +78,22 @@ def draft(ws: Workspace, plan: StepPlan) -> StepPlan:
     if proposer is None and not constrained:
         return plan
     ws.history.fold(plan)
-    proposal = Proposal({}) if proposer is None else proposer.propose(plan, ws.history)
+    proposal = Proposal({}) if proposer is None else proposer.propose(_proposer_view(plan), ws.history)
     ws.forward_seconds += proposal.forward_seconds
     ws.draft_probs = proposal.draft_probs
     found = proposal.drafts
+    forced: dict[int, int] = {}
     if constrained:
         if ws.grammar is None:
             raise RuntimeError("a constrained request reached a workspace without a grammar")
         ws.grammar.fold(plan, ws.history)
-        found, forced = ws.grammar.constrain_drafts(plan, found)
-        ws.draft_probs = {s: q for s, q in ws.draft_probs.items() if s not in forced}
+        found, forced, replaced = ws.grammar.constrain_drafts(plan, found)
+        ws.draft_probs = {s: q for s, q in ws.draft_probs.items() if s not in replaced}
     if found:
         seqs = [
-            replace(w, drafts=found[w.slot][: w.num_drafts]) if w.slot in found else w
+            replace(w, drafts=found[w.slot][: w.num_drafts], forced=forced.get(w.slot, 0))
+            if w.slot in found
+            else w
             for w in plan.seqs
         ]
         plan = replace(plan, seqs=seqs)
@@ -98,3 +101,20 @@ def draft(ws: Workspace, plan: StepPlan) -> StepPlan:
     if proposal.extra_rows:
         plan = replace(plan, draft_rows=proposal.extra_rows)
     return plan
+
+
+def _proposer_view(plan: StepPlan) -> StepPlan:
+    """The plan as the proposer sees it. The scheduler gives a constrained sequence every
+    slot forced tokens may fill (``k_max``), but the proposer drafts only the policy's
+    ``k`` for it, as for any other: past the forced tokens its drafts are as uncertain."""
+    if not any(w.params.constraint is not None and w.num_drafts > plan.k for w in plan.seqs):
+        return plan
+    return replace(
+        plan,
+        seqs=[
+            replace(w, num_drafts=plan.k)
+            if w.params.constraint is not None and w.num_drafts > plan.k
+            else w
+            for w in plan.seqs
+        ],
+    )
