@@ -33,6 +33,7 @@ from spectrio.core.timing import StepTiming
 from spectrio.errors import CheckpointError, EngineDead
 from spectrio.models import LoadedModel
 from spectrio.models.text.chat import ChatTemplate, chat_template_for
+from spectrio.models.text.grammar import GrammarCompiler
 from spectrio.process_memory import peak_rss_bytes, rss_bytes
 from spectrio.runtime.device_worker import DeviceWorker
 from spectrio.runtime.kv_sizing import (
@@ -45,7 +46,6 @@ from spectrio.runtime.monitoring import RuntimeMonitoring, _callable_name, _Sink
 from spectrio.runtime.request_checks import RuntimeRequests
 from spectrio.runtime.streams import Delta, OpenRequest, RequestStream, abort_delta
 from spectrio.runtime.timing_cache import KeptTimings
-from spectrio.models.text.grammar import GrammarCompiler
 from spectrio.runtime.tp import TPGroup, make_workspace
 from spectrio.stages.device.sampler import Sampler
 from spectrio.stages.device.workspace import Workspace

@@ -92,12 +92,15 @@ class RuntimeRequests:
         params: SamplingParams | None = None,
         *,
         tokenize: Callable[[str], Sequence[int]] | None = None,
+        tools: Sequence[dict[str, object]] | None = None,
     ) -> tuple[list[int], SamplingParams]:
         """What a chat request runs: ``messages`` rendered by the model's chat template
         (ending where the assistant's answer begins) and tokenized (``tokenize``, by
         default the model's tokenizer), and ``params`` with the template's end-of-turn
         tokens added to ``stop_token_ids`` (:func:`~spectrio.core.params.with_chat_stops`:
         as EOS, so not with ``ignore_eos``). :meth:`chat` runs exactly these token ids.
+        ``tools`` (OpenAI-shaped function tools) are passed to a template that reads them
+        (:attr:`~spectrio.models.text.chat.ChatTemplate.reads_tools`).
 
         Raises :class:`InvalidRequest` on field ``messages``: a malformed list
         (:func:`~spectrio.core.params.check_messages`), a model without a chat template
@@ -110,7 +113,10 @@ class RuntimeRequests:
         checked = check_messages(messages)
         if self.chat_template is None:
             raise InvalidRequest("messages", self._no_chat, code="no_chat_template")
-        text = self.chat_template.render(checked)
+        if tools is None:
+            text = self.chat_template.render(checked)
+        else:
+            text = self.chat_template.render(checked, tools=list(tools))
         try:
             ids = check_prompt(
                 text,

@@ -236,6 +236,17 @@ def test_tp2_equals_tp1_under_pressure(k: str) -> None:
     assert int(two["preemptions"]) > 0 and two["blocks_back"]  # type: ignore[call-overload]
 
 
+@pytest.mark.parametrize("k", ["2", "ngram:2"])
+def test_tp2_structured_output_equals_tp1(k: str) -> None:
+    """Constrained requests (greedy and seeded) under overlap and preemption: each rank
+    derives the grammar state from the plans and cuts the same drafts (issue 60)."""
+    one = _drive("constrained", "1", k)
+    two = _drive("constrained", "2", k)
+    assert two["outputs"] == one["outputs"]
+    assert int(two["preemptions"]) > 0 and two["blocks_back"]  # type: ignore[call-overload]
+    assert int(two["drafts"]) > 0  # type: ignore[call-overload]
+
+
 def test_tp2_prompt_logprobs_equal_tp1_and_are_published_once() -> None:
     """prompt_logprobs in a group, under overlap, chunked prefill and preemption: rank 0
     publishes each prompt token's logprob once, and they are TP=1's (float64)."""

@@ -5,6 +5,7 @@ one JSON line with what the test checks.
     python tests/tp_driver.py generate TP K
     python tests/tp_driver.py prefix TP K on|off
     python tests/tp_driver.py prompt TP K
+    python tests/tp_driver.py constrained TP K
     python tests/tp_driver.py kill
     python tests/tp_driver.py twice
 """
@@ -125,6 +126,50 @@ async def pressure(tp: int, k: int, method: str = "mtp") -> dict[str, object]:
             preemptions = rt.scheduler.num_preemptions
             free = rt.blocks.num_free_blocks == rt.blocks.num_blocks
     return {"outputs": outputs, "preemptions": preemptions, "blocks_back": free}
+
+
+async def constrained(tp: int, k: int, method: str = "mtp") -> dict[str, object]:
+    """Structured output under overlap and preemption: every rank keeps the grammar state
+    from the plans alone and cuts the same drafts, so the ranks verify the same rows."""
+    from spectrio.core.constraints import Constraint
+
+    schema = {
+        "type": "object",
+        "properties": {"a": {"enum": ["x", "yy"]}, "b": {"type": "integer", "maximum": 99}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    constraints = [
+        Constraint.json_schema(schema),
+        Constraint.choice(["one", "two three"]),
+        Constraint.json_schema(schema),
+        Constraint.regex("[a-c]{2,5}-[0-9]{3}"),
+    ] * 2
+    outputs: list[list[int]] = [[] for _ in constraints]
+    cfg = config(tp, k, method, max_model_len=64, num_kv_blocks=17, block_size=4,
+                 max_num_batched_tokens=16, enable_overlap=True)  # fmt: skip
+    with trio.fail_after(240):
+        async with open_runtime(cfg) as rt:
+
+            async def one(i: int) -> None:
+                params = SamplingParams(
+                    max_tokens=32,
+                    temperature=1.0 if i % 2 else 0.0,
+                    seed=5 + i,
+                    constraint=constraints[i],
+                )
+                async with rt.generate(PROMPTS[i % len(PROMPTS)], params) as stream:
+                    async for delta in stream:
+                        outputs[i] += delta.token_ids
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(constraints)):
+                    nursery.start_soon(one, i)
+            await rt.wait_idle()
+            preemptions = rt.scheduler.num_preemptions
+            free = rt.blocks.num_free_blocks == rt.blocks.num_blocks
+            drafts = rt.scheduler.acceptance.proposed
+    return {"outputs": outputs, "preemptions": preemptions, "blocks_back": free, "drafts": drafts}
 
 
 async def prompt(tp: int, k: int, method: str = "mtp") -> dict[str, object]:
@@ -270,6 +315,8 @@ def main() -> None:
         out = trio.run(generate, int(sys.argv[2]), int(k), int(sys.argv[4]), method)
     elif what == "pressure":
         out = trio.run(pressure, int(sys.argv[2]), int(k), method)
+    elif what == "constrained":
+        out = trio.run(constrained, int(sys.argv[2]), int(k), method)
     elif what == "prompt":
         out = trio.run(prompt, int(sys.argv[2]), int(k), method)
     elif what == "prefix":

@@ -95,9 +95,7 @@ def submit_frame(
     # when set, so an older server (which refuses the key as unknown_field) reads every
     # other request as before.
     unset = [
-        key
-        for key in ("prompt_logprobs", "constraint")
-        if getattr(submit.params, key) is None
+        key for key in ("prompt_logprobs", "constraint") if getattr(submit.params, key) is None
     ]
     if not unset:
         return encode(submit)

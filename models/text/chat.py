@@ -97,14 +97,20 @@ class ChatTemplate:
         def strftime_now(fmt: str) -> str:
             return datetime.datetime.now().strftime(fmt)
 
+        from jinja2 import meta
+
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.filters["tojson"] = tojson
         env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
         try:
             self._template = env.from_string(source)
+            variables = meta.find_undeclared_variables(env.parse(source))
         except TemplateError as exc:
             raise CheckpointError(f"chat template does not compile: {exc}") from exc
         self.source = source
+        self.reads_tools = "tools" in variables
+        """Whether the template renders a ``tools=`` list (a function-calling template);
+        one that does not gets the HTTP front's default tool format (docs/http.md)."""
         self._tokenizer = tokenizer
         self._special = dict(special)
 
@@ -112,7 +118,9 @@ class ChatTemplate:
         self, messages: Sequence[Message], add_generation_prompt: bool = True, **extra: Any
     ) -> str:
         """The prompt text of ``messages``; with ``add_generation_prompt`` it ends where
-        the assistant's answer begins. Malformed messages raise :class:`InvalidRequest`."""
+        the assistant's answer begins. ``extra`` are more template variables, such as
+        ``tools`` (a list of OpenAI-shaped function tools, for a template that
+        :attr:`reads_tools`). Malformed messages raise :class:`InvalidRequest`."""
         from jinja2 import TemplateError
 
         checked = check_messages(messages)

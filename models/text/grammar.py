@@ -58,7 +58,8 @@ def grammar_text(constraint: Constraint) -> str:
     if kind in ("json_object", "json_schema"):
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(
-                constraint.schema(), defaults=JSON_DEFAULTS  # type: ignore[arg-type]
+                constraint.schema(),
+                defaults=JSON_DEFAULTS,  # type: ignore[arg-type]
             )
         except ValueError as exc:
             raise InvalidRequest(

@@ -174,8 +174,8 @@ class GrammarBook:
             stops = np.asarray(w.eos_token_ids, dtype=np.int64)
             if stops.size:  # a stop token ends the output: only where the grammar may end
                 rows[:, stops] = rows[:, [eos]]
-            empty = ~rows.any(axis=1)
-            if empty[0]:
+            empty: np.ndarray = ~rows.any(axis=1)
+            if bool(empty[0]):
                 raise RuntimeError(f"seq {w.seq_id}: its grammar allows no next token")
             rows[empty] = True  # past the grammar's end (after a drafted EOS): never emitted
             out[w.slot] = rows

@@ -78,7 +78,9 @@ def draft(ws: Workspace, plan: StepPlan) -> StepPlan:
     if proposer is None and not constrained:
         return plan
     ws.history.fold(plan)
-    proposal = Proposal({}) if proposer is None else proposer.propose(_proposer_view(plan), ws.history)
+    proposal = (
+        Proposal({}) if proposer is None else proposer.propose(_proposer_view(plan), ws.history)
+    )
     ws.forward_seconds += proposal.forward_seconds
     ws.draft_probs = proposal.draft_probs
     found = proposal.drafts

@@ -83,8 +83,8 @@ def _tracked(w: SeqWork) -> bool:
 
 
 class TokenHistory:
-    """Each speculative (or constrained) sequence's tokens as the device has verified them, folded from the
-    resolved plans and the drafts proposed for them.
+    """Each speculative (or constrained) sequence's tokens as the device has verified
+    them, folded from the resolved plans and the drafts proposed for them.
 
     After :meth:`fold` of a step, a sequence's tokens are positions ``0 ..
     start_pos + len(token_ids) - 1`` of its work. The positions between the end of its
