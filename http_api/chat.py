@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import trio
 
@@ -23,13 +24,15 @@ __all__ = ["start_chat"]
 
 async def start_chat(
     front: HttpFront,
-    messages: Sequence[dict[str, str]],
+    messages: Sequence[dict[str, Any]],
     choices: Sequence[SamplingParams],
     request_ids: Sequence[str],
     cache_salt: str = "",
+    tools: Sequence[dict[str, Any]] | None = None,
 ) -> tuple[list[RequestStream], int]:
     """Start one request per entry of ``choices`` on the rendered ``messages``; returns
-    the streams and the prompt's length in tokens. Raises :class:`HttpError` (400) for a
+    the streams and the prompt's length in tokens. ``tools`` are passed to a template
+    that renders them (:mod:`.tool_calls`). Raises :class:`HttpError` (400) for a
     model without a chat template and :class:`InvalidRequest` for messages the template
     refuses or a prompt that does not fit. ``ignore_eos`` also ignores the template's
     end-of-turn tokens (they are the chat's EOS)."""
@@ -42,7 +45,7 @@ async def start_chat(
             param="messages",
             code="no_chat_template",
         )
-    render = functools.partial(front.rt.chat_prompt, messages, choices[0])
+    render = functools.partial(front.rt.chat_prompt, messages, choices[0], tools=tools)
     ids, _ = await trio.to_thread.run_sync(render, abandon_on_cancel=True)
     streams: list[RequestStream] = []
     try:

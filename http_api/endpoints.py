@@ -42,13 +42,21 @@ from spectrio.http_api.mapping import (
     prompts_of,
     sampling_params,
 )
+from spectrio.http_api.response_format import (
+    Sourced,
+    constraint_sources,
+    one_constraint,
+    requested_constraint,
+)
 from spectrio.http_api.responses import (
     ChoiceState,
     chat_chunk,
     chat_response,
     completion_chunk,
     completion_response,
+    delta_tool_calls,
     echo_chunk,
+    tool_finish,
     usage,
 )
 from spectrio.http_api.schema import (
@@ -60,6 +68,8 @@ from spectrio.http_api.schema import (
     ModelCard,
     ModelList,
 )
+from spectrio.http_api.tool_calls import ToolPlan, default_format, tool_plan
+from spectrio.http_api.tool_parsers import ToolParser
 from spectrio.runtime.api import Delta
 from spectrio.wire.admission import message_cap
 
@@ -99,6 +109,12 @@ async def read_body(request: Request, cap: int) -> bytes:
 
 def _client(request: Request) -> str:
     return request.client.host if request.client is not None else "unknown"
+
+
+def _checked(plan: ToolPlan | None, sourced: Sourced | None) -> list[Sourced]:
+    """The constraints to compile before a chat runs: each called function's parameters
+    (a refusal names ``tools[i].function.parameters``), then the request's constraint."""
+    return [*([] if plan is None else plan.schemas), *([] if sourced is None else [sourced])]
 
 
 class Endpoints:
@@ -155,12 +171,16 @@ class Endpoints:
             raise InvalidRequest(
                 "n", f"times the number of prompts must be at most {MAX_CHOICES}", got=n
             )
+        sourced = requested_constraint(req)
         params = sampling_params(
             req,
             vocab_size=front.vocab_size,
             default_max_tokens=COMPLETION_MAX_TOKENS,
             logprobs=req.logprobs,
+            constraint=sourced,
         )
+        if sourced is not None:
+            await front.check_constraints([sourced])
         ids = await front.prompt_ids(prompts)
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -237,7 +257,19 @@ class Endpoints:
         front = self.front
         req = await self._read(request, ChatCompletionRequest)
         check_chat(req)
+        template = front.rt.chat_template
+        plan = tool_plan(
+            req,
+            template_source=None if template is None else template.source,
+            reads_tools=template is not None and template.reads_tools,
+        )
         messages = chat_messages(req.messages)
+        if template is not None and not template.reads_tools:
+            messages = default_format(messages, plan)
+        found = constraint_sources(req)
+        if plan is not None and plan.constraint is not None:
+            found.append(plan.constraint)
+        sourced = one_constraint(found)
         n = req.n or 1
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(
@@ -246,7 +278,9 @@ class Endpoints:
             # as many as fit: the runtime ends the request at max_model_len ("length")
             default_max_tokens=front.max_model_len,
             logprobs=logprobs,
+            constraint=sourced,
         )
+        await front.check_constraints(_checked(plan, sourced))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         streams, prompt_tokens = await start_chat(
@@ -255,6 +289,7 @@ class Endpoints:
             per_choice(params, n),
             [f"{rid}-{i}" for i in range(n)],
             req.cache_salt or "",
+            tools=plan.tools if plan is not None and plan.native and plan.tools else None,
         )
         exchange.start(streams)
         log.info(
@@ -265,8 +300,14 @@ class Endpoints:
             stream=bool(req.stream),
             user=req.user,
             safety_identifier=req.safety_identifier,
+            tool_choice=None if plan is None else plan.choice,
+            constraint=None if sourced is None else sourced.param,
         )
         states = [ChoiceState(i) for i in range(n)]
+        parsers: list[ToolParser] | None = None
+        if plan is not None and plan.parses:
+            parsers = [plan.parser() for _ in range(n)]
+        called = [False] * n
         strings = front.strings if logprobs is not None else None
         tier = None if req.service_tier is None else "default"
         model = front.model_name
@@ -274,7 +315,7 @@ class Endpoints:
             if not await collect(request, exchange, states):
                 return Response(status_code=499)
             return json_response(
-                chat_response(rid, created, model, states, prompt_tokens, strings, tier)
+                chat_response(rid, created, model, states, prompt_tokens, strings, tier, parsers)
             )
 
         opening = [
@@ -298,9 +339,18 @@ class Endpoints:
             index: int, delta: Delta, event: Callable[[bytes], Awaitable[None]]
         ) -> None:
             states[index].add(delta)
-            if delta.text or delta.token_ids or delta.finished:
+            text, calls = delta.text, None
+            if parsers is not None:
+                out = parsers[index].feed(delta.text)
+                if delta.finished:
+                    out.extend(parsers[index].finish())
+                text, calls = out.content, delta_tool_calls(out.calls) or None
+                called[index] = called[index] or calls is not None
+            if text or calls or delta.token_ids or delta.finished:
                 reason = delta.finish_reason if delta.finished else None
-                content = ChatDelta(content=delta.text) if delta.text else ChatDelta()
+                if parsers is not None:
+                    reason = tool_finish(reason, called[index])
+                content = ChatDelta(content=text or None, tool_calls=calls)
                 entries = (delta.logprobs or []) if strings is not None else None
                 chunk = chat_chunk(
                     rid, created, model, index, content, entries, strings, reason, tier

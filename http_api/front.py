@@ -38,6 +38,7 @@ from spectrio.core.params import SamplingParams, check_prompt
 from spectrio.errors import EngineDead
 from spectrio.http_api.logprobs import TokenStrings
 from spectrio.http_api.mapping import HttpError
+from spectrio.http_api.response_format import Sourced, check_enforceable
 from spectrio.models.text.tokenizer import TextTokenizer
 from spectrio.wire.admission import RateLimiter
 
@@ -155,6 +156,19 @@ class HttpFront:
             limiter=self._tokenizing,
             abandon_on_cancel=True,
         )
+
+    async def check_constraints(self, constraints: Sequence[Sourced]) -> None:
+        """Refuse a constraint the grammar library cannot enforce (a bad schema, pattern
+        or grammar, an unimplemented schema keyword), naming the HTTP field it came from
+        (:class:`InvalidRequest`). Compiled in a worker thread (the runtime's compiler
+        keeps it, so the request's own check finds it ready); cancellation abandons the
+        thread's result."""
+        grammar = self.rt.grammar
+        for sourced in constraints:
+            await trio.to_thread.run_sync(
+                functools.partial(check_enforceable, grammar.check, sourced),
+                abandon_on_cancel=True,
+            )
 
     # ---- requests ---------------------------------------------------------------------
 

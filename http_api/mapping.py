@@ -10,7 +10,12 @@
   same ``"<field>: <rule>, got <value>"`` text as the embedding API and the wire.
   :func:`per_choice` gives each of the ``n`` choices its own seed.
 * :func:`prompts_of` and :func:`chat_messages` check the prompt shapes and turn chat
-  messages into the dicts a chat template renders.
+  messages into the dicts a chat template renders (an assistant's earlier
+  ``tool_calls`` with their arguments as objects, as templates read them).
+
+Structured output and tools are :mod:`.response_format` and :mod:`.tool_calls`; their
+constraint reaches :func:`sampling_params` as a
+:class:`~spectrio.http_api.response_format.Sourced`, whose refusals name its field.
 
 OpenAI's defaults apply where they differ from the runtime's: ``temperature`` 1,
 completions ``max_tokens`` 16, and a chat's ``max_completion_tokens`` as many as fit
@@ -19,6 +24,7 @@ under ``max_model_len``.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, TypeVar
@@ -33,6 +39,7 @@ from spectrio.core.params import (
     field_rule,
 )
 from spectrio.errors import show_value
+from spectrio.http_api.response_format import Sourced, renamed
 from spectrio.http_api.schema import (
     ChatCompletionRequest,
     ChatMessage,
@@ -244,9 +251,6 @@ def echo_only(req: CompletionRequest) -> bool:
     return bool(req.echo) and req.max_tokens == 0
 
 
-_TOOLS = "tool and function calling are not supported"
-
-
 def check_chat(req: ChatCompletionRequest) -> None:
     """Refuse the chat fields this server does not honour (InvalidRequest)."""
     _check_common(req)
@@ -267,12 +271,12 @@ def check_chat(req: ChatCompletionRequest) -> None:
             f"must equal max_completion_tokens ({req.max_completion_tokens}) when both are given",
             req.max_tokens,
         )
-    _neutral("tools", req.tools, [[]], _TOOLS)
-    _neutral("functions", req.functions, [[]], _TOOLS)
-    _neutral("tool_choice", req.tool_choice, ["none"], _TOOLS)
-    _neutral("function_call", req.function_call, ["none"], _TOOLS)
-    _neutral("parallel_tool_calls", req.parallel_tool_calls, [], _TOOLS)
-    _neutral("response_format", req.response_format, [{"type": "text"}], "only text is produced")
+    # tools, tool_choice: tool_calls.tool_plan; response_format: response_format.py
+    _neutral(
+        "functions", req.functions, [[]], "the legacy functions API is not supported; use tools"
+    )
+    _neutral("function_call", req.function_call, ["none"],
+             "the legacy functions API is not supported; use tool_choice")  # fmt: skip
     _neutral("modalities", req.modalities, [["text"]], "only text is produced")
     _neutral("audio", req.audio, [], "only text is produced")
     _neutral("prediction", req.prediction, [], "predicted outputs are not supported")
@@ -326,20 +330,46 @@ def prompts_of(prompt: str | list[Any]) -> list[str | list[int]]:
 CHAT_ROLES: Final = ("system", "developer", "user", "assistant", "tool", "function")
 
 
-def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+def _tool_calls(message: ChatMessage, at: str) -> list[dict[str, Any]]:
+    """An assistant message's earlier calls as templates read them: OpenAI's shape, the
+    arguments an object (parsed from their JSON text)."""
+    calls: list[dict[str, Any]] = []
+    if message.tool_calls and message.role != "assistant":
+        raise _refuse(f"{at}.tool_calls", "only an assistant message has tool calls", "given")
+    for j, call in enumerate(message.tool_calls or []):
+        where = f"{at}.tool_calls[{j}]"
+        if call.type != "function":
+            raise _refuse(f"{where}.type", "must be 'function'", call.type)
+        try:
+            arguments = json.loads(call.function.arguments)
+        except ValueError:
+            raise _refuse(
+                f"{where}.function.arguments", "must be JSON text (an object)",
+                call.function.arguments,
+            ) from None  # fmt: skip
+        function = {"name": call.function.name, "arguments": arguments}
+        entry: dict[str, Any] = {"type": "function", "function": function}
+        if call.id is not None:
+            entry["id"] = call.id
+        calls.append(entry)
+    return calls
+
+
+def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     """The messages as a chat template reads them: ``role`` and ``content`` strings
-    (text parts joined by newlines), with ``name`` and ``tool_call_id`` when given.
-    ``developer`` (OpenAI's newer name for ``system``) is rendered as ``system``: the
-    templates of open models know only that one."""
+    (text parts joined by newlines), with ``name`` and ``tool_call_id`` when given, and
+    an assistant's ``tool_calls`` (:func:`_tool_calls`; its ``content`` may then be
+    null, read as ``""``). ``developer`` (OpenAI's newer name for ``system``) is
+    rendered as ``system``: the templates of open models know only that one."""
     if not messages:
         raise InvalidRequest("messages", "must be a non-empty list of messages", got=[])
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         at = f"messages[{i}]"
         if m.role not in CHAT_ROLES:
             raise _refuse(f"{at}.role", f"must be one of {', '.join(CHAT_ROLES)}", m.role)
-        _neutral(f"{at}.tool_calls", m.tool_calls, [[]], _TOOLS)
-        _neutral(f"{at}.function_call", m.function_call, [], _TOOLS)
+        calls = _tool_calls(m, at)
+        _neutral(f"{at}.function_call", m.function_call, [], "use tool_calls")
         _neutral(f"{at}.audio", m.audio, [], "audio is not supported")
         _neutral(f"{at}.refusal", m.refusal, [], "refusal messages are not supported")
         if isinstance(m.content, str):
@@ -355,13 +385,20 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
                     )
                 texts.append(part.text)
             content = "\n".join(texts)
+        elif calls:
+            content = ""
         else:
             raise _refuse(f"{at}.content", "must be a string or a list of text parts", None)
-        message = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        message: dict[str, Any] = {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": content,
+        }
         if m.name is not None:
             message["name"] = m.name
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
+        if calls:
+            message["tool_calls"] = calls
         out.append(message)
     return out
 
@@ -375,10 +412,12 @@ def sampling_params(
     vocab_size: int,
     default_max_tokens: int,
     logprobs: int | None,
+    constraint: Sourced | None = None,
 ) -> SamplingParams:
     """The request's sampling parameters, checked (:class:`InvalidRequest` with the
     runtime's rule text). ``default_max_tokens`` applies when the request gives none;
-    ``logprobs`` is the top width each endpoint reads from its own fields."""
+    ``logprobs`` is the top width each endpoint reads from its own fields;
+    ``constraint`` is what the output must match, a refusal of it naming its field."""
     max_tokens = req.max_tokens
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
@@ -404,6 +443,7 @@ def sampling_params(
         "presence_penalty": req.presence_penalty,
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,
+        "constraint": None if constraint is None else constraint.constraint,
     }
     # None means "not given": the runtime's default, except where OpenAI's differs (above)
     params = SamplingParams(
@@ -424,7 +464,7 @@ def sampling_params(
             raise InvalidRequest(
                 "max_completion_tokens", exc.rule, got=max_tokens, code=exc.code
             ) from None
-        raise
+        raise renamed(exc, constraint) from None
 
 
 def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:

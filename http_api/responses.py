@@ -4,7 +4,8 @@
 (``stream: false``) or one stream chunk from it. Finish reasons are the runtime's:
 ``"stop"`` (EOS, a stop token or a stop string), ``"length"`` (``max_tokens``, or the
 end of ``max_model_len``) and ``"abort"`` (the server cut the request: shutdown), the
-last one an extension of OpenAI's list.
+last one an extension of OpenAI's list. A chat answer read for tool calls
+(:mod:`.tool_parsers`) that made one and ended by itself ends with ``"tool_calls"``.
 """
 
 from __future__ import annotations
@@ -30,17 +31,25 @@ from spectrio.http_api.schema import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    DeltaFunctionCall,
+    DeltaToolCall,
     DraftUsage,
+    FunctionCall,
     PromptTokensDetails,
     ResponseMessage,
+    ToolCall,
     Usage,
 )
+from spectrio.http_api.tool_parsers import CallDelta, ToolParser, parse_all
 from spectrio.runtime.api import Delta
 
 __all__ = [
     "ChoiceState",
     "chat_chunk",
+    "chat_message",
     "chat_response",
+    "delta_tool_calls",
+    "tool_finish",
     "completion_chunk",
     "echo_chunk",
     "completion_response",
@@ -176,6 +185,44 @@ def echo_chunk(
     return Completion(id=rid, created=created, model=model, choices=[choice])
 
 
+def tool_finish(reason: str | None, called: bool) -> str | None:
+    """The finish reason of an answer read for tool calls: ``"tool_calls"`` when it made
+    one and ended by itself (``"stop"``); otherwise the runtime's."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def chat_message(
+    state: ChoiceState, parser: ToolParser | None
+) -> tuple[ResponseMessage, str | None]:
+    """A whole choice's message and finish reason; with ``parser``, its tool calls read
+    out of the text (the content is then what is left, stripped, or null)."""
+    if parser is None:
+        return ResponseMessage(content=state.text), state.finish_reason
+    content, calls = parse_all(parser, state.text)
+    tool_calls = [
+        ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls
+    ]
+    message = ResponseMessage(content=content, tool_calls=tool_calls or None)
+    return message, tool_finish(state.finish_reason, bool(calls))
+
+
+def delta_tool_calls(deltas: Sequence[CallDelta]) -> list[DeltaToolCall]:
+    """Pieces of calls in OpenAI's chunk shape: a call's first with its ``id``, ``type``
+    and ``function.name``, then ``function.arguments`` pieces; consecutive pieces of one
+    call are joined."""
+    out: list[DeltaToolCall] = []
+    for d in deltas:
+        last = out[-1] if out else None
+        if d.id is None and last is not None and last.index == d.index:
+            assert last.function is not None
+            last.function.arguments = (last.function.arguments or "") + d.arguments
+            continue
+        function = DeltaFunctionCall(name=d.name, arguments=d.arguments)
+        kind = None if d.id is None else "function"
+        out.append(DeltaToolCall(index=d.index, id=d.id, type=kind, function=function))
+    return out
+
+
 def chat_response(
     rid: str,
     created: int,
@@ -184,17 +231,21 @@ def chat_response(
     prompt_tokens: int,
     strings: TokenStrings | None,
     service_tier: str | None,
+    parsers: Sequence[ToolParser | None] | None = None,
 ) -> ChatCompletion:
-    """The whole ``/v1/chat/completions`` response."""
-    out = [
-        ChatChoice(
-            index=c.index,
-            message=ResponseMessage(content=c.text),
-            logprobs=chat_logprobs(c.logprobs, strings) if strings is not None else None,
-            finish_reason=c.finish_reason,
+    """The whole ``/v1/chat/completions`` response; ``parsers``, one per choice, read
+    its text for tool calls."""
+    out: list[ChatChoice] = []
+    for i, c in enumerate(choices):
+        message, reason = chat_message(c, None if parsers is None else parsers[i])
+        out.append(
+            ChatChoice(
+                index=c.index,
+                message=message,
+                logprobs=chat_logprobs(c.logprobs, strings) if strings is not None else None,
+                finish_reason=reason,
+            )
         )
-        for c in choices
-    ]
     return ChatCompletion(
         id=rid,
         created=created,

@@ -11,6 +11,10 @@ Every field is optional at the JSON level except the ones OpenAI requires
 Responses keep OpenAI's field names and its ``null`` s (``omit_defaults`` is off): a
 client that reads ``choice.logprobs`` finds ``null``, not a missing key. The one
 extension in a response is ``usage.spectrio`` (drafts proposed and accepted).
+
+Structured output and tool calling (``response_format``, vLLM's ``guided_*`` and
+``structured_outputs``, ``tools``, ``tool_choice``) are typed here and mapped by
+:mod:`spectrio.http_api.response_format` and :mod:`spectrio.http_api.tool_calls`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,19 @@ __all__ = [
     "ChatChoice",
     "ChatChunk",
     "ChatChunkChoice",
+    "DeltaFunctionCall",
+    "DeltaToolCall",
+    "FunctionCall",
+    "FunctionDefinition",
+    "JsonSchemaFormat",
+    "MessageFunctionCall",
+    "MessageToolCall",
+    "NamedFunction",
+    "ResponseFormat",
+    "StructuredOutputs",
+    "Tool",
+    "ToolCall",
+    "ToolChoiceObject",
     "ChatCompletion",
     "ChatCompletionRequest",
     "ChatDelta",
@@ -59,6 +76,32 @@ class StreamOptions(_Body, kw_only=True):
     include_obfuscation: bool | None = None  # padding against size side channels: refused
 
 
+class JsonSchemaFormat(_Body, kw_only=True):
+    """``response_format.json_schema``."""
+
+    name: str  # required by OpenAI; not used
+    schema: dict[str, Any] | None = None  # the schema the output must match (required here)
+    strict: bool | None = None  # accepted: the schema is always enforced in full
+    description: str | None = None
+
+
+class ResponseFormat(_Body, kw_only=True):
+    """``response_format``: ``{"type": "text" | "json_object" | "json_schema"}``."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body, kw_only=True):
+    """vLLM's ``structured_outputs``: exactly one of its fields."""
+
+    json: str | dict[str, Any] | None = None  # a JSON schema (or its text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark, in llguidance's dialect (docs/http.md)
+    json_object: bool | None = None
+
+
 class _SamplingFields(_Body, kw_only=True):
     """The fields both endpoints share. The sampling ones are plain types here: their
     range rules are :class:`spectrio.SamplingParams`' own (checked by
@@ -87,6 +130,13 @@ class _SamplingFields(_Body, kw_only=True):
     stop_token_ids: list[int] | None = None
     # vLLM's: requests share prefix-cache blocks only with the same salt (docs/http.md)
     cache_salt: str | None = None
+    # structured output (response_format.py): OpenAI's, then vLLM's extensions
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -113,15 +163,57 @@ class ContentPart(_Body, kw_only=True):
     refusal: str | None = None
 
 
+class MessageFunctionCall(_Body, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as the response gave it
+
+
+class MessageToolCall(_Body, kw_only=True):
+    """A tool call of an earlier assistant message, in the shape the response gave it."""
+
+    id: str | None = None
+    type: str = "function"
+    function: MessageFunctionCall
+
+
 class ChatMessage(_Body, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None  # passed to the template
     tool_call_id: str | None = None  # passed to the template (a "tool" message)
-    tool_calls: Any = None  # refused unless empty
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     function_call: Any = None  # refused
     refusal: str | None = None  # refused
     audio: Any = None  # refused
+
+
+class FunctionDefinition(_Body, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no parameters
+    strict: bool | None = None  # accepted: a constrained call enforces the schema in full
+
+
+class Tool(_Body, kw_only=True):
+    """One of ``tools``: ``{"type": "function", "function": {...}}`` (other types are
+    refused by name)."""
+
+    type: str
+    function: FunctionDefinition | None = None
+    custom: Any = None  # a custom tool: refused
+
+
+class NamedFunction(_Body, kw_only=True):
+    name: str
+
+
+class ToolChoiceObject(_Body, kw_only=True):
+    """``tool_choice`` as an object: ``{"type": "function", "function": {"name": ...}}``."""
+
+    type: str
+    function: NamedFunction | None = None
+    custom: Any = None  # refused
+    allowed_tools: Any = None  # refused
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -138,18 +230,17 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     metadata: Any = None
     modalities: Any = None
     moderation: Any = None
-    parallel_tool_calls: Any = None
+    parallel_tool_calls: bool | None = None
     prediction: Any = None
     prompt_cache_key: str | None = None
     prompt_cache_options: Any = None
     prompt_cache_retention: Any = None
     reasoning_effort: Any = None
-    response_format: Any = None
     safety_identifier: str | None = None  # logged with the request, like user
     service_tier: Any = None
     store: Any = None
-    tool_choice: Any = None
-    tools: Any = None
+    tool_choice: str | ToolChoiceObject | None = None
+    tools: list[Tool] | None = None
     verbosity: Any = None
     web_search_options: Any = None
 
@@ -227,11 +318,22 @@ class Completion(msgspec.Struct, kw_only=True):
     usage: Usage | None = None
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str  # call_<hex>
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ResponseMessage(msgspec.Struct, kw_only=True):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the answer is tool calls alone
     refusal: None = None
-    tool_calls: None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -252,12 +354,29 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     service_tier: str | None = None
 
 
+class DeltaFunctionCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None  # on a call's first delta
+    arguments: str | None = None  # the next piece of the arguments' JSON text
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A piece of a streamed tool call: ``id``, ``type`` and ``function.name`` on its
+    first delta, then ``function.arguments`` pieces; ``index`` tells the calls apart."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A stream chunk's delta: ``role`` on a choice's first chunk only, ``content`` when
-    there is text (OpenAI omits what a chunk does not carry)."""
+    there is text, ``tool_calls`` when there are calls (OpenAI omits what a chunk does
+    not carry)."""
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

@@ -66,13 +66,11 @@ def test_every_field_the_openai_sdk_sends_is_declared() -> None:
     assert _sdk_fields(chat_create_params) <= declared
 
 
+# tools, tool_choice, parallel_tool_calls and response_format are honoured:
+# tests/test_tool_calls.py and tests/test_http_response_format.py
 REFUSED_CHAT: list[tuple[str, Any]] = [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("functions", [{"name": "f"}]),
-    ("tool_choice", "auto"),
     ("function_call", "auto"),
-    ("parallel_tool_calls", True),
-    ("response_format", {"type": "json_object"}),
     ("modalities", ["text", "audio"]),
     ("audio", {"voice": "alloy", "format": "wav"}),
     ("prediction", {"type": "content", "content": "x"}),
@@ -296,8 +294,20 @@ def test_chat_messages_for_the_template() -> None:
             "messages[0].content[0].type",
         ),
         (
-            {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+            {
+                "role": "user",
+                "content": "x",
+                "tool_calls": [{"id": "1", "function": {"name": "f", "arguments": "{}"}}],
+            },
             "messages[0].tool_calls",
+        ),
+        (
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "1", "function": {"name": "f", "arguments": "{oops"}}],
+            },
+            "messages[0].tool_calls[0].function.arguments",
         ),
         ({"role": "assistant", "content": None}, "messages[0].content"),
     ],  # fmt: skip
