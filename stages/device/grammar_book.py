@@ -12,6 +12,8 @@ other draft-side state, and its next work brings back the tokens it had.
 
 What the stages ask:
 
+* :meth:`GrammarBook.allowed_after` (MTP's substeps): a constrained sequence's MTP
+  drafts are the argmax under the mask, so the head is never wasted on a refused token.
 * :meth:`GrammarBook.constrain_drafts` (draft stage): where the grammar admits a single
   continuation, those tokens are the drafts (forced drafts, which the target accepts
   whenever its masked distribution has one allowed token); otherwise the proposer's, cut
@@ -140,6 +142,23 @@ class GrammarBook:
                 out.pop(w.slot, None)
         return out, forced_counts, replaced
 
+    def allowed_after(self, w: SeqWork, drafts: list[int]) -> np.ndarray:
+        """bool [V]: the tokens the sequence's grammar allows after its output so far and
+        then ``drafts`` (all of which it allows); every token False once the grammar has
+        ended. For a proposer that drafts under the mask (MTP's argmax)."""
+        matcher = self._state(w).matcher
+        if drafts and not matcher.consume_tokens(drafts):
+            raise RuntimeError(f"seq {w.seq_id}: drafts {drafts} break its grammar")
+        try:
+            bits = np.zeros(self._words, dtype=np.int32)
+            if not matcher.is_stopped():
+                matcher.unsafe_compute_mask_ptr(bits.ctypes.data, self._words * 4)
+        finally:
+            if drafts:
+                matcher.rollback(len(drafts))
+        allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[: self.vocab_size]
+        return allowed.astype(bool)
+
     def masks(self, plan: StepPlan) -> dict[int, np.ndarray]:
         """Per constrained sampling slot of ``plan`` (its drafts filled in), bool
         ``[len(drafts) + 1, V]``: the tokens allowed at each verified row."""
@@ -174,7 +193,7 @@ class GrammarBook:
             stops = np.asarray(w.eos_token_ids, dtype=np.int64)
             if stops.size:  # a stop token ends the output: only where the grammar may end
                 rows[:, stops] = rows[:, [eos]]
-            empty: np.ndarray = ~rows.any(axis=1)
+            empty = np.logical_not(np.any(rows, axis=1))
             if bool(empty[0]):
                 raise RuntimeError(f"seq {w.seq_id}: its grammar allows no next token")
             rows[empty] = True  # past the grammar's end (after a drafted EOS): never emitted

@@ -44,14 +44,16 @@ class Workspace:
         self.target_cache = PagedKVCache(
             cfg.num_hidden_layers, num_blocks, block_size, kvh, cfg.head_dim, model.dtype
         )
+        # constrained sequences' grammar state (stages/device/grammar_book.py)
+        self.grammar: GrammarBook | None = None if grammar is None else GrammarBook(grammar)
         self.proposer: Proposer | None = (
             None
             if speculative is None
-            else make_proposer(speculative, model, num_blocks, block_size, kvh, draft_model)
+            else make_proposer(
+                speculative, model, num_blocks, block_size, kvh, draft_model, self.grammar
+            )
         )
         self.history = TokenHistory()
-        # constrained sequences' grammar state (stages/device/grammar_book.py)
-        self.grammar: GrammarBook | None = None if grammar is None else GrammarBook(grammar)
         # slot -> the distributions the step's drafts were sampled from (Proposal.draft_probs)
         self.draft_probs: dict[int, np.ndarray] = {}
         self.forward_seconds = 0.0  # wall time inside Paddle forward calls

@@ -22,6 +22,7 @@ from spectrio.stages.device.draft.base import Proposal, Proposer, TokenHistory
 
 if TYPE_CHECKING:
     from spectrio.models import SpectrioForCausalLM
+    from spectrio.stages.device.grammar_book import GrammarBook
     from spectrio.stages.device.workspace import Workspace
 
 __all__ = ["Proposal", "Proposer", "TokenHistory", "draft", "make_proposer"]
@@ -34,9 +35,12 @@ def make_proposer(
     block_size: int,
     num_kv_heads: int | None = None,
     draft: SpectrioForCausalLM | None = None,
+    grammar: GrammarBook | None = None,
 ) -> Proposer | None:
     """The proposer ``spec.method`` names; None with no speculation. ``draft``: the
-    loaded ``spec.draft_model`` (None: the target drafts for itself)."""
+    loaded ``spec.draft_model`` (None: the target drafts for itself). ``grammar``: the
+    workspace's grammar state, which MTP drafts under (the others' drafts are cut by it
+    in :func:`draft`)."""
     if spec.method is None:
         return None
     if spec.method == "mtp":
@@ -48,6 +52,7 @@ def make_proposer(
             block_size,
             k_max=spec.effective_num_model_steps,
             num_kv_heads=num_kv_heads,
+            grammar=grammar,
         )
     if spec.method == "ngram":
         from spectrio.stages.device.draft.ngram import NgramProposer

@@ -44,6 +44,7 @@ from spectrio.core.messages import SeqWork, StepPlan
 from spectrio.models import ForwardOutput, PackedBatch, PagedKVCache, SpectrioForCausalLM
 from spectrio.models.ops.paddle_setup import paddle
 from spectrio.stages.device.draft.base import Proposal, TokenHistory
+from spectrio.stages.device.grammar_book import GrammarBook
 
 __all__ = ["CatchUp", "HiddenStore", "MTPProposer", "SHARE_ROWS", "extra_rows"]
 
@@ -230,7 +231,10 @@ class MTPProposer:
         *,
         k_max: int,
         num_kv_heads: int | None = None,
+        grammar: GrammarBook | None = None,
     ) -> None:
+        """``grammar``: constrained sequences' state; their drafts are the argmax of
+        the tokens their grammar allows."""
         cfg = model.config
         if model.mtp is None:
             raise RuntimeError("speculation needs a checkpoint with an MTP layer")
@@ -240,6 +244,7 @@ class MTPProposer:
         self.cache = PagedKVCache(1, num_blocks, block_size, kvh, cfg.head_dim, model.dtype)
         self.hidden = HiddenStore(model)
         self.catch_up = CatchUp()
+        self.grammar = grammar
 
     def warmup(self, batch: PackedBatch, hidden: paddle.Tensor) -> None:
         self.model.mtp_forward(batch, hidden, self.cache)
@@ -331,10 +336,16 @@ class MTPProposer:
             while active:
                 best = paddle.argmax(logits, axis=-1).numpy()
                 tokens = (best if vocab_ids is None else vocab_ids[best]).tolist()
+                ended = self._under_grammar(active, logits, vocab_ids, drafts, tokens)
                 for (w, _), tok in zip(active, tokens, strict=True):
-                    drafts.setdefault(w.slot, []).append(int(tok))
+                    if w.slot not in ended:
+                        drafts.setdefault(w.slot, []).append(int(tok))
                 substep += 1
-                keep = [i for i, (w, _) in enumerate(active) if w.num_drafts > substep]
+                keep = [
+                    i
+                    for i, (w, _) in enumerate(active)
+                    if w.num_drafts > substep and w.slot not in ended
+                ]
                 if not keep:
                     break
                 assert hidden is not None
@@ -351,6 +362,43 @@ class MTPProposer:
                 out = model.mtp_forward(step_batch, hidden, self.cache, draft_vocab=True)
                 hidden, logits, vocab_ids = out.hidden, out.logits, out.vocab_ids
         return drafts
+
+    def _under_grammar(
+        self,
+        active: list[tuple[SeqWork, int]],
+        logits: paddle.Tensor,
+        vocab_ids: np.ndarray | None,
+        drafts: dict[int, list[int]],
+        tokens: list[int],
+    ) -> set[int]:
+        """Replace each constrained sequence's token in ``tokens`` by the argmax of what
+        its grammar allows after its drafts so far; returns the slots whose grammar allows
+        nothing the head can draft (they stop drafting)."""
+        ended: set[int] = set()
+        if self.grammar is None:
+            return ended
+        rows = [i for i, (w, _) in enumerate(active) if w.params.constraint is not None]
+        if not rows:
+            return ended
+        values = logits.numpy()
+        for i in rows:
+            w = active[i][0]
+            allowed = self.grammar.allowed_after(w, drafts.get(w.slot, []))
+            if vocab_ids is not None:  # the head scores a subset of the vocabulary
+                allowed = allowed[vocab_ids]
+            best = _masked_argmax(values[i], allowed)
+            if best is None:
+                ended.add(w.slot)
+            else:
+                tokens[i] = int(best if vocab_ids is None else vocab_ids[best])
+        return ended
+
+
+def _masked_argmax(row: np.ndarray, allowed: np.ndarray) -> int | None:
+    """The index of the largest of ``row`` where ``allowed``; None where nothing is."""
+    if not allowed.any():
+        return None
+    return int(np.argmax(np.where(allowed, row, -np.inf)))
 
 
 def _picked(model: SpectrioForCausalLM, out: ForwardOutput, rows: np.ndarray) -> paddle.Tensor:
