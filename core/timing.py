@@ -30,6 +30,7 @@ class DeviceTiming(msgspec.Struct, kw_only=True):
     verify_end: float = 0.0
     end: float = 0.0
     model_seconds: float = 0.0  # inside the model's forward calls (draft and verify)
+    grammar_seconds: float = 0.0  # in structured output's grammar work (state, drafts, masks)
     idle_seconds: float = 0.0  # how long the worker waited for this step after its last one
     num_seqs: int = 0
     num_rows: int = 0
@@ -57,6 +58,7 @@ class StepTiming(msgspec.Struct, kw_only=True):
     verify_end: float = 0.0
     device_end: float = 0.0
     model_seconds: float = 0.0  # inside the model's forward calls (draft and verify)
+    grammar_seconds: float = 0.0  # in structured output's grammar work (state, drafts, masks)
     publish_start: float = 0.0
     publish_end: float = 0.0
 
@@ -76,6 +78,7 @@ class StepTiming(msgspec.Struct, kw_only=True):
             verify_end=device.verify_end,
             device_end=device.end,
             model_seconds=device.model_seconds,
+            grammar_seconds=device.grammar_seconds,
         )
 
     @property

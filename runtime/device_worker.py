@@ -130,6 +130,7 @@ class DeviceWorker:
                 with ws.model.step_lock:
                     start = time.perf_counter()
                     fwd0 = ws.forward_seconds
+                    gram0 = ws.grammar_seconds
                     plan = resolve_plan(template, prev_plan, prev_result)
                     if link is not None:  # one decision: every rank runs this very plan
                         stage = "tp-link"
@@ -151,6 +152,7 @@ class DeviceWorker:
                     verify_end=verify_end,
                     end=end,
                     model_seconds=ws.forward_seconds - fwd0,
+                    grammar_seconds=ws.grammar_seconds - gram0,
                     idle_seconds=0.0 if last_end is None else max(0.0, start - last_end),
                     num_seqs=len(plan.seqs),
                     num_drafts=sum(len(w.drafts) for w in plan.seqs),

@@ -69,6 +69,7 @@ PINNED_FINGERPRINTS = {
     (1, 7): "becc5e910be5b9c93e5fbe646223fdba17854cbf63d4596678578c42cc969591",  # stream, health
     (1, 8): "dffd50f1750abfd89e2711192401be8ddfd36424e3095e7e101462faa2ff84b4",  # prompt_logprobs
     (1, 9): "2fb6bf980c76e78c9973d283ad37e36e2b6b42de097e1bb5322ed9c46b167ac8",  # draft_model
+    (1, 10): "510e918ebf539314feaf502fc0dcf6c08c57ef0e263aa44523ff419cc35fb9ad",  # constraint
 }
 
 

@@ -33,9 +33,11 @@ emitted from; it allows every token so its distribution stays defined.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -48,6 +50,27 @@ if TYPE_CHECKING:
     from spectrio.stages.device.draft.base import TokenHistory
 
 __all__ = ["GrammarBook"]
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _timed(
+    method: Callable[Concatenate[GrammarBook, _P], _R],
+) -> Callable[Concatenate[GrammarBook, _P], _R]:
+    """Add the method's wall time to the book's ``seconds`` (read per step by the device
+    worker: ``DeviceTiming.grammar_seconds``)."""
+
+    @functools.wraps(method)
+    def run(self: GrammarBook, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        t0 = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    return run
 
 
 @dataclasses.dataclass
@@ -67,6 +90,7 @@ class GrammarBook:
         self._words = (self.vocab_size + 31) // 32  # int32 words of one mask row
         self._executor = llguidance.LLExecutor(num_threads=threads or min(4, os.cpu_count() or 1))
         self._states: dict[int, _State] = {}
+        self.seconds = 0.0  # wall time in the methods below (_timed)
 
     @property
     def num_states(self) -> int:
@@ -79,6 +103,7 @@ class GrammarBook:
         for seq_id in seq_ids:
             self._states.pop(seq_id, None)
 
+    @_timed
     def fold(self, plan: StepPlan, history: TokenHistory) -> None:
         """Bring every constrained sequence of ``plan`` up to its output so far (the
         history has folded ``plan`` already)."""
@@ -109,6 +134,7 @@ class GrammarBook:
             raise RuntimeError(f"seq {w.seq_id} is constrained but has no grammar state")
         return state
 
+    @_timed
     def constrain_drafts(
         self, plan: StepPlan, found: dict[int, list[int]]
     ) -> tuple[dict[int, list[int]], dict[int, int], set[int]]:
@@ -142,6 +168,7 @@ class GrammarBook:
                 out.pop(w.slot, None)
         return out, forced_counts, replaced
 
+    @_timed
     def allowed_after(self, w: SeqWork, drafts: list[int]) -> np.ndarray:
         """bool [V]: the tokens the sequence's grammar allows after its output so far and
         then ``drafts`` (all of which it allows); every token False once the grammar has
@@ -159,6 +186,7 @@ class GrammarBook:
         allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[: self.vocab_size]
         return allowed.astype(bool)
 
+    @_timed
     def masks(self, plan: StepPlan) -> dict[int, np.ndarray]:
         """Per constrained sampling slot of ``plan`` (its drafts filled in), bool
         ``[len(drafts) + 1, V]``: the tokens allowed at each verified row."""

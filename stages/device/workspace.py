@@ -58,6 +58,11 @@ class Workspace:
         self.draft_probs: dict[int, np.ndarray] = {}
         self.forward_seconds = 0.0  # wall time inside Paddle forward calls
 
+    @property
+    def grammar_seconds(self) -> float:
+        """Wall time in structured output's grammar work (the book's own clock)."""
+        return 0.0 if self.grammar is None else self.grammar.seconds
+
     def warmup(self, num_tokens: int, max_seq_len: int) -> float:
         """Profile run: one target pass (and the proposer's, if it runs a model) over
         ``num_tokens`` rows, split into sequences of at most ``max_seq_len``. Runs before

@@ -10,11 +10,14 @@ reason for that field, and exit status 2.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any, Final
 
 import msgspec
 
+from spectrio.core.constraints import Constraint
 from spectrio.core.params import SamplingParams
+from spectrio.errors import InvalidRequest
 
 __all__ = ["SAMPLING_HELP", "add_sampling_flags", "sampling_params"]
 
@@ -36,6 +39,8 @@ SAMPLING_HELP: Final[dict[str, str]] = {
     "presence_penalty": "subtract this from every token already in the output (-2..2)",
     "logprobs": "report each token's logprob and this many top alternatives (0..20)",
     "logprobs_mode": "logprobs of the raw model output or after the sampling transforms",
+    "constraint": "structured output: the output matches a JSON schema, a regex, a grammar "
+    "or a choice (--json-schema, --json-object, --regex, --grammar, --choice)",
 }
 """Help per SamplingParams field; the only place it lives."""
 
@@ -49,10 +54,56 @@ NOT_FLAGS: Final = {
 }
 
 
+_CONSTRAINT_DEST: Final = "constraint."
+
+_CONSTRAINT_FLAGS: Final = {
+    "json_schema": ("SCHEMA", "the output is JSON valid under this schema (JSON text, or @FILE)"),
+    "json_object": (None, "the output is a JSON object"),
+    "regex": ("PATTERN", "the output matches this regular expression in full"),
+    "grammar": ("LARK", "the output derives from this Lark grammar (text, or @FILE)"),
+    "choice": ("TEXT", "the output is one of these strings (repeat for more)"),
+}
+
+
 def _fields() -> list[msgspec.inspect.Field]:
     info = msgspec.inspect.type_info(SamplingParams)
     assert isinstance(info, msgspec.inspect.StructType)
     return [f for f in info.fields if f.name not in NOT_FLAGS]
+
+
+def _add_constraint_flags(group: argparse._ArgumentGroup) -> None:
+    """``constraint`` is a struct: one flag per kind, at most one given."""
+    for kind, (metavar, text) in _CONSTRAINT_FLAGS.items():
+        flag = "--" + kind.replace("_", "-")
+        kw: dict[str, Any] = {"dest": _CONSTRAINT_DEST + kind, "default": argparse.SUPPRESS}
+        if metavar is None:
+            kw["action"] = "store_true"
+        elif kind == "choice":
+            kw.update(action="append", metavar=metavar)
+        else:
+            kw["metavar"] = metavar
+        group.add_argument(flag, help=text, **kw)
+
+
+def _constraint(args: argparse.Namespace) -> Constraint | None:
+    given = {
+        key[len(_CONSTRAINT_DEST) :]: value
+        for key, value in vars(args).items()
+        if key.startswith(_CONSTRAINT_DEST)
+    }
+    if not given:
+        return None
+    if len(given) > 1:
+        flags = ", ".join("--" + k.replace("_", "-") for k in sorted(given))
+        raise InvalidRequest("constraint", f"give one of {flags}, not several")
+    ((kind, value),) = given.items()
+    if isinstance(value, str) and value.startswith("@"):
+        value = Path(value[1:]).read_text()
+    if kind == "json_object":
+        return Constraint.json_object()
+    if kind == "choice":
+        return Constraint.choice(value)
+    return msgspec.convert({"kind": kind, "spec": value}, Constraint)
 
 
 def _kind(t: msgspec.inspect.Type) -> msgspec.inspect.Type:
@@ -76,6 +127,9 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
         )
     group = p.add_argument_group("sampling", "SamplingParams fields (core/params.py)")
     for f in fields:
+        if f.name == "constraint":
+            _add_constraint_flags(group)
+            continue
         flag = "--" + f.name.replace("_", "-")
         kind = _kind(f.type)
         default = f.default
@@ -106,4 +160,4 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """The SamplingParams the flags give (fields not given keep their defaults)."""
     given = {key[len(_DEST) :]: value for key, value in vars(args).items() if key.startswith(_DEST)}
-    return SamplingParams(**given)
+    return SamplingParams(**given, constraint=_constraint(args))
