@@ -395,8 +395,10 @@ class HermesParser(ToolParser):
             self._call.finish(out)
             if self._call.failed:
                 out.content += self._block + self._call.text
-        elif self._held.strip():  # text after a call that never closed
-            out.content += self._held.strip()
+        else:  # after a call whose closing tag never came (or came cut short)
+            rest = self._held.strip()
+            if rest and not HERMES_CLOSE.startswith(rest):
+                out.content += rest
         self._held = ""
 
 

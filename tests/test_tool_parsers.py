@@ -92,6 +92,16 @@ HERMES_CASES = [
         "ok",
         [("f", '{"a": "<b>"}')],
     ),
+    (  # the closing tag cut short (max_tokens): no content
+        '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_',
+        None,
+        [("f", "{}")],
+    ),
+    (  # text after a call that never closed is content
+        '<tool_call>\n{"name": "f", "arguments": {}} and then',
+        "and then",
+        [("f", "{}")],
+    ),
 ]
 
 
