@@ -124,14 +124,22 @@ def test_streaming_n2_with_logprobs(server: HttpServer) -> None:
 
 
 def test_chat_refusals_name_the_field(client: openai.OpenAI) -> None:
+    # tools and response_format are honoured (tests/test_http_tool_calls.py,
+    # tests/test_http_structured_output.py); what conflicts is refused by field
     tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
     with pytest.raises(openai.BadRequestError) as bad:
-        client.chat.completions.create(model=MODEL, messages=QUESTION, tools=[tool])  # type: ignore[list-item]
-    assert bad.value.param == "tools"
-    with pytest.raises(openai.BadRequestError, match="response_format"):
         client.chat.completions.create(
-            model=MODEL, messages=QUESTION, response_format={"type": "json_object"}
-        )
+            model=MODEL, messages=QUESTION, tools=[tool],  # type: ignore[list-item]
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        )  # fmt: skip
+    assert bad.value.param == "tool_choice.function.name"
+    with pytest.raises(openai.BadRequestError, match="response_format.json_schema.schema"):
+        client.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "x", "schema": {"type": "strin"}}},
+        )  # fmt: skip
     with pytest.raises(openai.BadRequestError, match=r"messages\[0\].role"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "x"}])  # type: ignore[list-item, misc]
     with pytest.raises(openai.NotFoundError):
