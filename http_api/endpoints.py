@@ -111,10 +111,14 @@ def _client(request: Request) -> str:
     return request.client.host if request.client is not None else "unknown"
 
 
-def _checked(plan: ToolPlan | None, sourced: Sourced | None) -> list[Sourced]:
-    """The constraints to compile before a chat runs: each called function's parameters
-    (a refusal names ``tools[i].function.parameters``), then the request's constraint."""
-    return [*([] if plan is None else plan.schemas), *([] if sourced is None else [sourced])]
+def _checked(plan: ToolPlan | None, asked: Sourced | None, runs: Sourced | None) -> list[Sourced]:
+    """The constraints to compile before a chat runs, each refused by its own field:
+    each called function's parameters (``tools[i].function.parameters``), the
+    constraint the request's fields ask for, and the one it runs (the two differ when
+    tool_choice auto meets a JSON format: :meth:`ToolPlan.with_answer`)."""
+    out = [] if plan is None else list(plan.schemas)
+    out += [s for s in (asked, runs) if s is not None and s not in out]
+    return out
 
 
 class Endpoints:
@@ -269,7 +273,8 @@ class Endpoints:
         found = constraint_sources(req)
         if plan is not None and plan.constraint is not None:
             found.append(plan.constraint)
-        sourced = one_constraint(found)
+        asked = one_constraint(found)
+        sourced = asked if plan is None else plan.with_answer(asked)
         n = req.n or 1
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(
@@ -280,7 +285,7 @@ class Endpoints:
             logprobs=logprobs,
             constraint=sourced,
         )
-        await front.check_constraints(_checked(plan, sourced))
+        await front.check_constraints(_checked(plan, asked, sourced))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         streams, prompt_tokens = await start_chat(

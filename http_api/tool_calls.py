@@ -17,7 +17,9 @@
 
 ``tool_choice``: ``none`` shows the tools but parses nothing (as vLLM does), ``auto``
 (the default with tools) lets the model answer or call, unconstrained, and parses what
-it wrote; ``required`` and a named function constrain the answer to calls.
+it wrote (with a JSON ``response_format``: calls or JSON in that format,
+:meth:`ToolPlan.with_answer`); ``required`` and a named function constrain the answer
+to calls.
 """
 
 from __future__ import annotations
@@ -86,6 +88,24 @@ class ToolPlan:
     native: bool  # the chat template renders the tools itself
     constraint: Sourced | None  # required / named: the calls' grammar
     schemas: list[Sourced]  # the called functions' parameters, checked one by one
+
+    def with_answer(self, sourced: Sourced | None) -> Sourced | None:
+        """The constraint of a request with this plan and ``sourced``, the constraint its
+        own fields ask for. With ``tool_choice`` auto and a JSON one (``response_format``
+        ``json_object`` or ``json_schema``, or vLLM's JSON fields), the answer is either
+        calls or JSON in that format (as OpenAI's is): one grammar of both, refused by
+        the JSON field's name. Otherwise ``sourced`` alone: with a regex, choice or
+        grammar, that constraint shapes the whole answer."""
+        if (
+            sourced is None
+            or self.choice != "auto"
+            or not self.tools
+            or sourced.constraint.kind not in ("json_object", "json_schema")
+        ):
+            return sourced
+        answer = sourced.constraint.schema()
+        grammar = call_grammar(self.tools, self.format, parallel=self.parallel, answer=answer)
+        return Sourced(Constraint.grammar(grammar), sourced.param)
 
     @property
     def parses(self) -> bool:
@@ -222,10 +242,17 @@ def _lark(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def call_grammar(tools: Sequence[dict[str, Any]], fmt: ToolFormat, *, parallel: bool) -> str:
+def call_grammar(
+    tools: Sequence[dict[str, Any]],
+    fmt: ToolFormat,
+    *,
+    parallel: bool,
+    answer: dict[str, Any] | None = None,
+) -> str:
     """A Lark grammar (llguidance's dialect) whose sentences are calls of ``tools`` in
     ``fmt``, each function's name fixed and its arguments valid under its ``parameters``
-    (``%json``): one call, or with ``parallel`` one or more."""
+    (``%json``): one call, or with ``parallel`` one or more. With ``answer`` (a JSON
+    schema), an answer valid under it is a sentence too: calls or that answer."""
     key = "parameters" if fmt == "llama3" else "arguments"
     rules: list[str] = []
     for i, tool in enumerate(tools):
@@ -238,9 +265,14 @@ def call_grammar(tools: Sequence[dict[str, Any]], fmt: ToolFormat, *, parallel: 
         body = f"{_lark(opening)} %json{schema} {_lark(closing)}"
         rules.append(f"call_{i}: {body}")
     sep = _lark("\n" if fmt == "hermes" else "; ")
-    start = f"start: call ({sep} call)*" if parallel else "start: call"
+    calls = f"call ({sep} call)*" if parallel else "call"
     alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
-    return "\n".join([start, f"call: {alternatives}", *rules]) + "\n"
+    lines = [f"start: {calls}", f"call: {alternatives}", *rules]
+    if answer is not None:
+        schema = json.dumps(_with_defaults(answer), ensure_ascii=False)
+        lines[0] = f"start: {calls} | answer"
+        lines.append(f"answer: %json{schema}")
+    return "\n".join(lines) + "\n"
 
 
 # ---- the default format ----------------------------------------------------------------------

@@ -229,6 +229,31 @@ def test_auto_parses_what_the_model_writes_and_none_does_not(client: openai.Open
         assert call.id.startswith("call_")
 
 
+def test_auto_with_a_json_format_answers_with_calls_or_that_json(client: openai.OpenAI) -> None:
+    """As OpenAI's: with tools and a JSON response_format, the model either calls a
+    function or answers in the format; either way the answer validates."""
+    answer = {"type": "object", "properties": {"reply": {"type": "string", "maxLength": 40}},
+              "required": ["reply"], "additionalProperties": False}  # fmt: skip
+    rf = {"type": "json_schema", "json_schema": {"name": "reply", "schema": answer}}
+    kinds = set()
+    for question in [*QUESTIONS, "Say hello."]:
+        out = client.chat.completions.create(
+            model=MODEL, messages=_user(question), tools=TOOLS, response_format=rf,  # type: ignore[arg-type]
+            temperature=1.0, n=3, seed=2, max_tokens=300,
+        )  # fmt: skip
+        for choice in out.choices:
+            assert choice.finish_reason in ("stop", "tool_calls"), choice
+            if choice.finish_reason == "tool_calls":
+                kinds.add("calls")
+                for call in choice.message.tool_calls or []:
+                    _validate(call.function.name, call.function.arguments)  # type: ignore[union-attr]
+            else:
+                kinds.add("json")
+                jsonschema.validate(json.loads(choice.message.content or ""), answer)
+    assert kinds
+    print(f"auto with a JSON format: {sorted(kinds)}")
+
+
 def test_earlier_calls_and_tool_results_are_accepted(client: openai.OpenAI) -> None:
     first = client.chat.completions.create(
         model=MODEL, messages=_user(QUESTIONS[0]), tools=TOOLS, tool_choice="required",  # type: ignore[arg-type]

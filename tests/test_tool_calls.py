@@ -338,3 +338,29 @@ def test_a_template_that_reads_tools_renders_them_itself(
     call_json = '{"name": "get_weather", "arguments": {"city": "Rome", "unit": "c"}}'
     assert f"<tool_call>\n{call_json}\n</tool_call>" in text
     assert "# Tools" not in text
+
+
+def test_auto_with_a_json_format_is_calls_or_that_json(
+    smollm2: tuple[GGUFFile, TextTokenizer, GrammarCompiler],
+) -> None:
+    _, tok, compiler = smollm2
+    answer = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": answer}}
+    req = chat(tools=TOOLS, response_format=rf)
+    plan = tool_plan(req, template_source=None, reads_tools=False)
+    assert plan is not None
+    asked = one_constraint(constraint_sources(req))
+    runs = plan.with_answer(asked)
+    assert runs is not None and runs.constraint.kind == "grammar"
+    assert runs.param == "response_format.json_schema.schema"  # its refusals name the format
+    grammar = runs.constraint.spec
+    assert accepts(compiler, tok, grammar, '{"ok": true}')
+    assert accepts(compiler, tok, grammar, hermes_block("now", {}))
+    assert not accepts(compiler, tok, grammar, '{"ok": 1}')
+    assert not accepts(compiler, tok, grammar, "plain text")
+    # a regex, a choice or a grammar shapes the whole answer; required has its own grammar
+    regex = chat(tools=TOOLS, guided_regex="a+")
+    sourced = one_constraint(constraint_sources(regex))
+    assert plan.with_answer(sourced) is sourced
+    required = plan_of(tools=TOOLS, tool_choice="required")
+    assert required is not None and required.with_answer(None) is None
