@@ -4,6 +4,11 @@
   msgspec Structs;
 * :mod:`spectrio.http_api.mapping`: body decoding, refusals and the field-by-field
   mapping onto :class:`~spectrio.SamplingParams` (pure);
+* :mod:`spectrio.http_api.response_format`: ``response_format`` and vLLM's ``guided_*``
+  fields to one :class:`~spectrio.Constraint` (pure);
+* :mod:`spectrio.http_api.tool_calls` and :mod:`spectrio.http_api.tool_parsers`: tools
+  and ``tool_choice`` to what the request runs, and tool calls read out of the answer
+  as it streams (pure);
 * :mod:`spectrio.http_api.logprobs` and :mod:`spectrio.http_api.responses`: logprobs in
   each endpoint's format, responses and stream chunks from deltas (pure);
 * :mod:`spectrio.http_api.front`: the front's state (admission, prompts, drain);
@@ -25,7 +30,10 @@ __all__ = [
     "front",
     "logprobs",
     "mapping",
+    "response_format",
     "responses",
     "schema",
     "server",
+    "tool_calls",
+    "tool_parsers",
 ]

@@ -226,3 +226,60 @@ def test_a_finished_parser_refuses_more_text() -> None:
     with pytest.raises(RuntimeError):
         parser.feed("x")
     assert parser.finish() == Parsed()
+
+
+# ---- responses and stream chunks from the parsed calls (http_api.responses) ----------------
+
+
+def test_a_whole_answer_becomes_tool_calls_and_its_finish_reason() -> None:
+    from spectrio.http_api.responses import ChoiceState, chat_message
+    from spectrio.runtime.api import Delta
+
+    text = f"Checking.\n<tool_call>\n{CALL}\n</tool_call>"
+    state = ChoiceState(0)
+    state.add(Delta(request_id="r", token_ids=[1, 2], text=text, finished=True,
+                    finish_reason="stop"))  # fmt: skip
+    message, reason = chat_message(state, hermes())
+    assert reason == "tool_calls" and message.content == "Checking."
+    assert message.tool_calls is not None
+    [call] = message.tool_calls
+    assert (call.id, call.type, call.function.name) == ("call_0", "function", "get_weather")
+    assert json.loads(call.function.arguments)["city"] == "Paris"
+    # cut by max_tokens: the reason stays "length"; no parser: the text as it is
+    state.finish_reason = "length"
+    assert chat_message(state, hermes())[1] == "length"
+    message, reason = chat_message(state, None)
+    assert message.content == text and message.tool_calls is None and reason == "length"
+    # no call: content unchanged, and the runtime's reason
+    plain = ChoiceState(0)
+    plain.add(Delta(request_id="r", token_ids=[1], text=" hi ", finished=True,
+                    finish_reason="stop"))  # fmt: skip
+    message, reason = chat_message(plain, hermes())
+    assert (message.content, message.tool_calls, reason) == (" hi ", None, "stop")
+
+
+def test_stream_chunks_carry_calls_in_openais_shape() -> None:
+    import msgspec
+
+    from spectrio.http_api.responses import delta_tool_calls
+    from spectrio.http_api.schema import ChatDelta
+
+    deltas = [
+        CallDelta(0, "call_0", "f", ""),
+        CallDelta(0, arguments='{"a": '),
+        CallDelta(0, arguments="1}"),
+        CallDelta(1, "call_1", "g", "{}"),
+    ]
+    chunk = ChatDelta(tool_calls=delta_tool_calls(deltas))
+    assert json.loads(msgspec.json.encode(chunk)) == {
+        "tool_calls": [
+            {"index": 0, "id": "call_0", "type": "function",
+             "function": {"name": "f", "arguments": '{"a": 1}'}},
+            {"index": 1, "id": "call_1", "type": "function",
+             "function": {"name": "g", "arguments": "{}"}},
+        ]
+    }  # fmt: skip
+    later = ChatDelta(tool_calls=delta_tool_calls([CallDelta(1, arguments="x")]))
+    assert json.loads(msgspec.json.encode(later)) == {
+        "tool_calls": [{"index": 1, "function": {"arguments": "x"}}]
+    }
