@@ -1,7 +1,7 @@
 """spectrio: an async actor-pipeline runtime for speculative decoding with MTP draft heads.
 
 Public names: ``open_runtime``, ``Runtime``, ``Delta``, ``RuntimeConfig``,
-``SpeculativeConfig``, ``SamplingParams``, ``TokenLogprob``, ``PublishedStep``,
+``SpeculativeConfig``, ``SamplingParams``, ``Constraint`` (structured output), ``TokenLogprob``, ``PublishedStep``,
 ``SpectrioError`` and its ``ConfigError``, ``InvalidRequest``, ``EngineDead``.
 Each sub-package (``spectrio.models``, ``spectrio.runtime`` ...) lives in its own folder.
 """
@@ -25,10 +25,12 @@ _EXPORTS = {
     "SpectrioError": "spectrio.errors",
     "InvalidRequest": "spectrio.errors",
     "SamplingParams": "spectrio.core.params",
+    "Constraint": "spectrio.core.constraints",
 }
 
 __all__ = [
     "ConfigError",
+    "Constraint",
     "Delta",
     "EngineDead",
     "InvalidRequest",
@@ -47,6 +49,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
     from spectrio.core.config import RuntimeConfig, SpeculativeConfig
+    from spectrio.core.constraints import Constraint
     from spectrio.core.messages import PublishedStep, TokenLogprob
     from spectrio.core.params import SamplingParams
     from spectrio.errors import ConfigError, EngineDead, InvalidRequest, SpectrioError

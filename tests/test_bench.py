@@ -329,6 +329,10 @@ async def test_bench_requests_per_batch_size(
         ["--k", "ngram:0"],
         ["--k", "eagle:2"],
         ["--k", "ngram:x"],
+        ["--constraint", "choice:a"],
+        ["--constraint", "regex"],
+        ["--constraint", "json_schema:{not json"],
+        ["--constraint", "json_schema:@/no/such/file.json"],
     ],
 )
 def test_bench_rejects_bad_options(extra: list[str]) -> None:
@@ -496,3 +500,18 @@ def test_bench_chat_prompts_are_held_out_messages_through_the_template(
         assert text.endswith(f"<|im_start|>user\n{message}<|im_end|>\n<|im_start|>assistant\n")
     with pytest.raises(ValueError, match="has no chat template"):
         bench_workload.bench_prompts(3, 48, "bundled", workload="chat")
+
+
+def test_bench_runs_structured_output(tmp_path: Path) -> None:
+    """``--constraint``: every request under a JSON schema, ending where its grammar ends
+    (at most --max-tokens), with and without drafts (issue 60)."""
+    out = tmp_path / "bench.json"
+    schema = '{"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]}'
+    code = bench.main(
+        ["--model", "bundled", "--batch", "2", "--k", "0", "2", "--max-tokens", "12",
+         "--constraint", f"json_schema:{schema}", "--json", str(out), "--progress", "off"]
+    )  # fmt: skip
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["k"] for r in rows] == [0, 2]
+    assert all(0 < r["tokens"] <= 2 * 12 for r in rows), rows

@@ -106,6 +106,7 @@ import trio.testing
 from tqdm import tqdm
 
 from spectrio.core.config import SPEC_METHODS
+from spectrio.core.constraints import CONSTRAINT_KINDS, Constraint, check_constraint
 from spectrio.models.doubles.synthetic import is_synthetic
 from spectrio.process_memory import peak_rss_bytes
 from spectrio.runtime import timing_cache
@@ -140,6 +141,20 @@ def trace_path(
     p = Path(path)
     lp = "off" if logprobs is None else logprobs
     return str(p.with_name(f"{p.stem}.b{batch}.k{k}.lp{lp}.r{round_}{p.suffix}"))
+
+
+def parse_constraint(text: str | None) -> Constraint | None:
+    """``--constraint``'s value: ``json_object``, or ``KIND:SPEC`` with the spec as text
+    or ``@FILE``; checked as a request's constraint is."""
+    if text is None:
+        return None
+    kind, _, spec = text.partition(":")
+    if spec.startswith("@"):
+        spec = Path(spec[1:]).read_text()
+    if kind not in CONSTRAINT_KINDS or kind == "choice":
+        raise ValueError(f"KIND must be json_object, json_schema, regex or grammar, got {kind!r}")
+    constraint = msgspec.convert({"kind": kind, "spec": spec}, Constraint)
+    return check_constraint(constraint)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,6 +207,15 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=["off"],
         help="logprob settings to run: 'off' or N in 0..20 (top alternatives)",
+    )
+    p.add_argument(
+        "--constraint",
+        type=str,
+        default=None,
+        metavar="KIND[:SPEC]",
+        help="structured output for every request: json_object, json_schema:SCHEMA, "
+        "regex:PATTERN or grammar:LARK (SCHEMA and LARK as text or @FILE); requests then "
+        "end where the grammar does, up to --max-tokens (use --prompts chat)",
     )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=48)
@@ -278,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
         ks: list[int | str] = [parse_case_k(v) for v in args.k]
     except ValueError:
         p.error("--k takes integers, 'auto', and METHOD:N or METHOD:auto (mtp, ngram)")
+    try:
+        constraint = parse_constraint(args.constraint)
+    except (ValueError, OSError) as exc:
+        p.error(f"--constraint: {exc}")
     if any(b < 1 for b in args.batch):
         p.error("--batch sizes must be positive")
     if len(set(args.batch)) != len(args.batch):
@@ -353,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                     round_=round_,
                     progress=progress,
                     method=args.spec_method,
+                    constraint=constraint,
                 )
             )
             for row in rows_:
@@ -384,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
                     progress,
                     trace_path(args.save_trace, b, k, lp, round_, single),
                     args.spec_method,
+                    constraint,
                 )
             )
     rows = [median_run(runs[c]) for c in cases]
@@ -399,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         f"spec_method={args.spec_method} prompts={args.prompts} "
         f"requests={requests_label}"
         + ("" if args.interleave is None else f" interleave={args.interleave}s turns")
+        + ("" if constraint is None else f" constraint={constraint.kind}")
     )
     if "auto" in ks:
         warm = [

@@ -16,6 +16,7 @@ import trio.testing
 from tqdm import tqdm
 
 from spectrio import Runtime, RuntimeConfig, SamplingParams, SpeculativeConfig, open_runtime
+from spectrio.core.constraints import Constraint
 from spectrio.core.timing import StepTiming, device_summary
 from spectrio.models import LoadedModel, load
 from spectrio.stages.output.output_processor import RequestStats
@@ -123,6 +124,16 @@ def case_config(
     )
 
 
+def bench_params(
+    max_tokens: int, logprobs: int | None, constraint: Constraint | None
+) -> SamplingParams:
+    """Every request's parameters: ``max_tokens`` each (EOS ignored), or with a
+    constraint (structured output, which ends where its grammar does) up to that many."""
+    if constraint is None:
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, constraint=constraint)
+
+
 def _case_keys(
     batch: int,
     k: int | str,
@@ -160,6 +171,7 @@ async def run_case(
     progress: bool = False,
     trace_path: str | None = None,
     method: str = "mtp",
+    constraint: Constraint | None = None,
 ) -> dict[str, Any]:
     """One case: returns its JSON row, plus ``outputs`` (token ids per request) and
     ``_raw`` (traces and step timings, for plots) that the JSON leaves out. With
@@ -167,7 +179,7 @@ async def run_case(
     count = batch if num_requests is None else num_requests
     spec = spec_config(k, k_max, method)
     cfg = case_config(model, dtype, batch, spec, prompts, max_tokens, overlap)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+    params = bench_params(max_tokens, logprobs, constraint)
     arrivals = poisson_arrivals(count, request_rate, seed)
     with contextlib.ExitStack() as stack:
         writer = (
@@ -357,6 +369,7 @@ async def run_interleaved(
     round_: int = 0,
     progress: bool = False,
     method: str = "mtp",
+    constraint: Constraint | None = None,
 ) -> list[dict[str, Any]]:
     """The cases ``ks`` of one batch size side by side: every case's runtime is open at
     once, with all its requests queued, and the cases take turns of ``slice_seconds`` on
@@ -376,7 +389,7 @@ async def run_interleaved(
     life, a noise that more rounds average away and longer ones do not."""
     count = batch if num_requests is None else num_requests
     arrivals = [0.0] * count
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+    params = bench_params(max_tokens, logprobs, constraint)
     rows: list[dict[str, Any]] = []
     loaded: LoadedModel | None = None
     async with contextlib.AsyncExitStack() as stack:
