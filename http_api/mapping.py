@@ -372,6 +372,7 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
         _neutral(f"{at}.function_call", m.function_call, [], "use tool_calls")
         _neutral(f"{at}.audio", m.audio, [], "audio is not supported")
         _neutral(f"{at}.refusal", m.refusal, [], "refusal messages are not supported")
+        _neutral(f"{at}.annotations", m.annotations, [[]], "annotations are not supported")
         if isinstance(m.content, str):
             content = m.content
         elif isinstance(m.content, list):

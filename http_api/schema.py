@@ -185,6 +185,7 @@ class ChatMessage(_Body, kw_only=True):
     function_call: Any = None  # refused
     refusal: str | None = None  # refused
     audio: Any = None  # refused
+    annotations: Any = None  # a response's citations, sent back with it: null or [] only
 
 
 class FunctionDefinition(_Body, kw_only=True):

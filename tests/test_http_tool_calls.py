@@ -263,7 +263,7 @@ def test_earlier_calls_and_tool_results_are_accepted(client: openai.OpenAI) -> N
     assert message.tool_calls
     messages: list[Any] = [
         *_user(QUESTIONS[0]),
-        message.model_dump(exclude_none=True),  # the assistant's calls, as the SDK gives them
+        message.model_dump(),  # the assistant's calls, as the SDK gives them (nulls too)
         *[{"role": "tool", "tool_call_id": c.id, "content": '{"forecast": "sunny, 24C"}'}
           for c in message.tool_calls],
     ]  # fmt: skip
