@@ -1,7 +1,8 @@
 """spectrio: an async actor-pipeline runtime for speculative decoding with MTP draft heads.
 
 Public names: ``open_runtime``, ``Runtime``, ``Delta``, ``RuntimeConfig``,
-``SpeculativeConfig``, ``SamplingParams``, ``Constraint`` (structured output), ``TokenLogprob``, ``PublishedStep``,
+``SpeculativeConfig``, ``SamplingParams``, ``Constraint`` (structured output),
+``TokenLogprob``, ``PublishedStep``,
 ``SpectrioError`` and its ``ConfigError``, ``InvalidRequest``, ``EngineDead``.
 Each sub-package (``spectrio.models``, ``spectrio.runtime`` ...) lives in its own folder.
 """

@@ -169,22 +169,32 @@ class GrammarBook:
         return out, forced_counts, replaced
 
     @_timed
-    def allowed_after(self, w: SeqWork, drafts: list[int]) -> np.ndarray:
-        """bool [V]: the tokens the sequence's grammar allows after its output so far and
-        then ``drafts`` (all of which it allows); every token False once the grammar has
-        ended. For a proposer that drafts under the mask (MTP's argmax)."""
-        matcher = self._state(w).matcher
-        if drafts and not matcher.consume_tokens(drafts):
-            raise RuntimeError(f"seq {w.seq_id}: drafts {drafts} break its grammar")
+    def allowed_after(self, items: list[tuple[SeqWork, list[int]]]) -> np.ndarray:
+        """bool [len(items), V]: per (sequence, drafts), the tokens its grammar allows after
+        its output so far and then those drafts (all of which it allows); a row is all
+        False once the grammar has ended. For a proposer that drafts under the mask
+        (MTP's argmax). One library call for every row."""
+        bits = np.zeros((len(items), self._words), dtype=np.int32)
+        pairs: list[tuple[Any, int]] = []
+        consumed: list[tuple[Any, int]] = []
         try:
-            bits = np.zeros(self._words, dtype=np.int32)
-            if not matcher.is_stopped():
-                matcher.unsafe_compute_mask_ptr(bits.ctypes.data, self._words * 4)
+            for row, (w, drafts) in enumerate(items):
+                matcher = self._state(w).matcher
+                if drafts:
+                    if not matcher.consume_tokens(drafts):
+                        raise RuntimeError(f"seq {w.seq_id}: drafts {drafts} break its grammar")
+                    consumed.append((matcher, len(drafts)))
+                if not matcher.is_stopped():
+                    pairs.append((matcher, row))
+            if pairs:
+                self._executor.unsafe_compute_mask_ptr(
+                    pairs, bits.ctypes.data, self._words * 4, bits.shape[0]
+                )
         finally:
-            if drafts:
-                matcher.rollback(len(drafts))
-        allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[: self.vocab_size]
-        return allowed.astype(bool)
+            for matcher, n in consumed:
+                matcher.rollback(n)
+        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
+        return allowed[:, : self.vocab_size].astype(bool)
 
     @_timed
     def masks(self, plan: StepPlan) -> dict[int, np.ndarray]:

@@ -381,9 +381,11 @@ class MTPProposer:
         if not rows:
             return ended
         values = logits.numpy()
-        for i in rows:
+        masks = self.grammar.allowed_after(
+            [(active[i][0], drafts.get(active[i][0].slot, [])) for i in rows]
+        )
+        for i, allowed in zip(rows, masks, strict=True):
             w = active[i][0]
-            allowed = self.grammar.allowed_after(w, drafts.get(w.slot, []))
             if vocab_ids is not None:  # the head scores a subset of the vocabulary
                 allowed = allowed[vocab_ids]
             best = _masked_argmax(values[i], allowed)
