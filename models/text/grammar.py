@@ -12,9 +12,10 @@ other whitespace): a small model given free whitespace can spend its whole budge
 and fixed separators are forced tokens, which are drafted. A schema's own
 ``"x-guidance"`` options override this.
 
-The tokenizer's conversion takes a noticeable part of a second at a 49,152-token
-vocabulary, so it is built once, off the caller's thread where :meth:`GrammarCompiler.start`
-is called, and every matcher shares it.
+The library's index of the vocabulary takes a noticeable part of a second to build at a
+49,152-token vocabulary, holding the GIL, so it is built once and every matcher shares
+it: on the first constrained request of an embedding runtime (which pays for it once),
+before ``spectrio serve`` starts serving (:meth:`GrammarCompiler.warm`).
 """
 
 from __future__ import annotations
@@ -123,6 +124,10 @@ class GrammarCompiler:
             self._build_error = exc
         finally:
             self._built.set()
+
+    def warm(self) -> None:
+        """Build the library's tokenizer now, if it is not built (blocking)."""
+        _ = self.tokenizer
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:

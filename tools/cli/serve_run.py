@@ -112,6 +112,9 @@ async def serve_async(
                 log.info("loading the model", model=config.model)
                 async with open_runtime(config) as rt, trio.open_nursery() as nursery:
                     stopper.startup = None  # from here a signal drains instead
+                    # Structured output's vocabulary index holds the GIL for a moment once:
+                    # a server builds it before it serves, not under its first request.
+                    await trio.to_thread.run_sync(rt.grammar.warm)
                     served, extra, registry = _observe(rt, args, nursery)
                     front = _http_front(served, args, config, registry)
                     servers: list[WireServer] = []
