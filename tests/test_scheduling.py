@@ -653,3 +653,38 @@ def test_the_actor_applies_each_abort_once_in_channel_order() -> None:
     p = s.schedule()
     assert p is not None and p.seqs == [] and reported(s, p, "aborted") == ["r2", "r1"]
     assert actor.view().finished == {"abort": 2} and not actor.view().has_work
+
+
+def test_a_constrained_sequence_gets_every_slot_and_forced_drafts_teach_the_policy_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 60: a constrained request's grammar may force tokens, drafted at no risk, so
+    it gets ``k_max`` slots whatever k the policy chose (the proposer still drafts k for
+    it: the draft stage's view), and its forced drafts stay out of the acceptance the
+    policy weighs k by."""
+    from spectrio.core.constraints import Constraint
+
+    s = make(k=3)
+    constrained = seq(1, 5)
+    constrained.params.constraint = Constraint.json_object()
+    s.add(constrained)
+    s.add(seq(2, 5))
+    p = s.schedule()
+    assert p is not None
+    finish_step(s, p)
+    monkeypatch.setattr(s.policy, "choose", lambda *a, **kw: 1)
+    seen: list[tuple[int, int]] = []
+    monkeypatch.setattr(s.policy, "observe_acceptance", lambda n, a: seen.append((n, a)))
+    p = s.schedule()
+    assert p is not None and p.k == 1
+    assert {w.seq_id: w.num_drafts for w in p.seqs} == {1: 3, 2: 1}
+    results = []
+    for w in p.seqs:
+        r = seq_result(w, w.num_drafts, [7] * (w.num_drafts + 1))
+        if w.seq_id == 1:  # three forced drafts, all accepted
+            r.num_forced = 3
+        else:  # its one draft rejected
+            r = seq_result(w, 0, [7])
+        results.append(r)
+    s.update(StepResult(step=p.step, results=results))
+    assert seen == [(1, 0)]
