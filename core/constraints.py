@@ -12,7 +12,7 @@ A constraint is one of
 
 It travels inside :class:`~spectrio.core.params.SamplingParams` (the wire carries it since
 schema 1.10). Whether the library can enforce it (a bad regex, a schema keyword it does
-not implement) is checked by :class:`spectrio.models.text.grammar.GrammarCompiler` when
+not implement) is checked by :class:`spectrio.stages.device.grammar.GrammarCompiler` when
 the runtime accepts the request, with the same :class:`InvalidRequest`: nothing is
 silently ignored.
 

@@ -41,7 +41,7 @@ from spectrio.http_api.tool_parsers import (
     Llama3Parser,
     ToolParser,
 )
-from spectrio.models.text.grammar import JSON_DEFAULTS
+from spectrio.stages.device.grammar import JSON_DEFAULTS
 
 __all__ = [
     "TOOL_CHOICES",

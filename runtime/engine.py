@@ -33,7 +33,6 @@ from spectrio.core.timing import StepTiming
 from spectrio.errors import CheckpointError, EngineDead
 from spectrio.models import LoadedModel
 from spectrio.models.text.chat import ChatTemplate, chat_template_for
-from spectrio.models.text.grammar import GrammarCompiler
 from spectrio.process_memory import peak_rss_bytes, rss_bytes
 from spectrio.runtime.device_worker import DeviceWorker
 from spectrio.runtime.kv_sizing import (
@@ -47,6 +46,7 @@ from spectrio.runtime.request_checks import RuntimeRequests
 from spectrio.runtime.streams import Delta, OpenRequest, RequestStream, abort_delta
 from spectrio.runtime.timing_cache import KeptTimings
 from spectrio.runtime.tp import TPGroup, make_workspace
+from spectrio.stages.device.grammar import GrammarCompiler
 from spectrio.stages.device.sampler import Sampler
 from spectrio.stages.device.workspace import Workspace
 from spectrio.stages.output.publisher import run_publisher

@@ -32,9 +32,9 @@ from spectrio.core.params import (
 from spectrio.errors import EngineDead
 from spectrio.models import LoadedModel
 from spectrio.models.text.chat import ChatTemplate, is_messages
-from spectrio.models.text.grammar import GrammarCompiler
 from spectrio.models.text.tokenizer import TextTokenizer
 from spectrio.runtime.streams import Delta, OpenRequest
+from spectrio.stages.device.grammar import GrammarCompiler
 
 
 class RuntimeRequests:

@@ -44,7 +44,7 @@ from spectrio.errors import ConfigError
 from spectrio.models import SpectrioForCausalLM
 from spectrio.models.architecture.parallel import TPShard
 from spectrio.models.ops.paddle_setup import paddle
-from spectrio.models.text.grammar import GrammarCompiler
+from spectrio.stages.device.grammar import GrammarCompiler
 from spectrio.stages.device.workspace import Workspace
 
 log = structlog.get_logger("spectrio.runtime.tp")

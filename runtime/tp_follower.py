@@ -40,7 +40,7 @@ def run_follower() -> int:
     loaded = load_sharded(setup.model, tp, setup.dtype, serving=True)  # type: ignore[arg-type]
     grammar = None
     if loaded.tokenizer is not None:  # every rank cuts drafts by the same grammar state
-        from spectrio.models.text.grammar import GrammarCompiler
+        from spectrio.stages.device.grammar import GrammarCompiler
 
         grammar = GrammarCompiler(
             loaded.tokenizer, loaded.config.vocab_size, loaded.config.eos_token_ids

@@ -13,9 +13,9 @@ from spectrio.core.messages import SeqWork, StepPlan
 from spectrio.core.params import SamplingParams, check_params
 from spectrio.errors import InvalidRequest
 from spectrio.models.loading.loader import load_text_side
-from spectrio.models.text.grammar import GrammarCompiler
 from spectrio.models.text.tokenizer import TextTokenizer
 from spectrio.stages.device.draft.base import TokenHistory
+from spectrio.stages.device.grammar import GrammarCompiler
 from spectrio.stages.device.grammar_book import GrammarBook
 from spectrio.stages.device.sampler import Sampler
 

@@ -22,8 +22,8 @@ from spectrio.http_api.response_format import (
     requested_constraint,
 )
 from spectrio.http_api.schema import ChatCompletionRequest, CompletionRequest
-from spectrio.models.text.grammar import GrammarCompiler
 from spectrio.models.text.tokenizer import TextTokenizer
+from spectrio.stages.device.grammar import GrammarCompiler
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 

@@ -32,8 +32,8 @@ from spectrio.http_api.tool_calls import (
 from spectrio.http_api.tool_parsers import HermesParser, Llama3Parser, parse_all
 from spectrio.models.loading.gguf_file import GGUFFile
 from spectrio.models.text.chat import ChatTemplate
-from spectrio.models.text.grammar import GrammarCompiler
 from spectrio.models.text.tokenizer import TextTokenizer
+from spectrio.stages.device.grammar import GrammarCompiler
 
 WEATHER = {
     "type": "object",

@@ -46,8 +46,8 @@ from spectrio.core.messages import SeqWork, StepPlan
 if TYPE_CHECKING:
     import llguidance
 
-    from spectrio.models.text.grammar import GrammarCompiler
     from spectrio.stages.device.draft.base import TokenHistory
+    from spectrio.stages.device.grammar import GrammarCompiler
 
 __all__ = ["GrammarBook"]
 

@@ -17,8 +17,8 @@ from spectrio.core.config import SpeculativeConfig
 from spectrio.core.messages import StepPlan, StepResult
 from spectrio.models import PackedBatch, PagedKVCache, SpectrioForCausalLM
 from spectrio.models.ops.paddle_setup import paddle, use_configured_threads
-from spectrio.models.text.grammar import GrammarCompiler
 from spectrio.stages.device.draft import Proposer, TokenHistory, make_proposer
+from spectrio.stages.device.grammar import GrammarCompiler
 from spectrio.stages.device.grammar_book import GrammarBook
 
 
