@@ -660,8 +660,8 @@ def test_a_constrained_sequence_gets_every_slot_and_forced_drafts_teach_the_poli
 ) -> None:
     """Issue 60: a constrained request's grammar may force tokens, drafted at no risk, so
     it gets ``k_max`` slots whatever k the policy chose (the proposer still drafts k for
-    it: the draft stage's view), and its forced drafts stay out of the acceptance the
-    policy weighs k by."""
+    it: the draft stage's view), and its forced drafts stay out of the acceptance and the
+    step times the policy weighs k by."""
     from spectrio.core.constraints import Constraint
 
     s = make(k=3)
@@ -686,5 +686,8 @@ def test_a_constrained_sequence_gets_every_slot_and_forced_drafts_teach_the_poli
         else:  # its one draft rejected
             r = seq_result(w, 0, [7])
         results.append(r)
-    s.update(StepResult(step=p.step, results=results))
+    timed: list[object] = []
+    monkeypatch.setattr(s.policy, "observe_step", lambda *a, **kw: timed.append(a))
+    s.update(StepResult(step=p.step, results=results), seconds=0.01)
     assert seen == [(1, 0)]
+    assert timed == []  # its rows beyond k are not k's step time

@@ -447,6 +447,9 @@ class Scheduler:
         if self._untimed:
             self._untimed -= 1
             seconds = None
+        if any(r.num_forced for r in result.results):
+            # A grammar's forced drafts fill slots beyond the step's k: its time is not k's.
+            seconds = None
         drafted = any(r.num_drafts for r in result.results)
         filed_k = step_k if drafted else 0
         if seconds is not None and works:
