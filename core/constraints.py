@@ -36,7 +36,7 @@ __all__ = ["CONSTRAINT_KINDS", "Constraint", "ConstraintKind", "check_constraint
 ConstraintKind = Literal["json_object", "json_schema", "regex", "grammar", "choice"]
 CONSTRAINT_KINDS: Final[tuple[str, ...]] = ConstraintKind.__args__  # type: ignore[attr-defined]
 
-MAX_SPEC_CHARS: Final = 1 << 20
+MAX_SPEC_CHARS: Final = 1 << 18
 """Longest ``spec`` (a schema, a pattern or a grammar), in characters."""
 
 
@@ -86,6 +86,17 @@ def _refuse(rule: str, got: object = ...) -> InvalidRequest:
 def check_constraint(constraint: Constraint) -> Constraint:
     """The rules of a constraint's shape (module docstring); returns it or raises
     :class:`InvalidRequest` on field ``constraint`` (code ``invalid_constraint``)."""
+    if not isinstance(constraint, Constraint):
+        raise _refuse("must be a Constraint", constraint)
+    try:  # the types a caller of the embedding API may have got wrong, and lone surrogates
+        msgspec.convert(msgspec.to_builtins(constraint), Constraint)
+        constraint.spec.encode("utf-8")
+        for choice in constraint.choices:
+            choice.encode("utf-8")
+    except msgspec.ValidationError as exc:
+        raise _refuse(f"malformed: {exc}") from None
+    except (UnicodeEncodeError, AttributeError, TypeError):
+        raise _refuse("its text must be valid Unicode strings (no lone surrogates)") from None
     kind = constraint.kind
     if kind not in CONSTRAINT_KINDS:
         raise _refuse(f"kind must be one of {', '.join(CONSTRAINT_KINDS)}", kind)

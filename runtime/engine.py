@@ -92,7 +92,9 @@ class Runtime(RuntimeMonitoring, RuntimeRequests):
         check_draft(config, cfg, draft, loaded.tokenizer)
         num_blocks = num_kv_blocks(config, cfg, None if draft is None else draft.config)
         # Structured output's compiler: requests are checked with it, the device worker's
-        # grammar book builds its matchers with it (its tokenizer builds in the background).
+        # grammar book builds its matchers with it. Its vocabulary index is built on the
+        # first constrained request (spectrio serve builds it before serving): a runtime
+        # that never constrains never pays for it, nor does its first token.
         self.grammar = GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
         self.blocks = BlockManager(
             num_blocks, config.block_size, enable_caching=config.enable_prefix_caching

@@ -45,6 +45,7 @@ def run_follower() -> int:
         grammar = GrammarCompiler(
             loaded.tokenizer, loaded.config.vocab_size, loaded.config.eos_token_ids
         )
+        grammar.start()  # beside the warm-up, not inside a step rank 0 waits on
     ws = make_workspace(
         loaded.model, setup.num_blocks, setup.block_size, setup.speculative, grammar=grammar
     )

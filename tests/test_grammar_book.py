@@ -261,3 +261,50 @@ def test_a_constrained_slot_without_masks_is_refused() -> None:
     )  # fmt: skip
     with pytest.raises(ValueError, match="needs its grammar's masks"):
         sampler.step(StepPlan(step=1, seqs=[w]), {0: np.zeros((1, 10))})
+
+
+def test_an_unsatisfiable_grammar_is_refused_before_it_runs(compiler: GrammarCompiler) -> None:
+    """A grammar no text matches fails only at its first mask: the check tries one."""
+    for bad in (Constraint.regex(r"a[^\s\S]b"), Constraint.grammar('start: x\nx: x "a"')):
+        with pytest.raises(InvalidRequest, match="cannot be enforced") as info:
+            compiler.check(bad)
+        assert info.value.code == "invalid_constraint"
+
+
+def test_malformed_constraints_from_the_embedding_api_are_refused() -> None:
+    for bad in (
+        Constraint.choice(["\ud800"]),
+        Constraint(kind="regex", spec=5),  # type: ignore[arg-type]
+        Constraint(kind="regexp", spec="a"),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(InvalidRequest) as info:
+            check_constraint(bad)
+        assert info.value.field == "constraint" and info.value.code == "invalid_constraint"
+
+
+def test_a_model_without_eos_refuses_constraints(
+    side: tuple[TextTokenizer, int, list[int]],
+) -> None:
+    tok, vocab, _ = side
+    with pytest.raises(InvalidRequest, match="no EOS token"):
+        GrammarCompiler(tok, vocab, []).check(Constraint.json_object())
+
+
+def test_a_text_stop_token_is_allowed_where_the_grammar_allows_it(
+    side: tuple[TextTokenizer, int, list[int]], compiler: GrammarCompiler
+) -> None:
+    """``stop_token_ids`` may name a token the grammar needs as text: it stays allowed
+    there (ending the output, as a stop string would), and drafts stop before it; a
+    special stop token waits for the grammar's end."""
+    tok = side[0]
+    book = GrammarBook(compiler, threads=1)
+    yes = tok.encode("yes")
+    im_end = tok.encode("<|im_end|>")
+    assert len(im_end) == 1 and compiler.tokenizer.is_special_token(im_end[0])
+    work = _work(Constraint.choice(["yes"]), prompt=tok.encode("Q?"), output=[],
+                 eos=[2, yes[0], im_end[0]])  # fmt: skip
+    _fold(book, work)
+    rows = book.masks(StepPlan(step=1, seqs=[work]))[0]
+    assert rows[0, yes[0]] and not rows[0, 2] and not rows[0, im_end[0]]
+    drafts, _, _ = book.constrain_drafts(StepPlan(step=1, seqs=[work]), {0: yes})
+    assert 0 not in drafts  # the one draft is a stop token: none kept

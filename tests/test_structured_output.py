@@ -325,3 +325,23 @@ async def test_a_constraint_over_the_wire(
             nursery.cancel_scope.cancel()
     assert [t for c in chunks for t in c.token_ids] == want[0][0]
     assert info.value.error.code == ErrorCode.INVALID_CONSTRAINT
+
+
+async def test_a_stop_token_the_grammar_needs_ends_one_request_not_the_engine() -> None:
+    """``stop_token_ids`` naming the one token a grammar allows: that request ends at it
+    (finish "stop", as a stop string would end it); the runtime and its other requests go
+    on."""
+    cfg = _bundled(SpeculativeConfig(num_speculative_tokens=2))
+    with trio.fail_after(300):
+        async with open_runtime(cfg) as rt:
+            yes = rt.tokenizer.encode("yes")
+            stopped = SamplingParams(
+                max_tokens=8, stop_token_ids=yes[:1], constraint=Constraint.choice(["yes"])
+            )
+            plain = SamplingParams(max_tokens=8, constraint=Constraint.choice(["no", "maybe"]))
+            (ids, _, finish), (other, text, other_finish) = await _run(
+                rt, [("Say yes:", stopped), ("Say no:", plain)]
+            )
+            assert ids == yes[:1] and finish == "stop"
+            assert text in ("no", "maybe") and other_finish == "stop"
+            assert (await _run(rt, [("Again:", plain)]))[0][2] == "stop"

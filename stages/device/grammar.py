@@ -44,6 +44,7 @@ JSON_DEFAULTS: Final[dict[str, Any]] = {
 """llguidance's JSON options unless the schema's ``"x-guidance"`` says otherwise."""
 
 _CACHE_SIZE: Final = 256  # compiled constraints kept (each a template matcher)
+_CACHE_CHARS: Final = 8 << 20  # and at most this many characters of their specs
 
 
 def _lark_string(text: str) -> str:
@@ -83,8 +84,6 @@ class GrammarCompiler:
     def __init__(
         self, tokenizer: TextTokenizer, vocab_size: int, eos_token_ids: Sequence[int]
     ) -> None:
-        if not eos_token_ids:
-            raise ValueError("structured output needs the model's EOS token")
         self._text_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
@@ -94,6 +93,7 @@ class GrammarCompiler:
         self._started = False
         self._lock = threading.Lock()
         # (kind, spec, choices) -> the matcher at the grammar's start, copied per request
+        self._cached_chars = 0
         self._templates: OrderedDict[tuple[str, str, tuple[str, ...]], llguidance.LLMatcher] = (
             OrderedDict()
         )
@@ -101,6 +101,8 @@ class GrammarCompiler:
     @property
     def eos_token_id(self) -> int:
         """The token a matcher allows where its grammar is complete."""
+        if not self.eos_token_ids:
+            raise RuntimeError("the model has no EOS token")
         return self.eos_token_ids[0]
 
     def start(self) -> None:
@@ -159,6 +161,12 @@ class GrammarCompiler:
                 self._templates.move_to_end(key)
                 return found
         check_constraint(constraint)
+        if not self.eos_token_ids:
+            raise InvalidRequest(
+                "constraint",
+                "the served model has no EOS token, so a constrained output could not end",
+                code="invalid_constraint",
+            )
         grammar = grammar_text(constraint)
         tokenizer = self.tokenizer
         error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
@@ -169,6 +177,13 @@ class GrammarCompiler:
                 code="invalid_constraint",
             )
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if not matcher.is_error():
+            # Some grammars fail only at their first mask (no string can match them):
+            # try it on a copy, so such a constraint is refused, never run.
+            probe = matcher.deep_copy()
+            probe.compute_bitmask()
+            if probe.is_error():
+                matcher = probe
         if matcher.is_error():
             raise InvalidRequest(
                 "constraint",
@@ -177,6 +192,8 @@ class GrammarCompiler:
             )
         with self._lock:
             self._templates[key] = matcher
-            while len(self._templates) > _CACHE_SIZE:
-                self._templates.popitem(last=False)
+            self._cached_chars += len(constraint.spec)
+            while len(self._templates) > _CACHE_SIZE or self._cached_chars > _CACHE_CHARS:
+                (_, old_spec, _), _ = self._templates.popitem(last=False)
+                self._cached_chars -= len(old_spec)
         return matcher

@@ -24,10 +24,12 @@ What the stages ask:
   rejection sampling runs on the masked target distribution: the output is exactly the
   constrained target's, with or without drafts.
 
-A request's stop tokens (EOS, ``stop_token_ids``, a chat's end-of-turn tokens) are
-allowed exactly where the grammar allows EOS, that is where it is complete: a constrained
-output never ends early. A row past the grammar's end (after a drafted EOS) is never
-emitted from; it allows every token so its distribution stays defined.
+A request's special stop tokens (EOS, a chat's end-of-turn tokens) are allowed exactly
+where the grammar allows EOS, that is where it is complete: such an output never ends
+early. A stop token that is ordinary text (``stop_token_ids`` may name any token) is
+allowed where the grammar allows it too, and ends the output there, as a stop string
+does. Drafts stop before any stop token. A row past the grammar's end is never emitted
+from; it allows every token so its distribution stays defined.
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ import functools
 import os
 import time
 from collections.abc import Callable, Iterable
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
+import structlog
 
 from spectrio.core.messages import SeqWork, StepPlan
 
@@ -50,6 +54,8 @@ if TYPE_CHECKING:
     from spectrio.stages.device.grammar import GrammarCompiler
 
 __all__ = ["GrammarBook"]
+
+log = structlog.get_logger("spectrio.grammar")
 
 
 _P = ParamSpec("_P")
@@ -91,6 +97,7 @@ class GrammarBook:
         self._executor = llguidance.LLExecutor(num_threads=threads or min(4, os.cpu_count() or 1))
         self._states: dict[int, _State] = {}
         self.seconds = 0.0  # wall time in the methods below (_timed)
+        self._stop_split: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
 
     @property
     def num_states(self) -> int:
@@ -136,12 +143,17 @@ class GrammarBook:
 
     @_timed
     def constrain_drafts(
-        self, plan: StepPlan, found: dict[int, list[int]]
+        self,
+        plan: StepPlan,
+        found: dict[int, list[int]],
+        sampled: AbstractSet[int] = frozenset(),
     ) -> tuple[dict[int, list[int]], dict[int, int], set[int]]:
         """The drafts of ``plan``'s slots (``found``: the proposer's) with each constrained
-        sequence's made grammatical: its forced continuation where the grammar has one
-        (kept with the proposer's further drafts when those begin with it), else the
-        proposer's cut at the first refused token.
+        sequence's made grammatical: its forced continuation where the grammar has one,
+        else the proposer's cut at the first token the grammar refuses and before any
+        stop token (:meth:`keeps`). A deterministic proposer's further drafts are kept
+        after the forced ones when they begin with them; a sampled one's (``sampled``:
+        slots with draft distributions) never are, so forced drafts are one-hot.
 
         Returns the drafts; per slot, how many of its first drafts are forced tokens; and
         the slots whose proposed drafts were replaced (their draft distributions no longer
@@ -155,11 +167,13 @@ class GrammarBook:
             matcher = self._state(w).matcher
             proposed = found.get(w.slot, [])[: w.num_drafts]
             forced = [] if matcher.is_stopped() else matcher.compute_ff_tokens()[: w.num_drafts]
-            if forced and proposed[: len(forced)] != forced:
+            stops = set(w.eos_token_ids)
+            forced = forced[: next((i for i, t in enumerate(forced) if t in stops), len(forced))]
+            if forced and (w.slot in sampled or proposed[: len(forced)] != forced):
                 proposed = forced
                 replaced.add(w.slot)
             if proposed:
-                proposed = proposed[: matcher.validate_tokens(proposed)]
+                proposed = proposed[: self._kept(matcher, proposed, stops)]
             if proposed:
                 out[w.slot] = proposed
                 if forced:
@@ -167,6 +181,23 @@ class GrammarBook:
             else:
                 out.pop(w.slot, None)
         return out, forced_counts, replaced
+
+    @staticmethod
+    def _kept(matcher: Any, drafts: list[int], stops: set[int]) -> int:
+        """How many of ``drafts`` a constrained sequence keeps: up to the first its grammar
+        refuses or the first stop token (which would end the run anyway). The sampler's
+        restriction of a sampled draft's distribution (:meth:`keeps`) is this same rule."""
+        n = next((i for i, t in enumerate(drafts) if t in stops), len(drafts))
+        return int(matcher.validate_tokens(drafts[:n])) if n else 0
+
+    @staticmethod
+    def keeps(allowed: np.ndarray, stops: list[int]) -> np.ndarray:
+        """The tokens a draft may be and be kept, per row of ``allowed`` (:meth:`masks`):
+        what the grammar allows there, less the stop tokens (:meth:`_kept`)."""
+        kept = allowed.copy()
+        if stops:
+            kept[:, np.asarray(stops, dtype=np.int64)] = False
+        return kept
 
     @_timed
     def allowed_after(self, items: list[tuple[SeqWork, list[int]]]) -> np.ndarray:
@@ -195,6 +226,19 @@ class GrammarBook:
                 matcher.rollback(n)
         allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
         return allowed[:, : self.vocab_size].astype(bool)
+
+    def _split_stops(self, stop_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """A request's stop tokens: (special tokens, text tokens)."""
+        key = tuple(stop_ids)
+        found = self._stop_split.get(key)
+        if found is None:
+            tokenizer = self.compiler.tokenizer
+            special = [t for t in stop_ids if tokenizer.is_special_token(t)]
+            text = [t for t in stop_ids if not tokenizer.is_special_token(t)]
+            found = (np.asarray(special, dtype=np.int64), np.asarray(text, dtype=np.int64))
+            if len(self._stop_split) < 1024:
+                self._stop_split[key] = found
+        return found
 
     @_timed
     def masks(self, plan: StepPlan) -> dict[int, np.ndarray]:
@@ -228,12 +272,28 @@ class GrammarBook:
         out: dict[int, np.ndarray] = {}
         for w, lo, hi in zip(works, starts[:-1], starts[1:], strict=True):
             rows = allowed[lo:hi]
-            stops = np.asarray(w.eos_token_ids, dtype=np.int64)
-            if stops.size:  # a stop token ends the output: only where the grammar may end
-                rows[:, stops] = rows[:, [eos]]
+            # A stop token ends the output. A special one (EOS, a chat's end of turn) is
+            # allowed only where the grammar may end; one that is also text the grammar
+            # may produce is allowed there too (ending early, as a stop string does).
+            special, text = self._split_stops(w.eos_token_ids)
+            if special.size:
+                rows[:, special] = rows[:, [eos]]
+            if text.size:
+                rows[:, text] |= rows[:, [eos]]
             empty = np.logical_not(np.any(rows, axis=1))
             if bool(empty[0]):
-                raise RuntimeError(f"seq {w.seq_id}: its grammar allows no next token")
+                # The library failed inside a grammar the compiler had checked (a limit
+                # hit mid-output): the request ends here, at its EOS, rather than the
+                # engine, and the cause is logged.
+                matcher = self._state(w).matcher
+                log.error(
+                    "grammar failed; the request ends here",
+                    seq_id=w.seq_id,
+                    request_id=w.request_id,
+                    error=matcher.get_error() if matcher.is_error() else "no token allowed",
+                )
+                rows[0, :] = False
+                rows[0, eos] = True
             rows[empty] = True  # past the grammar's end (after a drafted EOS): never emitted
             out[w.slot] = rows
         return out

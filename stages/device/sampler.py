@@ -38,6 +38,7 @@ import numpy as np
 from spectrio.core.messages import SeqResult, SeqWork, StepPlan, StepResult
 from spectrio.core.params import SamplingParams
 from spectrio.models import TextTokenizer
+from spectrio.stages.device.grammar_book import GrammarBook
 from spectrio.stages.device.logits_processing import (
     History,
     log_softmax,
@@ -152,7 +153,7 @@ class Sampler:
         at each row (:meth:`.grammar_book.GrammarBook.masks`)."""
         self.drop(plan.retired)
         allowed = allowed or {}
-        draft_probs = _masked_drafts(draft_probs or {}, allowed)
+        draft_probs = _masked_drafts(plan, draft_probs or {}, allowed)
         prepared = [
             self._prepare(w, logits[w.slot], allowed.get(w.slot)) for w in plan.seqs if w.sample
         ]
@@ -279,22 +280,25 @@ def _silent(w: SeqWork) -> SeqResult:
 
 
 def _masked_drafts(
-    draft_probs: dict[int, np.ndarray], allowed: dict[int, np.ndarray]
+    plan: StepPlan, draft_probs: dict[int, np.ndarray], allowed: dict[int, np.ndarray]
 ) -> dict[int, np.ndarray]:
     """A constrained slot's sampled drafts were kept only where its grammar allows them
-    (the draft stage cuts at the first refused one), so each was drawn from its draft
-    distribution restricted to the allowed tokens: that is the distribution the rejection
-    rule must see, renormalised. (Where the grammar refuses the draft, no draft is made
-    and the target is sampled; both branches give the target's distribution.)"""
+    and before any stop token (the draft stage cuts at the first other one:
+    :meth:`.grammar_book.GrammarBook.keeps`), so each was drawn from its draft
+    distribution restricted to those tokens: that is the distribution the rejection rule
+    must see, renormalised. (Where the draft was not kept, none is made and the target is
+    sampled; both branches give the target's distribution.)"""
     if not draft_probs or not allowed:
         return draft_probs
+    works = {w.slot: w for w in plan.seqs}
     out = dict(draft_probs)
     for slot, q in draft_probs.items():
         mask = allowed.get(slot)
         if mask is None:
             continue
         n = min(q.shape[0], mask.shape[0] - 1)
-        kept = np.where(mask[:n], q[:n], 0.0)
+        keep = GrammarBook.keeps(mask[:n], works[slot].eos_token_ids)
+        kept = np.where(keep, q[:n], 0.0)
         total = kept.sum(axis=1, keepdims=True)
         out[slot] = np.divide(kept, total, out=np.zeros_like(kept), where=total > 0)
     return out

@@ -272,7 +272,8 @@ class Scheduler:
             ended,
         )
         if any(w.decodes for w in works):
-            k = max((w.num_drafts for w in works), default=0)
+            # (a constrained sequence's slots beyond k are for forced tokens, not k's)
+            k = max((min(w.num_drafts, self._step_k) for w in works), default=0)
             self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
         return StepPlan(
             step=self._step,

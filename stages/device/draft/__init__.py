@@ -83,6 +83,10 @@ def draft(ws: Workspace, plan: StepPlan) -> StepPlan:
     if proposer is None and not constrained:
         return plan
     ws.history.fold(plan)
+    if constrained:  # before the proposer, which drafts under the grammar (MTP)
+        if ws.grammar is None:
+            raise RuntimeError("a constrained request reached a workspace without a grammar")
+        ws.grammar.fold(plan, ws.history)
     proposal = (
         Proposal({}) if proposer is None else proposer.propose(_proposer_view(plan), ws.history)
     )
@@ -91,10 +95,10 @@ def draft(ws: Workspace, plan: StepPlan) -> StepPlan:
     found = proposal.drafts
     forced: dict[int, int] = {}
     if constrained:
-        if ws.grammar is None:
-            raise RuntimeError("a constrained request reached a workspace without a grammar")
-        ws.grammar.fold(plan, ws.history)
-        found, forced, replaced = ws.grammar.constrain_drafts(plan, found)
+        assert ws.grammar is not None
+        found, forced, replaced = ws.grammar.constrain_drafts(
+            plan, found, sampled=set(ws.draft_probs)
+        )
         ws.draft_probs = {s: q for s, q in ws.draft_probs.items() if s not in replaced}
     if found:
         seqs = [
