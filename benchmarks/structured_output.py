@@ -212,6 +212,16 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 "json_tok_s": structured.rate(),
                 "json_over_free": structured.rate() / free.rate() if free.rate() else None,
                 "interval95": _ratio_interval(structured.per_round, free.per_round),
+                # each round's ratio, its median: robust to one slow round of the host
+                "paired_median": float(
+                    np.median(
+                        [
+                            (a[0] / a[1]) / (b[0] / b[1])
+                            for a, b in zip(structured.per_round, free.per_round, strict=True)
+                            if a[1] and b[1]
+                        ]
+                    )
+                ),
                 "json_finished": structured.finished,
                 "json_valid": structured.valid,
                 "grammar_share_of_device": grammar_s / device_s if device_s else None,

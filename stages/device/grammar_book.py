@@ -225,7 +225,7 @@ class GrammarBook:
             for matcher, n in consumed:
                 matcher.rollback(n)
         allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
-        return allowed[:, : self.vocab_size].astype(bool)
+        return allowed[:, : self.vocab_size].view(bool)
 
     def _split_stops(self, stop_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """A request's stop tokens: (special tokens, text tokens)."""
@@ -267,7 +267,7 @@ class GrammarBook:
                 drafted, bits.ctypes.data, self._words * 4, bits.shape[0]
             )
         allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
-        allowed = allowed[:, : self.vocab_size].astype(bool)
+        allowed = allowed[:, : self.vocab_size].view(bool)
         eos = self.compiler.eos_token_id
         out: dict[int, np.ndarray] = {}
         for w, lo, hi in zip(works, starts[:-1], starts[1:], strict=True):
