@@ -345,3 +345,21 @@ async def test_a_stop_token_the_grammar_needs_ends_one_request_not_the_engine() 
             assert ids == yes[:1] and finish == "stop"
             assert text in ("no", "maybe") and other_finish == "stop"
             assert (await _run(rt, [("Again:", plain)]))[0][2] == "stop"
+
+
+async def test_an_aborted_constrained_request_leaves_no_grammar_state() -> None:
+    """A client that leaves mid-answer (the stream's block exits): its grammar state goes
+    with its other state, under overlap too, and the next request is unaffected."""
+    params = SamplingParams(max_tokens=40, constraint=Constraint.json_schema(NESTED))
+    cfg = _bundled(SpeculativeConfig(num_speculative_tokens=3), enable_overlap=True)
+    with trio.fail_after(300):
+        async with open_runtime(cfg) as rt:
+            want = await _run(rt, [("A user:", params)])
+            async with rt.generate("A user:", params) as stream:
+                async for delta in stream:
+                    if delta.token_ids:
+                        break
+            await rt.wait_idle()
+            assert rt.workspace.grammar is not None and rt.workspace.grammar.num_states == 0
+            assert rt.workspace.num_states == 0 and rt.sampler.num_states == 0
+            assert await _run(rt, [("A user:", params)]) == want
