@@ -69,6 +69,7 @@ def test_top_level_exports_are_pinned() -> None:
     assert sorted(spectrio.__all__) == sorted(
         [
             "ConfigError",
+            "Constraint",
             "Delta",
             "EngineDead",
             "InvalidRequest",

@@ -26,6 +26,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
+import structlog
+
 from spectrio.core.constraints import Constraint, check_constraint
 from spectrio.errors import InvalidRequest
 
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
     from spectrio.models.text.tokenizer import TextTokenizer
 
 __all__ = ["GrammarCompiler", "JSON_DEFAULTS", "grammar_text"]
+
+log = structlog.get_logger("spectrio.grammar")
 
 JSON_DEFAULTS: Final[dict[str, Any]] = {
     "whitespace_flexible": False,
@@ -128,8 +132,13 @@ class GrammarCompiler:
             self._built.set()
 
     def warm(self) -> None:
-        """Build the library's tokenizer now, if it is not built (blocking)."""
-        _ = self.tokenizer
+        """Build the library's tokenizer now, if it is not built (blocking). A tokenizer
+        the library cannot read is logged, not raised: the server serves, and refuses
+        constrained requests (:meth:`check`)."""
+        try:
+            _ = self.tokenizer
+        except RuntimeError as exc:
+            log.warning("structured output is unavailable for this model", reason=str(exc))
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -168,7 +177,14 @@ class GrammarCompiler:
                 code="invalid_constraint",
             )
         grammar = grammar_text(constraint)
-        tokenizer = self.tokenizer
+        try:
+            tokenizer = self.tokenizer
+        except RuntimeError as exc:
+            raise InvalidRequest(
+                "constraint",
+                f"the served model's tokenizer cannot be used for structured output ({exc})",
+                code="invalid_constraint",
+            ) from None
         error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
         if error:
             raise InvalidRequest(
