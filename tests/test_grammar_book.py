@@ -308,3 +308,16 @@ def test_a_text_stop_token_is_allowed_where_the_grammar_allows_it(
     assert rows[0, yes[0]] and not rows[0, 2] and not rows[0, im_end[0]]
     drafts, _, _ = book.constrain_drafts(StepPlan(step=1, seqs=[work]), {0: yes})
     assert 0 not in drafts  # the one draft is a stop token: none kept
+
+
+def test_a_tokenizer_the_library_cannot_read_turns_constraints_off() -> None:
+    """The tests' word-level chat tokenizer has no byte decoder llguidance can read:
+    warming logs it (a server still serves) and a constrained request is refused."""
+    from chat_helpers import chat_tokenizer
+
+    tok = TextTokenizer(chat_tokenizer(), eos_token_id=0)
+    compiler = GrammarCompiler(tok, tok.vocab_size, [0])
+    compiler.warm()  # does not raise
+    with pytest.raises(InvalidRequest, match="cannot be used for structured output") as info:
+        compiler.check(Constraint.json_object())
+    assert info.value.code == "invalid_constraint"
