@@ -264,6 +264,7 @@ class ToolParser(abc.ABC):
         self.new_id = new_id
         self.num_calls = 0  # calls begun
         self._finished = False
+        self._call: _Call | None = None  # the call being read
 
     def feed(self, text: str) -> Parsed:
         """What ``text``, after all the text before it, tells."""
@@ -293,6 +294,20 @@ class ToolParser(abc.ABC):
         self.num_calls += 1
         return call
 
+    def _advance_call(self, text: str, out: Parsed) -> tuple[str, _Call | None]:
+        """Feed ``text`` to the call being read: the text after the call, and the call
+        once it has ended (None while it goes on). A call that turned out not to be one
+        (``failed``) is not counted."""
+        call = self._call
+        assert call is not None
+        rest = call.feed(text, out)
+        if rest is None:
+            return "", None
+        self._call = None
+        if call.failed:
+            self.num_calls -= 1
+        return rest, call
+
     @abc.abstractmethod
     def _feed(self, text: str, out: Parsed) -> None: ...
 
@@ -310,7 +325,6 @@ class HermesParser(ToolParser):
         self._state = "text"  # text | open | call | close
         self._held = ""  # text: a partial tag or trailing whitespace; open/close: the block
         self._block = ""  # the raw text of the open block (given back if it is no call)
-        self._call: _Call | None = None
         self._had_call = False
 
     def _feed(self, text: str, out: Parsed) -> None:
@@ -356,14 +370,10 @@ class HermesParser(ToolParser):
         return stripped
 
     def _in_call(self, text: str, out: Parsed) -> str:
-        call = self._call
-        assert call is not None
-        rest = call.feed(text, out)
-        if rest is None:
-            return ""
-        self._call = None
+        rest, call = self._advance_call(text, out)
+        if call is None:
+            return rest
         if call.failed:  # no call: the block so far is text
-            self.num_calls -= 1
             out.content += self._block + call.text
             self._block = ""
             self._state = "text"
@@ -411,7 +421,6 @@ class Llama3Parser(ToolParser):
         super().__init__(**kw)
         self._state = "begin"  # begin | between | call | content
         self._held = ""
-        self._call: _Call | None = None
 
     def _feed(self, text: str, out: Parsed) -> None:
         while text:
@@ -453,14 +462,10 @@ class Llama3Parser(ToolParser):
         return stripped
 
     def _in_call(self, text: str, out: Parsed) -> str:
-        call = self._call
-        assert call is not None
-        rest = call.feed(text, out)
-        if rest is None:
-            return ""
-        self._call = None
+        rest, call = self._advance_call(text, out)
+        if call is None:
+            return rest
         if call.failed:
-            self.num_calls -= 1
             out.content += call.text
             self._state = "content"
             return rest
