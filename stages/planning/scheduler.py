@@ -463,12 +463,12 @@ class Scheduler:
         if any(w.decodes for w in works.values()):
             self._previous_k = filed_k
         for r in result.results:
-            # A grammar's forced drafts are near-certain: they tell nothing of the
-            # proposer's acceptance, which is what the policy weighs k by.
-            if r.num_drafts > r.num_forced and r.num_accepted >= r.num_forced:
-                self.policy.observe_acceptance(
-                    r.num_drafts - r.num_forced, r.num_accepted - r.num_forced
-                )
+            # A grammar's forced drafts are near-certain and tell nothing of the
+            # proposer's acceptance, which is what the policy weighs k by; a proposer's
+            # drafts after them sit deeper than their positions say. Such a step is left
+            # out of the acceptance, as it is out of the step times.
+            if r.num_drafts and not r.num_forced:
+                self.policy.observe_acceptance(r.num_drafts, r.num_accepted)
         published: list[SeqResult] = []
         for r in result.results:
             work = works.pop(r.seq_id, None)
