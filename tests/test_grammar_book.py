@@ -321,3 +321,19 @@ def test_a_tokenizer_the_library_cannot_read_turns_constraints_off() -> None:
     with pytest.raises(InvalidRequest, match="cannot be used for structured output") as info:
         compiler.check(Constraint.json_object())
     assert info.value.code == "invalid_constraint"
+
+
+def test_a_matcher_in_error_ends_its_request_at_eos(
+    side: tuple[TextTokenizer, int, list[int]], compiler: GrammarCompiler
+) -> None:
+    """A grammar the library fails inside (a limit hit mid-output) leaves its row allowing
+    EOS alone: the request ends there, neither the engine nor the constraint gives way."""
+    tok, vocab, _ = side
+    book = GrammarBook(compiler, threads=1)
+    work = _work(Constraint.json_schema(PERSON), prompt=tok.encode("P:"), output=[], drafts=0)
+    _fold(book, work)
+    matcher = book._states[work.seq_id].matcher
+    assert not matcher.consume_token(tok.encode("nope")[0])  # the matcher is in error now
+    rows = book.masks(StepPlan(step=1, seqs=[work]))[0]
+    assert rows.shape == (1, vocab)
+    assert rows[0, 2] and rows[0].sum() == 1

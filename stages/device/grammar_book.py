@@ -224,6 +224,11 @@ class GrammarBook:
         finally:
             for matcher, n in consumed:
                 matcher.rollback(n)
+        return self._unpack(bits)
+
+    def _unpack(self, bits: np.ndarray) -> np.ndarray:
+        """The library's bitmask rows (int32 words, bit ``t % 32`` of word ``t // 32``)
+        as bool ``[rows, V]``, a view of one unpacked buffer."""
         allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
         return allowed[:, : self.vocab_size].view(bool)
 
@@ -266,8 +271,7 @@ class GrammarBook:
             self._executor.unsafe_compute_mask_ptr_with_draft_token(
                 drafted, bits.ctypes.data, self._words * 4, bits.shape[0]
             )
-        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
-        allowed = allowed[:, : self.vocab_size].view(bool)
+        allowed = self._unpack(bits)
         eos = self.compiler.eos_token_id
         out: dict[int, np.ndarray] = {}
         for w, lo, hi in zip(works, starts[:-1], starts[1:], strict=True):
@@ -294,6 +298,7 @@ class GrammarBook:
                 )
                 rows[0, :] = False
                 rows[0, eos] = True
+                empty[0] = False
             rows[empty] = True  # past the grammar's end (after a drafted EOS): never emitted
             out[w.slot] = rows
         return out
