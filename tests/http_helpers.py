@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+import openai
 from test_serve_process import Server
 
 __all__ = ["HttpServer", "http_server", "sse_events"]
@@ -24,6 +25,16 @@ class HttpServer:
     @property
     def pid(self) -> int:
         return self.server.pid
+
+    @contextmanager
+    def sdk(self, api_key: str = "unused", timeout: float | None = None) -> Iterator[openai.OpenAI]:
+        """The official client on this server: no retries (a failure shows at once), and
+        ``timeout`` seconds per request (None: the SDK's own)."""
+        kw = {} if timeout is None else {"timeout": timeout}
+        with openai.OpenAI(
+            base_url=self.url + "/v1", api_key=api_key, max_retries=0, **kw
+        ) as client:
+            yield client
 
 
 @contextmanager

@@ -40,7 +40,7 @@ def server(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 @pytest.fixture
 def client(server: HttpServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as c:
+    with server.sdk() as c:
         yield c
 
 

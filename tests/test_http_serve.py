@@ -49,7 +49,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpServer]:
 
 @pytest.fixture
 def client(server: HttpServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0) as c:
+    with server.sdk(api_key=KEY) as c:
         yield c
 
 
