@@ -44,6 +44,51 @@ def test_add_rms_norm_equals_the_plain_ops(shape: tuple[int, ...]) -> None:
     np.testing.assert_allclose(got[0].numpy(), want, rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("shape", [(1, 576), (9, 576), (2, 7)])
+def test_rms_norm_without_a_delta(shape: tuple[int, ...]) -> None:
+    """No delta (the MTP pass's input norms): the norm of ``x`` alone, "summed" is ``x``,
+    and it is the with-delta kernel's result for a zero delta, bit for bit."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(shape).astype(np.float32)
+    weight = rng.random(shape[-1]).astype(np.float32)
+    with paddle.no_grad():
+        got = native_ops.add_rms_norm(paddle.to_tensor(x), None, paddle.to_tensor(weight), 1e-5)
+        zero = native_ops.add_rms_norm(
+            paddle.to_tensor(x), paddle.zeros(list(shape)), paddle.to_tensor(weight), 1e-5
+        )
+    assert got is not None and zero is not None
+    np.testing.assert_array_equal(got[1].numpy(), x)
+    np.testing.assert_array_equal(got[0].numpy(), zero[0].numpy())
+    want = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5) * weight
+    np.testing.assert_allclose(got[0].numpy(), want, rtol=2e-6, atol=1e-6)
+
+
+def test_bound_layers_are_kept_per_cache_and_rebound_on_new_weights() -> None:
+    """The layer op's arguments are bound once per cache and layer run, and bound anew
+    when the layers' packed inputs change (weights packed again)."""
+    from spectrio.models import PackedBatch, PagedKVCache, load
+
+    model = load("bundled", serving=True).model
+    cfg = model.config
+    cache = PagedKVCache(
+        cfg.num_hidden_layers, 4, 16, cfg.num_key_value_heads, cfg.head_dim, model.dtype
+    )
+    batch = PackedBatch.from_sequences([[5, 6, 7]], [0], [np.array([1])])
+    with paddle.no_grad():
+        first = model.forward(batch, cache).logits.numpy()
+        bound = cache.bound_layers[cfg.num_hidden_layers]
+        again = model.forward(batch, cache).logits.numpy()
+    assert cache.bound_layers[cfg.num_hidden_layers] is bound
+    np.testing.assert_array_equal(first, again)
+    layers = model._decoder_layers()
+    stale = layers[0]._native_inputs
+    layers[0]._native_inputs = stale._replace(types=tuple(stale.types))  # a new object
+    with paddle.no_grad():
+        third = model.forward(batch, cache).logits.numpy()
+    assert cache.bound_layers[cfg.num_hidden_layers] is not bound
+    np.testing.assert_array_equal(first, third)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 97, 200])
 @pytest.mark.parametrize("k, n", [(576, 960), (64, 17), (33, 100), (5, 3)])  # ragged N and K
 def test_panel_matmul_equals_the_matmul(rows: int, k: int, n: int) -> None:

@@ -239,12 +239,18 @@ def test_tp2_equals_tp1_under_pressure(k: str) -> None:
 @pytest.mark.parametrize("k", ["2", "ngram:2"])
 def test_tp2_structured_output_equals_tp1(k: str) -> None:
     """Constrained requests (greedy and seeded) under overlap and preemption: each rank
-    derives the grammar state from the plans and cuts the same drafts (issue 60)."""
-    one = _drive("constrained", "1", k)
-    two = _drive("constrained", "2", k)
-    assert two["outputs"] == one["outputs"]
-    assert int(two["preemptions"]) > 0 and two["blocks_back"]  # type: ignore[call-overload]
-    assert int(two["drafts"]) > 0  # type: ignore[call-overload]
+    derives the grammar state from the plans and cuts the same drafts (issue 60). Whether
+    the pool runs short depends on when the requests arrive against the steps (overlap),
+    so the run is repeated, at most three times, until one preempts."""
+    for _ in range(3):
+        one = _drive("constrained", "1", k)
+        two = _drive("constrained", "2", k)
+        assert two["outputs"] == one["outputs"]
+        assert two["blocks_back"] and int(two["drafts"]) > 0  # type: ignore[call-overload]
+        if int(two["preemptions"]) > 0:  # type: ignore[call-overload]
+            break
+    else:
+        pytest.fail("no run preempted: the scenario no longer puts the pool under pressure")
 
 
 def test_tp2_prompt_logprobs_equal_tp1_and_are_published_once() -> None:

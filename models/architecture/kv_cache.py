@@ -6,6 +6,7 @@ import numpy as np
 
 from spectrio.models.architecture.config import DType
 from spectrio.models.ops import fast_ops as fo
+from spectrio.models.ops.native_ops import BoundLayers
 from spectrio.models.ops.paddle_setup import paddle
 
 
@@ -46,6 +47,10 @@ class PagedKVCache:
         blocked = [num_kv_heads * num_blocks, block_size * head_dim]
         self._k_blocks = [t.reshape(blocked) for t in self._k]
         self._v_blocks = [t.reshape(blocked) for t in self._v]
+        # The native layer op's arguments for the layers that last ran over these pools,
+        # by layer count (SpectrioForCausalLM._bound): the target's layers, or a draft's
+        # first N, or the MTP layer over its own cache.
+        self.bound_layers: dict[int, BoundLayers] = {}
         heads = np.arange(num_kv_heads, dtype=np.int64)
         self._head_slots = (heads * self.num_slots)[None, :]  # for write_rows
         self._head_blocks = (heads * num_blocks)[None, :, None]  # for block_rows

@@ -48,8 +48,8 @@ class RMSNorm(nn.Layer):
     ) -> tuple[paddle.Tensor, paddle.Tensor]:
         """``(normalize(x + delta), x + delta)``: a residual add and the next norm, with
         the norm's weight applied when ``weighted`` (else folded into the next matmul).
-        One op where :func:`fast_ops.fused_rms_norm` runs, or with a ``delta`` where
-        :func:`native_ops.add_rms_norm` does; five or six otherwise."""
+        One op where :func:`fast_ops.fused_rms_norm` or :func:`native_ops.add_rms_norm`
+        runs; five or six otherwise."""
         if weighted:
             scale = self.weight
         else:
@@ -60,8 +60,8 @@ class RMSNorm(nn.Layer):
             fused = fo.fused_rms_norm(x, scale, self.eps)
         else:
             fused = fo.fused_rms_norm(delta, scale, self.eps, residual=x)
-            if fused is None:
-                fused = native_ops.add_rms_norm(x, delta, scale, self.eps)
+        if fused is None:
+            fused = native_ops.add_rms_norm(x, delta, scale, self.eps)
         if fused is not None:
             return fused
         if delta is not None:

@@ -349,6 +349,18 @@ class SpectrioForCausalLM(nn.Layer):
         inputs = [layer.native_inputs() for layer in layers]
         return None if None in inputs else inputs  # type: ignore[return-value]
 
+    def _bound(
+        self, inputs: list[native_ops.LayerInputs], cache: PagedKVCache
+    ) -> native_ops.BoundLayers:
+        """``inputs`` bound to ``cache``'s pools, as the layer op takes them: kept on the
+        cache between passes (a pass over the same layers and pools reuses it; other
+        layers, or weights packed again, bind anew)."""
+        pools = [cache.pools(i) for i in range(len(inputs))]
+        kept = cache.bound_layers.get(len(inputs))
+        if kept is None or not kept.binds(inputs, [p[0] for p in pools]):
+            kept = cache.bound_layers[len(inputs)] = native_ops.bind_layers(inputs, pools)
+        return kept
+
     def _run_layers(
         self, layers: list[DecoderLayer], x: paddle.Tensor, batch: PackedBatch, cache: PagedKVCache
     ) -> tuple[paddle.Tensor, paddle.Tensor]:
@@ -366,9 +378,8 @@ class SpectrioForCausalLM(nn.Layer):
                 (i.heads, i.intermediate, i.eps) == (first.heads, first.intermediate, first.eps)
                 for i in inputs
             ):  # one op for the whole run (its layers share their sizes)
-                pools = [cache.pools(i) for i in range(len(layers))]
                 x, delta = native_ops.decoder_layers(
-                    x, inputs, pools, rows.rope, rows.as_tuple, cache.block_size
+                    x, self._bound(inputs, cache), None, rows.rope, rows.as_tuple, cache.block_size
                 )
                 bias = inputs[-1].down_bias
                 return x, delta if bias is None else fo.add(delta, bias)
@@ -385,11 +396,16 @@ class SpectrioForCausalLM(nn.Layer):
         return x, delta
 
     def _select(self, hidden: paddle.Tensor, batch: PackedBatch) -> paddle.Tensor:
-        if batch.logits_indices is None:
+        """The rows of ``hidden`` the batch wants logits for (``hidden`` itself where it
+        wants every row, as a decode step and a draft substep do: no gather op)."""
+        picks = batch.logits_indices
+        if picks is None:
             return hidden
-        if batch.logits_indices.size == 0:
+        if picks.size == 0:
             return hidden[:0]
-        return fo.gather(hidden, self.staging.put(batch.logits_indices))
+        if picks.size == hidden.shape[0] and np.array_equal(picks, np.arange(picks.size)):
+            return hidden
+        return fo.gather(hidden, self.staging.put(picks))
 
     # ---- serving: packed rows over a paged cache -------------------------------------
 
@@ -424,17 +440,18 @@ class SpectrioForCausalLM(nn.Layer):
         self.staging.reset()
         x = self.mtp.fuse(self._embed(batch.input_ids), prev_hidden, True)
         x, delta = self._run_layers([self.mtp], x, batch, cache)
-        x = fo.add(x, delta)
-        norm = self.mtp.shared_head.norm
+        # The layer's output and its norm in one op, for every row: a decode substep's
+        # rows are all picked, and a catch-up's extra rows cost less normed than gathered.
+        normed, x = self.mtp.shared_head.norm.add_normalize(x, delta, weighted=True)
         if self._mtp_norm_in_layer:
             # The norm ends the layer: its output, for every row, is the next input too.
-            x = norm.forward(x)
-            picked = self._select(x, batch)
+            picked = self._select(normed, batch)
             logits, ids = self._mtp_logits(picked, draft_vocab)
-            return ForwardOutput(logits, hidden=x, picked_hidden=picked, vocab_ids=ids)
-        picked = self._select(x, batch)
-        logits, ids = self._mtp_logits(norm.forward(picked), draft_vocab)
-        return ForwardOutput(logits=logits, hidden=x, picked_hidden=picked, vocab_ids=ids)
+            return ForwardOutput(logits, hidden=normed, picked_hidden=picked, vocab_ids=ids)
+        logits, ids = self._mtp_logits(self._select(normed, batch), draft_vocab)
+        return ForwardOutput(
+            logits=logits, hidden=x, picked_hidden=self._select(x, batch), vocab_ids=ids
+        )
 
     def _mtp_logits(
         self, hidden: paddle.Tensor, draft_vocab: bool

@@ -50,6 +50,8 @@ __all__ = [
     "add_rms_norm",
     "attention_block",
     "block_matmul",
+    "bind_layers",
+    "BoundLayers",
     "LayerInputs",
     "cpu_path",
     "decoder_layers",
@@ -187,13 +189,13 @@ def _usable(x: paddle.Tensor) -> bool:
 
 
 def add_rms_norm(
-    x: paddle.Tensor, delta: paddle.Tensor, weight: paddle.Tensor, eps: float
+    x: paddle.Tensor, delta: paddle.Tensor | None, weight: paddle.Tensor, eps: float
 ) -> tuple[paddle.Tensor, paddle.Tensor] | None:
-    """``(rmsnorm(x + delta) * weight, x + delta)`` over the last axis, or None where the
-    kernel does not run."""
+    """``(rmsnorm(x + delta) * weight, x + delta)`` over the last axis (``delta`` None:
+    ``(rmsnorm(x) * weight, x)``), or None where the kernel does not run."""
     if not _usable(x):
         return None
-    normed, summed = _run("spectrio_add_rms_norm", x, delta, weight, float(eps))
+    normed, summed = _run("spectrio_add_rms_norm", x, _given(delta), weight, float(eps))
     return normed, summed
 
 
@@ -352,31 +354,69 @@ class LayerInputs(NamedTuple):
     eps: float
 
 
+class BoundLayers(NamedTuple):
+    """A run of layers bound to their KV pools as ``spectrio_decoder_layers`` takes them
+    (:func:`bind_layers`): the same for every pass over the same weights and cache, so a
+    caller keeps it rather than rebuilding a dozen lists of a few dozen tensors a pass."""
+
+    layers: tuple[LayerInputs, ...]
+    k_pools: tuple[paddle.Tensor, ...]
+    columns: tuple[list[paddle.Tensor], ...]  # the 11 tensor inputs, each over the layers
+    k_list: list[paddle.Tensor]
+    v_list: list[paddle.Tensor]
+    types: list[int]
+
+    def binds(self, layers: list[LayerInputs], k_pools: list[paddle.Tensor]) -> bool:
+        """Whether these are ``layers`` over these pools (the same objects)."""
+        return (
+            len(layers) == len(self.layers)
+            and all(a is b for a, b in zip(layers, self.layers, strict=True))
+            and all(a is b for a, b in zip(k_pools, self.k_pools, strict=True))
+        )
+
+
+def bind_layers(
+    layers: list[LayerInputs], pools: list[tuple[paddle.Tensor, paddle.Tensor]]
+) -> BoundLayers:
+    """``layers`` (layer l writing ``pools[l]``) as :func:`decoder_layers` passes them."""
+    columns = tuple(
+        [_given(t) for t in column]
+        for column in zip(*(layer[:11] for layer in layers), strict=True)
+    )
+    return BoundLayers(
+        layers=tuple(layers),
+        k_pools=tuple(p[0] for p in pools),
+        columns=columns,
+        k_list=[p[0] for p in pools],
+        v_list=[p[1] for p in pools],
+        types=[int(t) for layer in layers for t in layer.types],
+    )
+
+
 def decoder_layers(
     x: paddle.Tensor,
-    layers: list[LayerInputs],
-    pools: list[tuple[paddle.Tensor, paddle.Tensor]],
+    layers: list[LayerInputs] | BoundLayers,
+    pools: list[tuple[paddle.Tensor, paddle.Tensor]] | None,
     rope: tuple[paddle.Tensor, paddle.Tensor],
     rows: tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor],
     block_size: int,
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """A run of whole layers of one rank (no tensor parallelism) from input ``x``, in one
     op (``spectrio_decoder_layers``): bit for bit :func:`attention_block` and
-    :func:`mlp_block` chained, without a dispatch per half. Layer l writes ``pools[l]``.
-    Returns ``(summed, delta)`` whose sum plus the last layer's down bias is the last
-    layer's output. Every layer has the first one's heads, intermediate size and epsilon
-    (one model's layers); only where the kernels run, without autograd."""
-    first = layers[0]
-    lists = [
-        [_given(t) for t in column]
-        for column in zip(*(layer[:11] for layer in layers), strict=True)
-    ]
+    :func:`mlp_block` chained, without a dispatch per half. Layer l writes ``pools[l]``
+    (``layers`` may come bound to their pools already, :func:`bind_layers`; ``pools`` is
+    then None). Returns ``(summed, delta)`` whose sum plus the last layer's down bias is
+    the last layer's output. Every layer has the first one's heads, intermediate size and
+    epsilon (one model's layers); only where the kernels run, without autograd."""
+    if not isinstance(layers, BoundLayers):
+        assert pools is not None, "pools for unbound layers"
+        layers = bind_layers(layers, pools)
+    first, lists = layers.layers[0], layers.columns
     summed, out = _C_OPS._run_custom_op(
         "spectrio_decoder_layers",
         x, _absent(), _absent(), lists[0], lists[1], lists[2], lists[3],
-        [p[0] for p in pools], [p[1] for p in pools], *lists[4:],
+        layers.k_list, layers.v_list, *lists[4:],
         rope[0], rope[1], *rows, *first.heads, int(block_size), int(first.intermediate),
-        float(first.eps), configured_threads() or 1,
-        [int(t) for layer in layers for t in layer.types],
+        float(first.eps), configured_threads() or 1, layers.types,
     )  # fmt: skip
     return summed, out

@@ -2,9 +2,11 @@
 // spectrio/models/ops/native_ops.py, which compiles this file once per machine and falls back
 // to plain Paddle ops wherever it cannot.
 //
-// * spectrio_add_rms_norm: (rmsnorm(x + delta) * weight, x + delta) in one op. In Python
-//   a residual add and an RMSNorm are six Paddle ops, each dispatched for a few
-//   microseconds of work at decode sizes; a forward runs two per layer.
+// * spectrio_add_rms_norm: (rmsnorm(x + delta) * weight, x + delta) in one op, or with an
+//   empty delta (rmsnorm(x) * weight, x). In Python a residual add and an RMSNorm are six
+//   Paddle ops, each dispatched for a few microseconds of work at decode sizes, and more
+//   after a forward's weights have streamed through the caches; a forward runs one after
+//   its layers, a draft substep three.
 // * spectrio_panel_matmul: out = x @ w for a [K, N] weight packed into 16-column panels
 //   ([ceil(N / 16), K, 16], each panel contiguous; pack_panels in models/ops/serving_matrix.py).
 //   MKL's SGEMM leaves its GEMV path at two rows, and the layers' projections then cost
@@ -53,23 +55,24 @@ std::vector<paddle::Tensor> AddRmsNorm(const paddle::Tensor& x, const paddle::Te
   check_f32_cpu(delta, "add_rms_norm delta");
   check_f32_cpu(weight, "add_rms_norm weight");
   const int64_t d = x.shape().back();
-  PD_CHECK(delta.shape() == x.shape(), "add_rms_norm: x and delta differ in shape");
+  const bool no_delta = delta.numel() == 0;  // norm alone: "summed" is x
+  PD_CHECK(no_delta || delta.shape() == x.shape(), "add_rms_norm: x and delta differ in shape");
   PD_CHECK(weight.numel() == d, "add_rms_norm: weight is [d]");
   const int64_t rows = d == 0 ? 0 : x.numel() / d;
   auto normed = paddle::empty(x.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
   auto summed = paddle::empty(x.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
   const float* xp = x.data<float>();
-  const float* dp = delta.data<float>();
+  const float* dp = no_delta ? nullptr : delta.data<float>();
   const float* wp = weight.data<float>();
   float* np_ = normed.data<float>();
   float* sp = summed.data<float>();
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = xp + r * d;
-    const float* dr = dp + r * d;
+    const float* dr = no_delta ? nullptr : dp + r * d;
     float* sr = sp + r * d;
     float sq = 0.0f;
     for (int64_t i = 0; i < d; ++i) {
-      const float s = xr[i] + dr[i];
+      const float s = no_delta ? xr[i] : xr[i] + dr[i];
       sr[i] = s;
       sq += s * s;
     }

@@ -334,9 +334,12 @@ class MTPProposer:
             logits, vocab_ids = out.logits, out.vocab_ids
             substep = 0
             while active:
-                best = paddle.argmax(logits, axis=-1).numpy()
+                # One copy to the host, then NumPy's argmax (the first of equal maxima,
+                # as Paddle's): a Paddle argmax is one more op a substep.
+                values = logits.numpy()
+                best = values.argmax(axis=-1)
                 tokens = (best if vocab_ids is None else vocab_ids[best]).tolist()
-                ended = self._under_grammar(active, logits, vocab_ids, drafts, tokens)
+                ended = self._under_grammar(active, values, vocab_ids, drafts, tokens)
                 for (w, _), tok in zip(active, tokens, strict=True):
                     if w.slot not in ended:
                         drafts.setdefault(w.slot, []).append(int(tok))
@@ -366,7 +369,7 @@ class MTPProposer:
     def _under_grammar(
         self,
         active: list[tuple[SeqWork, int]],
-        logits: paddle.Tensor,
+        values: np.ndarray,
         vocab_ids: np.ndarray | None,
         drafts: dict[int, list[int]],
         tokens: list[int],
@@ -380,7 +383,6 @@ class MTPProposer:
         rows = [i for i, (w, _) in enumerate(active) if w.params.constraint is not None]
         if not rows:
             return ended
-        values = logits.numpy()
         masks = self.grammar.allowed_after(
             [(active[i][0], drafts.get(active[i][0].slot, [])) for i in rows]
         )
