@@ -259,3 +259,36 @@ def test_float16_storage_is_widened_to_the_model_dtype(tmp_path: Path, dtype: st
 def test_unknown_storage_dtype_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="storage dtype"):
         save_checkpoint(tiny_model(), tmp_path, dtype="int8")
+
+
+def test_ml_dtypes_is_imported_for_the_first_bfloat16_tensor_only(tmp_path: Path) -> None:
+    """Importing ``ml_dtypes`` costs about a second of start-up: loading a model without
+    a bfloat16 tensor never imports it, and the first bfloat16 tensor read does (its
+    values widened exactly)."""
+    import subprocess
+    import sys
+
+    import ml_dtypes
+
+    values = np.array([[1.5, -2.25], [3.0, 0.0078125]], dtype=np.float32)
+    path = tmp_path / "bf16.safetensors"
+    save_file({"w": values.astype(ml_dtypes.bfloat16)}, str(path))
+    code = (
+        "import sys\n"
+        "import numpy as np\n"
+        "from safetensors import safe_open\n"
+        "from spectrio.models import load\n"
+        "from spectrio.models.loading.checkpoint import read_float_slice\n"
+        "load('bundled', serving=True)\n"
+        "assert 'ml_dtypes' not in sys.modules, 'imported at load'\n"
+        f"with safe_open({str(path)!r}, framework='numpy') as f:\n"
+        "    got = read_float_slice(f.get_slice('w'), None, 0, 0)\n"
+        "assert got.dtype == np.float32, got.dtype\n"
+        "assert 'ml_dtypes' in sys.modules\n"
+        "print(got.tolist())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == str(values.tolist())

@@ -21,7 +21,6 @@ import stat
 from pathlib import Path
 from typing import Any, Protocol
 
-import ml_dtypes  # noqa: F401  # registers numpy's "bfloat16", which safetensors reads
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
@@ -36,6 +35,7 @@ __all__ = [
     "TensorSource",
     "fill_parameters",
     "hf_name",
+    "read_float_slice",
     "interleaved_to_half",
     "is_linear",
     "save_safetensors",
@@ -48,6 +48,20 @@ HEAD_FILE = "mtp.safetensors"
 (:mod:`spectrio.models.loading.mtp_head` reads it)."""
 
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def read_float_slice(sl: Any, axis: int | None, lo: int, hi: int) -> np.ndarray:
+    """A safetensors slice ``sl`` read whole (``axis`` None) or rows / columns ``lo:hi``
+    of axis 0 / 1, bfloat16 widened to float32 (exactly: bfloat16 is float32's top half).
+
+    NumPy reads bfloat16 only once ``ml_dtypes`` has registered the type, and importing
+    ``ml_dtypes`` costs about a second of start-up, most of a GGUF file's first token;
+    it is imported here, for the first bfloat16 tensor, never at start-up."""
+    bf16 = sl.get_dtype() == "BF16"
+    if bf16:
+        import ml_dtypes  # noqa: F401  # registers numpy's "bfloat16"
+    arr = sl[:] if axis is None else (sl[lo:hi] if axis == 0 else sl[:, lo:hi])
+    return np.asarray(arr.astype(np.float32) if bf16 else arr)
 
 
 def save_safetensors(
@@ -196,11 +210,9 @@ class SafetensorsSource:
         if dtype not in _FLOAT_DTYPES:
             raise CheckpointError(f"{self.where}: tensor {name!r} has non-float dtype {dtype}")
         try:
-            arr = sl[:] if axis is None else (sl[lo:hi] if axis == 0 else sl[:, lo:hi])
+            arr = read_float_slice(sl, axis, lo, hi)
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"{self.where}: cannot read tensor {name!r} ({exc})") from exc
-        if dtype == "BF16":
-            arr = arr.astype(np.float32)  # exact: bfloat16 is float32's top half
         if self._cfg.rope_interleaved and is_qk_rows(name):
             arr = interleaved_to_half(arr, self._cfg.head_dim)
         return np.asarray(arr)

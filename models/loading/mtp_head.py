@@ -31,7 +31,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from spectrio.errors import CheckpointError
-from spectrio.models.loading.checkpoint import HEAD_FILE, TensorSource
+from spectrio.models.loading.checkpoint import HEAD_FILE, TensorSource, read_float_slice
 
 if TYPE_CHECKING:
     from spectrio.models.architecture.config import ModelConfig
@@ -167,9 +167,7 @@ class HeadSource:
         return list(self._handle.get_slice(name).get_shape())  # type: ignore[attr-defined]
 
     def read(self, name: str, axis: int | None = None, lo: int = 0, hi: int = 0) -> np.ndarray:
-        sl = self._handle.get_slice(name)  # type: ignore[attr-defined]
-        arr = sl[:] if axis is None else (sl[lo:hi] if axis == 0 else sl[:, lo:hi])
-        return np.asarray(arr)
+        return read_float_slice(self._handle.get_slice(name), axis, lo, hi)  # type: ignore[attr-defined]
 
 
 class WithHead:

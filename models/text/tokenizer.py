@@ -11,6 +11,7 @@ from typing import Final
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+from tokenizers.models import BPE
 from tokenizers.pre_tokenizers import ByteLevel
 
 __all__ = ["IncrementalDetokenizer", "TextTokenizer", "max_token_bytes", "utf8_len"]
@@ -36,17 +37,22 @@ def max_token_bytes(tokenizer: Tokenizer) -> int | None:
     pre-tokenizer that drops text, or fused unknown tokens could make any length of text
     one token). With a bound L, text of N UTF-8 bytes has at least ceil(N / L) tokens,
     and text made of the longest entry repeated reaches it, so the bound is exact."""
-    spec = json.loads(tokenizer.to_str())
-    model = spec.get("model") or {}
-    if spec.get("normalizer") is not None or not _keeps_every_byte(spec.get("pre_tokenizer")):
+    # Read through the tokenizer's objects, not its JSON: this runs on a runtime's first
+    # request, and parsing the whole file (a vocabulary and its merges) cost more than
+    # the rest of the check.
+    model = tokenizer.model
+    if tokenizer.normalizer is not None:
         return None
-    if model.get("type") != "BPE" or (model.get("unk_token") is not None and model.get("fuse_unk")):
+    pre = tokenizer.pre_tokenizer
+    if not _keeps_every_byte(None if pre is None else json.loads(pre.__getstate__())):
         return None
-    byte_chars = set(ByteLevel.alphabet())
-    added = {t["content"] for t in spec.get("added_tokens", [])}
+    if not isinstance(model, BPE) or (model.unk_token is not None and model.fuse_unk):
+        return None
+    byte_level = dict.fromkeys(map(ord, ByteLevel.alphabet()))  # str.translate deletes them
+    added = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
     longest = 4  # an unknown character (one UTF-8 character) as one token
     for token in tokenizer.get_vocab(with_added_tokens=True):
-        if token not in added and all(c in byte_chars for c in token):
+        if token not in added and not token.translate(byte_level):
             size = len(token)  # byte-level alphabet: one character per byte
         else:
             size = len(token.encode("utf-8"))  # raw text (or an over-estimate)
