@@ -47,7 +47,7 @@ def test_second_load_reads_the_folder_and_gives_the_same_model(
     direct_params = {n: p.numpy() for n, p in direct.model.named_parameters()}
     monkeypatch.setenv("SPECTRIO_GGUF_CACHE", str(cache_root))
     first = load(path)  # converts
-    [folder] = [p for p in cache_root.iterdir() if not p.name.startswith(".")]
+    [folder] = [p for p in cache_root.iterdir() if p.is_dir() and not p.name.startswith(".")]
     assert (folder / "config.json").is_file() and (folder / "SOURCE").read_text().strip()
     # config and tokenizer alone come from the file's header, which opens fast
     assert model_config(path) == direct.config
@@ -73,7 +73,7 @@ def test_a_rewritten_file_is_converted_again(tmp_path: Path, cache_root: Path) -
     write_gguf(tmp_path / "q8.gguf", qtype=Q.Q8_0)
     (tmp_path / "q8.gguf").replace(path)  # other bytes under the same name
     after = _params(path)
-    assert len([p for p in cache_root.iterdir() if not p.name.startswith(".")]) == 2
+    assert len([p for p in cache_root.iterdir() if p.is_dir() and not p.name.startswith(".")]) == 2
     name = "model.layers.0.mlp.gate_proj.weight"
     assert not np.array_equal(before[name], after[name])  # the new file's values, not stale
 
@@ -120,4 +120,40 @@ def test_losing_a_race_keeps_the_winners_folder(
     monkeypatch.setattr(convert, "convert_gguf", convert_while_another_wins)
     folder = cached_folder(path)
     assert winner and folder == winner[0]
-    assert sorted(p.name for p in cache_root.iterdir()) == [folder.name]
+    assert sorted(p.name for p in cache_root.iterdir() if p.is_dir()) == [folder.name]
+
+
+def test_the_tokenizer_is_built_once_and_again_for_a_rewritten_file(
+    tmp_path: Path, cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A served file's tokenizer is built from the header's tokens and merges once, then
+    read from the cache: the same tokenizer, never stale for a rewritten file, and built
+    every time with the cache off."""
+    from spectrio.models.loading import gguf_vocab
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path)
+    built: list[Path] = []
+    original = gguf_vocab.tokenizer_json
+
+    def counting(field: object, where: Path) -> str | None:
+        built.append(where)
+        return original(field, where)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gguf_vocab, "tokenizer_json", counting)
+    first = load_tokenizer(path)
+    again = load_tokenizer(path)
+    assert len(built) == 1
+    assert first is not None and again is not None
+    assert again.raw.to_str() == first.raw.to_str()
+    [kept] = cache_root.glob("*.tokenizer.json")
+    assert kept.read_text(encoding="utf-8") and not list(cache_root.glob(".*"))
+    write_gguf(tmp_path / "q8.gguf", qtype=Q.Q8_0)
+    (tmp_path / "q8.gguf").replace(path)  # other bytes under the same name: built anew
+    third = load_tokenizer(path)
+    assert len(built) == 2 and third is not None
+    assert len(list(cache_root.glob("*.tokenizer.json"))) == 2
+    monkeypatch.setenv("SPECTRIO_GGUF_CACHE", "0")
+    load_tokenizer(path)
+    load_tokenizer(path)
+    assert len(built) == 4

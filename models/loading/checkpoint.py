@@ -35,9 +35,9 @@ __all__ = [
     "TensorSource",
     "fill_parameters",
     "hf_name",
-    "read_float_slice",
     "interleaved_to_half",
     "is_linear",
+    "read_float_slice",
     "save_safetensors",
     "split_axis",
 ]

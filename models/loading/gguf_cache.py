@@ -29,15 +29,19 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import os
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
 
 from spectrio.cache_dir import cache_subfolder, publish_folder
+from spectrio.models.loading import gguf_vocab
 
 log = structlog.get_logger("spectrio.models.loading.gguf_cache")
 
-__all__ = ["CACHE_ENV", "FORMAT", "cached_folder", "gguf_cache_root"]
+__all__ = ["CACHE_ENV", "FORMAT", "cached_folder", "cached_tokenizer_json", "gguf_cache_root"]
 
 CACHE_ENV = "SPECTRIO_GGUF_CACHE"
 FORMAT = 1
@@ -85,3 +89,36 @@ def cached_folder(path: Path) -> Path | None:
         )
         return None
     return folder
+
+
+def cached_tokenizer_json(path: Path, build: Callable[[], str | None]) -> str | None:
+    """The ``tokenizers`` JSON that ``build`` makes of the GGUF file ``path``'s vocabulary,
+    kept in ``<cache>/gguf/<key>.tokenizer.json``: rebuilding it from the header's tokens
+    and merges is a third of a second of every load, a served file's first token
+    included. The key is :func:`_key`'s (the file's path, size and modification time)
+    and the source of :mod:`spectrio.models.loading.gguf_vocab`, which builds it, so a
+    rewritten file or a changed builder is never served a stale tokenizer. A file
+    without a vocabulary (None) is not kept; a cache that cannot be written is skipped
+    with a warning, never an error. The file is written whole under a temporary name and
+    renamed into place, so a reader finds it complete or not at all."""
+    root = gguf_cache_root()
+    if root is None:
+        return build()
+    builder = hashlib.sha256(Path(gguf_vocab.__file__).read_bytes()).hexdigest()[:12]
+    kept = root / f"{_key(path)}-{builder}.tokenizer.json"
+    try:
+        return kept.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        pass
+    raw = build()
+    if raw is None:
+        return None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{kept.name}.")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(raw)
+        os.replace(tmp, kept)
+    except OSError as exc:
+        log.warning("could not keep the GGUF file's tokenizer", src=str(path), error=str(exc))
+    return raw

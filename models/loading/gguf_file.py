@@ -46,6 +46,7 @@ from spectrio.errors import CheckpointError, ModelConfigError
 from spectrio.models.architecture.config import ModelConfig, RopeScaling
 from spectrio.models.loading import gguf_vocab
 from spectrio.models.loading.checkpoint import interleaved_to_half, is_qk_rows
+from spectrio.models.loading.gguf_cache import cached_tokenizer_json
 from spectrio.models.loading.gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo
 
 __all__ = ["GGUFFile", "GGUF_MAGIC", "is_gguf", "llama3_scaling"]
@@ -431,8 +432,11 @@ class GGUFFile:
 
     def tokenizer_json(self) -> str | None:
         """The vocabulary as a ``tokenizers`` JSON document, or None when the file has
-        none. Refuses a vocabulary it cannot rebuild exactly (:mod:`.gguf_vocab`)."""
-        return gguf_vocab.tokenizer_json(self._field, self.path)
+        none. Refuses a vocabulary it cannot rebuild exactly (:mod:`.gguf_vocab`). Kept
+        in the cache folder once built (:func:`.gguf_cache.cached_tokenizer_json`)."""
+        return cached_tokenizer_json(
+            self.path, lambda: gguf_vocab.tokenizer_json(self._field, self.path)
+        )
 
     def tokenizer_config(self) -> dict[str, Any]:
         """``tokenizer_config.json`` content: the chat template and the special tokens."""
